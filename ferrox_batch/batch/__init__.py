@@ -1,0 +1,1 @@
+"""The continuous batcher: handle, worker, and the admission arithmetic it runs on."""

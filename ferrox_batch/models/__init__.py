@@ -1,0 +1,1 @@
+"""Everything that touches a device: model config, paged KV store, decoder, tokenizer, loading and fetching."""

@@ -1,0 +1,216 @@
+"""The Llama-family decoder: one varlen forward over a paged KV store.
+
+`Decoder.forward(chunks, store)` is the only call the scheduler makes: a batch
+that mixes prefill chunks of several sequences with single-token decodes of
+others, returning the last-position logits of each sequence (float32, in the
+order given). Every projection runs once over the flat batch; attention runs
+once for the decode group and once for the prefill group per layer (see
+`batch_inputs`). GQA is computed without expanding K/V: the query heads that
+share a KV head are folded into the query-length axis of
+`scaled_dot_product_attention`.
+
+Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
+matmuls. The decoder is stateless between calls; all per-sequence state is in
+the store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ferrox_batch.models.batch_inputs import AttnGroup, SeqChunk, build_inputs
+from ferrox_batch.models.config import ModelConfig
+from ferrox_batch.models.errors import ModelLoadError
+from ferrox_batch.models.paged_kv import PagedKvStore
+from ferrox_batch.models.rope import apply_rope, rope_tables
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class Decoder:
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        take = _Taker(weights, self.device, dtype)
+        self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        if config.tie_word_embeddings and "lm_head.weight" not in weights:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
+        self.final_norm = take("model.norm.weight", (config.hidden_size,))
+        self.layers = [self._layer(take, i) for i in range(config.num_layers)]
+        unused = set(weights) - take.used - {"lm_head.weight"}
+        unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
+        if unused:
+            raise ModelLoadError(f"checkpoint has tensors this architecture does not use: {sorted(unused)[:5]}")
+        self.cos, self.sin = rope_tables(config, self.device, dtype)
+
+    def _layer(self, take: "_Taker", i: int) -> LayerWeights:
+        c = self.config
+        p = f"model.layers.{i}."
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = torch.cat([
+            take(p + "self_attn.q_proj.weight", (q_out, c.hidden_size)),
+            take(p + "self_attn.k_proj.weight", (kv_out, c.hidden_size)),
+            take(p + "self_attn.v_proj.weight", (kv_out, c.hidden_size)),
+        ])
+        bias = None
+        if c.attention_bias:
+            bias = torch.cat([
+                take(p + "self_attn.q_proj.bias", (q_out,)),
+                take(p + "self_attn.k_proj.bias", (kv_out,)),
+                take(p + "self_attn.v_proj.bias", (kv_out,)),
+            ])
+        return LayerWeights(
+            input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
+            qkv=qkv,
+            qkv_bias=bias,
+            o=take(p + "self_attn.o_proj.weight", (c.hidden_size, q_out)),
+            post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
+            gate_up=torch.cat([
+                take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+                take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
+            ]),
+            down=take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def new_store(
+        self, block_size: int, *, num_blocks: int | None = None, memory_bytes: int | None = None
+    ) -> PagedKvStore:
+        """A paged KV store for this model, sized by a block count or a memory budget (exactly one)."""
+        if (num_blocks is None) == (memory_bytes is None):
+            raise ValueError("give exactly one of num_blocks and memory_bytes")
+        if num_blocks is not None:
+            return PagedKvStore(self.config, num_blocks, block_size, device=self.device, dtype=self.dtype)
+        return PagedKvStore.from_memory_budget(
+            self.config, int(memory_bytes), block_size, device=self.device, dtype=self.dtype
+        )
+
+    @torch.inference_mode()
+    def forward(self, chunks: Sequence[SeqChunk], store: PagedKvStore) -> torch.Tensor:
+        """Append each chunk to its sequence's KV and return `[len(chunks), vocab]` float32 logits."""
+        c = self.config
+        if store.dtype != self.dtype or store.device != self.device:
+            raise ValueError(
+                f"store is {store.dtype} on {store.device} but the decoder runs {self.dtype} on {self.device}"
+            )
+        inputs = build_inputs(chunks, store, c.vocab_size, c.sliding_window, c.group_size)
+        n_tok = inputs.tokens.numel()
+        last = int(inputs.positions.max())
+        if last >= c.max_position_embeddings:
+            raise ValueError(
+                f"position {last} is past this model's {c.max_position_embeddings} trained positions"
+            )
+        cos = self.cos[inputs.positions][:, None, :]
+        sin = self.sin[inputs.positions][:, None, :]
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+
+        h = F.embedding(inputs.tokens, self.embed)
+        for index, layer in enumerate(self.layers):
+            x = _rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
+            q = apply_rope(q.view(n_tok, c.num_heads, c.head_dim), cos, sin)
+            k = apply_rope(k.view(n_tok, c.num_kv_heads, c.head_dim), cos, sin)
+            k_pool, v_pool = store.k[index], store.v[index]
+            k_pool.index_copy_(0, inputs.slots, k)
+            v_pool.index_copy_(0, inputs.slots, v.view(n_tok, c.num_kv_heads, c.head_dim))
+            parts = []
+            n_dec = 0
+            if inputs.decode is not None:
+                n_dec = inputs.decode.count
+                parts.append(self._attend_decode(q[:n_dec], k_pool, v_pool, inputs.decode))
+            if inputs.prefill is not None:
+                parts.append(self._attend_prefill(q[n_dec:], k_pool, v_pool, inputs.prefill))
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            h = h + F.linear(attn, layer.o)
+            x = _rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer.down)
+
+        h = _rms_norm(h[inputs.last_rows], self.final_norm, c.rms_norm_eps)
+        logits = F.linear(h, self.lm_head).float()
+        for seq_id, length in inputs.new_lengths:
+            store.seq(seq_id).length = length
+        return logits
+
+    def _attend_decode(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttnGroup
+    ) -> torch.Tensor:
+        c = self.config
+        n = group.count
+        qd = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
+        kd = k_pool[group.ctx_slots].transpose(1, 2)  # [n, kv, L, hd]
+        vd = v_pool[group.ctx_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
+        return out.reshape(n, c.num_heads * c.head_dim)
+
+    def _attend_prefill(
+        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttnGroup
+    ) -> torch.Tensor:
+        c = self.config
+        n, q_len = group.count, group.q_len
+        if group.pad_index is not None:
+            q = q[group.pad_index]
+        # [n, Q, kv, g, hd] -> [n, kv, Q*g, hd]: query heads sharing a KV head fold into the length axis.
+        qp = q.reshape(n, q_len, c.num_kv_heads, c.group_size, c.head_dim)
+        qp = qp.permute(0, 2, 1, 3, 4).reshape(n, c.num_kv_heads, q_len * c.group_size, c.head_dim)
+        kp = k_pool[group.ctx_slots].transpose(1, 2)
+        vp = v_pool[group.ctx_slots].transpose(1, 2)
+        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=group.mask)
+        out = out.reshape(n, c.num_kv_heads, q_len, c.group_size, c.head_dim).permute(0, 2, 1, 3, 4)
+        out = out.reshape(n * q_len, c.num_heads * c.head_dim)
+        if group.unpad_index is not None:
+            out = out[group.unpad_index]
+        return out
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Accumulate in float32 as the reference does; cast back before the weight.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class _Taker:
+    """Takes named tensors out of a checkpoint, checking shapes and recording what was used."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+        self.used: set[str] = set()
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        tensor = self.weights.get(name)
+        if tensor is None:
+            raise ModelLoadError(f"checkpoint is missing the tensor {name!r}")
+        if tuple(tensor.shape) != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        self.used.add(name)
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()

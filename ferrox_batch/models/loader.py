@@ -1,0 +1,115 @@
+"""Loading a checkpoint: a Hugging Face-style folder or a `.gguf` file, into a `Decoder` and a `Tokenizer`.
+
+A folder needs `config.json`, `tokenizer.json` and its weights as
+`model.safetensors` or shards listed in `model.safetensors.index.json`. A
+`.gguf` file is dequantized in memory through the same conversion `fetch`
+uses. Every failure is a `ModelLoadError` that names the file and what is
+wrong with it; an unsupported architecture is refused before any weight is
+read.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from ferrox_batch.models.config import ModelConfig
+from ferrox_batch.models.decoder import Decoder
+from ferrox_batch.models.device import choose_device, choose_dtype
+from ferrox_batch.models.errors import ModelLoadError
+from ferrox_batch.models.kv import KvElem, KvShape
+from ferrox_batch.models.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    config: ModelConfig
+    decoder: Decoder
+    tokenizer: Tokenizer
+    source: Path
+
+    def kv_shape(self) -> KvShape:
+        """KV bytes per position for the dtype the store will hold (the ceiling prices with it)."""
+        elem = KvElem.F32 if self.decoder.dtype == torch.float32 else KvElem.F16
+        return KvShape.from_config(self.config, elem)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: str | torch.device | None = "auto",
+    dtype: str | torch.dtype | None = "auto",
+) -> LoadedModel:
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"no model at {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, device, dtype)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+    config = ModelConfig.from_file(path / "config.json")
+    tokenizer = Tokenizer.from_dir(path)
+    weights = _read_safetensors(path)
+    return _build(config, weights, tokenizer, path, device, dtype)
+
+
+def _build(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    source: Path,
+    device: str | torch.device | None,
+    dtype: str | torch.dtype | None,
+) -> LoadedModel:
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is {config.vocab_size}"
+        )
+    chosen_device = choose_device(device)
+    chosen_dtype = choose_dtype(dtype, chosen_device, config)
+    decoder = Decoder(config, weights, device=chosen_device, dtype=chosen_dtype)
+    return LoadedModel(config, decoder, tokenizer, source)
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as bad:
+            raise ModelLoadError(f"{index} is malformed: {bad}") from None
+        files = [folder / name for name in shard_names]
+    else:
+        files = [folder / "model.safetensors"]
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise ModelLoadError(f"missing weights file {file}")
+        try:
+            weights.update(load_file(str(file)))
+        except (SafetensorError, OSError, ValueError) as bad:
+            raise ModelLoadError(f"{file} is not a readable safetensors file: {bad}") from None
+    return weights
+
+
+def _load_gguf(
+    path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None
+) -> LoadedModel:
+    from ferrox_batch.models.gguf_convert import read_gguf
+
+    ckpt = read_gguf(path)
+    config = ModelConfig.from_dict(ckpt.config)
+    tokenizer = Tokenizer.from_parts(
+        ckpt.tokenizer_json,
+        tokenizer_config=ckpt.tokenizer_config,
+        generation_config=ckpt.generation_config,
+        model_config=ckpt.config,
+        source=str(path),
+    )
+    weights = {name: torch.from_numpy(array) for name, array in ckpt.tensors.items()}
+    return _build(config, weights, tokenizer, path, device, dtype)

@@ -1,0 +1,185 @@
+"""The paged KV store: per-layer pools of fixed-size blocks, a block allocator and per-sequence block tables.
+
+Why paged: the scheduler's `BlockBudget` prices every request in blocks of
+`block_size` positions. The store hands out exactly that many blocks when a
+sequence is admitted (`add_sequence`) and takes them back when it is freed,
+so the ledger and the memory it stands for can never disagree: the ledger's
+arithmetic (`blocks_for`) is the store's arithmetic.
+
+Layout: one K pool and one V pool, each `[num_layers, num_blocks * block_size,
+num_kv_heads, head_dim]`. Position `p` of a sequence lives in slot
+`table[p // block_size] * block_size + p % block_size`. The decoder writes new
+keys/values with one `index_copy_` per layer and gathers a sequence's context
+with one index per layer; no per-sequence Python work happens inside a layer.
+
+The store is not thread-safe: only the worker thread (or a single test
+thread) drives it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable
+
+import torch
+
+from ferrox_batch.generate import KvPoolExhausted
+from ferrox_batch.models.config import ModelConfig
+
+
+class BlockPoolExhausted(KvPoolExhausted):
+    """The store has fewer free blocks than a sequence needs (a 503-like, retryable refusal)."""
+
+    _fields = ("requested", "free")
+
+    def __init__(self, requested: int, free: int) -> None:
+        super().__init__()
+        self.requested = requested
+        self.free = free
+
+    def __str__(self) -> str:  # keep the upstream wording, then the numbers
+        return f"{super().__str__()} (needed {self.requested} blocks, {self.free} free)"
+
+
+class BlockAllocator:
+    """Hands out block ids from a free list; never the same block twice until it is returned."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free: deque[int] = deque(range(num_blocks))
+        self._used: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise ValueError(f"block count must be a non-negative integer, got {count!r}")
+        if count > len(self._free):
+            raise BlockPoolExhausted(count, len(self._free))
+        blocks = [self._free.popleft() for _ in range(count)]
+        self._used.update(blocks)
+        return blocks
+
+    def release(self, blocks: Iterable[int]) -> None:
+        blocks = list(blocks)
+        for block in blocks:
+            if block not in self._used:
+                raise ValueError(f"block {block} is not allocated (double free or foreign block)")
+        for block in blocks:
+            self._used.remove(block)
+            self._free.append(block)
+
+
+@dataclass(slots=True)
+class SeqKv:
+    """One sequence's block table and how many positions it has written."""
+
+    blocks: list[int]
+    capacity: int
+    length: int = 0
+    table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+
+
+def blocks_for(positions: int, block_size: int) -> int:
+    """The ledger's arithmetic: `max(1, ceil(positions / block_size))`."""
+    return max(1, -(-positions // block_size))
+
+
+class PagedKvStore:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.config = config
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.device = torch.device(device)
+        self.dtype = dtype
+        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.k = torch.zeros(shape, device=self.device, dtype=dtype)
+        self.v = torch.zeros(shape, device=self.device, dtype=dtype)
+        self._seqs: dict[Hashable, SeqKv] = {}
+
+    @classmethod
+    def bytes_per_block(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+
+    @classmethod
+    def from_memory_budget(
+        cls,
+        config: ModelConfig,
+        memory_bytes: int,
+        block_size: int,
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> "PagedKvStore":
+        """As many whole blocks as fit in `memory_bytes` (at least one, else a clear error)."""
+        per_block = cls.bytes_per_block(config, block_size, dtype)
+        num_blocks = memory_bytes // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"a KV memory budget of {memory_bytes} bytes holds no block of {block_size} "
+                f"positions ({per_block} bytes each)"
+            )
+        return cls(config, int(num_blocks), block_size, device=device, dtype=dtype)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    def blocks_for(self, positions: int) -> int:
+        return blocks_for(positions, self.block_size)
+
+    def add_sequence(self, seq_id: Hashable, max_positions: int) -> list[int]:
+        """Lease `blocks_for(max_positions)` blocks to a new sequence; raises `BlockPoolExhausted`."""
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
+        if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 0:
+            raise ValueError(f"max_positions must be a non-negative integer, got {max_positions!r}")
+        blocks = self.allocator.allocate(self.blocks_for(max_positions))
+        table = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        self._seqs[seq_id] = SeqKv(blocks, len(blocks) * self.block_size, 0, table)
+        return list(blocks)
+
+    def free_sequence(self, seq_id: Hashable) -> None:
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            raise KeyError(f"sequence {seq_id!r} holds no KV blocks")
+        self.allocator.release(seq.blocks)
+
+    def has_sequence(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def seq(self, seq_id: Hashable) -> SeqKv:
+        try:
+            return self._seqs[seq_id]
+        except KeyError:
+            raise KeyError(f"sequence {seq_id!r} holds no KV blocks") from None
+
+    def seq_len(self, seq_id: Hashable) -> int:
+        """Positions written: the only source of truth for a sequence's next position."""
+        return self.seq(seq_id).length
+
+    def seq_ids(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def blocks_held(self) -> int:
+        return sum(len(s.blocks) for s in self._seqs.values())

@@ -1,0 +1,1 @@
+"""Per-row text policies: stop matching, UTF-8 streaming, sliding-window arithmetic."""

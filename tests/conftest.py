@@ -1,0 +1,62 @@
+"""Shared fixtures: tiny random checkpoints (session-scoped, written once) and the real default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Nothing may reach a model hub from the tests; transformers is a local reference only.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_variant_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One checkpoint per supported variation of the family."""
+    llama3 = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
+    return {
+        "llama": write_tiny_checkpoint(tmp_path_factory.mktemp("llama"), seed=1),
+        "llama-untied-llama3-rope": write_tiny_checkpoint(
+            tmp_path_factory.mktemp("llama3"), seed=2, tie=False, rope_scaling=llama3
+        ),
+        "qwen2": write_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), arch="qwen2", seed=3),
+        "mistral-window": write_tiny_checkpoint(
+            tmp_path_factory.mktemp("mistral"), arch="mistral", seed=4, sliding_window=7
+        ),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_llama_dir: Path):
+    from ferrox_batch.models.loader import load_model
+
+    return load_model(tiny_llama_dir, device="cpu", dtype="float32")
+
+
+def default_model_dir() -> Path:
+    home = Path(os.environ.get("FERROX_HOME") or Path.home() / ".cache" / "ferrox-batch")
+    return home / "models" / "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def real_model_dir() -> Path:
+    from ferrox_batch.models.fetch import fetch_default_model
+
+    home = default_model_dir().parent.parent
+    return fetch_default_model(home, progress=False, log=lambda *_: None)

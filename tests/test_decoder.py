@@ -1,0 +1,212 @@
+"""The decoder on tiny random checkpoints: against transformers, and paged/chunked/batched self-consistency."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from ferrox_batch.generate import TokenOutOfVocab
+from ferrox_batch.models.batch_inputs import SeqChunk
+from ferrox_batch.models.loader import load_model
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Caf\u00e9 cr\u00e8me \U0001f680 and \u65e5\u672c\u8a9e",
+    "def forward(self, x): return self.layers(x) + 1\nPaged attention stores keys",
+    "a",
+]
+
+
+def reference(folder):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+
+
+def prefill_logits(model, ids, *, chunk=None, block_size=4, seq="s"):
+    store = model.decoder.new_store(block_size, num_blocks=256)
+    store.add_sequence(seq, len(ids) + 8)
+    chunk = chunk or len(ids)
+    logits = None
+    for start in range(0, len(ids), chunk):
+        logits = model.decoder.forward([SeqChunk(seq, ids[start:start + chunk])], store)
+    return logits[0], store
+
+
+def greedy(model, ids, n, *, block_size=4):
+    store = model.decoder.new_store(block_size, num_blocks=256)
+    store.add_sequence(0, len(ids) + n)
+    logits = model.decoder.forward([SeqChunk(0, ids)], store)
+    out = []
+    for _ in range(n):
+        token = int(logits[0].argmax())
+        out.append(token)
+        logits = model.decoder.forward([SeqChunk(0, [token])], store)
+    return out
+
+
+@pytest.mark.parametrize(
+    "variant", ["llama", "llama-untied-llama3-rope", "qwen2", "mistral-window"]
+)
+def test_last_logits_match_transformers_for_every_supported_variant(tiny_variant_dirs, variant):
+    folder = tiny_variant_dirs[variant]
+    ours = load_model(folder, device="cpu", dtype="float32")
+    ref = reference(folder)
+    for prompt in PROMPTS:
+        ids = ours.tokenizer.encode(prompt)
+        got, _ = prefill_logits(ours, ids)
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0, -1]
+        assert torch.allclose(got, want, atol=1e-3), (variant, prompt, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral-window"])
+def test_a_32_token_greedy_continuation_is_identical_to_transformers(tiny_variant_dirs, variant):
+    folder = tiny_variant_dirs[variant]
+    ours = load_model(folder, device="cpu", dtype="float32")
+    ref = reference(folder)
+    ids = ours.tokenizer.encode(PROMPTS[0])
+    with torch.no_grad():
+        want = ref.generate(
+            torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(ids):].tolist()
+    assert greedy(ours, ids, 32) == want
+
+
+def test_paged_decode_equals_a_full_sequence_forward(tiny_model):
+    ids = tiny_model.tokenizer.encode(PROMPTS[2])
+    full, _ = prefill_logits(tiny_model, ids)
+    # Prefill all but the last token, then decode it one step at a time on a 3-position block size.
+    store = tiny_model.decoder.new_store(3, num_blocks=64)
+    store.add_sequence("x", len(ids))
+    tiny_model.decoder.forward([SeqChunk("x", ids[:5])], store)
+    for token in ids[5:]:
+        step = tiny_model.decoder.forward([SeqChunk("x", [token])], store)
+    assert torch.allclose(step[0], full, atol=1e-4)
+    assert store.seq_len("x") == len(ids)
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 11, 64])
+def test_prefill_chunking_does_not_change_logits(tiny_model, chunk):
+    ids = tiny_model.tokenizer.encode(PROMPTS[2] + " " + PROMPTS[0])
+    one, _ = prefill_logits(tiny_model, ids)
+    chunked, store = prefill_logits(tiny_model, ids, chunk=chunk)
+    assert torch.allclose(chunked, one, atol=1e-3)
+    assert store.seq_len("s") == len(ids)
+
+
+@pytest.mark.parametrize("block_size,seed", [(1, 0), (4, 1), (16, 2), (5, 3)])
+def test_any_schedule_of_mixed_chunks_gives_each_sequence_the_logits_it_gets_alone(
+    tiny_model, block_size, seed
+):
+    """Random schedules: each forward mixes random-length prefill chunks and decodes of random sequences."""
+    import random
+
+    rng = random.Random(seed)
+    streams = [tiny_model.tokenizer.encode(p) for p in PROMPTS]
+    streams = [ids + ids[: rng.randint(1, 6)] for ids in streams]  # the tails play the decoded tokens
+    alone = [prefill_logits(tiny_model, ids, block_size=block_size, seq=i)[0] for i, ids in enumerate(streams)]
+    store = tiny_model.decoder.new_store(block_size, num_blocks=512)
+    for i, ids in enumerate(streams):
+        store.add_sequence(i, len(ids))
+    cursor = [0] * len(streams)
+    final: dict[int, torch.Tensor] = {}
+    while len(final) < len(streams):
+        live = [i for i in range(len(streams)) if cursor[i] < len(streams[i])]
+        batch = []
+        for i in rng.sample(live, rng.randint(1, len(live))):
+            n = rng.choice([1, 1, 2, rng.randint(1, 12)])
+            batch.append(SeqChunk(i, streams[i][cursor[i]:cursor[i] + n]))
+            cursor[i] = min(cursor[i] + n, len(streams[i]))
+        out = tiny_model.decoder.forward(batch, store)
+        for chunk, row in zip(batch, out):
+            if cursor[chunk.seq_id] == len(streams[chunk.seq_id]):
+                final[chunk.seq_id] = row
+    for i in range(len(streams)):
+        assert store.seq_len(i) == len(streams[i])
+        assert torch.allclose(final[i], alone[i], atol=1e-4), (i, (final[i] - alone[i]).abs().max())
+
+
+def test_a_batch_of_different_lengths_matches_each_sequence_alone(tiny_model):
+    enc = [tiny_model.tokenizer.encode(p) for p in PROMPTS]
+    alone = [prefill_logits(tiny_model, ids)[0] for ids in enc]
+    store = tiny_model.decoder.new_store(4, num_blocks=256)
+    for i, ids in enumerate(enc):
+        store.add_sequence(i, len(ids) + 1)
+    together = tiny_model.decoder.forward([SeqChunk(i, ids) for i, ids in enumerate(enc)], store)
+    for i in range(len(enc)):
+        assert torch.allclose(together[i], alone[i], atol=1e-4), i
+    # One decode step for all of them at once equals one decode step alone.
+    nxt = [int(t.argmax()) for t in together]
+    stepped = tiny_model.decoder.forward([SeqChunk(i, [nxt[i]]) for i in range(len(enc))], store)
+    for i, ids in enumerate(enc):
+        ref, _ = prefill_logits(tiny_model, ids + [nxt[i]])
+        assert torch.allclose(stepped[i], ref, atol=1e-4), i
+
+
+def test_decodes_and_prefills_interleave_in_one_forward(tiny_model):
+    a = tiny_model.tokenizer.encode(PROMPTS[0])
+    b = tiny_model.tokenizer.encode(PROMPTS[2])
+    want_a, _ = prefill_logits(tiny_model, a)
+    want_b, _ = prefill_logits(tiny_model, b)
+    store = tiny_model.decoder.new_store(4, num_blocks=128)
+    store.add_sequence("a", len(a))
+    store.add_sequence("b", len(b))
+    tiny_model.decoder.forward([SeqChunk("a", a[:-3])], store)
+    got = {}
+    chunks_of_b = [b[i:i + 5] for i in range(0, len(b), 5)]
+    for step, piece in itertools.zip_longest(range(3), chunks_of_b):
+        batch = [SeqChunk("b", piece)] if piece else []
+        if step is not None:
+            batch.append(SeqChunk("a", [a[len(a) - 3 + step]]))
+        out = tiny_model.decoder.forward(batch, store)
+        for chunk, row in zip(batch, out):
+            got[chunk.seq_id] = row
+    assert torch.allclose(got["a"], want_a, atol=1e-4)
+    assert torch.allclose(got["b"], want_b, atol=1e-4)
+
+
+def test_bf16_runs_and_stays_close_to_fp32(tiny_llama_dir):
+    fp32 = load_model(tiny_llama_dir, device="cpu", dtype="float32")
+    bf16 = load_model(tiny_llama_dir, device="cpu", dtype="bfloat16")
+    ids = fp32.tokenizer.encode(PROMPTS[0])
+    a, _ = prefill_logits(fp32, ids)
+    b, _ = prefill_logits(bf16, ids)
+    assert b.dtype == torch.float32
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.99
+
+
+def test_a_token_outside_the_vocabulary_is_a_typed_error(tiny_model):
+    store = tiny_model.decoder.new_store(4, num_blocks=8)
+    store.add_sequence("s", 8)
+    vocab = tiny_model.config.vocab_size
+    with pytest.raises(TokenOutOfVocab) as err:
+        tiny_model.decoder.forward([SeqChunk("s", [1, vocab + 3, 2])], store)
+    assert err.value.token == vocab + 3 and err.value.vocab_size == vocab
+    with pytest.raises(TokenOutOfVocab):
+        tiny_model.decoder.forward([SeqChunk("s", [-1])], store)
+    assert store.seq_len("s") == 0  # nothing was written
+
+
+def test_an_empty_batch_or_chunk_is_a_clear_error(tiny_model):
+    store = tiny_model.decoder.new_store(4, num_blocks=8)
+    store.add_sequence("s", 8)
+    with pytest.raises(ValueError, match="empty batch"):
+        tiny_model.decoder.forward([], store)
+    with pytest.raises(ValueError, match="empty chunk"):
+        tiny_model.decoder.forward([SeqChunk("s", [])], store)
+    with pytest.raises(ValueError, match="twice"):
+        tiny_model.decoder.forward([SeqChunk("s", [1]), SeqChunk("s", [2])], store)
+    with pytest.raises(KeyError, match="holds no KV"):
+        tiny_model.decoder.forward([SeqChunk("nope", [1])], store)
+
+
+def test_writing_past_a_sequences_lease_is_refused(tiny_model):
+    store = tiny_model.decoder.new_store(4, num_blocks=8)
+    store.add_sequence("s", 3)  # one block: 4 positions
+    tiny_model.decoder.forward([SeqChunk("s", [1, 2, 3, 4])], store)
+    with pytest.raises(ValueError, match="KV lease holds 4"):
+        tiny_model.decoder.forward([SeqChunk("s", [5])], store)

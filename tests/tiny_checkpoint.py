@@ -1,0 +1,140 @@
+"""Tiny random-weight Llama-family checkpoints, written in the Hugging Face folder layout.
+
+Used by the model tests: small enough that a forward is milliseconds, shaped
+like the real thing (GQA, tied or separate embeddings, biases for Qwen2, a
+sliding window for Mistral, llama3 RoPE scaling), with a real byte-level BPE
+tokenizer trained on a few sentences so decode/stop/UTF-8 paths see real
+multi-byte tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Continuous batching keeps every request moving.",
+    "Paged attention stores keys and values in blocks.",
+    "Caf\u00e9 cr\u00e8me br\u00fbl\u00e9e, na\u00efve r\u00e9sum\u00e9, \u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8, emoji \U0001f680\U0001f525.",
+    "def forward(self, x): return self.layers(x) + 1",
+] * 4
+
+
+def build_tokenizer(vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer=trainer)
+    return tok
+
+
+def write_tiny_checkpoint(
+    folder: Path,
+    *,
+    arch: str = "llama",
+    seed: int = 0,
+    vocab_size: int = 384,
+    hidden: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate: int = 128,
+    tie: bool = True,
+    sliding_window: int | None = None,
+    rope_scaling: dict[str, Any] | None = None,
+    max_positions: int = 512,
+    std: float = 0.08,
+) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    tok = build_tokenizer(vocab_size)
+    real_vocab = tok.get_vocab_size()
+    head_dim = hidden // heads
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * std
+
+    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(vocab_size, hidden) * 5}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = 1.0 + rand(hidden)
+        tensors[p + "post_attention_layernorm.weight"] = 1.0 + rand(hidden)
+        tensors[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
+        tensors[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        tensors[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        tensors[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim)
+        if arch == "qwen2":
+            tensors[p + "self_attn.q_proj.bias"] = rand(heads * head_dim)
+            tensors[p + "self_attn.k_proj.bias"] = rand(kv_heads * head_dim)
+            tensors[p + "self_attn.v_proj.bias"] = rand(kv_heads * head_dim)
+        tensors[p + "mlp.gate_proj.weight"] = rand(intermediate, hidden)
+        tensors[p + "mlp.up_proj.weight"] = rand(intermediate, hidden)
+        tensors[p + "mlp.down_proj.weight"] = rand(hidden, intermediate)
+    tensors["model.norm.weight"] = 1.0 + rand(hidden)
+    if not tie:
+        tensors["lm_head.weight"] = rand(vocab_size, hidden) * 5
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
+
+    architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+    eos_id = tok.token_to_id("<|im_end|>")
+    config: dict[str, Any] = {
+        "architectures": [architectures[arch]],
+        "model_type": arch,
+        "vocab_size": vocab_size,
+        "hidden_size": hidden,
+        "intermediate_size": intermediate,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": tie,
+        "bos_token_id": tok.token_to_id("<|im_start|>"),
+        "eos_token_id": eos_id,
+        "torch_dtype": "float32",
+    }
+    if rope_scaling is not None:
+        config["rope_scaling"] = rope_scaling
+    if arch == "mistral":
+        config["sliding_window"] = sliding_window
+    if arch == "qwen2":
+        config["use_sliding_window"] = False
+        config["sliding_window"] = None
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "add_bos_token": False,
+        "chat_template": CHATML_TEMPLATE,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_positions,
+    }, indent=2))
+    (folder / "generation_config.json").write_text(json.dumps({
+        "eos_token_id": [eos_id, tok.token_to_id("<|endoftext|>")],
+    }))
+    assert real_vocab <= vocab_size
+    return folder
