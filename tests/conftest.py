@@ -14,6 +14,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 
+# The model tests run on the CPU by default; scripts/gpu_check.sh sets this to "cuda".
+TEST_DEVICE = os.environ.get("FERROX_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    return TEST_DEVICE
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -46,7 +54,7 @@ def tiny_variant_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
 def tiny_model(tiny_llama_dir: Path):
     from ferrox_batch.models.loader import load_model
 
-    return load_model(tiny_llama_dir, device="cpu", dtype="float32")
+    return load_model(tiny_llama_dir, device=TEST_DEVICE, dtype="float32")
 
 
 def default_model_dir() -> Path:

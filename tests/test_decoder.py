@@ -51,22 +51,23 @@ def greedy(model, ids, n, *, block_size=4):
 @pytest.mark.parametrize(
     "variant", ["llama", "llama-untied-llama3-rope", "qwen2", "mistral-window"]
 )
-def test_last_logits_match_transformers_for_every_supported_variant(tiny_variant_dirs, variant):
+def test_last_logits_match_transformers_for_every_supported_variant(tiny_variant_dirs, variant, device):
     folder = tiny_variant_dirs[variant]
-    ours = load_model(folder, device="cpu", dtype="float32")
+    ours = load_model(folder, device=device, dtype="float32")
     ref = reference(folder)
     for prompt in PROMPTS:
         ids = ours.tokenizer.encode(prompt)
         got, _ = prefill_logits(ours, ids)
         with torch.no_grad():
             want = ref(torch.tensor([ids])).logits[0, -1]
+        got = got.cpu()
         assert torch.allclose(got, want, atol=1e-3), (variant, prompt, (got - want).abs().max())
 
 
 @pytest.mark.parametrize("variant", ["llama", "mistral-window"])
-def test_a_32_token_greedy_continuation_is_identical_to_transformers(tiny_variant_dirs, variant):
+def test_a_32_token_greedy_continuation_is_identical_to_transformers(tiny_variant_dirs, variant, device):
     folder = tiny_variant_dirs[variant]
-    ours = load_model(folder, device="cpu", dtype="float32")
+    ours = load_model(folder, device=device, dtype="float32")
     ref = reference(folder)
     ids = ours.tokenizer.encode(PROMPTS[0])
     with torch.no_grad():
@@ -169,9 +170,9 @@ def test_decodes_and_prefills_interleave_in_one_forward(tiny_model):
     assert torch.allclose(got["b"], want_b, atol=1e-4)
 
 
-def test_bf16_runs_and_stays_close_to_fp32(tiny_llama_dir):
-    fp32 = load_model(tiny_llama_dir, device="cpu", dtype="float32")
-    bf16 = load_model(tiny_llama_dir, device="cpu", dtype="bfloat16")
+def test_bf16_runs_and_stays_close_to_fp32(tiny_llama_dir, device):
+    fp32 = load_model(tiny_llama_dir, device=device, dtype="float32")
+    bf16 = load_model(tiny_llama_dir, device=device, dtype="bfloat16")
     ids = fp32.tokenizer.encode(PROMPTS[0])
     a, _ = prefill_logits(fp32, ids)
     b, _ = prefill_logits(bf16, ids)

@@ -23,7 +23,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-from ferrox_batch.generate import TokenOutOfVocab
+from ferrox_batch.errors import TokenOutOfVocab
 from ferrox_batch.models.paged_kv import PagedKvStore
 
 
@@ -37,7 +37,7 @@ class SeqChunk:
 
 @dataclass(slots=True)
 class AttnGroup:
-    """Context slots `[N, L]` and a boolean mask broadcastable to the group's scores."""
+    """Context slots (flattened `[N * L]`) and a boolean mask broadcastable to the group's scores."""
 
     ctx_slots: torch.Tensor
     mask: torch.Tensor | None
@@ -124,7 +124,7 @@ def build_inputs(
         if sliding_window is not None:
             mask &= keys[None, :] > (d_pos[:, None] - sliding_window)
         all_full = bool(mask.all())
-        decode = AttnGroup(ctx, None if all_full else mask[:, None, None, :], n_decode, 1)
+        decode = AttnGroup(ctx.reshape(-1), None if all_full else mask[:, None, None, :], n_decode, 1)
     if n_decode < len(order):
         p_starts = starts[n_decode:]
         p_lens = lens[n_decode:]
@@ -158,7 +158,7 @@ def build_inputs(
         # query's mask row repeats for the query heads that share a KV head.
         mask = mask[:, None, :, None, :].expand(count, 1, q_len, group_size, width)
         prefill = AttnGroup(
-            ctx, mask.reshape(count, 1, q_len * group_size, width), count, q_len, pad_index, unpad_index
+            ctx.reshape(-1), mask.reshape(count, 1, q_len * group_size, width), count, q_len, pad_index, unpad_index
         )
 
     positions = torch.cat(pos_parts)

@@ -128,25 +128,26 @@ class Decoder:
             )
         cos = self.cos[inputs.positions][:, None, :]
         sin = self.sin[inputs.positions][:, None, :]
-        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        heads, kv_heads = c.num_heads, c.num_kv_heads
+        q_width, kv_width = heads * c.head_dim, kv_heads * c.head_dim
 
         h = F.embedding(inputs.tokens, self.embed)
         for index, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.input_norm, c.rms_norm_eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split((q_width, kv_width, kv_width), dim=-1)
-            q = apply_rope(q.view(n_tok, c.num_heads, c.head_dim), cos, sin)
-            k = apply_rope(k.view(n_tok, c.num_kv_heads, c.head_dim), cos, sin)
-            k_pool, v_pool = store.k[index], store.v[index]
-            k_pool.index_copy_(0, inputs.slots, k)
-            v_pool.index_copy_(0, inputs.slots, v.view(n_tok, c.num_kv_heads, c.head_dim))
+            # RoPE on q and k in one pass: their heads are adjacent in the fused projection.
+            qk = apply_rope(qkv[:, : q_width + kv_width].view(n_tok, heads + kv_heads, c.head_dim), cos, sin)
+            q = qk[:, :heads]
+            v = qkv[:, q_width + kv_width:].view(n_tok, kv_heads, c.head_dim)
+            pool = store.kv[index]
+            pool.index_copy_(0, inputs.slots, torch.stack((qk[:, heads:], v), dim=1))
             parts = []
             n_dec = 0
             if inputs.decode is not None:
                 n_dec = inputs.decode.count
-                parts.append(self._attend_decode(q[:n_dec], k_pool, v_pool, inputs.decode))
+                parts.append(self._attend_decode(q[:n_dec], pool, inputs.decode))
             if inputs.prefill is not None:
-                parts.append(self._attend_prefill(q[n_dec:], k_pool, v_pool, inputs.prefill))
+                parts.append(self._attend_prefill(q[n_dec:], pool, inputs.prefill))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             h = h + F.linear(attn, layer.o)
             x = _rms_norm(h, layer.post_norm, c.rms_norm_eps)
@@ -159,20 +160,21 @@ class Decoder:
             store.seq(seq_id).length = length
         return logits
 
-    def _attend_decode(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttnGroup
-    ) -> torch.Tensor:
+    def _context(self, pool: torch.Tensor, group: AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather a group's K and V, each `[N, kv_heads, L, head_dim]`, with one `index_select`."""
+        c = self.config
+        ctx = pool.index_select(0, group.ctx_slots).view(group.count, -1, 2, c.num_kv_heads, c.head_dim)
+        return ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
+
+    def _attend_decode(self, q: torch.Tensor, pool: torch.Tensor, group: AttnGroup) -> torch.Tensor:
         c = self.config
         n = group.count
+        k, v = self._context(pool, group)
         qd = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
-        kd = k_pool[group.ctx_slots].transpose(1, 2)  # [n, kv, L, hd]
-        vd = v_pool[group.ctx_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask)
+        out = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask)
         return out.reshape(n, c.num_heads * c.head_dim)
 
-    def _attend_prefill(
-        self, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, group: AttnGroup
-    ) -> torch.Tensor:
+    def _attend_prefill(self, q: torch.Tensor, pool: torch.Tensor, group: AttnGroup) -> torch.Tensor:
         c = self.config
         n, q_len = group.count, group.q_len
         if group.pad_index is not None:
@@ -180,9 +182,8 @@ class Decoder:
         # [n, Q, kv, g, hd] -> [n, kv, Q*g, hd]: query heads sharing a KV head fold into the length axis.
         qp = q.reshape(n, q_len, c.num_kv_heads, c.group_size, c.head_dim)
         qp = qp.permute(0, 2, 1, 3, 4).reshape(n, c.num_kv_heads, q_len * c.group_size, c.head_dim)
-        kp = k_pool[group.ctx_slots].transpose(1, 2)
-        vp = v_pool[group.ctx_slots].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=group.mask)
+        k, v = self._context(pool, group)
+        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=group.mask)
         out = out.reshape(n, c.num_kv_heads, q_len, c.group_size, c.head_dim).permute(0, 2, 1, 3, 4)
         out = out.reshape(n * q_len, c.num_heads * c.head_dim)
         if group.unpad_index is not None:

@@ -6,11 +6,13 @@ sequence is admitted (`add_sequence`) and takes them back when it is freed,
 so the ledger and the memory it stands for can never disagree: the ledger's
 arithmetic (`blocks_for`) is the store's arithmetic.
 
-Layout: one K pool and one V pool, each `[num_layers, num_blocks * block_size,
-num_kv_heads, head_dim]`. Position `p` of a sequence lives in slot
-`table[p // block_size] * block_size + p % block_size`. The decoder writes new
-keys/values with one `index_copy_` per layer and gathers a sequence's context
-with one index per layer; no per-sequence Python work happens inside a layer.
+Layout: one pool `[num_layers, num_blocks * block_size, 2, num_kv_heads,
+head_dim]` holding K (`[..., 0, ...]`) and V side by side, so that one
+`index_copy_` writes a layer's new keys and values and one `index_select`
+gathers a batch's whole context (measured: a flat `index_select` is about
+1.5x faster than advanced indexing here, and one gather beats two). Position
+`p` of a sequence lives in slot `table[p // block_size] * block_size + p %
+block_size`. No per-sequence Python work happens inside a layer.
 
 The store is not thread-safe: only the worker thread (or a single test
 thread) drives it.
@@ -24,7 +26,8 @@ from typing import Hashable, Iterable
 
 import torch
 
-from ferrox_batch.generate import KvPoolExhausted
+from ferrox_batch.batch.block_budget import blocks_for
+from ferrox_batch.errors import KvPoolExhausted
 from ferrox_batch.models.config import ModelConfig
 
 
@@ -85,11 +88,6 @@ class SeqKv:
     table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
 
-def blocks_for(positions: int, block_size: int) -> int:
-    """The ledger's arithmetic: `max(1, ceil(positions / block_size))`."""
-    return max(1, -(-positions // block_size))
-
-
 class PagedKvStore:
     def __init__(
         self,
@@ -107,9 +105,8 @@ class PagedKvStore:
         self.allocator = BlockAllocator(num_blocks)
         self.device = torch.device(device)
         self.dtype = dtype
-        shape = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.k = torch.zeros(shape, device=self.device, dtype=dtype)
-        self.v = torch.zeros(shape, device=self.device, dtype=dtype)
+        shape = (config.num_layers, num_blocks * block_size, 2, config.num_kv_heads, config.head_dim)
+        self.kv = torch.zeros(shape, device=self.device, dtype=dtype)
         self._seqs: dict[Hashable, SeqKv] = {}
 
     @classmethod

@@ -1,0 +1,168 @@
+"""`BatcherConfig` and the scheduler's defaults, plus the events a job's reply channel carries.
+
+This is the only module that reads the environment (`BatcherConfig.from_env`,
+`decode_log_interval_from_env`); everything else takes a config value. A
+malformed `FERROX_CB_*` variable stops start-up with
+`"{name} must be a positive integer"` (upstream panics with the same text):
+a typo in an operator's setting must not silently fall back to a default.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Mapping, Union
+
+from ferrox_batch.generate import UNLIMITED, DecodeError, GenerationResult
+
+#: Prompt tokens per prefill chunk when unset (V4: the ceiling of the per-tick prefill budget).
+DEFAULT_PREFILL_CHUNK = 128
+#: Token positions per KV block: the admission quantum.
+DEFAULT_KV_BLOCK_SIZE = 256
+#: Jobs allowed to wait for admission before new ones are refused.
+DEFAULT_MAX_QUEUE = 512
+#: Tokens per tick, prompt + generated (upstream keeps it in `step_budget`, which imports it from here).
+DEFAULT_MAX_BATCH_TOKENS = 256
+#: Decode forwards between two decode log lines (upstream keeps it in `status`).
+DEFAULT_DECODE_LOG_INTERVAL = 40
+
+ENV_MAX_SEQS = "FERROX_CB_MAX_SEQS"
+ENV_PREFILL_CHUNK = "FERROX_CB_PREFILL_CHUNK"
+ENV_MAX_BATCH_TOKENS = "FERROX_CB_MAX_BATCH_TOKENS"
+ENV_MAX_QUEUE = "FERROX_CB_MAX_QUEUE"
+ENV_KV_BLOCK_SIZE = "FERROX_CB_KV_BLOCK_SIZE"
+ENV_KV_BLOCKS = "FERROX_CB_KV_BLOCKS"
+ENV_MAX_CONTEXT = "FERROX_CB_MAX_CONTEXT"
+ENV_DECODE_LOG_INTERVAL = "FERROX_DECODE_LOG_INTERVAL"
+
+#: Upstream `prefill_batch::PREFILL_CHUNK_ENV_KEYS`, ported to the FERROX_ prefix:
+#: index PRIVATE_PATH_KEY is the private decode path's variable, BATCH_PATH_KEY the batcher's.
+PREFILL_CHUNK_ENV_KEYS = ("FERROX_CHUNKED_PREFILL", ENV_PREFILL_CHUNK)
+PRIVATE_PATH_KEY = 0
+BATCH_PATH_KEY = 1
+
+# Rust's `usize::from_str`: ASCII digits with an optional leading '+', nothing else
+# (no whitespace, no underscores, no sign '-'), unlike Python's int().
+_USIZE = re.compile(r"\+?[0-9]+")
+
+
+def _parse_usize(raw: str) -> int | None:
+    if not _USIZE.fullmatch(raw):
+        return None
+    value = int(raw)
+    return value if value <= UNLIMITED else None
+
+
+def env_positive(env: Mapping[str, str], name: str) -> int | None:
+    """None when `name` is unset; its value when a positive integer; else ValueError."""
+    raw = env.get(name)
+    if raw is None:
+        return None
+    value = _parse_usize(raw)
+    if value is None or value == 0:
+        raise ValueError(f"{name} must be a positive integer")
+    return value
+
+
+def _check_field(name: str, value: object, *, minimum: int, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        what = "a positive integer or None" if optional else f"an integer >= {minimum}"
+        raise ValueError(f"BatcherConfig.{name} must be {what}, got {value!r}")
+    if not minimum <= value <= UNLIMITED:
+        raise ValueError(f"BatcherConfig.{name} must be an integer in [{minimum}, 2**64 - 1], got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherConfig:
+    """Scheduler limits. Immutable; use `dataclasses.replace` for a variant.
+
+    `max_seqs` UNLIMITED means no sequence cap; `kv_blocks` None means no block
+    budget; `max_context` None means no per-request ceiling. `max_queue` may be
+    0 (refuse every job: upstream's own test does this) although the
+    environment variable must be positive.
+    """
+
+    max_seqs: int = UNLIMITED
+    prefill_chunk: int = DEFAULT_PREFILL_CHUNK
+    max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS
+    max_queue: int = DEFAULT_MAX_QUEUE
+    kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
+    kv_blocks: int | None = None
+    max_context: int | None = None
+
+    def __post_init__(self) -> None:
+        _check_field("max_seqs", self.max_seqs, minimum=1)
+        _check_field("prefill_chunk", self.prefill_chunk, minimum=1)
+        _check_field("max_batch_tokens", self.max_batch_tokens, minimum=1)
+        _check_field("max_queue", self.max_queue, minimum=0)
+        _check_field("kv_block_size", self.kv_block_size, minimum=1)
+        _check_field("kv_blocks", self.kv_blocks, minimum=1, optional=True)
+        _check_field("max_context", self.max_context, minimum=1, optional=True)
+
+    @classmethod
+    def default(cls) -> BatcherConfig:
+        return cls()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> BatcherConfig:
+        """Read `FERROX_CB_*` (from `env`, or the process environment); unset fields keep their defaults.
+
+        The prefill chunk is `FERROX_CB_PREFILL_CHUNK`, falling back to
+        `FERROX_CHUNKED_PREFILL` (the private path's variable) when only that
+        one is set. Raises ValueError `"{name} must be a positive integer"`
+        for a set variable that is empty, not a plain decimal integer, or 0.
+        """
+        if env is None:
+            env = os.environ
+        max_seqs = env_positive(env, ENV_MAX_SEQS)
+        prefill_chunk = env_positive(env, PREFILL_CHUNK_ENV_KEYS[BATCH_PATH_KEY])
+        if prefill_chunk is None:
+            prefill_chunk = env_positive(env, PREFILL_CHUNK_ENV_KEYS[PRIVATE_PATH_KEY])
+        max_batch_tokens = env_positive(env, ENV_MAX_BATCH_TOKENS)
+        max_queue = env_positive(env, ENV_MAX_QUEUE)
+        kv_block_size = env_positive(env, ENV_KV_BLOCK_SIZE)
+        return cls(
+            max_seqs=UNLIMITED if max_seqs is None else max_seqs,
+            prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
+            max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS if max_batch_tokens is None else max_batch_tokens,
+            max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue,
+            kv_block_size=DEFAULT_KV_BLOCK_SIZE if kv_block_size is None else kv_block_size,
+            kv_blocks=env_positive(env, ENV_KV_BLOCKS),
+            max_context=env_positive(env, ENV_MAX_CONTEXT),
+        )
+
+    @property
+    def unlimited_seqs(self) -> bool:
+        return self.max_seqs == UNLIMITED
+
+
+def decode_log_interval_from_env(env: Mapping[str, str] | None = None) -> int:
+    """`FERROX_DECODE_LOG_INTERVAL`; 40 when unset or unparseable (never fails). 0 is kept (the reporter clamps it)."""
+    if env is None:
+        env = os.environ
+    raw = env.get(ENV_DECODE_LOG_INTERVAL)
+    if raw is None:
+        return DEFAULT_DECODE_LOG_INTERVAL
+    value = _parse_usize(raw)
+    return DEFAULT_DECODE_LOG_INTERVAL if value is None else value
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A piece of visible text, streamed before the job's `Finished`."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The job's one and only final event: its result or its error."""
+
+    result: GenerationResult | DecodeError
+
+
+#: What a job's reply channel carries: zero or more `Chunk`s, then exactly one `Finished`.
+BatcherEvent = Union[Chunk, Finished]

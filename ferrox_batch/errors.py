@@ -1,0 +1,229 @@
+"""The `DecodeError` family (spec 3.1): every request-level failure, typed.
+
+Messages are the upstream Display text verbatim (clients parse them). Each
+error carries its variant's fields as attributes, class attributes
+`retry_after_secs` (1 for the "busy, retry shortly" kinds, None for "fix
+your request") and `http_status`, and `to_dict()` in the OpenAI error shape.
+Errors compare equal when they are the same variant with the same fields,
+and pickle.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+
+class DecodeError(Exception):
+    """Base of every request-level failure a serving path reports to its caller."""
+
+    #: Seconds a client should wait before retrying; None means "fix the request" (or a server bug).
+    retry_after_secs: ClassVar[int | None] = None
+    http_status: ClassVar[int] = 500
+    #: OpenAI error `type` and `code` on the wire.
+    error_type: ClassVar[str] = "server_error"
+    error_code: ClassVar[str] = "internal_error"
+    #: The variant's fields, in constructor order (equality, pickling, repr).
+    _fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+
+    @property
+    def message(self) -> str:
+        return str(self)
+
+    def is_retryable(self) -> bool:
+        """True for the "busy, retry shortly" kinds (upstream: `retry_after_secs().is_some()`)."""
+        return self.retry_after_secs is not None
+
+    @property
+    def code(self) -> str:
+        return self.error_code
+
+    def to_dict(self) -> dict[str, Any]:
+        """The OpenAI error body: `{"error": {"type", "code", "message", ...}}`."""
+        return {"error": {"type": self.error_type, "code": self.code, "message": str(self)}}
+
+    def _values(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, name) for name in self._fields)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        return self._values() == other._values()  # type: ignore[attr-defined]
+
+    def __hash__(self) -> int:
+        return hash((type(self), self._values()))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The message is derived from the fields, so rebuild from the fields.
+        return (type(self), self._values())
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}={getattr(self, name)!r}" for name in self._fields)
+        return f"{type(self).__name__}({inner})"
+
+
+class TokenOutOfVocab(DecodeError):
+    http_status = 400
+    error_type = "invalid_request_error"
+    error_code = "token_out_of_vocab"
+    _fields = ("token", "vocab_size")
+
+    def __init__(self, token: int, vocab_size: int) -> None:
+        self.token = token
+        self.vocab_size = vocab_size
+        super().__init__(
+            f"prompt encoded to token id {token}, which is outside this model's vocabulary "
+            f"of {vocab_size} (its tokenizer does not match this checkpoint)"
+        )
+
+
+class KvPoolExhausted(DecodeError):
+    retry_after_secs = 1
+    http_status = 503
+    error_code = "kv_pool_exhausted"
+
+    def __init__(self) -> None:
+        super().__init__(
+            "server is at capacity: the shared KV cache block pool has no free blocks "
+            "for a new request; retry shortly"
+        )
+
+
+class Unsupported(DecodeError):
+    http_status = 501
+    error_type = "invalid_request_error"
+    error_code = "unsupported"
+    _fields = ("detail",)
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(detail)
+
+
+class QueueFull(DecodeError):
+    retry_after_secs = 1
+    http_status = 503
+    error_code = "queue_full"
+    _fields = ("queued", "cap")
+
+    def __init__(self, queued: int, cap: int) -> None:
+        self.queued = queued
+        self.cap = cap
+        super().__init__(
+            f"server is at capacity: {queued} requests are already queued for the batch "
+            f"scheduler (limit {cap}); retry shortly"
+        )
+
+
+#: The two ceilings a `KvBudgetExceeded` can name (upstream `Ceiling.code()`).
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+DEVICE_MEMORY_BUDGET_EXCEEDED = "device_memory_budget_exceeded"
+
+
+class KvBudgetExceeded(DecodeError):
+    http_status = 400
+    error_type = "invalid_request_error"
+    _fields = ("binding", "estimated_bytes", "limit_bytes", "positions", "positions_limit", "detail")
+
+    def __init__(
+        self,
+        binding: str,
+        estimated_bytes: int,
+        limit_bytes: int,
+        positions: int,
+        positions_limit: int,
+        detail: str,
+    ) -> None:
+        if binding not in (CONTEXT_LENGTH_EXCEEDED, DEVICE_MEMORY_BUDGET_EXCEEDED):
+            raise ValueError(f"unknown KV budget binding {binding!r}")
+        self.binding = binding
+        self.estimated_bytes = estimated_bytes
+        self.limit_bytes = limit_bytes
+        self.positions = positions
+        self.positions_limit = positions_limit
+        self.detail = detail
+        super().__init__(f"{binding}: {detail}")
+
+    @property
+    def code(self) -> str:
+        return self.binding
+
+    def to_dict(self) -> dict[str, Any]:
+        body = super().to_dict()
+        body["error"].update(
+            estimated_bytes=self.estimated_bytes,
+            limit_bytes=self.limit_bytes,
+            positions=self.positions,
+            positions_limit=self.positions_limit,
+        )
+        return body
+
+
+class GrammarConstraint(DecodeError):
+    http_status = 400
+    error_type = "invalid_request_error"
+    error_code = "grammar_constraint"
+    _fields = ("detail",)
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(f"grammar-constrained decoding stopped: {detail}")
+
+
+class ReasoningBudget(DecodeError):
+    http_status = 500
+    error_code = "reasoning_budget"
+    _fields = ("detail",)
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(f"reasoning budget could not be enforced: {detail}")
+
+
+class InvalidRequest(DecodeError, ValueError):
+    """A request parameter Rust's types would have made impossible (port-only variant)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    error_code = "invalid_request"
+    _fields = ("param", "value", "reason")
+
+    def __init__(self, param: str, value: Any, reason: str) -> None:
+        self.param = param
+        self.value = value
+        self.reason = reason
+        super().__init__(f"{param} {reason}, got {value!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        body = super().to_dict()
+        body["error"]["param"] = self.param
+        return body
+
+    def __hash__(self) -> int:
+        # `value` may be unhashable (a list); hash what always hashes.
+        return hash((type(self), self.param, self.reason, repr(self.value)))
+
+
+class BatcherClosed(DecodeError):
+    """The scheduler was shut down on purpose; retrying this process will not help (port-only)."""
+
+    http_status = 503
+    error_code = "batcher_closed"
+
+    def __init__(self) -> None:
+        super().__init__("the batch scheduler has been closed; no new requests are accepted")
+
+
+class WorkerDied(DecodeError):
+    """The scheduler's worker thread crashed; the cause is named (port-only, spec 6.4)."""
+
+    http_status = 500
+    error_code = "worker_died"
+    _fields = ("cause",)
+
+    def __init__(self, cause: str) -> None:
+        self.cause = cause
+        super().__init__(f"the batch scheduler's worker stopped: {cause}")

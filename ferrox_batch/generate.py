@@ -1,0 +1,365 @@
+"""The request/response vocabulary shared by the batcher and the private decode path.
+
+Upstream keeps these in one `generate` module because every serving path speaks
+them: the `DecodeError` family (whose messages clients parse, so they are kept
+verbatim), `FinishReason`, `Usage`, the request parameters, the successful
+result, and the paged-KV configuration with the hold arithmetic admission
+reserves by. Here the error family lives in `ferrox_batch.errors` and `Usage`
+in `ferrox_batch.usage` (one concept a file); this module re-exports both, so
+`from ferrox_batch.generate import QueueFull, Usage` works as a reader of the
+spec expects.
+
+Python shape of the Rust types:
+
+* Errors are exceptions. Every `DecodeError` carries its variant's fields as
+  attributes, `str()` equal to the upstream Display text, class attributes
+  `retry_after_secs` (1 for the "busy" kinds, None otherwise) and
+  `http_status`, and `to_dict()` in the OpenAI error shape. Errors compare
+  equal when they are the same variant with the same fields, and pickle.
+* Rust's types made some inputs impossible (a negative `max_tokens`, a
+  non-integer seed). Here `GenerationParams` and `SamplingParams` check them on
+  construction and raise `InvalidRequest` (HTTP 400, also a `ValueError`)
+  naming the field and the value.
+* `usize` is unbounded in Python, so positions are bounded by
+  `UNLIMITED = 2**64 - 1`; a `prompt + max_tokens` above it is the upstream
+  overflow refusal (see `budget.ContextCeiling.overflow_refusal`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterable, Iterator
+
+from ferrox_batch.cancel import CancelToken
+from ferrox_batch.policy.window import WindowPolicy, slide_hold_bound
+
+from ferrox_batch.checks import UNLIMITED, check_int, check_seconds
+from ferrox_batch.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    DEVICE_MEMORY_BUDGET_EXCEEDED,
+    BatcherClosed,
+    DecodeError,
+    GrammarConstraint,
+    InvalidRequest,
+    KvBudgetExceeded,
+    KvPoolExhausted,
+    QueueFull,
+    ReasoningBudget,
+    TokenOutOfVocab,
+    Unsupported,
+    WorkerDied,
+)
+from ferrox_batch.usage import CompletionTokensDetails, Usage
+
+__all__ = [
+    "UNLIMITED", "check_int", "CONTEXT_LENGTH_EXCEEDED", "DEVICE_MEMORY_BUDGET_EXCEEDED",
+    "DecodeError", "TokenOutOfVocab", "KvPoolExhausted", "Unsupported", "QueueFull",
+    "KvBudgetExceeded", "GrammarConstraint", "ReasoningBudget", "InvalidRequest",
+    "BatcherClosed", "WorkerDied", "FinishReason", "CompletionTokensDetails", "Usage",
+    "SamplingParams", "GenerationParams", "GenerationResult", "PagedKvConfig",
+    "paged_hold_positions", "paged_window_policy",
+]
+
+# ---------------------------------------------------------------------------
+# FinishReason (spec 3.2)
+# ---------------------------------------------------------------------------
+
+_FINISH_KINDS = ("stop", "stop_sequence", "length", "cancelled")
+
+
+@dataclass(frozen=True, slots=True)
+class FinishReason:
+    """Why a generation ended: `stop`, `stop_sequence` (with the caller's string), `length`, `cancelled`.
+
+    Use the constants `FinishReason.STOP`, `.LENGTH`, `.CANCELLED` and the
+    factory `FinishReason.stop_sequence(s)`; values compare by kind and string.
+    """
+
+    kind: str
+    stop: str | None = None
+
+    STOP: ClassVar[FinishReason]
+    LENGTH: ClassVar[FinishReason]
+    CANCELLED: ClassVar[FinishReason]
+
+    def __post_init__(self) -> None:
+        if self.kind not in _FINISH_KINDS:
+            raise ValueError(f"finish reason kind must be one of {_FINISH_KINDS}, got {self.kind!r}")
+        if (self.kind == "stop_sequence") != isinstance(self.stop, str):
+            raise ValueError(f"only a stop_sequence finish carries a stop string, got {self.kind!r} with {self.stop!r}")
+
+    @staticmethod
+    def stop_sequence(stop: str) -> FinishReason:
+        if not isinstance(stop, str):
+            raise TypeError(f"stop must be a string, got {stop!r}")
+        return FinishReason("stop_sequence", stop)
+
+    def as_str(self) -> str:
+        """The OpenAI `finish_reason`: a stop sequence reports as plain `"stop"`."""
+        return "stop" if self.kind == "stop_sequence" else self.kind
+
+    def matched_stop(self) -> str | None:
+        return self.stop
+
+    def completed(self) -> bool:
+        """True when the answer ran to a natural end (only those may be cached); False for Cancelled."""
+        return self.kind != "cancelled"
+
+    def __str__(self) -> str:
+        return self.as_str()
+
+    def __repr__(self) -> str:
+        return f"FinishReason.stop_sequence({self.stop!r})" if self.stop is not None else f"FinishReason.{self.kind.upper()}"
+
+
+FinishReason.STOP = FinishReason("stop")
+FinishReason.LENGTH = FinishReason("length")
+FinishReason.CANCELLED = FinishReason("cancelled")
+
+
+# ---------------------------------------------------------------------------
+# Usage (spec 3.3)
+# ---------------------------------------------------------------------------
+
+# ---------------------------------------------------------------------------
+# Request parameters (spec 3.4)
+# ---------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Sampler settings; the defaults are greedy with every filter off (upstream `SamplingParams::default()`)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `InvalidRequest` naming the first out-of-range field."""
+        t = self.temperature
+        if not _is_number(t) or t < 0:
+            raise InvalidRequest("temperature", t, "must be a finite number >= 0")
+        if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
+            raise InvalidRequest("top_p", self.top_p, "must be a number in (0, 1]")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise InvalidRequest("top_k", self.top_k, "must be an integer >= 0 (0 disables it)")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise InvalidRequest("min_p", self.min_p, "must be a number in [0, 1]")
+        if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise InvalidRequest("repetition_penalty", self.repetition_penalty, "must be a finite number > 0 (1.0 disables it)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise InvalidRequest(name, value, "must be a number in [-2, 2]")
+
+    @property
+    def is_greedy(self) -> bool:
+        """Temperature 0 means argmax (penalties may still reshape the logits first)."""
+        return self.temperature == 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """What one request asks for. Validated on construction (`InvalidRequest` on a bad field).
+
+    `stop` and `stop_token_ids` accept any iterable and are stored as tuples;
+    a bare string for `stop` is one stop string (as in the OpenAI API), not a
+    list of characters.
+    """
+
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    cancel: CancelToken | None = None
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        elif isinstance(self.stop, Iterable):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        if isinstance(self.stop_token_ids, Iterable) and not isinstance(self.stop_token_ids, (str, bytes)):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise `InvalidRequest` naming the first bad field."""
+        if not _is_int(self.max_tokens) or self.max_tokens < 0:
+            raise InvalidRequest("max_tokens", self.max_tokens, "must be a non-negative integer")
+        if self.max_tokens > UNLIMITED:
+            raise InvalidRequest("max_tokens", self.max_tokens, f"must be at most 2**64 - 1 ({UNLIMITED})")
+        if not isinstance(self.sampling, SamplingParams):
+            raise InvalidRequest("sampling", self.sampling, "must be a SamplingParams")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= UNLIMITED):
+            raise InvalidRequest("seed", self.seed, "must be None or an integer in [0, 2**64 - 1]")
+        if not isinstance(self.stop, tuple):
+            raise InvalidRequest("stop", self.stop, "must be a string or a list of strings")
+        for s in self.stop:
+            if not isinstance(s, str):
+                raise InvalidRequest("stop", s, "entries must be strings")
+        if not isinstance(self.stop_token_ids, tuple):
+            raise InvalidRequest("stop_token_ids", self.stop_token_ids, "must be a list of integers")
+        for t in self.stop_token_ids:
+            if not _is_int(t) or t < 0:
+                raise InvalidRequest("stop_token_ids", t, "entries must be integers >= 0")
+        if self.cancel is not None and not isinstance(self.cancel, CancelToken):
+            raise InvalidRequest("cancel", self.cancel, "must be a CancelToken or None")
+        if not isinstance(self.ignore_eos, bool):
+            raise InvalidRequest("ignore_eos", self.ignore_eos, "must be a bool")
+        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
+            raise InvalidRequest("cache_salt", self.cache_salt, "must be a string or None")
+
+    def is_cancelled(self) -> bool:
+        return self.cancel is not None and self.cancel.is_cancelled()
+
+    def with_max_tokens(self, max_tokens: int) -> GenerationParams:
+        """A copy with another generation budget (the V3 clamp); the cancel token is shared, not copied."""
+        return dataclasses.replace(self, max_tokens=max_tokens)
+
+
+# ---------------------------------------------------------------------------
+# Result
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationResult:
+    """A successful generation; also unpacks as upstream's `(finish, ids, text, usage)` tuple.
+
+    `text` is the stop-trimmed visible text; prefer it over re-decoding ids.
+    """
+
+    finish_reason: FinishReason
+    token_ids: tuple[int, ...]
+    text: str
+    usage: Usage
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.finish_reason, FinishReason):
+            raise TypeError(f"finish_reason must be a FinishReason, got {self.finish_reason!r}")
+        object.__setattr__(self, "token_ids", tuple(self.token_ids))
+        if not isinstance(self.text, str):
+            raise TypeError(f"text must be a string, got {self.text!r}")
+        if not isinstance(self.usage, Usage):
+            raise TypeError(f"usage must be a Usage, got {self.usage!r}")
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter((self.finish_reason, self.token_ids, self.text, self.usage))
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.finish_reason, self.token_ids, self.text, self.usage)[index]
+
+
+# ---------------------------------------------------------------------------
+# Paged KV configuration and hold arithmetic (spec 3.5)
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKvConfig:
+    """How the batcher reaches the paged KV store.
+
+    `store` is the runtime's paged store (typed loosely: it lives in the model
+    layer, which this module must not import). `queue_wait` is seconds to wait
+    for pages at admission (0.0 = try once). `radix` is the optional shared
+    prefix tree; `anchor_token` the single token id that opens a tool call;
+    `slide_interval` the decode steps between two window slides.
+    """
+
+    store: Any
+    queue_wait: float = 0.0
+    radix: Any = None
+    anchor_token: int | None = None
+    slide_interval: int = 128
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "queue_wait", check_seconds("queue_wait", self.queue_wait))
+        if self.anchor_token is not None:
+            check_int("anchor_token", self.anchor_token)
+        check_int("slide_interval", self.slide_interval)
+
+
+def paged_hold_positions(max_seq_len: int, prompt_len: int, block_size: int, window: WindowPolicy | None) -> int:
+    """Positions a paged row can hold at once: what admission reserves blocks for.
+
+    Without a window that is `max_seq_len` (prompt + max_tokens). With one, a
+    row gives pages back as it slides, so it never holds more than its prompt,
+    the slide bound and one block of slack, and never more than `max_seq_len`.
+    """
+    check_int("max_seq_len", max_seq_len)
+    check_int("prompt_len", prompt_len)
+    check_int("block_size", block_size, minimum=1)
+    if window is None:
+        return max_seq_len
+    if not isinstance(window, WindowPolicy):
+        raise TypeError(f"window must be a WindowPolicy or None, got {window!r}")
+    return min(prompt_len + slide_hold_bound(window.sliding_window, window) + block_size, max_seq_len)
+
+
+def paged_window_policy(sliding_window: int | None, paged: PagedKvConfig | None, block_size: int) -> WindowPolicy | None:
+    """The window policy a paged row slides by, or None.
+
+    Upstream reads the decoder's per-layer windows and answers only when every
+    layer slides by the same one. This runtime's models have one uniform window
+    or none (`ModelConfig.sliding_window`), so the caller passes that window,
+    the paged configuration (None = contiguous rows, which never slide) and the
+    store's block (page) size.
+    """
+    check_int("block_size", block_size, minimum=1)
+    if sliding_window is None or paged is None:
+        return None
+    check_int("sliding_window", sliding_window, minimum=1)
+    if not isinstance(paged, PagedKvConfig):
+        raise TypeError(f"paged must be a PagedKvConfig or None, got {paged!r}")
+    return WindowPolicy.new(sliding_window, block_size).with_eviction_interval(paged.slide_interval)
+
+
+__all__ = [
+    "UNLIMITED",
+    "check_int",
+    "DecodeError",
+    "TokenOutOfVocab",
+    "KvPoolExhausted",
+    "Unsupported",
+    "QueueFull",
+    "KvBudgetExceeded",
+    "GrammarConstraint",
+    "ReasoningBudget",
+    "InvalidRequest",
+    "BatcherClosed",
+    "WorkerDied",
+    "CONTEXT_LENGTH_EXCEEDED",
+    "DEVICE_MEMORY_BUDGET_EXCEEDED",
+    "FinishReason",
+    "CompletionTokensDetails",
+    "Usage",
+    "SamplingParams",
+    "GenerationParams",
+    "GenerationResult",
+    "PagedKvConfig",
+    "paged_hold_positions",
+    "paged_window_policy",
+]

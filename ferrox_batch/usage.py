@@ -1,0 +1,142 @@
+"""`Usage` (spec 3.3): token counts plus the optional timings and cache facts of one request.
+
+Builders return new values (`Usage.new(p, c).with_timings(...)`), and
+`to_dict()` omits every field that is None, so a plain `Usage.new(2, 3)`
+serialises to exactly the three counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+from ferrox_batch.checks import check_int, check_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionTokensDetails:
+    reasoning_tokens: int
+
+    def to_dict(self) -> dict[str, int]:
+        return {"reasoning_tokens": self.reasoning_tokens}
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """Token counts plus optional timings; the `with_*` builders return a new Usage.
+
+    `total_tokens` is always `prompt_tokens + completion_tokens` (computed when
+    omitted; a contradicting value is refused). Optional fields that are None
+    are left out of `to_dict()`.
+    """
+
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
+    prompt_per_second: float | None = None
+    predicted_per_second: float | None = None
+    prompt_eval_duration_ms: float | None = None
+    generation_duration_ms: float | None = None
+    time_to_first_token_ms: float | None = None
+    #: Some(0) = the prefix cache was consulted and missed; None = there is no prefix cache.
+    cached_tokens: int | None = None
+    acceptance_length: float | None = None
+    draft_tokens: int | None = None
+    accepted_draft_tokens: int | None = None
+    draft_accept_rate_per_position: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        check_int("prompt_tokens", self.prompt_tokens)
+        check_int("completion_tokens", self.completion_tokens)
+        total = self.prompt_tokens + self.completion_tokens
+        if self.total_tokens is None:
+            object.__setattr__(self, "total_tokens", total)
+        elif self.total_tokens != total:
+            raise ValueError(
+                f"total_tokens must be prompt_tokens + completion_tokens = {total}, got {self.total_tokens!r}"
+            )
+        if self.cached_tokens is not None:
+            check_int("cached_tokens", self.cached_tokens)
+        if self.draft_accept_rate_per_position is not None:
+            object.__setattr__(self, "draft_accept_rate_per_position", tuple(self.draft_accept_rate_per_position))
+
+    @classmethod
+    def new(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        """Counts only."""
+        return cls(prompt_tokens, completion_tokens)
+
+    def with_timings(self, prefill_s: float, decode_s: float) -> Usage:
+        """Both durations always set (ms); a rate only when its phase took time and produced tokens."""
+        prefill_s = check_seconds("prefill_s", prefill_s)
+        decode_s = check_seconds("decode_s", decode_s)
+        prompt_rate = _rate(self.prompt_tokens, prefill_s)
+        decode_rate = _rate(self.completion_tokens, decode_s)
+        return dataclasses.replace(
+            self,
+            prompt_eval_duration_ms=prefill_s * 1000.0,
+            generation_duration_ms=decode_s * 1000.0,
+            prompt_per_second=prompt_rate,
+            predicted_per_second=decode_rate,
+        )
+
+    def with_ttft(self, seconds: float) -> Usage:
+        """Time to first token; left unset when nothing was generated."""
+        seconds = check_seconds("ttft", seconds)
+        if self.completion_tokens == 0:
+            return self
+        return dataclasses.replace(self, time_to_first_token_ms=seconds * 1000.0)
+
+    def with_cached_tokens(self, cached: int | None) -> Usage:
+        if cached is not None:
+            check_int("cached_tokens", cached)
+        return dataclasses.replace(self, cached_tokens=cached)
+
+    def with_reasoning_tokens(self, reasoning_tokens: int) -> Usage:
+        check_int("reasoning_tokens", reasoning_tokens)
+        return dataclasses.replace(self, completion_tokens_details=CompletionTokensDetails(reasoning_tokens))
+
+    def with_speculation(
+        self,
+        draft_tokens: int,
+        accepted_draft_tokens: int,
+        acceptance_length: float | None = None,
+        per_position: Iterable[float] | None = None,
+    ) -> Usage:
+        """Speculative-decoding statistics (carried for wire compatibility; no drafter in this port)."""
+        check_int("draft_tokens", draft_tokens)
+        check_int("accepted_draft_tokens", accepted_draft_tokens, maximum=draft_tokens)
+        return dataclasses.replace(
+            self,
+            draft_tokens=draft_tokens,
+            accepted_draft_tokens=accepted_draft_tokens,
+            acceptance_length=acceptance_length,
+            draft_accept_rate_per_position=None if per_position is None else tuple(per_position),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, CompletionTokensDetails):
+                value = value.to_dict()
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+
+def _rate(tokens: int, seconds: float) -> float | None:
+    """tokens / seconds, or None when that is not a meaningful finite rate.
+
+    Upstream guards only `seconds > 0`; a subnormal duration would still give
+    inf, which JSON cannot carry, so a non-finite quotient is dropped too.
+    """
+    if seconds <= 0 or tokens <= 0:
+        return None
+    rate = tokens / seconds
+    return rate if math.isfinite(rate) else None
