@@ -1,0 +1,78 @@
+"""The default real model (SmolLM2-135M-Instruct, fetched by `make test`) against transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ferrox_batch.models.batch_inputs import SeqChunk
+from ferrox_batch.models.fetch import default_gguf_path
+from ferrox_batch.models.loader import load_model
+
+pytestmark = pytest.mark.real_model
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    ",
+    "Continuous batching lets a server",
+]
+
+
+@pytest.fixture(scope="module")
+def ours(real_model_dir, device):
+    return load_model(real_model_dir, device=device, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(real_model_dir):
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoModelForCausalLM.from_pretrained(real_model_dir, dtype=torch.float32).eval()
+
+
+def run_prompt(model, ids, new_tokens=0):
+    store = model.decoder.new_store(16, num_blocks=64)
+    store.add_sequence(0, len(ids) + new_tokens)
+    logits = model.decoder.forward([SeqChunk(0, ids)], store)
+    first = logits[0].cpu()
+    out = []
+    for _ in range(new_tokens):
+        out.append(int(logits[0].argmax()))
+        logits = model.decoder.forward([SeqChunk(0, [out[-1]])], store)
+    return first, out
+
+
+def test_final_logits_agree_with_transformers(ours, reference):
+    for prompt in PROMPTS + [ours.tokenizer.apply_chat_template([{"role": "user", "content": "Hi!"}])]:
+        ids = ours.tokenizer.encode(prompt)
+        got, _ = run_prompt(ours, ids)
+        with torch.no_grad():
+            want = reference(torch.tensor([ids])).logits[0, -1]
+        assert torch.allclose(got, want, atol=1e-3), (prompt, (got - want).abs().max())
+
+
+def test_a_32_token_greedy_continuation_is_identical(ours, reference):
+    chat = ours.tokenizer.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    for ids in (ours.tokenizer.encode(PROMPTS[0]), chat):
+        _, got = run_prompt(ours, ids, 32)
+        with torch.no_grad():
+            want = reference.generate(
+                torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2
+            )[0, len(ids):].tolist()
+        assert got == want
+
+
+def test_the_chat_template_and_stop_tokens_come_from_the_checkpoint(ours):
+    text = ours.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+    assert ours.tokenizer.stop_tokens.ids == {ours.tokenizer.token_to_id("<|im_end|>"),
+                                              ours.tokenizer.token_to_id("<|endoftext|>")}
+
+
+def test_the_gguf_loads_directly_and_gives_the_folders_logits(ours, real_model_dir):
+    gguf_path = default_gguf_path(real_model_dir.parent.parent)
+    direct = load_model(gguf_path, device=ours.decoder.device, dtype="float32")
+    ids = ours.tokenizer.encode(PROMPTS[1])
+    assert direct.tokenizer.encode(PROMPTS[1]) == ids
+    a, _ = run_prompt(ours, ids)
+    b, _ = run_prompt(direct, ids)
+    assert torch.allclose(a, b, atol=1e-5)
