@@ -227,3 +227,15 @@ class WorkerDied(DecodeError):
     def __init__(self, cause: str) -> None:
         self.cause = cause
         super().__init__(f"the batch scheduler's worker stopped: {cause}")
+
+
+class InternalError(DecodeError):
+    """The model failed while running this request (a forward or the sampler raised); the worker keeps serving."""
+
+    http_status = 500
+    error_code = "internal_error"
+    _fields = ("detail",)
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(f"the model failed while serving this request: {detail}")

@@ -50,6 +50,7 @@ from ferrox_batch.errors import (
     TokenOutOfVocab,
     Unsupported,
     WorkerDied,
+    InternalError,
 )
 from ferrox_batch.usage import CompletionTokensDetails, Usage
 
@@ -57,7 +58,7 @@ __all__ = [
     "UNLIMITED", "check_int", "CONTEXT_LENGTH_EXCEEDED", "DEVICE_MEMORY_BUDGET_EXCEEDED",
     "DecodeError", "TokenOutOfVocab", "KvPoolExhausted", "Unsupported", "QueueFull",
     "KvBudgetExceeded", "GrammarConstraint", "ReasoningBudget", "InvalidRequest",
-    "BatcherClosed", "WorkerDied", "FinishReason", "CompletionTokensDetails", "Usage",
+    "BatcherClosed", "WorkerDied", "InternalError", "FinishReason", "CompletionTokensDetails", "Usage",
     "SamplingParams", "GenerationParams", "GenerationResult", "PagedKvConfig",
     "paged_hold_positions", "paged_window_policy",
 ]

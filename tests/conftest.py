@@ -68,3 +68,16 @@ def real_model_dir() -> Path:
 
     home = default_model_dir().parent.parent
     return fetch_default_model(home, progress=False, log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_batch_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Untied, larger-scale weights: greedy outputs vary token to token, with clear argmax margins."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-batch"), tie=False, std=0.15, seed=5)
+
+
+@pytest.fixture(scope="session")
+def tiny_batch_model(tiny_batch_dir: Path):
+    from ferrox_batch.models.loader import load_model
+
+    return load_model(tiny_batch_dir, device=TEST_DEVICE, dtype="float32")

@@ -111,3 +111,16 @@ def test_a_store_sized_from_a_memory_budget_holds_whole_blocks():
     with pytest.raises(ValueError, match="holds no block"):
         PagedKvStore.from_memory_budget(CONFIG, per_block - 1, 4)
     assert store.kv.shape == (2, 20, 2, 2, 4)
+
+
+def test_a_growable_store_enlarges_its_pool_and_keeps_what_was_written():
+    store = PagedKvStore(CONFIG, 2, 4, growable=True)
+    store.add_sequence("a", 8)
+    store.kv[:, :8] = 7.0
+    store.add_sequence("b", 20)  # needs 5 more blocks than are free
+    assert store.num_blocks >= 7 and store.kv.shape[1] == store.num_blocks * 4
+    assert bool((store.kv[:, :8] == 7.0).all())
+    assert store.seq("b").blocks == [2, 3, 4, 5, 6]
+    store.free_sequence("a")
+    store.free_sequence("b")
+    assert store.num_free_blocks == store.num_blocks

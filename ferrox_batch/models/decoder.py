@@ -10,7 +10,8 @@ share a KV head are folded into the query-length axis of
 `scaled_dot_product_attention`.
 
 Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
-matmuls. The decoder is stateless between calls; all per-sequence state is in
+matmuls, each prepacked for the CPU's matmul library where that works
+(`models.linear`). The decoder is stateless between calls; all per-sequence state is in
 the store.
 """
 
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from ferrox_batch.models.batch_inputs import AttnGroup, SeqChunk, build_inputs
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.errors import ModelLoadError
+from ferrox_batch.models.linear import Linear
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.rope import apply_rope, rope_tables
 
@@ -32,12 +34,11 @@ from ferrox_batch.models.rope import apply_rope, rope_tables
 @dataclass(slots=True)
 class LayerWeights:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Linear
+    down: Linear
 
 
 class Decoder:
@@ -55,9 +56,9 @@ class Decoder:
         take = _Taker(weights, self.device, dtype)
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         if config.tie_word_embeddings and "lm_head.weight" not in weights:
-            self.lm_head = self.embed
+            self.lm_head = Linear(self.embed)
         else:
-            self.lm_head = take("lm_head.weight", (config.vocab_size, config.hidden_size))
+            self.lm_head = Linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)))
         self.final_norm = take("model.norm.weight", (config.hidden_size,))
         self.layers = [self._layer(take, i) for i in range(config.num_layers)]
         unused = set(weights) - take.used - {"lm_head.weight"}
@@ -84,15 +85,14 @@ class Decoder:
             ])
         return LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=qkv,
-            qkv_bias=bias,
-            o=take(p + "self_attn.o_proj.weight", (c.hidden_size, q_out)),
+            qkv=Linear(qkv, bias),
+            o=Linear(take(p + "self_attn.o_proj.weight", (c.hidden_size, q_out))),
             post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=torch.cat([
+            gate_up=Linear(torch.cat([
                 take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
                 take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
-            ]),
-            down=take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size)),
+            ])),
+            down=Linear(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
         )
 
     @property
@@ -134,7 +134,7 @@ class Decoder:
         h = F.embedding(inputs.tokens, self.embed)
         for index, layer in enumerate(self.layers):
             x = _rms_norm(h, layer.input_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(x)
             # RoPE on q and k in one pass: their heads are adjacent in the fused projection.
             qk = apply_rope(qkv[:, : q_width + kv_width].view(n_tok, heads + kv_heads, c.head_dim), cos, sin)
             q = qk[:, :heads]
@@ -149,13 +149,13 @@ class Decoder:
             if inputs.prefill is not None:
                 parts.append(self._attend_prefill(q[n_dec:], pool, inputs.prefill))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            h = h + F.linear(attn, layer.o)
+            h = h + layer.o(attn)
             x = _rms_norm(h, layer.post_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer.down)
+            gate, up = layer.gate_up(x).chunk(2, dim=-1)
+            h = h + layer.down(F.silu(gate) * up)
 
         h = _rms_norm(h[inputs.last_rows], self.final_norm, c.rms_norm_eps)
-        logits = F.linear(h, self.lm_head).float()
+        logits = self.lm_head(h).float()
         for seq_id, length in inputs.new_lengths:
             store.seq(seq_id).length = length
         return logits

@@ -14,6 +14,10 @@ gathers a batch's whole context (measured: a flat `index_select` is about
 `p` of a sequence lives in slot `table[p // block_size] * block_size + p %
 block_size`. No per-sequence Python work happens inside a layer.
 
+A growable store (used when the scheduler has no block budget, the
+upstream's "contiguous caches" mode) enlarges its pool instead of refusing;
+block ids and tables stay valid across growth.
+
 The store is not thread-safe: only the worker thread (or a single test
 thread) drives it.
 """
@@ -68,6 +72,11 @@ class BlockAllocator:
         self._used.update(blocks)
         return blocks
 
+    def extend(self, count: int) -> None:
+        """Add `count` new blocks (ids after the current ones) to the free list."""
+        self._free.extend(range(self.num_blocks, self.num_blocks + count))
+        self.num_blocks += count
+
     def release(self, blocks: Iterable[int]) -> None:
         blocks = list(blocks)
         for block in blocks:
@@ -97,6 +106,7 @@ class PagedKvStore:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        growable: bool = False,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -105,6 +115,7 @@ class PagedKvStore:
         self.allocator = BlockAllocator(num_blocks)
         self.device = torch.device(device)
         self.dtype = dtype
+        self.growable = growable
         shape = (config.num_layers, num_blocks * block_size, 2, config.num_kv_heads, config.head_dim)
         self.kv = torch.zeros(shape, device=self.device, dtype=dtype)
         self._seqs: dict[Hashable, SeqKv] = {}
@@ -151,10 +162,21 @@ class PagedKvStore:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
         if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 0:
             raise ValueError(f"max_positions must be a non-negative integer, got {max_positions!r}")
-        blocks = self.allocator.allocate(self.blocks_for(max_positions))
+        needed = self.blocks_for(max_positions)
+        if self.growable and needed > self.allocator.num_free:
+            self._grow(max(self.num_blocks, needed - self.allocator.num_free))
+        blocks = self.allocator.allocate(needed)
         table = torch.tensor(blocks, dtype=torch.long, device=self.device)
         self._seqs[seq_id] = SeqKv(blocks, len(blocks) * self.block_size, 0, table)
         return list(blocks)
+
+    def _grow(self, extra_blocks: int) -> None:
+        """Enlarge the pool (a growable store stands in for "no block budget"): copy, then extend."""
+        layers, slots, *rest = self.kv.shape
+        grown = torch.zeros((layers, slots + extra_blocks * self.block_size, *rest), device=self.device, dtype=self.dtype)
+        grown[:, :slots] = self.kv
+        self.kv = grown
+        self.allocator.extend(extra_blocks)
 
     def free_sequence(self, seq_id: Hashable) -> None:
         seq = self._seqs.pop(seq_id, None)

@@ -1,0 +1,289 @@
+"""`ContinuousBatcher`: the handle any number of threads share to generate through one worker (spec 2.14).
+
+A caller's `generate*` does every refusal that needs no worker state on its
+own thread, in the upstream order: fit (clamp `max_tokens` to the context
+ceiling) -> held positions -> blocks -> `immovable_refusal` (context ceiling,
+then the whole block budget) -> queue reservation -> send -> cancel hook
+(registered only after a successful send) -> wait for its own reply queue.
+Nothing is queued for a request that can never fit. Chunks are delivered to
+`on_chunk` on the caller's thread.
+
+Lifetime (a port-only choice): Python cannot observe "the last clone was
+dropped", so the handle has `close()` (also `with ContinuousBatcher...:` and a
+finalizer as a safety net). Closing refuses new requests at once with
+`BatcherClosed`; the worker finishes everything already submitted, answers
+every caller, and exits. A worker that crashes answers everyone with
+`WorkerDied`, and every later call gets it at once; `stats().worker_alive`
+says so.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import weakref
+from typing import Callable, Sequence
+
+from ferrox_batch.batch.block_budget import BlockBudget
+from ferrox_batch.batch.config import BatcherConfig, Chunk, decode_log_interval_from_env
+from ferrox_batch.batch.counters import BatcherStats, Counters
+from ferrox_batch.batch.lifecycle import Lifecycle
+from ferrox_batch.batch.queue import AbortInbox, QueueGate
+from ferrox_batch.batch.row import Job
+from ferrox_batch.batch.worker import DecodeFn, Worker
+from ferrox_batch.budget import ContextCeiling
+from ferrox_batch.errors import DecodeError, InvalidRequest, QueueFull, WorkerDied
+from ferrox_batch.generate import GenerationParams, GenerationResult, PagedKvConfig, paged_hold_positions
+from ferrox_batch.models.kv import KvElem, KvShape
+from ferrox_batch.models.paged_kv import PagedKvStore
+from ferrox_batch.models.sampler import BatchSampler
+from ferrox_batch.stop_tokens import StopTokens
+
+WORKER_THREAD_NAME = "ferrox-continuous-batch"
+#: How often a waiting caller re-checks that the worker is alive (a safety net; replies wake it at once).
+_LIVENESS_POLL_SECS = 0.5
+#: Blocks a growable store starts with when there is no block budget.
+_GROWABLE_INITIAL_BLOCKS = 16
+
+
+class ContinuousBatcher:
+    def __init__(
+        self,
+        *,
+        jobs: queue.SimpleQueue,
+        lifecycle: Lifecycle,
+        counters: Counters,
+        queue_gate: QueueGate,
+        budget: BlockBudget,
+        aborts: AbortInbox,
+        config: BatcherConfig,
+        thread: threading.Thread,
+        store: PagedKvStore,
+    ) -> None:
+        self._jobs = jobs
+        self._lifecycle = lifecycle
+        self._counters = counters
+        self._queue = queue_gate
+        self._budget = budget
+        self._aborts = aborts
+        self._config = config
+        self._thread = thread
+        self.store = store
+        # The paged store keeps every position (no window page recycling), so requests are
+        # priced at every position even for sliding-window models: no paged window policy.
+        self._paged_window = None
+        self._finalizer = weakref.finalize(self, lifecycle.close, jobs)
+
+    # ---------------------------------------------------------- constructors
+
+    @classmethod
+    def spawn_with_ceiling(
+        cls,
+        decoder,
+        decode: DecodeFn,
+        config: BatcherConfig,
+        ceiling: ContextCeiling,
+        paged: PagedKvConfig | None = None,
+    ) -> "ContinuousBatcher":
+        """The production entry point: start the worker thread and return the handle."""
+        store = _store_for(decoder, config, paged)
+        total = config.kv_blocks if config.kv_blocks is not None or paged is None else store.num_blocks
+        budget = BlockBudget(config.kv_block_size, total, ceiling)
+        jobs: queue.SimpleQueue = queue.SimpleQueue()
+        lifecycle = Lifecycle()
+        counters = Counters()
+        queue_gate = QueueGate(config.max_queue)
+        aborts = AbortInbox()
+        worker = Worker(
+            decoder=decoder, decode=decode, config=config, jobs=jobs, lifecycle=lifecycle,
+            counters=counters, queue_gate=queue_gate, budget=budget, aborts=aborts, store=store,
+            sampler=BatchSampler(decoder.vocab_size, store.device), log_interval=decode_log_interval_from_env(),
+        )
+        thread = threading.Thread(target=worker.run, name=WORKER_THREAD_NAME, daemon=True)
+        thread.start()
+        return cls(jobs=jobs, lifecycle=lifecycle, counters=counters, queue_gate=queue_gate, budget=budget,
+                   aborts=aborts, config=config, thread=thread, store=store)
+
+    @classmethod
+    def spawn_with_config(cls, decoder, decode: DecodeFn, config: BatcherConfig) -> "ContinuousBatcher":
+        return cls.spawn_with_config_paged(decoder, decode, config, None)
+
+    @classmethod
+    def spawn_with_config_paged(
+        cls, decoder, decode: DecodeFn, config: BatcherConfig, paged: PagedKvConfig | None
+    ) -> "ContinuousBatcher":
+        """Ceiling from `config.max_context`, priced with the model's f32 `KvShape`, as upstream.
+
+        Divergence: with no `max_context`, the ceiling is the model's trained context
+        (`max_position_embeddings`) rather than none, since positions past it cannot be computed.
+        """
+        limit = config.max_context or decoder.config.max_position_embeddings
+        ceiling = ContextCeiling(limit, KvShape.from_config(decoder.config, KvElem.F32))
+        return cls.spawn_with_ceiling(decoder, decode, config, ceiling, paged)
+
+    # ----------------------------------------------------------------- stats
+
+    def stats(self) -> BatcherStats:
+        prefill_chunks, prefill_tokens, decode_steps, peak = self._counters.snapshot()
+        total = self._budget.total
+        return BatcherStats(
+            prefill_chunks=prefill_chunks,
+            prefill_tokens=prefill_tokens,
+            decode_steps=decode_steps,
+            queue_depth=self._queue.depth(),
+            queue_rejected=self._queue.rejected(),
+            kv_blocks_total=total or 0,
+            kv_blocks_free=self._budget.free(),
+            kv_block_size=self._budget.block_size,
+            kv_rejected_too_large=self._budget.rejected_too_large(),
+            kv_rejected_context_length=self._budget.ceiling.refused(),
+            kv_blocks_peak=peak,
+            aborted=self._aborts.aborted(),
+            max_seqs=0 if self._config.unlimited_seqs else self._config.max_seqs,
+            prefill_chunk=self._config.prefill_chunk,
+            max_batch_tokens=self._config.max_batch_tokens,
+            worker_alive=self._thread.is_alive() and self._lifecycle.dead is None,
+        )
+
+    @property
+    def config(self) -> BatcherConfig:
+        return self._config
+
+    @property
+    def ceiling(self) -> ContextCeiling:
+        return self._budget.ceiling
+
+    # -------------------------------------------------------------- generate
+
+    def generate(
+        self, prompt_tokens: Sequence[int], params: GenerationParams, stop_tokens: StopTokens | None = None
+    ) -> GenerationResult:
+        return self.generate_streaming(prompt_tokens, params, stop_tokens, None)
+
+    def generate_streaming(
+        self,
+        prompt_tokens: Sequence[int],
+        params: GenerationParams,
+        stop_tokens: StopTokens | None,
+        on_chunk: Callable[[str], None] | None,
+    ) -> GenerationResult:
+        """Block until the request finishes; raise its typed `DecodeError` if it is refused or fails.
+
+        If `on_chunk` raises, the request is cancelled, the rest of its events are drained,
+        and the callback's exception propagates (how a server stops work for a client that left).
+        """
+        prompt = _prompt_list(prompt_tokens)
+        if not isinstance(params, GenerationParams):
+            raise InvalidRequest("params", params, "must be a GenerationParams")
+        refusal = self._lifecycle.refusal()
+        if refusal is not None:
+            raise refusal
+        fitted = self._budget.ceiling.fit(len(prompt), params.max_tokens)
+        if isinstance(fitted, DecodeError):
+            raise fitted
+        if fitted != params.max_tokens:
+            params = params.with_max_tokens(fitted)
+        max_seq_len = len(prompt) + params.max_tokens
+        positions = paged_hold_positions(max_seq_len, len(prompt), self._budget.block_size, self._paged_window)
+        blocks = self._budget.blocks_for(positions)
+        refusal = self._budget.immovable_refusal(max_seq_len, positions)
+        if refusal is not None:
+            raise refusal
+        depth = self._queue.try_reserve()
+        if depth is not None:
+            raise QueueFull(depth, self._queue.cap)
+        reply: queue.SimpleQueue = queue.SimpleQueue()
+        abort = self._aborts.next_id()
+        job = Job(prompt, params, stop_tokens or StopTokens.default(), reply, abort, blocks, positions)
+        try:
+            self._lifecycle.send(self._jobs, job)
+        except DecodeError:
+            self._queue.release()
+            raise
+        done = threading.Event()
+        if params.cancel is not None:
+            # Hooks are never unregistered; once answered, a late cancel does nothing.
+            params.cancel.on_cancel(lambda: None if done.is_set() else self._aborts.enqueue(abort))
+        try:
+            return self._wait(reply, abort, on_chunk)
+        finally:
+            done.set()
+
+    def _wait(self, reply: queue.SimpleQueue, abort: int, on_chunk: Callable[[str], None] | None) -> GenerationResult:
+        callback_error: BaseException | None = None
+        while True:
+            try:
+                event = reply.get(timeout=_LIVENESS_POLL_SECS)
+            except queue.Empty:
+                if self._thread.is_alive():
+                    continue
+                try:
+                    event = reply.get_nowait()
+                except queue.Empty:
+                    raise WorkerDied(self._lifecycle.dead or "the worker thread is gone") from None
+            if isinstance(event, Chunk):
+                if on_chunk is not None and callback_error is None:
+                    try:
+                        on_chunk(event.text)
+                    except BaseException as error:  # the caller stopped listening: cancel, keep draining
+                        callback_error = error
+                        self._aborts.enqueue(abort)
+                continue
+            if callback_error is not None:
+                raise callback_error
+            if isinstance(event.result, DecodeError):
+                raise event.result
+            return event.result
+
+    # -------------------------------------------------------------- lifetime
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Refuse new work, let the worker finish what was submitted, and wait for it (up to `timeout`).
+
+        Returns True once the worker thread has exited.
+        """
+        self._lifecycle.close(self._jobs)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def __enter__(self) -> "ContinuousBatcher":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _prompt_list(prompt_tokens: Sequence[int]) -> list[int]:
+    if isinstance(prompt_tokens, (str, bytes)):
+        raise InvalidRequest("prompt_tokens", prompt_tokens, "must be a sequence of token ids, not text")
+    try:
+        prompt = list(prompt_tokens)
+    except TypeError:
+        raise InvalidRequest("prompt_tokens", prompt_tokens, "must be a sequence of token ids") from None
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise InvalidRequest("prompt_tokens", token, "must hold only integer token ids")
+    return prompt
+
+
+def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> PagedKvStore:
+    if paged is not None:
+        store = paged.store
+        if not isinstance(store, PagedKvStore):
+            raise TypeError(f"PagedKvConfig.store must be a PagedKvStore, got {type(store).__name__}")
+        if store.block_size != config.kv_block_size:
+            raise ValueError(
+                f"the paged store's block size ({store.block_size}) must equal kv_block_size "
+                f"({config.kv_block_size}): the ledger and the store count the same blocks"
+            )
+        if config.kv_blocks is not None and config.kv_blocks > store.num_blocks:
+            raise ValueError(
+                f"kv_blocks ({config.kv_blocks}) is more than the paged store holds ({store.num_blocks})"
+            )
+        return store
+    if config.kv_blocks is not None:
+        return decoder.new_store(config.kv_block_size, num_blocks=config.kv_blocks)
+    # No block budget: the upstream's per-request caches; a store that grows on demand stands in.
+    return PagedKvStore(decoder.config, _GROWABLE_INITIAL_BLOCKS, config.kv_block_size,
+                        device=decoder.device, dtype=decoder.dtype, growable=True)

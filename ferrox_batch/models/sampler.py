@@ -1,0 +1,278 @@
+"""The batched sampler the worker calls once per tick: logits in, one token (or one error) per row out.
+
+Why it exists: each decode tick yields a `[B, V']` logits tensor for rows that
+asked for different sampling settings. Sampling them one by one would cost B
+sorts and B host syncs; this module does the whole batch in a few vectorised
+device ops and syncs once (the final `.tolist()`).
+
+What it promises:
+
+* Order of operations (llama.cpp / vLLM): penalties (repetition as HF's
+  `RepetitionPenaltyLogitsProcessor`: seen tokens' positive logits divided,
+  negative multiplied; presence: minus `presence_penalty` once seen;
+  frequency: minus `frequency_penalty * count`; the window is prompt ++
+  generated) -> greedy rows take the argmax of the penalised logits ->
+  temperature -> top_k -> top_p -> min_p -> inverse-CDF draw with the row's
+  own uniform number.
+* Filters cut by value, so tied logits are kept or dropped together: top_k
+  keeps every token >= the k-th largest logit; top_p keeps the smallest
+  prefix of the sorted distribution whose preceding mass is < top_p (always
+  at least one token), then every token tied with its last; min_p drops
+  tokens whose probability (renormalised after top_p) is < min_p * the
+  largest. The draw walks the CDF in vocabulary order, so the tie order of a
+  sort never decides a token.
+* A seeded row's tokens depend only on its own logits and seed, never on the
+  other rows: each non-greedy row owns a `torch.Generator` on the device
+  (seeded from the request, or from OS entropy when it has no seed) and draws
+  exactly one uniform number per sampled token from it. On a GPU the
+  batch-shaped reductions may round differently in the last bit, which can
+  only matter for a draw that lands exactly on a CDF boundary.
+* Temperatures below 1e-5 count as greedy (as in vLLM): dividing by them only
+  overflows.
+* Ids >= `vocab_size` (padding of the lm head) are never sampled.
+* One bad row never takes the batch down: `sample` returns `int |
+  SamplingError` per row, the error for a row whose logits contain NaN or
+  +inf or are all -inf.
+
+Seam for grammars and reasoning budgets (out of scope here, spec 3.10): their
+vocab masks would apply right after the penalties, and a row masked to
+nothing becomes a further per-row outcome (`GrammarComplete`) next to
+`SamplingError`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ferrox_batch.errors import DecodeError, TokenOutOfVocab
+from ferrox_batch.generate import SamplingParams
+
+__all__ = ["MIN_TEMPERATURE", "BatchSampler", "RowSampler", "SamplingError"]
+
+#: Below this a temperature is treated as greedy.
+MIN_TEMPERATURE = 1e-5
+_MAX_SEED = 2**64 - 1
+# Row status codes carried through the single host sync (index 0 = fine).
+_PROBLEMS = (
+    "",
+    "the model's logits contain NaN",
+    "the model's logits contain +inf",
+    "every logit is -inf, so no token can be sampled",
+)
+
+
+class SamplingError(DecodeError):
+    """A row's logits could not be sampled; `row` is its index in the batch handed to `sample`."""
+
+    http_status = 500
+    error_code = "sampling_error"
+    _fields = ("row", "detail")
+
+    def __init__(self, row: int, detail: str) -> None:
+        self.row = row
+        self.detail = detail
+        super().__init__(f"sampling failed: {detail}")
+
+
+@dataclass(slots=True, eq=False)
+class RowSampler:
+    """One request's sampling state, made at admission by `BatchSampler.new_row`.
+
+    `generator` exists only for non-greedy rows; `counts` (float32 `[vocab]` on
+    the device, occurrences over prompt ++ generated) only when a penalty is on.
+    `seed` is the seed the generator was given (drawn from OS entropy when the
+    request had none), so an unseeded answer can still be replayed.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    counts: torch.Tensor | None
+    seed: int | None
+
+    @property
+    def greedy(self) -> bool:
+        return self.generator is None
+
+    def record(self, token: int) -> None:
+        """Count `token` into the penalty window (`sample` does this for the tokens it returns)."""
+        if self.counts is not None:
+            if not 0 <= token < self.counts.shape[0]:
+                raise ValueError(f"token {token} is outside the vocabulary of {self.counts.shape[0]}")
+            self.counts[token] += 1
+
+
+def _penalised(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+class BatchSampler:
+    """Samples one token per row from a batch of logits; holds no per-request state itself."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+
+    def new_row(self, params: SamplingParams, seed: int | None, prompt_ids: Sequence[int]) -> RowSampler:
+        """The state for one admitted request; `prompt_ids` opens its penalty window."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be a SamplingParams, got {params!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64 - 1], got {seed!r}")
+        generator = None
+        if params.temperature >= MIN_TEMPERATURE:
+            if seed is None:
+                seed = int.from_bytes(os.urandom(8), "little")
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(seed)
+        else:
+            seed = None
+        counts = None
+        if _penalised(params):
+            ids = list(prompt_ids)
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise TokenOutOfVocab(bad[0], self.vocab_size)
+            counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+            if ids:
+                # index_add_, not bincount: bincount on CUDA syncs to size its output.
+                index = torch.tensor(ids, dtype=torch.long, device=self.device)
+                counts.index_add_(0, index, torch.ones(len(ids), dtype=torch.float32, device=self.device))
+        return RowSampler(params, generator, counts, seed)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[RowSampler]) -> list[int | SamplingError]:
+        """One token id per row, or a `SamplingError` for a row that cannot be sampled.
+
+        Returned tokens are also counted into their rows' penalty windows; an
+        erroring row's state is left as it was. Raises ValueError for a
+        malformed call (logits not `[len(rows), >= vocab_size]` floats on this
+        sampler's device).
+        """
+        x = self._checked(logits, rows)
+        if not rows:
+            return []
+        # One reduction finds every problem: amax propagates NaN, is +inf with
+        # any +inf, and is -inf only when the whole row is.
+        top = x.amax(dim=-1)
+        status = torch.where(top.isnan(), 1, torch.where(top == float("inf"), 2, torch.where(top == float("-inf"), 3, 0)))
+        tokens = self._choose(self._penalise(x, rows), rows)
+        out: list[int | SamplingError] = []
+        for i, (token, row) in enumerate(zip(torch.where(status == 0, tokens, -status).tolist(), rows)):
+            if token < 0:
+                out.append(SamplingError(i, _PROBLEMS[-token]))
+            else:
+                row.record(token)
+                out.append(token)
+        return out
+
+    def distribution(self, logits: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
+        """The `[B, vocab_size]` distribution `sample` would draw from (one-hot for greedy rows).
+
+        Draws nothing and records nothing; for tests and log-probabilities.
+        """
+        x = self._penalise(self._checked(logits, rows), rows)
+        out = torch.zeros_like(x)
+        if not rows:
+            return out
+        out.scatter_(1, x.argmax(dim=-1, keepdim=True), 1.0)
+        sampled = [i for i, row in enumerate(rows) if not row.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=x.device)
+            weights = self._weights(x.index_select(0, index), [rows[i].params for i in sampled])
+            out.index_copy_(0, index, weights / weights.sum(dim=-1, keepdim=True))
+        return out
+
+    def _checked(self, logits: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+            shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+            raise ValueError(f"logits must be a [rows, vocab] tensor, got {shape}")
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"logits have {logits.shape[0]} rows but {len(rows)} row samplers were given")
+        if logits.shape[1] < self.vocab_size:
+            raise ValueError(f"logits have {logits.shape[1]} columns, fewer than the vocabulary of {self.vocab_size}")
+        if not logits.is_floating_point():
+            raise ValueError(f"logits must be floating point, got {logits.dtype}")
+        dev = logits.device
+        if dev.type != self.device.type or None not in (dev.index, self.device.index) and dev.index != self.device.index:
+            raise ValueError(f"logits are on {dev} but this sampler runs on {self.device}")
+        # Padded lm-head columns are cut here, so no later step can pick them.
+        return logits[:, : self.vocab_size].float()
+
+    def _penalise(self, x: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
+        pen = [i for i, row in enumerate(rows) if row.counts is not None]
+        if not pen:
+            return x
+        counts = torch.stack([rows[i].counts for i in pen])  # type: ignore[misc]
+        q = torch.tensor(
+            [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in (rows[i].params for i in pen)],
+            dtype=torch.float32, device=x.device,
+        )
+        rep, presence, frequency = (c.unsqueeze(1) for c in q.unbind(1))
+        every = len(pen) == len(rows)
+        index = None if every else torch.tensor(pen, device=x.device)
+        l = x if index is None else x.index_select(0, index)
+        seen = counts > 0
+        # Each penalty is one or two full passes over [rows, vocab]: skip the ones no row uses.
+        if any(rows[i].params.repetition_penalty != 1.0 for i in pen):
+            l = torch.where(seen, torch.where(l > 0, l / rep, l * rep), l)
+        if any(rows[i].params.frequency_penalty != 0.0 for i in pen):
+            l = l - frequency * counts
+        if any(rows[i].params.presence_penalty != 0.0 for i in pen):
+            l = l - presence * seen
+        # Out of place: `x` may be a view of the caller's logits.
+        return l if index is None else x.index_copy(0, index, l)
+
+    def _choose(self, x: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
+        sampled = [i for i, row in enumerate(rows) if not row.greedy]
+        if not sampled:
+            return x.argmax(dim=-1)  # the all-greedy fast path: no sort, no draw
+        every = len(sampled) == len(rows)
+        index = None if every else torch.tensor(sampled, device=x.device)
+        weights = self._weights(x if index is None else x.index_select(0, index), [rows[i].params for i in sampled])
+        # One draw per row from the row's own generator: the only per-row work,
+        # and what keeps a seeded row independent of its neighbours.
+        u = torch.cat([torch.rand(1, generator=rows[i].generator, device=x.device) for i in sampled])
+        cdf = weights.cumsum(dim=-1)
+        total = cdf[:, -1:]
+        # u * total may round up to total; stay strictly below it so the search lands on a real token.
+        target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+        picked = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=x.shape[1] - 1)
+        if index is None:
+            return picked
+        return x.argmax(dim=-1).index_copy_(0, index, picked)
+
+    def _weights(self, x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Unnormalised probabilities (0 = filtered out) of non-greedy rows after temperature, top_k, top_p, min_p."""
+        n = x.shape[1]
+        ks = [p.top_k if 0 < p.top_k < n else 0 for p in params]
+        q = torch.tensor(
+            [[p.temperature, k, p.top_p, p.min_p] for p, k in zip(params, ks)], dtype=torch.float32, device=x.device
+        )
+        temperature, top_k, top_p, min_p = (c.unsqueeze(1) for c in q.unbind(1))
+        l = x / temperature
+        need_k, need_p = any(ks), any(p.top_p < 1.0 for p in params)
+        threshold = torch.full_like(temperature, float("-inf"))
+        if need_p:
+            ordered = torch.sort(l, dim=-1, descending=True).values
+        elif need_k:
+            ordered = torch.topk(l, max(ks), dim=-1).values  # enough for every row's k-th value
+        if need_k:
+            kth = ordered.gather(1, (top_k.long() - 1).clamp_(min=0))
+            threshold = torch.where(top_k > 0, kth, threshold)
+        if need_p:
+            probs = torch.softmax(ordered.masked_fill(ordered < threshold, float("-inf")), dim=-1)
+            before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each sorted token
+            keep = (before < top_p).sum(dim=-1, keepdim=True)  # >= 1: before[0] is exactly 0
+            threshold = torch.where(top_p < 1.0, torch.maximum(threshold, ordered.gather(1, keep - 1)), threshold)
+        if need_k or need_p:
+            l = l.masked_fill(l < threshold, float("-inf"))
+        # exp(l - max) is each token's probability relative to the largest, which is what min_p compares.
+        weights = torch.exp(l - l.amax(dim=-1, keepdim=True))
+        if any(p.min_p > 0.0 for p in params):
+            weights = weights.masked_fill(weights < min_p, 0.0)
+        return weights
