@@ -12,7 +12,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import torch  # noqa: E402
 from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+
+# Tests run a batcher's worker thread and a reference decode on the test's own thread at
+# once; with torch's default two threads each on this 2-core machine, the OpenMP pools
+# spin against each other (measured: 40 reference forwards took 2.4-3.5 s instead of
+# 0.04 s). One intra-op thread per torch call keeps the suite fast; speed is measured
+# by the benchmark scripts, never by tests.
+torch.set_num_threads(1)
 
 # The model tests run on the CPU by default; scripts/gpu_check.sh sets this to "cuda".
 TEST_DEVICE = os.environ.get("FERROX_TEST_DEVICE", "cpu")

@@ -191,7 +191,9 @@ class Worker:
             send_finished(job.reply, GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(job.prompt_tokens), 0)))
             return None
         seq_id = self._next_seq
-        self._next_seq += 1
+        while self.store.has_sequence(seq_id):  # a shared store may hold others' sequences
+            seq_id += 1
+        self._next_seq = seq_id + 1
         try:
             self.store.add_sequence(seq_id, job.positions)
         except KvPoolExhausted:  # the ledger said yes but the page store said no
@@ -297,11 +299,15 @@ class Worker:
         self.rows.flush_finished(self.budget, self._release_kv)
 
     def _check_ledger(self) -> None:
-        """The ledger and the store never disagree: blocks leased == blocks reserved (with a budget)."""
+        """The ledger and the store never disagree: blocks our sequences lease == blocks reserved (with a budget).
+
+        Only this worker's own sequences count: a shared store may lease pages to others too.
+        """
         if self.budget.total is None:
             return
         reserved = self.budget.total - self.budget.free()
-        held = self.store.blocks_held()
+        own = [slot.seq_id for slot in self.rows.state.values()] + [p.state.seq_id for p in self.prefills]
+        held = sum(len(self.store.seq(seq_id).blocks) for seq_id in own)
         if reserved != held:
             raise RuntimeError(f"block ledger says {reserved} blocks are reserved but the KV store leases {held}")
 

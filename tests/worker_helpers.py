@@ -1,0 +1,212 @@
+"""Helpers for the scheduler tests that drive the worker by hand or hold it at a known point.
+
+* `make_worker` builds a `Worker` exactly as `ContinuousBatcher.spawn_with_ceiling`
+  does, without a thread, so a test can call `_admit`, `_apply_aborts` or `tick`
+  itself (a `tick` with work in hand never blocks).
+* `make_job` prices and queues a `Job` as the handle would (queue slot taken,
+  abort id allocated) and returns it with its reply channel.
+* `Gate` is a detokenizer that can hold the worker inside a decode call. The
+  worker calls it once per sampled token, mid-tick, so while it is held the
+  scheduler's state (and `stats()`) cannot move: tests step the worker one
+  token at a time instead of sleeping and hoping.
+* `Caller` runs one `generate*` call on its own thread; `join()` always uses a
+  timeout and asserts the thread finished.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from batch_helpers import identity_decode
+
+from ferrox_batch.batch.block_budget import BlockBudget
+from ferrox_batch.batch.clock import RowClock
+from ferrox_batch.batch.config import BatcherConfig, Chunk, Finished
+from ferrox_batch.batch.counters import Counters
+from ferrox_batch.batch.lifecycle import Lifecycle
+from ferrox_batch.batch.queue import AbortInbox, QueueGate
+from ferrox_batch.batch.row import Job, Slot
+from ferrox_batch.batch.worker import Worker
+from ferrox_batch.budget import ContextCeiling
+from ferrox_batch.generate import GenerationParams
+from ferrox_batch.models.kv import KvElem, KvShape
+from ferrox_batch.models.paged_kv import PagedKvStore
+from ferrox_batch.models.sampler import BatchSampler
+from ferrox_batch.policy.stop import StopMatcher
+from ferrox_batch.stop_tokens import StopTokens
+
+#: How long any test waits for the scheduler to reach a state before failing.
+DEADLINE = 10.0
+
+
+def make_worker(model, config: BatcherConfig, decode=identity_decode) -> Worker:
+    decoder = model.decoder
+    limit = config.max_context or decoder.config.max_position_embeddings
+    ceiling = ContextCeiling(limit, KvShape.from_config(decoder.config, KvElem.F32))
+    if config.kv_blocks is not None:
+        store = decoder.new_store(config.kv_block_size, num_blocks=config.kv_blocks)
+    else:
+        store = PagedKvStore(decoder.config, 16, config.kv_block_size, device=decoder.device,
+                             dtype=decoder.dtype, growable=True)
+    return Worker(
+        decoder=decoder, decode=decode, config=config, jobs=queue.SimpleQueue(), lifecycle=Lifecycle(),
+        counters=Counters(), queue_gate=QueueGate(config.max_queue),
+        budget=BlockBudget(config.kv_block_size, config.kv_blocks, ceiling), aborts=AbortInbox(),
+        store=store, sampler=BatchSampler(decoder.vocab_size, store.device), log_interval=40,
+    )
+
+
+def make_job(
+    worker: Worker, prompt: Sequence[int], params: GenerationParams, *, abort: int | None = None,
+    stop_tokens: StopTokens | None = None,
+) -> tuple[Job, queue.SimpleQueue]:
+    """A job priced and queued as `generate_streaming` would (its queue slot is taken)."""
+    assert worker.queue_gate.try_reserve() is None, "the test's queue is full"
+    positions = len(prompt) + params.max_tokens
+    reply: queue.SimpleQueue = queue.SimpleQueue()
+    job = Job(list(prompt), params, stop_tokens or StopTokens.default(), reply,
+              worker.aborts.next_id() if abort is None else abort, worker.budget.blocks_for(positions), positions)
+    return job, reply
+
+
+def make_slot(seq_id: int, abort: int, blocks: int, max_tokens: int = 8, stop: tuple[str, ...] = ()) -> Slot:
+    """A decoding row as `Prefill.into_slot` builds it (2-token prompt, greedy, no sampler state needed)."""
+    params = GenerationParams(max_tokens=max_tokens, stop=stop)
+    return Slot(seq_id=seq_id, sampler=None, prompt_ids=[1, 2], prompt_tokens=2, max_tokens=max_tokens,
+                stop_tokens=StopTokens.default(), params=params, reply=queue.SimpleQueue(), abort=abort,
+                blocks=blocks, clock=RowClock.start(), stops=StopMatcher(params.stop, params.stop_token_ids))
+
+
+def decode_into(slot: Slot, ids: Sequence[int], decode=identity_decode) -> None:
+    """Apply generated tokens to a row as the worker does (ids, clock, UTF-8 stream, stop buffer)."""
+    for token in ids:
+        slot.generated_ids.append(token)
+        slot.clock.token()
+        piece = slot.utf8.push(decode([token]))
+        if piece and slot.apply_stop_buffer(piece):
+            return
+
+
+def drain_reply(reply: queue.SimpleQueue) -> tuple[list[str], list[object]]:
+    """Everything on a reply channel now: (chunk texts, finished results)."""
+    chunks, finished = [], []
+    while True:
+        try:
+            event = reply.get_nowait()
+        except queue.Empty:
+            return chunks, finished
+        if isinstance(event, Chunk):
+            assert not finished, "a chunk arrived after the job's Finished"
+            chunks.append(event.text)
+        else:
+            assert isinstance(event, Finished)
+            finished.append(event.result)
+
+
+def wait_for(predicate: Callable[[], bool], what: str, timeout: float = DEADLINE) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.001)
+
+
+class Gate:
+    """A detokenizer (`identity_decode` by default) that lets through only as many calls as it has permits.
+
+    `calls` counts calls *entered*: after `wait_calls(n)` the worker is inside
+    its n-th decode call and, with no permit left, held there mid-tick.
+    `open()` lets everything through from then on.
+    """
+
+    def __init__(self, decode=identity_decode, permits: int | None = 0) -> None:
+        self._decode = decode
+        self._permits = permits
+        self._cond = threading.Condition()
+        self.calls = 0
+
+    def __call__(self, ids: Sequence[int]) -> bytes:
+        with self._cond:
+            self.calls += 1
+            self._cond.notify_all()
+            if not self._cond.wait_for(lambda: self._permits is None or self._permits > 0, timeout=DEADLINE):
+                raise RuntimeError("the test never let the worker past its decode gate")
+            if self._permits is not None:
+                self._permits -= 1
+        return self._decode(ids)
+
+    def release(self, n: int = 1) -> None:
+        with self._cond:
+            assert self._permits is not None, "the gate is open"
+            self._permits += n
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        with self._cond:
+            self._permits = None
+            self._cond.notify_all()
+
+    def hold(self) -> None:
+        with self._cond:
+            self._permits = 0
+
+    def wait_calls(self, n: int, timeout: float = DEADLINE) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self.calls >= n, timeout=timeout):
+                raise AssertionError(f"the worker made {self.calls} decode calls, expected {n}")
+
+    def step(self) -> None:
+        """Let the held call finish and wait until the worker is held at the next one."""
+        with self._cond:
+            target = self.calls + 1
+        self.release()
+        self.wait_calls(target)
+
+
+class Caller:
+    """One `generate_streaming` call on its own thread; the result or the raised error is kept."""
+
+    def __init__(self, batcher, prompt, params, stop_tokens=None, on_chunk=None) -> None:
+        self.result = None
+        self.error: BaseException | None = None
+        self.chunks: list[str] = []
+        self._on_chunk = on_chunk
+
+        def collect(text: str) -> None:
+            self.chunks.append(text)
+            if self._on_chunk is not None:
+                self._on_chunk(text)
+
+        def run() -> None:
+            try:
+                self.result = batcher.generate_streaming(prompt, params, stop_tokens, collect)
+            except BaseException as error:  # noqa: BLE001 - kept for the test to assert on
+                self.error = error
+
+        self.thread = threading.Thread(target=run, name="test-caller", daemon=True)
+        self.thread.start()
+
+    def join(self, timeout: float = DEADLINE):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "a caller thread did not finish in time"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def join_error(self, timeout: float = DEADLINE) -> BaseException:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "a caller thread did not finish in time"
+        assert self.error is not None, f"expected an error, got {self.result!r}"
+        return self.error
+
+
+def wait_sent(batcher, n: int, timeout: float = DEADLINE) -> None:
+    """Wait until `n` jobs sit on the batcher's channel (sent, not yet drained by the held worker).
+
+    `stats().queue_depth` counts a job from its reservation, a moment before it
+    is sent; this looks at the channel itself so the next tick surely drains it.
+    """
+    wait_for(lambda: batcher._jobs.qsize() >= n, f"{n} jobs on the channel", timeout)
