@@ -5,3 +5,26 @@ on a torch Llama-family runtime with a paged KV cache.
 """
 
 __version__ = "0.1.0"
+
+# Lazy exports (PEP 562): the admission arithmetic must import without torch, so the
+# package itself imports nothing heavy until one of these names is used.
+_EXPORTS = {
+    "BatcherConfig": "ferrox_batch.batch.config",
+    "CancelToken": "ferrox_batch.cancel",
+    "ContinuousBatcher": "ferrox_batch.batch.handle",
+    "DecodeError": "ferrox_batch.errors",
+    "FinishReason": "ferrox_batch.generate",
+    "GenerationParams": "ferrox_batch.generate",
+    "GenerationResult": "ferrox_batch.generate",
+    "SamplingParams": "ferrox_batch.generate",
+    "load_model": "ferrox_batch.models.loader",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ferrox_batch' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ferrox_batch.batch.block_budget import BlockBudget
 from ferrox_batch.batch.config import BatcherConfig, Chunk, decode_log_interval_from_env
@@ -30,13 +30,16 @@ from ferrox_batch.batch.counters import BatcherStats, Counters
 from ferrox_batch.batch.lifecycle import Lifecycle
 from ferrox_batch.batch.queue import AbortInbox, QueueGate
 from ferrox_batch.batch.row import Job
+from ferrox_batch.batch.text import Messages, generate_text
 from ferrox_batch.batch.worker import DecodeFn, Worker
 from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.errors import DecodeError, InvalidRequest, QueueFull, WorkerDied
 from ferrox_batch.generate import GenerationParams, GenerationResult, PagedKvConfig, paged_hold_positions
 from ferrox_batch.models.kv import KvElem, KvShape
+from ferrox_batch.models.loader import LoadedModel
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.sampler import BatchSampler
+from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.stop_tokens import StopTokens
 
 WORKER_THREAD_NAME = "ferrox-continuous-batch"
@@ -59,6 +62,7 @@ class ContinuousBatcher:
         config: BatcherConfig,
         thread: threading.Thread,
         store: PagedKvStore,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self._jobs = jobs
         self._lifecycle = lifecycle
@@ -69,6 +73,7 @@ class ContinuousBatcher:
         self._config = config
         self._thread = thread
         self.store = store
+        self.tokenizer = tokenizer
         # The paged store keeps every position (no window page recycling), so requests are
         # priced at every position even for sliding-window models: no paged window policy.
         self._paged_window = None
@@ -103,6 +108,20 @@ class ContinuousBatcher:
         thread.start()
         return cls(jobs=jobs, lifecycle=lifecycle, counters=counters, queue_gate=queue_gate, budget=budget,
                    aborts=aborts, config=config, thread=thread, store=store)
+
+    @classmethod
+    def from_model(cls, model: LoadedModel, config: BatcherConfig | None = None) -> "ContinuousBatcher":
+        """Serve a loaded checkpoint: its tokenizer decodes, and the ceiling prices KV in the store's dtype.
+
+        `config` defaults to `BatcherConfig.from_env()`; with no `max_context` the ceiling is the
+        model's trained context.
+        """
+        config = config if config is not None else BatcherConfig.from_env()
+        limit = config.max_context or model.config.max_position_embeddings
+        ceiling = ContextCeiling(limit, model.kv_shape())
+        batcher = cls.spawn_with_ceiling(model.decoder, model.tokenizer.decode, config, ceiling)
+        batcher.tokenizer = model.tokenizer
+        return batcher
 
     @classmethod
     def spawn_with_config(cls, decoder, decode: DecodeFn, config: BatcherConfig) -> "ContinuousBatcher":
@@ -234,6 +253,23 @@ class ContinuousBatcher:
             if isinstance(event.result, DecodeError):
                 raise event.result
             return event.result
+
+    def generate_text(
+        self,
+        prompt: str | Messages,
+        *,
+        max_tokens: int = 128,
+        on_chunk: Callable[[str], None] | None = None,
+        **options: Any,
+    ) -> GenerationResult:
+        """Text or chat messages in, text out (see `batch.text`); needs a batcher made by `from_model`.
+
+        `options`: temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
+        frequency_penalty, seed, stop, stop_token_ids, ignore_eos, cancel.
+        """
+        if self.tokenizer is None:
+            raise ValueError("generate_text needs a tokenizer: build the batcher with ContinuousBatcher.from_model")
+        return generate_text(self, self.tokenizer, prompt, max_tokens=max_tokens, on_chunk=on_chunk, **options)
 
     # -------------------------------------------------------------- lifetime
 
