@@ -25,15 +25,16 @@ import weakref
 from typing import Any, Callable, Sequence
 
 from ferrox_batch.batch.block_budget import BlockBudget
-from ferrox_batch.batch.config import BatcherConfig, Chunk, decode_log_interval_from_env
+from ferrox_batch.batch.config import BatcherConfig, decode_log_interval_from_env
 from ferrox_batch.batch.counters import BatcherStats, Counters
 from ferrox_batch.batch.lifecycle import Lifecycle
 from ferrox_batch.batch.queue import AbortInbox, QueueGate
 from ferrox_batch.batch.row import Job
 from ferrox_batch.batch.text import Messages, generate_text
+from ferrox_batch.batch.ticket import Ticket
 from ferrox_batch.batch.worker import DecodeFn, Worker
 from ferrox_batch.budget import ContextCeiling
-from ferrox_batch.errors import DecodeError, InvalidRequest, QueueFull, WorkerDied
+from ferrox_batch.errors import DecodeError, InvalidRequest, QueueFull
 from ferrox_batch.generate import GenerationParams, GenerationResult, PagedKvConfig, paged_hold_positions
 from ferrox_batch.models.kv import KvElem, KvShape
 from ferrox_batch.models.loader import LoadedModel
@@ -43,8 +44,6 @@ from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.stop_tokens import StopTokens
 
 WORKER_THREAD_NAME = "ferrox-continuous-batch"
-#: How often a waiting caller re-checks that the worker is alive (a safety net; replies wake it at once).
-_LIVENESS_POLL_SECS = 0.5
 #: Blocks a growable store starts with when there is no block budget.
 _GROWABLE_INITIAL_BLOCKS = 16
 
@@ -191,6 +190,12 @@ class ContinuousBatcher:
         If `on_chunk` raises, the request is cancelled, the rest of its events are drained,
         and the callback's exception propagates (how a server stops work for a client that left).
         """
+        return self.submit(prompt_tokens, params, stop_tokens).wait(on_chunk)
+
+    def submit(
+        self, prompt_tokens: Sequence[int], params: GenerationParams, stop_tokens: StopTokens | None = None
+    ) -> Ticket:
+        """Run every refusal and queue the request without waiting; raise the typed refusal if any."""
         prompt = _prompt_list(prompt_tokens)
         if not isinstance(params, GenerationParams):
             raise InvalidRequest("params", params, "must be a GenerationParams")
@@ -219,40 +224,13 @@ class ContinuousBatcher:
         except DecodeError:
             self._queue.release()
             raise
-        done = threading.Event()
+        ticket = Ticket(prompt_tokens=len(prompt), max_tokens=params.max_tokens, reply=reply, abort=abort,
+                        aborts=self._aborts, worker=self._thread, lifecycle=self._lifecycle)
         if params.cancel is not None:
-            # Hooks are never unregistered; once answered, a late cancel does nothing.
-            params.cancel.on_cancel(lambda: None if done.is_set() else self._aborts.enqueue(abort))
-        try:
-            return self._wait(reply, abort, on_chunk)
-        finally:
-            done.set()
-
-    def _wait(self, reply: queue.SimpleQueue, abort: int, on_chunk: Callable[[str], None] | None) -> GenerationResult:
-        callback_error: BaseException | None = None
-        while True:
-            try:
-                event = reply.get(timeout=_LIVENESS_POLL_SECS)
-            except queue.Empty:
-                if self._thread.is_alive():
-                    continue
-                try:
-                    event = reply.get_nowait()
-                except queue.Empty:
-                    raise WorkerDied(self._lifecycle.dead or "the worker thread is gone") from None
-            if isinstance(event, Chunk):
-                if on_chunk is not None and callback_error is None:
-                    try:
-                        on_chunk(event.text)
-                    except BaseException as error:  # the caller stopped listening: cancel, keep draining
-                        callback_error = error
-                        self._aborts.enqueue(abort)
-                continue
-            if callback_error is not None:
-                raise callback_error
-            if isinstance(event.result, DecodeError):
-                raise event.result
-            return event.result
+            # Registered only after a successful send; hooks are never unregistered, and once
+            # the ticket is answered a late cancel does nothing.
+            params.cancel.on_cancel(ticket.cancel)
+        return ticket
 
     def generate_text(
         self,
