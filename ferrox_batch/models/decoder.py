@@ -42,6 +42,9 @@ class LayerWeights:
 
 
 class Decoder:
+    """Build from a Hugging Face-named state dict; the dict is consumed (entries are popped as
+    they are converted, so a load never holds two full copies of the weights)."""
+
     def __init__(
         self,
         config: ModelConfig,
@@ -56,12 +59,12 @@ class Decoder:
         take = _Taker(weights, self.device, dtype)
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         if config.tie_word_embeddings and "lm_head.weight" not in weights:
-            self.lm_head = Linear(self.embed)
+            self.lm_head = Linear(self.embed, keep_weight=True)
         else:
             self.lm_head = Linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)))
         self.final_norm = take("model.norm.weight", (config.hidden_size,))
         self.layers = [self._layer(take, i) for i in range(config.num_layers)]
-        unused = set(weights) - take.used - {"lm_head.weight"}
+        unused = set(weights) - {"lm_head.weight"}
         unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
         if unused:
             raise ModelLoadError(f"checkpoint has tensors this architecture does not use: {sorted(unused)[:5]}")
@@ -199,19 +202,18 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class _Taker:
-    """Takes named tensors out of a checkpoint, checking shapes and recording what was used."""
+    """Takes named tensors out of a checkpoint (consuming the dict), checking their shapes."""
 
     def __init__(self, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
         self.weights = weights
         self.device = device
         self.dtype = dtype
-        self.used: set[str] = set()
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        tensor = self.weights.get(name)
+        # Popped, so the checkpoint's copy can be freed as soon as ours exists (peak memory at load).
+        tensor = self.weights.pop(name, None)
         if tensor is None:
             raise ModelLoadError(f"checkpoint is missing the tensor {name!r}")
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-        self.used.add(name)
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()

@@ -21,13 +21,19 @@ _PACK_HINT = 32
 class Linear:
     __slots__ = ("weight", "bias", "_packed", "_kind")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True) -> None:
-        self.weight = weight
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True, keep_weight: bool = False
+    ) -> None:
+        """`keep_weight=False` lets a oneDNN-packed layer drop its plain weight (half the memory);
+        pass True when the tensor is shared (a tied embedding). MKL's fp32 kernel needs both."""
+        self.weight: torch.Tensor | None = weight
         self.bias = bias
         self._packed: torch.Tensor | None = None
         self._kind = "plain"
         if pack and weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32):
             self._try_pack()
+        if self._kind == "mkldnn" and not keep_weight:
+            self.weight = None
 
     @property
     def kind(self) -> str:
