@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pickle
+import random
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 from ferrox_batch.errors import DecodeError, TokenOutOfVocab
 from ferrox_batch.generate import SamplingParams
+from ferrox_batch.models import sampler as sampler_module
 from ferrox_batch.models.sampler import BatchSampler, RowSampler, SamplingError
 
 GREEDY = SamplingParams()
@@ -274,3 +276,197 @@ def test_row_state_is_small_and_typed(device):
     assert isinstance(row, RowSampler) and not hasattr(row, "__dict__")
     assert row.seed == 3 and not row.greedy and row.generator.device.type == torch.device(device).type
     assert sampler.new_row(SamplingParams(temperature=1e-6), 3, []).greedy  # too cold to divide by
+
+
+# --- top_p's candidates-first path (CPU) against the full sort ------------------------------------------
+
+
+def sorted_row_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The filters as the sampler computed them before top_p sorted candidates: every row with a cut sorts whole.
+
+    Kept verbatim (the masses are the softmax of the sorted, top_k-cut row) to pin what must stay bit for
+    bit: rows with a top_k on the CPU, and every row off the CPU.
+    """
+    n = x.shape[1]
+    ks = [p.top_k if 0 < p.top_k < n else 0 for p in params]
+    q = torch.tensor([[p.temperature, k, p.top_p, p.min_p] for p, k in zip(params, ks)], dtype=torch.float32)
+    temperature, top_k, top_p, min_p = (c.unsqueeze(1) for c in q.unbind(1))
+    l = x / temperature
+    threshold = torch.full_like(temperature, float("-inf"))
+    ordered = torch.sort(l, dim=-1, descending=True).values
+    kth = ordered.gather(1, (top_k.long() - 1).clamp_(min=0))
+    threshold = torch.where(top_k > 0, kth, threshold)
+    probs = torch.softmax(ordered.masked_fill(ordered < threshold, float("-inf")), dim=-1)
+    before = probs.cumsum(dim=-1) - probs
+    keep = (before < top_p).sum(dim=-1, keepdim=True)
+    threshold = torch.where(top_p < 1.0, torch.maximum(threshold, ordered.gather(1, keep - 1)), threshold)
+    l = l.masked_fill(l < threshold, float("-inf"))
+    weights = torch.exp(l - l.amax(dim=-1, keepdim=True))
+    return weights.masked_fill(weights < min_p, 0.0)
+
+
+def assorted_logits(rng: random.Random, b: int, n: int) -> torch.Tensor:
+    """Peaked, flat (the candidates fall short), all-tied and coarsely quantised rows, some with -inf holes."""
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    rows = []
+    for _ in range(b):
+        kind = rng.choice(["peaked", "peaked", "flat", "tied", "steps", "groups"])
+        if kind == "peaked":
+            row = torch.randn(n, generator=g) * rng.choice([1.0, 3.0, 6.0])
+        elif kind == "flat":
+            row = torch.randn(n, generator=g) * 1e-3
+        elif kind == "tied":
+            row = torch.full((n,), rng.choice([0.0, -2.5, 7.0]))
+        elif kind == "steps":
+            row = torch.randint(-4, 3, (n,), generator=g).float() * rng.choice([0.5, 2.0])
+        else:  # a few tie groups on top of a noisy tail: top_k and top_p cuts land inside groups
+            row = torch.randn(n, generator=g) - 4.0
+            for value, size in ((6.0, rng.randint(1, 3)), (4.0, rng.randint(1, 40)), (3.0, rng.randint(1, 200))):
+                row[torch.randperm(n, generator=g)[: min(size, n)]] = value
+        if rng.random() < 0.2:
+            row[torch.randperm(n, generator=g)[: n // 3]] = float("-inf")
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def assorted_params(rng: random.Random) -> SamplingParams:
+    return SamplingParams(
+        temperature=rng.choice([0.3, 0.8, 1.0, 1.7]),
+        top_p=rng.choice([1.0, 0.05, 0.3, 0.5, 0.9, 0.95, 0.99, 0.9999]),
+        top_k=rng.choice([0, 0, 0, 1, 3, 20, 50, 700]),
+        min_p=rng.choice([0.0, 0.0, 0.1]),
+    )
+
+
+@pytest.fixture
+def sorts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Records the shape of every torch.sort call."""
+    seen: list[tuple[int, int]] = []
+    real_sort = torch.sort
+
+    def recording(t: torch.Tensor, *args: object, **kwargs: object):
+        seen.append(tuple(t.shape))
+        return real_sort(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "sort", recording)
+    return seen
+
+
+@pytest.mark.parametrize("mass_margin", [None, -0.3])  # -0.3: candidates that mostly miss the cut and must fall back
+def test_candidates_give_the_full_sort_bit_for_bit(monkeypatch, sorts, mass_margin):
+    if mass_margin is not None:
+        monkeypatch.setattr(sampler_module, "_MASS_MARGIN", mass_margin)
+    rng = random.Random(20240607)
+    widths = {"candidates": 0, "whole": 0}
+    for case in range(60):
+        n = rng.choice([20, 300, 4000, 20000])
+        b = rng.randint(1, 6)
+        logits = assorted_logits(rng, b, n + 3)
+        params = [assorted_params(rng) for _ in range(b)]
+        seeds = [rng.randrange(2**63) for _ in range(b)]
+        got = {}
+        for share in (0.5, 0.0):  # the default, then every top_p row through the full sort
+            monkeypatch.setattr(sampler_module, "_CANDIDATE_SHARE", share)
+            sorts.clear()
+            sampler = BatchSampler(n, "cpu")
+            rows = [sampler.new_row(p, seed, []) for p, seed in zip(params, seeds)]
+            dist = sampler.distribution(logits, rows)
+            tokens = [sampler.sample(logits, rows) for _ in range(3)]
+            got[share] = (dist, tokens)
+            if share:
+                widths["candidates"] += sum(1 for shape in sorts if shape[1] < n)
+                widths["whole"] += sum(1 for shape in sorts if shape[1] == n)
+        assert torch.equal(got[0.5][0], got[0.0][0]), (case, params)
+        assert got[0.5][1] == got[0.0][1], (case, params)
+    assert widths["candidates"] > 0 and widths["whole"] > 0, widths  # both paths ran
+
+
+def test_rows_with_top_k_and_the_sync_free_path_keep_the_sorted_row_softmax(monkeypatch):
+    rng = random.Random(7)
+    for case in range(40):
+        n = rng.choice([20, 300, 4000])
+        b = rng.randint(1, 6)
+        logits = assorted_logits(rng, b, n)
+        params = [assorted_params(rng) for _ in range(b)]
+        want = sorted_row_weights(logits, params)
+        want = want / want.sum(dim=-1, keepdim=True)
+        sampler = BatchSampler(n, "cpu")
+        rows = [sampler.new_row(p, 0, []) for p in params]
+        got = sampler.distribution(logits, rows)
+        for i, p in enumerate(params):
+            if 0 < p.top_k < n or p.top_p == 1.0:
+                assert torch.equal(got[i], want[i]), (case, p)
+        # Off the CPU every row sorts whole and nothing is read back before the draw.
+        with monkeypatch.context() as m:
+            m.setattr(sampler_module, "_reads_back", lambda device: False)
+            for name in ("_holds", "_few_enough"):
+                m.setattr(sampler_module, name, lambda *a: pytest.fail("the sync-free path read back"))
+            assert torch.equal(sampler.distribution(logits, rows), want), case
+
+
+def test_cut_ties_stay_together_past_the_candidates(sorts):
+    n = 5000
+    sampler = BatchSampler(n, "cpu")
+    # top_k = 3 lands in a group of 40 tied logits, more than the 16 looked at first.
+    spill = torch.full((n,), -3.0)
+    spill[:2] = torch.tensor([10.0, 9.0])
+    spill[100:140] = 5.0
+    # top_p = 0.2 lands inside a group of 100 tied logits worth 0.29 of the mass.
+    group = torch.zeros(n)
+    group[1000:1100] = 3.0
+    logits = torch.stack([spill, group])
+    params = [SamplingParams(temperature=1.0, top_k=3, top_p=0.99), SamplingParams(temperature=1.0, top_p=0.2)]
+    got = sampler.distribution(logits, [sampler.new_row(p, 0, []) for p in params])
+    assert (got[0] > 0).nonzero().flatten().tolist() == [0, 1, *range(100, 140)]
+    assert (got[1] > 0).nonzero().flatten().tolist() == list(range(1000, 1100))
+    for i, p in enumerate(params):
+        torch.testing.assert_close(got[i].double(), reference_distribution(logits[i], p), atol=1e-6, rtol=0)
+    assert (1, n) in sorts  # the spilling top_k row sorted whole
+
+
+def test_temperature_and_min_p_rows_never_sort(device, monkeypatch):
+    def boom(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a row without top_k or top_p sorted")
+
+    monkeypatch.setattr(torch, "sort", boom)
+    monkeypatch.setattr(torch, "topk", boom)
+    sampler = BatchSampler(3000, device)
+    params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, min_p=0.05), GREEDY,
+              SamplingParams(temperature=1.3, min_p=0.5, repetition_penalty=1.1)]
+    rows = [sampler.new_row(p, i, [1]) for i, p in enumerate(params)]
+    logits = randn(4, 3000, seed=3, device=device)
+    assert all(isinstance(t, int) for t in sampler.sample(logits, rows))
+    assert sampler.distribution(logits, rows).shape == (4, 3000)
+
+
+def test_only_top_k_and_top_p_rows_reach_a_sort(device, monkeypatch):
+    calls: list[tuple[str, int]] = []
+    for name in ("sort", "topk"):
+        real = getattr(torch, name)
+
+        def recording(t: torch.Tensor, *args: object, _real=real, _name=name, **kwargs: object):
+            calls.append((_name, t.shape[0]))
+            return _real(t, *args, **kwargs)
+
+        monkeypatch.setattr(torch, name, recording)
+    sampler = BatchSampler(3000, device)
+    params = [SamplingParams(temperature=0.8, min_p=0.05), SamplingParams(temperature=0.8, top_p=0.9),
+              SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=40, top_p=0.95)]
+    rows = [sampler.new_row(p, i, []) for i, p in enumerate(params)]
+    sampler.sample(randn(4, 3000, seed=5, device=device), rows)
+    assert calls and all(size <= 2 for _, size in calls), calls
+
+
+def test_candidates_just_short_of_top_p_fall_back(monkeypatch):
+    # Ten tied leaders, then a distinct tail: top_p sits 5e-5 above the leaders' mass, so the full sort
+    # also keeps the largest tail token. Candidates aimed below top_p are exactly the leaders.
+    monkeypatch.setattr(sampler_module, "_MASS_MARGIN", -0.01)
+    n = 5000
+    logits = randn(n, seed=11, device="cpu", scale=0.01)
+    logits[:10] = 5.0
+    probs = torch.softmax(logits, 0)
+    params = SamplingParams(temperature=1.0, top_p=float(probs[:10].sum()) + 5e-5)
+    sampler = BatchSampler(n, "cpu")
+    got = sampler.distribution(logits.unsqueeze(0), [sampler.new_row(params, 0, [])])[0]
+    want = reference_distribution(logits, params)
+    assert (got > 0).tolist() == (want > 0).tolist() and int((want > 0).sum()) == 11

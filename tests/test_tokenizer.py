@@ -68,3 +68,14 @@ def test_stop_tokens_are_a_set_of_ids():
     assert not StopTokens.default().contains(0)
     with pytest.raises(ValueError):
         StopTokens(frozenset({-1}))
+
+
+def test_ids_of_a_padded_model_vocabulary_decode_to_nothing(tiny_llama_dir):
+    tok = Tokenizer.from_dir(tiny_llama_dir)
+    size = tok.vocab_size
+    with pytest.raises(ValueError):
+        tok.decode([size + 5])
+    tok.pad_to(size + 10)
+    assert tok.decode([size + 5]) == b""
+    with pytest.raises(ValueError):
+        tok.decode([size + 10])

@@ -173,23 +173,25 @@ class Worker:
             self.waiting.popleft()
             self.queue_gate.release()
             prefill = self._accept(job)
-            if prefill is None:
+            if not isinstance(prefill, Prefill):
+                # Refused at validation or finished at once: blocks go back before the reply,
+                # so a caller that reads stats() after its answer sees them free.
                 self.budget.release(job.blocks)
+                send_finished(job.reply, prefill)
                 continue
             self.prefills.append(prefill)
             new_seqs += 1
             new_tokens += len(job.prompt_tokens)
         return PrefillSnapshot(new_seqs, new_tokens, 0)
 
-    def _accept(self, job: Job) -> Prefill | None:
+    def _accept(self, job: Job) -> Prefill | GenerationResult | DecodeError:
+        """A prefill for an admitted job, or the job's whole answer when it ends here."""
         bad = next((t for t in job.prompt_tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            send_finished(job.reply, TokenOutOfVocab(bad, self.vocab_size))
-            return None
+            return TokenOutOfVocab(bad, self.vocab_size)
         if job.params.max_tokens == 0:
             # Divergence (spec 6.1): upstream never finishes such a row; it ends at once here.
-            send_finished(job.reply, GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(job.prompt_tokens), 0)))
-            return None
+            return GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(job.prompt_tokens), 0))
         seq_id = self._next_seq
         while self.store.has_sequence(seq_id):  # a shared store may hold others' sequences
             seq_id += 1
@@ -197,8 +199,7 @@ class Worker:
         try:
             self.store.add_sequence(seq_id, job.positions)
         except KvPoolExhausted:  # the ledger said yes but the page store said no
-            send_finished(job.reply, KvPoolExhausted())
-            return None
+            return KvPoolExhausted()
         state = PrefillState(seq_id, job.prompt_tokens, self.config.prefill_chunk)
         return Prefill(state, len(job.prompt_tokens), job.params, job.stop_tokens, job.reply, job.abort,
                        job.blocks, RowClock.start())
@@ -238,7 +239,13 @@ class Worker:
             return False
         slot.generated_ids.append(token)
         slot.clock.token()
-        piece = slot.utf8.push(self.decode([token]))
+        try:
+            text = self.decode([token])
+        except Exception as bad:  # one row's detokenizer failure is that row's fault, not the worker's
+            log.exception("decode failed")
+            slot.fail(InternalError(f"decoding token {token} failed: {type(bad).__name__}: {bad}"))
+            return False
+        piece = slot.utf8.push(text)
         if piece and slot.apply_stop_buffer(piece):
             return False
         if len(slot.generated_ids) >= slot.max_tokens:

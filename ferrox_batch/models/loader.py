@@ -70,6 +70,7 @@ def _build(
         raise ModelLoadError(
             f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is {config.vocab_size}"
         )
+    tokenizer.pad_to(config.vocab_size)
     chosen_device = choose_device(device)
     chosen_dtype = choose_dtype(dtype, chosen_device, config)
     decoder = Decoder(config, weights, device=chosen_device, dtype=chosen_dtype)

@@ -34,6 +34,21 @@ What it promises:
   SamplingError` per row, the error for a row whose logits contain NaN or
   +inf or are all -inf.
 
+How it stays cheap: greedy, temperature-only and min_p-only rows never sort
+(min_p compares with the largest probability, a max); top_k takes a `topk`.
+top_p needs the sorted distribution, and a full-vocabulary sort costs more
+than a decode step on a CPU, so there a top_p row sorts only candidates, a
+prefix of its sort that is sure to hold the cut, and the whole row only when
+no such prefix is found cheaply (flat distributions, ties running past the
+candidates). The candidate path gives the full sort's cut bit for bit; it
+reads tensors back to choose (free on the CPU). Off the CPU every row with a
+cut sorts whole, so the single sync stays the only one. The sorted masses
+are the softmax of the sorted, top_k-cut row, except for top_p rows without
+a top_k on the CPU: theirs are the softmax of the unsorted row, which a
+prefix can reproduce; the two differ only in how the softmax's sum rounds,
+which moves a cut only where a preceding mass lies within float32 rounding
+of top_p.
+
 Seam for grammars and reasoning budgets (out of scope here, spec 3.10): their
 vocab masks would apply right after the penalties, and a row masked to
 nothing becomes a further per-row outcome (`GrammarComplete`) next to
@@ -56,6 +71,15 @@ __all__ = ["MIN_TEMPERATURE", "BatchSampler", "RowSampler", "SamplingError"]
 #: Below this a temperature is treated as greedy.
 MIN_TEMPERATURE = 1e-5
 _MAX_SEED = 2**64 - 1
+#: A CPU top_p row without a top_k sorts as candidates the logits whose
+#: probability buckets (`_BUCKETS` of them, by float bits) reach top_p +
+#: `_MASS_MARGIN` of the mass, widened by `_LOGIT_MARGIN` nats. Candidates
+#: beyond `_CANDIDATE_SHARE` of the vocabulary are not worth it; 0 sends every
+#: top_p row to the full sort (the tests compare the two paths).
+_BUCKETS = 1024
+_MASS_MARGIN = 1e-4
+_LOGIT_MARGIN = 1e-3
+_CANDIDATE_SHARE = 0.5
 # Row status codes carried through the single host sync (index 0 = fine).
 _PROBLEMS = (
     "",
@@ -255,24 +279,223 @@ class BatchSampler:
         )
         temperature, top_k, top_p, min_p = (c.unsqueeze(1) for c in q.unbind(1))
         l = x / temperature
-        need_k, need_p = any(ks), any(p.top_p < 1.0 for p in params)
-        threshold = torch.full_like(temperature, float("-inf"))
-        if need_p:
-            ordered = torch.sort(l, dim=-1, descending=True).values
-        elif need_k:
-            ordered = torch.topk(l, max(ks), dim=-1).values  # enough for every row's k-th value
-        if need_k:
-            kth = ordered.gather(1, (top_k.long() - 1).clamp_(min=0))
-            threshold = torch.where(top_k > 0, kth, threshold)
-        if need_p:
-            probs = torch.softmax(ordered.masked_fill(ordered < threshold, float("-inf")), dim=-1)
-            before = probs.cumsum(dim=-1) - probs  # mass strictly ahead of each sorted token
-            keep = (before < top_p).sum(dim=-1, keepdim=True)  # >= 1: before[0] is exactly 0
-            threshold = torch.where(top_p < 1.0, torch.maximum(threshold, ordered.gather(1, keep - 1)), threshold)
-        if need_k or need_p:
-            l = l.masked_fill(l < threshold, float("-inf"))
+        k_rows = [i for i, k in enumerate(ks) if k]
+        p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        dropped = None
+        if k_rows or p_rows:  # temperature-only and min_p-only rows never reach a sort or a topk
+            dropped = l < _cuts(l, ks, top_k, top_p, k_rows, p_rows)
         # exp(l - max) is each token's probability relative to the largest, which is what min_p compares.
-        weights = torch.exp(l - l.amax(dim=-1, keepdim=True))
+        # No cut reaches a row's largest logit, so its max is the same before and after the cuts. Cut
+        # tokens go through exp as 0 and come out as 0: the same bits as exp(-inf), without exp's slow
+        # path for -inf.
+        weights = l.sub_(l.amax(dim=-1, keepdim=True))
+        if dropped is not None:
+            weights.masked_fill_(dropped, 0.0)
+        weights.exp_()
+        if dropped is not None:
+            weights.masked_fill_(dropped, 0.0)
         if any(p.min_p > 0.0 for p in params):
-            weights = weights.masked_fill(weights < min_p, 0.0)
+            weights.masked_fill_(weights < min_p, 0.0)
         return weights
+
+
+def _index(rows: Sequence[int], total: int, device: torch.device) -> torch.Tensor | None:
+    """An index tensor for `rows`, or None when they are all `total` rows in order."""
+    return None if len(rows) == total else torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _pick(t: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    return t if index is None else t.index_select(0, index)
+
+
+def _put(into: torch.Tensor, index: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    return rows if index is None else into.index_copy_(0, index, rows)
+
+
+def _cuts(
+    l: torch.Tensor, ks: Sequence[int], top_k: torch.Tensor, top_p: torch.Tensor,
+    k_rows: Sequence[int], p_rows: Sequence[int],
+) -> torch.Tensor:
+    """Each row's `[B, 1]` cut: tokens below it are dropped (-inf: no cut).
+
+    top_k's cut is the k-th largest logit; top_p's is the logit of the last
+    token of the shortest sorted prefix whose preceding mass stays < top_p.
+    Off the CPU every row with a cut sorts its whole row, reading nothing
+    back. On the CPU a row sorts only candidates (a prefix of its sort) when
+    they are sure to give the full sort's cut bit for bit, and its whole row
+    otherwise (see `_nucleus_from_top_k` and `_nucleus_without_top_k`).
+    """
+    b, n = l.shape
+    dev = l.device
+    cut = torch.full_like(top_p, float("-inf"))
+    if p_rows and not _reads_back(dev):
+        # One sort of every row with a cut and no host read: the batch keeps its single sync.
+        index = _index(sorted({*k_rows, *p_rows}), b, dev)
+        ordered = torch.sort(_pick(l, index), dim=-1, descending=True).values
+        kc, pc = _pick(top_k, index), _pick(top_p, index)
+        kth = torch.where(kc > 0, ordered.gather(1, (kc.long() - 1).clamp_(min=0)), float("-inf"))
+        last, _ = _sorted_nucleus(ordered, kth, pc)
+        return _put(cut, index, torch.where(pc < 1.0, torch.maximum(kth, last), kth))
+    with_k = [i for i in p_rows if ks[i]]
+    if k_rows:
+        index = _index(k_rows, b, dev)
+        # Enough for every row's k-th value; a top_p row's also wants to see where its ties end, and at
+        # least 16 logits (see _nucleus_from_top_k).
+        width = min(n, max(max(ks) + 1, 16)) if with_k else max(ks)
+        head = torch.topk(_pick(l, index), width, dim=-1).values
+        cut = _put(cut, index, head.gather(1, (_pick(top_k, index).long() - 1).clamp_(min=0)))
+        if with_k:
+            place = {row: i for i, row in enumerate(k_rows)}
+            index = _index(with_k, b, dev)
+            head = _pick(head, _index([place[i] for i in with_k], len(k_rows), dev))
+            cut = _put(cut, index, _nucleus_from_top_k(l, index, head, _pick(cut, index), _pick(top_p, index)))
+    without_k = [i for i in p_rows if not ks[i]]
+    if without_k:
+        index = _index(without_k, b, dev)
+        cut = _put(cut, index, _nucleus_without_top_k(_pick(l, index), _pick(top_p, index)))
+    return cut
+
+
+def _reads_back(device: torch.device) -> bool:
+    """Whether the cuts may read tensors back to choose a path: free on the CPU, a sync anywhere else."""
+    return device.type == "cpu"
+
+
+def _nucleus(sorted_probs: torch.Tensor, ordered: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """top_p's cut over a sorted prefix of each row, and the running sum's last value (the prefix's mass).
+
+    `sorted_probs[i, j]` is the probability of the token whose logit is
+    `ordered[i, j]` (0 past the end of a row's prefix). Rows with top_p = 1
+    get some logit of theirs: callers keep only the rows with top_p < 1.
+    """
+    running = sorted_probs.cumsum(dim=-1)
+    before = running - sorted_probs  # mass strictly ahead of each sorted token
+    keep = (before < top_p).sum(dim=-1, keepdim=True)  # >= 1 (before[0] is exactly 0) unless the row is NaN
+    last = ordered.gather(1, (keep - 1).clamp_(min=0))
+    return torch.where(top_p < 1.0, last, float("-inf")), running[:, -1:]
+
+
+def _sorted_nucleus(ordered: torch.Tensor, kth: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_nucleus` with the probabilities as the softmax of the sorted, top_k-cut row."""
+    return _nucleus(torch.softmax(ordered.masked_fill(ordered < kth, float("-inf")), dim=-1), ordered, top_p)
+
+
+def _holds(mass: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Whether a sorted prefix whose running sum ends at `mass` is sure to hold top_p's cut.
+
+    Every later token of the full sort sees a preceding mass within 2**-23
+    of that sum (the running sum is accumulated in float64 and rounded to
+    float32 per element), so from top_p + 2**-22 on none of them is kept.
+    """
+    return (mass.double() >= top_p.double() + 2.0**-22) | (top_p >= 1.0)
+
+
+def _nucleus_from_top_k(
+    l: torch.Tensor, index: torch.Tensor | None, head: torch.Tensor, kth: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The cut of rows `index` of `l` that have both top_k and top_p, from `head`, their largest logits sorted.
+
+    The probabilities are the softmax of the sorted, top_k-cut row, whose
+    tokens past the top_k cut weigh exactly 0. Over a head of >= 16 logits
+    that holds every nonzero one, the CPU softmax sums the same bits as over
+    the whole sorted row (its vector lanes only ever add those zeros; the
+    tests check this), so the head gives the full sort's cut. Rows whose
+    top_k ties may run on past the head, or whose head misses top_p's cut
+    (`_holds`), sort whole.
+    """
+    n = l.shape[1]
+    last, mass = _sorted_nucleus(head, kth, top_p)
+    cut = torch.maximum(kth, last)
+    if head.shape[1] == n:
+        return cut
+    held = _holds(mass, top_p) & (head[:, -1:] < kth)
+    whole = [i for i, ok in enumerate(held.squeeze(1).tolist()) if not ok or _CANDIDATE_SHARE <= 0]
+    if whole:
+        at = _index(whole, head.shape[0], l.device)
+        rows = at if index is None else _pick(index, at)
+        ordered = torch.sort(_pick(l, rows), dim=-1, descending=True).values
+        kth_whole, top_p_whole = _pick(kth, at), _pick(top_p, at)
+        last, _ = _sorted_nucleus(ordered, kth_whole, top_p_whole)
+        cut = _put(cut, at, torch.maximum(kth_whole, last))
+    return cut
+
+
+def _nucleus_without_top_k(l: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The cut of top_p rows without a top_k on the CPU, sorting only their candidates where they hold it.
+
+    The probabilities are the softmax of the unsorted row gathered into
+    sorted order, which any sorted prefix of the row can reproduce (the
+    sorted row's softmax could not: its sum runs over the whole sort). A
+    row's candidates are every logit in the histogram buckets of its
+    probabilities that first reach top_p + `_MASS_MARGIN`, counted down from
+    the top: every logit >= their smallest, ties included, so a prefix of the
+    row's sort with the same probabilities and running sum as there. Rows
+    whose candidates miss the cut (`_holds`), or are too many to be worth it
+    (`_few_enough`), sort whole. Deciding reads back from the tensors, which
+    on the CPU costs no sync.
+    """
+    f, n = l.shape
+    dev = l.device
+    probs = torch.softmax(l, dim=-1)
+    cut = torch.full_like(top_p, float("-inf"))
+    full = list(range(f))
+    if _CANDIDATE_SHARE > 0:
+        # Bucket each probability by its float bits: exponent and top 3 mantissa bits, 8 buckets an
+        # octave (a NaN, from a bad row, lands in the first or last). Counted down from the top, the
+        # buckets that reach the aim give a probability floor, and the candidates are the logits at or
+        # above the floor's logit less a margin: value-closed, whatever the rounding of exp.
+        bucket = (probs.view(torch.int32) >> 20).clamp_(0, _BUCKETS - 1)
+        bucket += torch.arange(0, f * _BUCKETS, _BUCKETS, dtype=torch.int32, device=dev).unsqueeze(1)
+        # index_add_, not scatter_add_: it takes int32 indices on every supported torch, without a copy.
+        mass = torch.zeros(f * _BUCKETS, dtype=probs.dtype, device=dev).index_add_(0, bucket.view(-1), probs.view(-1))
+        short = (mass.view(f, _BUCKETS).flip(-1).cumsum(dim=-1) < top_p + _MASS_MARGIN).sum(dim=-1, keepdim=True)
+        floor = ((_BUCKETS - 1 - short).clamp_(min=0).to(torch.int32) << 20).view(torch.float32)
+        at_least = l.amax(dim=-1, keepdim=True) + (floor / probs.amax(dim=-1, keepdim=True)).log_() - _LOGIT_MARGIN
+        at_least.masked_fill_(floor == 0, float("inf"))  # no floor: the whole row, so no candidates at all
+        row, col = (l >= at_least).nonzero().unbind(1)  # grouped by row
+        counts = torch.bincount(row, minlength=f)
+        few = _few_enough(counts.tolist(), n)
+        chosen = set(few)
+        full = [i for i in range(f) if i not in chosen]
+        if few:
+            index = _index(few, f, dev)
+            if index is not None:  # drop the other rows' candidates, number the rest by their place in `few`
+                slot = torch.full((f,), -1, dtype=torch.long, device=dev)
+                slot[index] = torch.arange(len(few), device=dev)
+                kept = slot[row] >= 0
+                row, col = row[kept], col[kept]
+            count = _pick(counts, index)
+            place = row if index is None else slot[row]
+            pos = torch.arange(row.shape[0], device=dev) - (count.cumsum(0) - count)[place]
+            width = int(count.max())
+            values = torch.full((len(few), width), float("-inf"), device=dev)
+            values[place, pos] = l[row, col]
+            unsorted = torch.zeros((len(few), width), dtype=probs.dtype, device=dev)
+            unsorted[place, pos] = probs[row, col]
+            ordered, order = torch.sort(values, dim=-1, descending=True)
+            top_p_few = _pick(top_p, index)
+            few_cut, few_mass = _nucleus(unsorted.gather(1, order), ordered, top_p_few)
+            cut = _put(cut, index, few_cut)
+            full += [i for i, ok in zip(few, _holds(few_mass, top_p_few).squeeze(1).tolist()) if not ok]
+    if full:
+        index = _index(sorted(full), f, dev)
+        ordered, order = torch.sort(_pick(l, index), dim=-1, descending=True)
+        full_cut, _ = _nucleus(_pick(probs, index).gather(1, order), ordered, _pick(top_p, index))
+        cut = _put(cut, index, full_cut)
+    return cut
+
+
+def _few_enough(counts: Sequence[int], n: int) -> list[int]:
+    """The rows that sort only their candidates, padded to the longest of them; the rest sort whole.
+
+    Picks the width that sorts the fewest elements in all (sorting a whole
+    row costs about as much as sorting `n` padded candidates), never above
+    `_CANDIDATE_SHARE` of the vocabulary.
+    """
+    widths = sorted(c for c in counts if 0 < c <= _CANDIDATE_SHARE * n)
+    if not widths:
+        return []
+    rows = len(counts)
+    # Padding to widths[j] sorts at least j + 1 rows that way (exactly, at the last of equal widths).
+    best = min(range(len(widths)), key=lambda j: ((j + 1) * widths[j] + (rows - j - 1) * n, j))
+    return [i for i, c in enumerate(counts) if 0 < c <= widths[best]]

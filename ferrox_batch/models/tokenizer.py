@@ -133,6 +133,15 @@ class Tokenizer:
                 table[index] = text.replace("\u2581", " ").encode("utf-8")
         return table
 
+    def pad_to(self, vocab_size: int) -> None:
+        """Let ids up to the model's (padded) vocabulary decode, as no bytes.
+
+        Checkpoints often pad the lm head past the tokenizer (Qwen2 does); a sampled padding id
+        must not be an error.
+        """
+        if vocab_size > len(self._bytes):
+            self._bytes.extend([b""] * (vocab_size - len(self._bytes)))
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         if not isinstance(text, str):
             raise TypeError(f"text must be a string, got {type(text).__name__}")

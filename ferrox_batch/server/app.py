@@ -1,0 +1,142 @@
+"""`create_app`: the OpenAI-compatible HTTP front of one `ContinuousBatcher` (issue 5).
+
+Endpoints:
+
+* `POST /v1/completions`, `POST /v1/chat/completions` (the checkpoint's chat
+  template), both with `stream: true` as server-sent events ending with
+  `data: [DONE]` (see `generation` for how a request is served);
+* `GET /v1/models`: the one served model, in OpenAI's list shape;
+* `GET /health`: 200 `{"status": "ok"}`, 503 once the worker is dead;
+* `GET /metrics`: Prometheus text (see `metrics`);
+* `GET /stats`: `BatcherStats` as JSON.
+
+Every error, routing ones included, is a JSON body in the OpenAI error shape.
+Nothing is global: each app has its own pools, metrics registry and state
+(`app.state.ferrox`), so several apps can live in one process. The app does
+not own the batcher: closing it is the caller's job (`serve` does); on
+shutdown the app cancels whatever is still in flight and joins its pools.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import JSONResponse, Response
+
+from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.server.errors import error_body
+from ferrox_batch.server.generation import Generations, Limits
+from ferrox_batch.server.metrics import CONTENT_TYPE
+from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS
+
+log = logging.getLogger("ferrox_batch.server")
+
+#: Request bodies larger than this are refused with 413. A 1 MB prompt still fits, and is then
+#: refused by the context ceiling with a 400 that names the numbers.
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+#: Threads that wait on tickets, one per request in flight (started lazily). Requests past this
+#: many still run in the batcher; their chunks wait until a thread frees up.
+DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
+#: Threads that parse, tokenize and submit.
+DEFAULT_PREPARE_THREADS = 4
+
+
+def create_app(
+    batcher: ContinuousBatcher,
+    *,
+    model_name: str,
+    default_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
+    default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    prepare_threads: int = DEFAULT_PREPARE_THREADS,
+) -> FastAPI:
+    """An app serving `batcher` under the name `model_name`.
+
+    When a request sends neither `max_tokens` nor `max_completion_tokens`, `/v1/completions`
+    generates up to `default_max_tokens` (OpenAI's 16) and chat up to `default_chat_max_tokens`
+    (1024); the batcher clamps any budget to the context ceiling. The batcher must have a
+    tokenizer (`ContinuousBatcher.from_model`).
+    """
+    tokenizer = batcher.tokenizer
+    if tokenizer is None:
+        raise ValueError("create_app needs a batcher with a tokenizer: build it with ContinuousBatcher.from_model")
+    if not isinstance(model_name, str) or not model_name:
+        raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
+    limits = Limits(default_max_tokens, default_chat_max_tokens, max_body_bytes, max_concurrent_requests,
+                    prepare_threads)
+    for field in dataclasses.fields(limits):
+        value = getattr(limits, field.name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
+    state = ServerState(batcher, Generations(batcher, tokenizer, model_name, limits), model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await state.generations.shutdown()
+
+    app = FastAPI(title="ferrox-batch", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.ferrox = state
+    app.add_api_route("/v1/completions", state.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", state.chat, methods=["POST"])
+    app.add_api_route("/v1/models", state.models, methods=["GET"])
+    app.add_api_route("/health", state.health, methods=["GET"])
+    app.add_api_route("/metrics", state.metrics, methods=["GET"])
+    app.add_api_route("/stats", state.stats, methods=["GET"])
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _internal_error)
+    return app
+
+
+class ServerState:
+    """What one app holds (`app.state.ferrox`), and its endpoints."""
+
+    def __init__(self, batcher: ContinuousBatcher, generations: Generations, model_name: str) -> None:
+        self.batcher = batcher
+        self.generations = generations
+        self.model_name = model_name
+        self.created = int(time.time())
+
+    async def completions(self, request: Request) -> Response:
+        return await self.generations.serve(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self.generations.serve(request, chat=True)
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ferrox-batch"}]}
+
+    async def health(self) -> Response:
+        if self.batcher.stats().worker_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "unavailable", "reason": "the batch scheduler's worker is not running"},
+                            status_code=503)
+
+    async def metrics(self) -> Response:
+        return Response(self.generations.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def stats(self) -> dict[str, Any]:
+        return self.batcher.stats().to_dict()
+
+
+async def _http_error(_request: Request, exc: Exception) -> Response:
+    """Routing errors (404, 405) in the OpenAI error shape too."""
+    assert isinstance(exc, StarletteHTTPException)
+    body = {"error": {"type": "invalid_request_error", "code": None, "message": str(exc.detail)}}
+    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+
+
+async def _internal_error(_request: Request, exc: Exception) -> Response:
+    log.error("unhandled error serving a request", exc_info=exc)
+    return JSONResponse(error_body(exc), status_code=500)

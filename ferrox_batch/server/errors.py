@@ -1,0 +1,61 @@
+"""The HTTP-only refusals, and how any `DecodeError` becomes a response.
+
+The batcher's `DecodeError` family already knows its HTTP status, its
+`Retry-After` and its OpenAI body; the server adds the few refusals only HTTP
+has (an unknown model name, a body over the size cap) as members of the same
+family, so one function answers them all and the refusal metrics can count
+them by the same `code`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+from ferrox_batch.errors import DecodeError
+
+
+class ModelNotFound(DecodeError):
+    http_status = 404
+    error_type = "invalid_request_error"
+    error_code = "model_not_found"
+    _fields = ("model", "served")
+
+    def __init__(self, model: str, served: str) -> None:
+        self.model = model
+        self.served = served
+        super().__init__(f"The model `{model}` does not exist: this server serves `{served}`")
+
+    def to_dict(self) -> dict[str, Any]:
+        body = super().to_dict()
+        body["error"]["param"] = "model"
+        return body
+
+
+class RequestTooLarge(DecodeError):
+    http_status = 413
+    error_type = "invalid_request_error"
+    error_code = "request_too_large"
+    _fields = ("size", "limit")
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(f"the request body is {size} bytes, more than this server's limit of {limit} bytes")
+
+
+def error_body(error: BaseException) -> dict[str, Any]:
+    """The OpenAI error body for any exception; a non-`DecodeError` is a server bug and says only its type."""
+    if isinstance(error, DecodeError):
+        return error.to_dict()
+    return {"error": {"type": "server_error", "code": "internal_error",
+                      "message": f"internal server error ({type(error).__name__})"}}
+
+
+def error_response(error: DecodeError) -> JSONResponse:
+    """The status, body and `Retry-After` header the error itself declares."""
+    headers = None
+    if error.retry_after_secs is not None:
+        headers = {"Retry-After": str(error.retry_after_secs)}
+    return JSONResponse(error.to_dict(), status_code=error.http_status, headers=headers)

@@ -1,0 +1,270 @@
+"""`Generations`: how one app serves `/v1/completions` and `/v1/chat/completions`.
+
+The pipeline of one request, and why each step is where it is:
+
+1. The body is read on the loop (refused with 413 past `max_body_bytes`;
+   the rest of it is drained first, so the client reads a clean 413 instead
+   of a connection reset).
+2. On a small *prepare* pool: JSON parsing, validation, tokenizing or
+   templating, and `batcher.submit`, which raises every refusal before
+   anything is queued. A 1 MB prompt is tokenized there, never on the loop.
+   A refusal is a JSON error with the error's own status (and `Retry-After`).
+3. The ticket's blocking `wait` runs on a large *wait* pool (one thread per
+   request in flight, up to `max_concurrent_requests`; the default anyio limit
+   of 40 would cap concurrency), bridged to the loop by `TicketBridge`.
+   Keeping the pools apart means busy waits never delay a refusal and a burst
+   of long prompts never delays the streams.
+4. Headers go out only once the first event arrives, so a failure the worker
+   reports before any text (a prompt token outside the vocabulary, a KV page
+   store that said no) is still a plain JSON error with its status, never a
+   stream that breaks. A stream then carries text chunks, the final chunk,
+   the usage chunk when `stream_options.include_usage` is set, and `[DONE]`.
+5. A client that disconnects, streaming or not, cancels its request
+   (`Ticket.cancel`): the worker frees its KV blocks at its next tick.
+
+A request counts as in flight from `submit` until the batcher answers it
+(cancelled ones included), which is what `vllm:num_requests_running` is
+computed from.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import jinja2
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+
+from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.batch.ticket import Ticket
+from ferrox_batch.errors import BatcherClosed, DecodeError
+from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.server.errors import ModelNotFound, RequestTooLarge, error_body, error_response
+from ferrox_batch.server.metrics import ServerMetrics
+from ferrox_batch.server.requests import (
+    ChatRequest,
+    CompletionRequest,
+    invalid,
+    parse_chat_request,
+    parse_completion_request,
+    parse_json_object,
+)
+from ferrox_batch.server.responses import DONE, ChatFormat, CompletionFormat, WireFormat, finish_reason, sse
+from ferrox_batch.server.streaming import (
+    Done,
+    EventStreamResponse,
+    Failed,
+    Final,
+    Text,
+    TicketBridge,
+    next_or_disconnect,
+    wait_for_disconnect,
+)
+
+log = logging.getLogger("ferrox_batch.server")
+
+#: Seconds shutdown waits for cancelled requests to be answered before giving up on them.
+SHUTDOWN_JOIN_SECS = 10.0
+#: nginx's "client closed request": nobody reads it, but access logs then say what happened.
+CLIENT_CLOSED_REQUEST = 499
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """The knobs of `create_app` that shape generation requests."""
+
+    default_max_tokens: int
+    default_chat_max_tokens: int
+    max_body_bytes: int
+    max_concurrent_requests: int
+    prepare_threads: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    request: CompletionRequest | ChatRequest
+    ticket: Ticket
+
+
+class Generations:
+    """The generation endpoints of one app: its pools, its in-flight requests, its metrics."""
+
+    def __init__(self, batcher: ContinuousBatcher, tokenizer: Tokenizer, model_name: str, limits: Limits) -> None:
+        self.batcher = batcher
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.limits = limits
+        self.in_flight: set[TicketBridge] = set()  # touched on the loop thread only
+        self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), model_name)
+        #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
+        self.thread_prefix = f"ferrox-http-{id(self):x}"
+        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(limits.prepare_threads,
+                                                                   f"{self.thread_prefix}-prepare")
+        self._wait_pool = concurrent.futures.ThreadPoolExecutor(limits.max_concurrent_requests,
+                                                                f"{self.thread_prefix}-wait")
+
+    async def serve(self, request: Request, *, chat: bool) -> Response:
+        arrival = time.monotonic()
+        try:
+            raw = await _read_body(request, self.limits.max_body_bytes)
+            prepared = await self._prepare(raw, chat)
+        except DecodeError as refusal:
+            self.metrics.refused(refusal.code)
+            return error_response(refusal)
+        except ClientDisconnect:  # gone while sending the body: nothing was submitted
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        stream = prepared.request.stream
+        bridge = TicketBridge(prepared.ticket, asyncio.get_running_loop(), self._wait_pool, forward_text=stream,
+                              on_final=lambda b, final: self._answered(b, final, arrival))
+        self.in_flight.add(bridge)
+        try:
+            bridge.start()
+        except RuntimeError:  # the wait pool is shut down: the server is stopping
+            prepared.ticket.cancel()
+            self._answered(bridge, Failed(BatcherClosed()), arrival)
+            return error_response(BatcherClosed())
+        disconnected = asyncio.ensure_future(wait_for_disconnect(request.receive))
+        handed_off = False
+        try:
+            first = await next_or_disconnect(bridge, disconnected)
+            if first is None:
+                self._abandon(bridge)
+                return Response(status_code=CLIENT_CLOSED_REQUEST)
+            if isinstance(first, Failed):
+                return _failure_response(first.error)
+            fmt: WireFormat = ChatFormat(self.model_name) if chat else CompletionFormat(self.model_name)
+            if not stream:
+                assert isinstance(first, Done)
+                return JSONResponse(fmt.full(first.result))
+            handed_off = True
+            return EventStreamResponse(self._events(first, bridge, fmt, prepared.request.include_usage),
+                                       on_close=lambda: self._abandon(bridge))
+        finally:
+            disconnected.cancel()
+            if not handed_off:
+                bridge.abandon()  # a no-op once answered; cancels if this handler itself was cancelled
+
+    async def _prepare(self, raw: bytes, chat: bool) -> _Prepared:
+        """Parse, tokenize and submit on the prepare pool; a ticket whose handler was cancelled is cancelled."""
+        loop = asyncio.get_running_loop()
+        try:
+            future = loop.run_in_executor(self._prepare_pool, self._prepare_sync, raw, chat)
+        except RuntimeError:  # the pool is shut down: the server is stopping
+            raise BatcherClosed() from None
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            future.add_done_callback(_cancel_orphan)
+            raise
+
+    def _prepare_sync(self, raw: bytes, chat: bool) -> _Prepared:
+        body = parse_json_object(raw)
+        request: CompletionRequest | ChatRequest
+        if chat:
+            request = parse_chat_request(body, default_max_tokens=self.limits.default_chat_max_tokens)
+        else:
+            request = parse_completion_request(body, default_max_tokens=self.limits.default_max_tokens)
+        if request.model is not None and request.model != self.model_name:
+            raise ModelNotFound(request.model, self.model_name)
+        if isinstance(request, ChatRequest):
+            ids = _chat_ids(self.tokenizer, request)
+        elif isinstance(request.prompt, str):
+            ids = self.tokenizer.encode(request.prompt)
+        else:
+            ids = list(request.prompt)
+        params = request.options.generation_params(self.tokenizer, request.max_tokens)
+        ticket = self.batcher.submit(ids, params, self.tokenizer.stop_tokens)
+        return _Prepared(request, ticket)
+
+    @staticmethod
+    async def _events(first: Text | Done, bridge: TicketBridge, fmt: WireFormat,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        """The SSE body from the first event on (the response cancels the request if it ends early)."""
+        for chunk in fmt.opening_chunks():
+            yield sse(chunk)
+        event = first
+        while True:
+            if isinstance(event, Text):
+                if event.text:
+                    yield sse(fmt.text_chunk(event.text))
+            elif isinstance(event, Done):
+                yield sse(fmt.final_chunk(finish_reason(event.result.finish_reason)))
+                if include_usage:
+                    yield sse(fmt.usage_chunk(event.result.usage))
+                yield DONE
+                return
+            else:  # a failure after text went out: reported in-band, as OpenAI streams do
+                yield sse(error_body(event.error))
+                yield DONE
+                return
+            event = await bridge.next_event()
+
+    def _abandon(self, bridge: TicketBridge) -> None:
+        """The client is gone: cancel its request if the batcher has not answered it yet."""
+        if bridge.abandon():
+            self.metrics.client_disconnected()
+
+    def _answered(self, bridge: TicketBridge, final: Final, arrival: float) -> None:
+        """The batcher answered (on the loop thread): the request leaves the in-flight set and is counted."""
+        self.in_flight.discard(bridge)
+        if isinstance(final, Done):
+            self.metrics.request_finished(final.result, arrival=arrival, finished_at=final.finished_at,
+                                          chunk_times=bridge.chunk_times)
+        elif isinstance(final.error, DecodeError):
+            self.metrics.refused(final.error.code)
+        else:
+            self.metrics.refused("internal_error")
+            log.error("a request failed outside the DecodeError family", exc_info=final.error)
+
+    async def shutdown(self) -> None:
+        """Cancel what is still in flight (its clients are gone by now) and join both pools."""
+        for bridge in list(self.in_flight):
+            bridge.abandon()
+
+        def join() -> None:
+            self._prepare_pool.shutdown(wait=True, cancel_futures=True)
+            self._wait_pool.shutdown(wait=True)
+
+        try:
+            await asyncio.wait_for(asyncio.to_thread(join), SHUTDOWN_JOIN_SECS)
+        except asyncio.TimeoutError:
+            log.warning("shutdown: %d requests were still waiting on the batcher after %.0f s",
+                        len(self.in_flight), SHUTDOWN_JOIN_SECS)
+
+
+def _chat_ids(tokenizer: Tokenizer, request: ChatRequest) -> list[int]:
+    """The templated conversation's ids; a template that refuses the messages is the client's 400."""
+    try:
+        return tokenizer.encode_chat(request.messages)
+    except (ValueError, jinja2.TemplateError) as bad:
+        raise invalid("messages", list(request.messages),
+                      f"could not be rendered by the checkpoint's chat template ({bad})") from None
+
+
+def _failure_response(error: BaseException) -> Response:
+    if isinstance(error, DecodeError):
+        return error_response(error)
+    raise error  # a bug: the app's handler answers 500 and logs it
+
+
+def _cancel_orphan(future: asyncio.Future) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().ticket.cancel()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The whole body, or `RequestTooLarge` once it passes `limit` (the rest is read and dropped)."""
+    parts: list[bytes] = []
+    size = 0
+    async for part in request.stream():
+        size += len(part)
+        if size <= limit:
+            parts.append(part)
+    if size > limit:
+        raise RequestTooLarge(size, limit)
+    return b"".join(parts)

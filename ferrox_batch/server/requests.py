@@ -1,0 +1,323 @@
+"""Request bodies of the OpenAI-compatible endpoints, parsed and checked before anything is queued.
+
+Why a hand-written parser rather than pydantic models: every problem must be
+an `InvalidRequest` naming the field (HTTP 400 in the OpenAI error shape, the
+same type the batcher raises), never FastAPI's 422 and never a 500, and the
+exact OpenAI leniencies are easier to state as code than as model config.
+
+What it promises:
+
+* Unknown fields are ignored, as OpenAI does; `null` means "absent" for every
+  optional field.
+* Every field it understands is type-checked here (a bool is not a number, a
+  float is not an integer, NaN and Infinity are not JSON); ranges are checked
+  by `SamplingParams` / `GenerationParams` themselves, so the server and the
+  library refuse exactly the same values with the same messages.
+* Error messages quote at most `_SHOWN_CHARS` characters of the offending
+  value, so a 1 MB field cannot make a 1 MB error body.
+* `n` other than 1 and batched prompts are refused clearly (one request, one
+  completion).
+
+Defaults when `max_tokens` / `max_completion_tokens` are absent are supplied
+by the caller (`create_app`): OpenAI's 16 for completions, 1024 for chat.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ferrox_batch.batch.text import text_params
+from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.generate import UNLIMITED, GenerationParams, SamplingParams
+from ferrox_batch.models.tokenizer import ChatMessage, Tokenizer
+
+#: OpenAI's documented default for `/v1/completions`.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+#: Ours for `/v1/chat/completions` (OpenAI's is "as much as the context allows"): long enough
+#: for a real answer, short enough that a forgotten `max_tokens` does not hold a row for the
+#: whole context. The batcher still clamps it to the context ceiling.
+DEFAULT_CHAT_MAX_TOKENS = 1024
+#: OpenAI's temperature default. The library's default is greedy; an HTTP client that omits
+#: the field expects OpenAI's behaviour.
+DEFAULT_TEMPERATURE = 1.0
+
+_SHOWN_CHARS = 80
+
+
+class _Shown:
+    """A value as an error message quotes it: its repr, cut to `_SHOWN_CHARS` characters."""
+
+    __slots__ = ("_text",)
+
+    def __init__(self, value: Any) -> None:
+        text = repr(value) if not isinstance(value, (str, bytes, list, dict)) or len(value) < 1000 else None
+        if text is None:  # do not repr a huge value only to cut it
+            text = f"<{type(value).__name__} of length {len(value)}>"
+        self._text = text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+    def __repr__(self) -> str:
+        return self._text
+
+
+def invalid(param: str, value: Any, reason: str) -> InvalidRequest:
+    """An `InvalidRequest` whose message quotes a shortened `value`."""
+    return InvalidRequest(param, _Shown(value), reason)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object; malformed JSON (NaN and Infinity included) is a 400."""
+    try:
+        value = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as bad:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise InvalidRequest("body", _Shown(raw[:_SHOWN_CHARS]), f"is not valid JSON ({bad})") from None
+    if not isinstance(value, dict):
+        raise invalid("body", value, "must be a JSON object")
+    return value
+
+
+# ---------------------------------------------------------------------------
+# Parsed requests
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingOptions:
+    """The sampling and stopping fields both endpoints share, already range-checked."""
+
+    sampling: SamplingParams
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def generation_params(self, tokenizer: Tokenizer, max_tokens: int) -> GenerationParams:
+        """Params for the batcher; stop strings that are one token are also stopped on by id."""
+        s = self.sampling
+        return text_params(
+            tokenizer, max_tokens=max_tokens, stop=self.stop, seed=self.seed, ignore_eos=self.ignore_eos,
+            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class CompletionRequest:
+    """`POST /v1/completions`: `prompt` is text or token ids."""
+
+    model: str | None
+    prompt: str | tuple[int, ...]
+    max_tokens: int
+    options: SamplingOptions
+    stream: bool = False
+    include_usage: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ChatRequest:
+    """`POST /v1/chat/completions`: `messages` are rendered with the checkpoint's chat template."""
+
+    model: str | None
+    messages: tuple[ChatMessage, ...]
+    max_tokens: int
+    options: SamplingOptions
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int) -> CompletionRequest:
+    fields = _Fields(body)
+    common = _common(fields, default_max_tokens)
+    return CompletionRequest(prompt=_prompt(body.get("prompt")), **common)
+
+
+def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> ChatRequest:
+    fields = _Fields(body)
+    common = _common(fields, default_max_tokens)
+    return ChatRequest(messages=_messages(body.get("messages")), **common)
+
+
+# ---------------------------------------------------------------------------
+# Field readers
+# ---------------------------------------------------------------------------
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class _Fields:
+    """Typed reads of optional top-level fields; absent and null both give the default."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: Mapping[str, Any]) -> None:
+        self._body = body
+
+    def raw(self, name: str) -> Any:
+        return self._body.get(name)
+
+    def integer(self, name: str, default: int | None) -> int | None:
+        value = self._body.get(name)
+        if value is None:
+            return default
+        if not _is_int(value):
+            raise invalid(name, value, "must be an integer")
+        return value
+
+    def number(self, name: str, default: float) -> float:
+        value = self._body.get(name)
+        if value is None:
+            return default
+        if not _is_number(value):
+            raise invalid(name, value, "must be a number")
+        return value
+
+    def boolean(self, name: str, default: bool) -> bool:
+        value = self._body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise invalid(name, value, "must be true or false")
+        return value
+
+
+def _common(fields: _Fields, default_max_tokens: int) -> dict[str, Any]:
+    """The fields both endpoints share, as keyword arguments of the request dataclasses."""
+    model = fields.raw("model")
+    if model is not None and not isinstance(model, str):
+        raise invalid("model", model, "must be a string")
+    n = fields.integer("n", 1)
+    if n != 1:
+        raise invalid("n", n, "is not supported above 1: this server returns one choice per request "
+                               "(send n separate requests)")
+    return {
+        "model": model,
+        "max_tokens": _max_tokens(fields, default_max_tokens),
+        "options": _options(fields),
+        "stream": fields.boolean("stream", False),
+        "include_usage": _include_usage(fields.raw("stream_options")),
+    }
+
+
+def _max_tokens(fields: _Fields, default: int) -> int:
+    # `max_completion_tokens` is OpenAI's newer name; it wins when both are sent.
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = fields.integer(name, None)
+        if value is None:
+            continue
+        if not 0 <= value <= UNLIMITED:
+            raise invalid(name, value, "must be a non-negative integer")
+        return value
+    return default
+
+
+def _options(fields: _Fields) -> SamplingOptions:
+    top_k = fields.integer("top_k", 0)
+    if top_k == -1:  # vLLM's spelling of "disabled"; clients written for it send it
+        top_k = 0
+    sampling = SamplingParams(  # raises InvalidRequest naming the first out-of-range field
+        temperature=fields.number("temperature", DEFAULT_TEMPERATURE),
+        top_p=fields.number("top_p", 1.0),
+        top_k=top_k,
+        min_p=fields.number("min_p", 0.0),
+        repetition_penalty=fields.number("repetition_penalty", 1.0),
+        presence_penalty=fields.number("presence_penalty", 0.0),
+        frequency_penalty=fields.number("frequency_penalty", 0.0),
+    )
+    seed = fields.integer("seed", None)
+    if seed is not None and not 0 <= seed <= UNLIMITED:
+        raise invalid("seed", seed, "must be an integer in [0, 2**64 - 1]")
+    return SamplingOptions(sampling=sampling, seed=seed, stop=_stop(fields.raw("stop")),
+                           ignore_eos=fields.boolean("ignore_eos", False))
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return tuple(value)
+    raise invalid("stop", value, "must be a string or a list of strings")
+
+
+def _include_usage(value: Any) -> bool:
+    if value is None:
+        return False
+    if not isinstance(value, dict):
+        raise invalid("stream_options", value, "must be an object")
+    include = value.get("include_usage")
+    if include is None:
+        return False
+    if not isinstance(include, bool):
+        raise invalid("stream_options.include_usage", include, "must be true or false")
+    return include
+
+
+def _prompt(value: Any) -> str | tuple[int, ...]:
+    """A string, a list of token ids, or a one-element list holding a string."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
+        value = value[0]
+    if isinstance(value, str):
+        if not value:
+            raise invalid("prompt", value, "must not be empty")
+        return value
+    if isinstance(value, list):
+        if not value:
+            raise invalid("prompt", value, "must not be empty")
+        if all(isinstance(v, str) for v in value):
+            raise invalid("prompt", value, "must be one prompt: batched prompts are not supported "
+                                           "(send one request per prompt)")
+        for token in value:
+            if not _is_int(token) or token < 0:
+                raise invalid("prompt", token, "token ids must be non-negative integers")
+        return tuple(value)
+    if value is None:
+        raise invalid("prompt", value, "is required")
+    raise invalid("prompt", value, "must be a string, a list of token ids, or a list of one string")
+
+
+def _messages(value: Any) -> tuple[ChatMessage, ...]:
+    if value is None:
+        raise invalid("messages", value, "is required")
+    if not isinstance(value, list):
+        raise invalid("messages", value, "must be a list of messages")
+    if not value:
+        raise invalid("messages", value, "must hold at least one message")
+    return tuple(_message(i, m) for i, m in enumerate(value))
+
+
+def _message(index: int, message: Any) -> ChatMessage:
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise invalid(where, message, "must be an object with a role and a content")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise invalid(f"{where}.role", role, "must be a non-empty string")
+    return ChatMessage(role, _content(f"{where}.content", message.get("content")))
+
+
+def _content(where: str, content: Any) -> str:
+    """A string, or OpenAI's list of content parts when every part is text (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for i, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise invalid(f"{where}[{i}]", part, "must be a text part {\"type\": \"text\", \"text\": ...}: "
+                                                     "this server takes text only")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise invalid(where, content, "must be a string (or a list of text parts)")

@@ -1,0 +1,95 @@
+"""`serve`: load a checkpoint, start its batcher, and serve it over HTTP until stopped (`ferrox-batch serve`).
+
+It promises a clean exit: however uvicorn stops (Ctrl-C, SIGTERM, `stop`, a
+port already in use), the app first cancels what is still in flight and joins
+its threads, then the batcher is closed and its worker joined. It reads no
+environment: the CLI passes every setting in (a `batcher_config` of None means
+the library defaults, not `BatcherConfig.from_env()`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import uvicorn
+
+from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.models.loader import LoadedModel, load_model
+from ferrox_batch.server.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CONCURRENT_REQUESTS,
+    create_app,
+)
+from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS
+
+log = logging.getLogger("ferrox_batch.server")
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+#: Seconds uvicorn lets open responses finish on shutdown before cancelling them (which cancels
+#: their requests): a stream of thousands of tokens must not hold a Ctrl-C for minutes.
+DEFAULT_GRACEFUL_SHUTDOWN_SECS = 5.0
+#: Seconds to wait for the batcher's worker to exit once everything in flight was cancelled.
+BATCHER_CLOSE_SECS = 30.0
+
+
+def default_model_name(source: Path) -> str:
+    """The name a checkpoint is served under unless told otherwise: its folder or file name."""
+    return source.stem if source.is_file() else source.name
+
+
+def serve(
+    model: str | Path | LoadedModel,
+    batcher_config: BatcherConfig | None = None,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    *,
+    model_name: str | None = None,
+    device: str = "auto",
+    dtype: str = "auto",
+    default_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
+    default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
+    log_level: str = "info",
+    graceful_shutdown_secs: float = DEFAULT_GRACEFUL_SHUTDOWN_SECS,
+    stop: threading.Event | None = None,
+) -> None:
+    """Serve `model` (a checkpoint folder, a `.gguf` file, or a loaded model) on `host:port`; block until stopped.
+
+    Ctrl-C / SIGTERM stop it when called on the main thread; `stop`, when given, stops it from any
+    thread. `model_name` defaults to the checkpoint's folder (or file) name; the other keywords are
+    `create_app`'s.
+    """
+    loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
+    name = model_name or default_model_name(loaded.source)
+    batcher = ContinuousBatcher.from_model(loaded, batcher_config if batcher_config is not None else BatcherConfig())
+    try:
+        app = create_app(batcher, model_name=name, default_max_tokens=default_max_tokens,
+                         default_chat_max_tokens=default_chat_max_tokens, max_body_bytes=max_body_bytes,
+                         max_concurrent_requests=max_concurrent_requests)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                                timeout_graceful_shutdown=graceful_shutdown_secs)
+        server = uvicorn.Server(config)
+        finished = threading.Event()
+        if stop is not None:
+            threading.Thread(target=_stop_when, args=(stop, finished, server), name="ferrox-serve-stop",
+                             daemon=True).start()
+        try:
+            server.run()
+        finally:
+            finished.set()
+    finally:
+        if not batcher.close(BATCHER_CLOSE_SECS):
+            log.warning("the batcher's worker did not exit within %.0f s", BATCHER_CLOSE_SECS)
+
+
+def _stop_when(stop: threading.Event, finished: threading.Event, server: uvicorn.Server) -> None:
+    """Ask uvicorn to exit once `stop` is set; give up when the server finished on its own."""
+    while not finished.is_set():
+        if stop.wait(0.1):
+            server.should_exit = True
+            return
