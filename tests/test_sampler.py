@@ -278,14 +278,13 @@ def test_row_state_is_small_and_typed(device):
     assert sampler.new_row(SamplingParams(temperature=1e-6), 3, []).greedy  # too cold to divide by
 
 
-# --- top_p's candidates-first path (CPU) against the full sort ------------------------------------------
+# --- the cheap top_p paths (CPU) against the full torch.sort ---------------------------------------------
 
 
 def sorted_row_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """The filters as the sampler computed them before top_p sorted candidates: every row with a cut sorts whole.
+    """The filters as `_weights` computed them before the cheap top_p paths: one torch.sort of every row.
 
-    Kept verbatim (the masses are the softmax of the sorted, top_k-cut row) to pin what must stay bit for
-    bit: rows with a top_k on the CPU, and every row off the CPU.
+    Kept verbatim to pin that every path gives these bits.
     """
     n = x.shape[1]
     ks = [p.top_k if 0 < p.top_k < n else 0 for p in params]
@@ -306,7 +305,7 @@ def sorted_row_weights(x: torch.Tensor, params: list[SamplingParams]) -> torch.T
 
 
 def assorted_logits(rng: random.Random, b: int, n: int) -> torch.Tensor:
-    """Peaked, flat (the candidates fall short), all-tied and coarsely quantised rows, some with -inf holes."""
+    """Peaked, flat, all-tied, coarsely quantised and tie-grouped rows, some with -inf holes."""
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     rows = []
     for _ in range(b):
@@ -319,7 +318,7 @@ def assorted_logits(rng: random.Random, b: int, n: int) -> torch.Tensor:
             row = torch.full((n,), rng.choice([0.0, -2.5, 7.0]))
         elif kind == "steps":
             row = torch.randint(-4, 3, (n,), generator=g).float() * rng.choice([0.5, 2.0])
-        else:  # a few tie groups on top of a noisy tail: top_k and top_p cuts land inside groups
+        else:  # a few tie groups over a noisy tail: top_k and top_p cuts land inside groups
             row = torch.randn(n, generator=g) - 4.0
             for value, size in ((6.0, rng.randint(1, 3)), (4.0, rng.randint(1, 40)), (3.0, rng.randint(1, 200))):
                 row[torch.randperm(n, generator=g)[: min(size, n)]] = value
@@ -339,89 +338,81 @@ def assorted_params(rng: random.Random) -> SamplingParams:
 
 
 @pytest.fixture
-def sorts(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """Records the shape of every torch.sort call."""
-    seen: list[tuple[int, int]] = []
-    real_sort = torch.sort
+def full_sorts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records how many rows each call of the sampler's full sort took."""
+    seen: list[int] = []
+    real = sampler_module._sorted_values
 
-    def recording(t: torch.Tensor, *args: object, **kwargs: object):
-        seen.append(tuple(t.shape))
-        return real_sort(t, *args, **kwargs)
+    def recording(l: torch.Tensor) -> torch.Tensor:
+        seen.append(l.shape[0])
+        return real(l)
 
-    monkeypatch.setattr(torch, "sort", recording)
+    monkeypatch.setattr(sampler_module, "_sorted_values", recording)
     return seen
 
 
-@pytest.mark.parametrize("mass_margin", [None, -0.3])  # -0.3: candidates that mostly miss the cut and must fall back
-def test_candidates_give_the_full_sort_bit_for_bit(monkeypatch, sorts, mass_margin):
-    if mass_margin is not None:
-        monkeypatch.setattr(sampler_module, "_MASS_MARGIN", mass_margin)
+def test_every_top_p_path_gives_the_torch_sort_bits(monkeypatch):
     rng = random.Random(20240607)
-    widths = {"candidates": 0, "whole": 0}
     for case in range(60):
         n = rng.choice([20, 300, 4000, 20000])
         b = rng.randint(1, 6)
         logits = assorted_logits(rng, b, n + 3)
         params = [assorted_params(rng) for _ in range(b)]
         seeds = [rng.randrange(2**63) for _ in range(b)]
-        got = {}
-        for share in (0.5, 0.0):  # the default, then every top_p row through the full sort
-            monkeypatch.setattr(sampler_module, "_CANDIDATE_SHARE", share)
-            sorts.clear()
-            sampler = BatchSampler(n, "cpu")
-            rows = [sampler.new_row(p, seed, []) for p, seed in zip(params, seeds)]
-            dist = sampler.distribution(logits, rows)
-            tokens = [sampler.sample(logits, rows) for _ in range(3)]
-            got[share] = (dist, tokens)
-            if share:
-                widths["candidates"] += sum(1 for shape in sorts if shape[1] < n)
-                widths["whole"] += sum(1 for shape in sorts if shape[1] == n)
-        assert torch.equal(got[0.5][0], got[0.0][0]), (case, params)
-        assert got[0.5][1] == got[0.0][1], (case, params)
-    assert widths["candidates"] > 0 and widths["whole"] > 0, widths  # both paths ran
-
-
-def test_rows_with_top_k_and_the_sync_free_path_keep_the_sorted_row_softmax(monkeypatch):
-    rng = random.Random(7)
-    for case in range(40):
-        n = rng.choice([20, 300, 4000])
-        b = rng.randint(1, 6)
-        logits = assorted_logits(rng, b, n)
-        params = [assorted_params(rng) for _ in range(b)]
-        want = sorted_row_weights(logits, params)
+        want = sorted_row_weights(logits[:, :n], params)
         want = want / want.sum(dim=-1, keepdim=True)
-        sampler = BatchSampler(n, "cpu")
-        rows = [sampler.new_row(p, 0, []) for p in params]
-        got = sampler.distribution(logits, rows)
-        for i, p in enumerate(params):
-            if 0 < p.top_k < n or p.top_p == 1.0:
-                assert torch.equal(got[i], want[i]), (case, p)
-        # Off the CPU every row sorts whole and nothing is read back before the draw.
-        with monkeypatch.context() as m:
-            m.setattr(sampler_module, "_reads_back", lambda device: False)
-            for name in ("_holds", "_few_enough"):
-                m.setattr(sampler_module, name, lambda *a: pytest.fail("the sync-free path read back"))
-            assert torch.equal(sampler.distribution(logits, rows), want), case
+        got = {}
+        # The CPU paths; top_k + top_p rows straight to the full sort; the sync-free path used off the CPU.
+        for path in ("cpu", "no head", "sync-free"):
+            with monkeypatch.context() as m:
+                if path == "no head":
+                    m.setattr(sampler_module, "_TOP_K_HEAD", False)
+                if path == "sync-free":
+                    m.setattr(sampler_module, "_reads_back", lambda device: False)
+                sampler = BatchSampler(n, "cpu")
+                rows = [sampler.new_row(p, seed, []) for p, seed in zip(params, seeds)]
+                dist = sampler.distribution(logits, rows)
+                got[path] = [sampler.sample(logits, rows) for _ in range(3)]
+            assert torch.equal(dist, want), (case, path, params)
+        assert got["cpu"] == got["no head"] == got["sync-free"], (case, params)
 
 
-def test_cut_ties_stay_together_past_the_candidates(sorts):
+def test_the_top_k_head_sums_like_the_whole_sorted_row():
+    # What _nucleus_from_top_k relies on: past the top_k cut the softmax only adds zeros.
+    g = torch.Generator().manual_seed(0)
+    for n in (100, 4096, 50257):
+        ordered = torch.sort(torch.randn(6, n, generator=g) * 4, dim=-1, descending=True).values
+        k = torch.randint(1, 60, (6, 1), generator=g)
+        kth = ordered.gather(1, k - 1)
+        whole = torch.softmax(ordered.masked_fill(ordered < kth, float("-inf")), dim=-1)
+        for width in (16, 17, 61, 64, 100):
+            head = ordered[:, :width]
+            fits = (k < width).squeeze(1)  # the head holds every logit >= the k-th, and one more
+            got = torch.softmax(head.masked_fill(head < kth, float("-inf")), dim=-1)
+            assert torch.equal(got[fits], whole[fits, :width])
+
+
+def test_cut_ties_stay_together_past_the_head(full_sorts):
     n = 5000
     sampler = BatchSampler(n, "cpu")
-    # top_k = 3 lands in a group of 40 tied logits, more than the 16 looked at first.
+    # top_k = 3 lands in a group of 40 tied logits, more than the head of 16 holds.
     spill = torch.full((n,), -3.0)
     spill[:2] = torch.tensor([10.0, 9.0])
     spill[100:140] = 5.0
     # top_p = 0.2 lands inside a group of 100 tied logits worth 0.29 of the mass.
     group = torch.zeros(n)
     group[1000:1100] = 3.0
-    logits = torch.stack([spill, group])
-    params = [SamplingParams(temperature=1.0, top_k=3, top_p=0.99), SamplingParams(temperature=1.0, top_p=0.2)]
+    # top_k = 3 and top_p = 0.5 with distinct logits: the head holds it all.
+    peaked = randn(n, seed=4, device="cpu")
+    logits = torch.stack([spill, group, peaked])
+    params = [SamplingParams(temperature=1.0, top_k=3, top_p=0.99), SamplingParams(temperature=1.0, top_p=0.2),
+              SamplingParams(temperature=1.0, top_k=3, top_p=0.5)]
     got = sampler.distribution(logits, [sampler.new_row(p, 0, []) for p in params])
     assert (got[0] > 0).nonzero().flatten().tolist() == [0, 1, *range(100, 140)]
     assert (got[1] > 0).nonzero().flatten().tolist() == list(range(1000, 1100))
     for i, p in enumerate(params):
         torch.testing.assert_close(got[i].double(), reference_distribution(logits[i], p), atol=1e-6, rtol=0)
-    assert (1, n) in sorts  # the spilling top_k row sorted whole
+    assert full_sorts == [1, 1]  # the spilling row, then the top_p row without top_k; the peaked row used its head
 
 
 def test_temperature_and_min_p_rows_never_sort(device, monkeypatch):
@@ -430,6 +421,7 @@ def test_temperature_and_min_p_rows_never_sort(device, monkeypatch):
 
     monkeypatch.setattr(torch, "sort", boom)
     monkeypatch.setattr(torch, "topk", boom)
+    monkeypatch.setattr(sampler_module, "_sorted_values", boom)
     sampler = BatchSampler(3000, device)
     params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, min_p=0.05), GREEDY,
               SamplingParams(temperature=1.3, min_p=0.5, repetition_penalty=1.1)]
@@ -441,14 +433,18 @@ def test_temperature_and_min_p_rows_never_sort(device, monkeypatch):
 
 def test_only_top_k_and_top_p_rows_reach_a_sort(device, monkeypatch):
     calls: list[tuple[str, int]] = []
-    for name in ("sort", "topk"):
-        real = getattr(torch, name)
 
-        def recording(t: torch.Tensor, *args: object, _real=real, _name=name, **kwargs: object):
-            calls.append((_name, t.shape[0]))
-            return _real(t, *args, **kwargs)
+    def recording(module: object, name: str) -> None:
+        real = getattr(module, name)
 
-        monkeypatch.setattr(torch, name, recording)
+        def call(t: torch.Tensor, *args: object, **kwargs: object):
+            calls.append((name, t.shape[0]))
+            return real(t, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, call)
+
+    for module, name in ((torch, "sort"), (torch, "topk"), (sampler_module, "_sorted_values")):
+        recording(module, name)
     sampler = BatchSampler(3000, device)
     params = [SamplingParams(temperature=0.8, min_p=0.05), SamplingParams(temperature=0.8, top_p=0.9),
               SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=40, top_p=0.95)]
@@ -457,16 +453,28 @@ def test_only_top_k_and_top_p_rows_reach_a_sort(device, monkeypatch):
     assert calls and all(size <= 2 for _, size in calls), calls
 
 
-def test_candidates_just_short_of_top_p_fall_back(monkeypatch):
-    # Ten tied leaders, then a distinct tail: top_p sits 5e-5 above the leaders' mass, so the full sort
-    # also keeps the largest tail token. Candidates aimed below top_p are exactly the leaders.
-    monkeypatch.setattr(sampler_module, "_MASS_MARGIN", -0.01)
-    n = 5000
-    logits = randn(n, seed=11, device="cpu", scale=0.01)
-    logits[:10] = 5.0
+def test_bad_rows_fail_alone_under_top_k_and_top_p(device):
+    vocab = 3000
+    sampler = BatchSampler(vocab, device)
+    logits = randn(4, vocab, seed=2, device=device)
+    logits[1, 7] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 9] = float("inf")
+    for params in (SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_k=20, top_p=0.9)):
+        out = sampler.sample(logits, [sampler.new_row(params, i, []) for i in range(4)])
+        assert isinstance(out[0], int)
+        assert [type(e) for e in out[1:]] == [SamplingError] * 3
+
+
+def test_a_prefix_just_short_of_top_p_runs_on():
+    # The running sum first covers _PREFIX sorted probabilities; top_p sits 3e-6 above their mass, so
+    # the cut is the next token and the sum has to run on past the prefix.
+    n, head = 5000, sampler_module._PREFIX
+    logits = randn(n, seed=12, device="cpu", scale=0.01)
+    logits[:head] += 5.0
     probs = torch.softmax(logits, 0)
-    params = SamplingParams(temperature=1.0, top_p=float(probs[:10].sum()) + 5e-5)
+    params = SamplingParams(temperature=1.0, top_p=float(probs[:head].sum()) + 3e-6)
     sampler = BatchSampler(n, "cpu")
-    got = sampler.distribution(logits.unsqueeze(0), [sampler.new_row(params, 0, [])])[0]
-    want = reference_distribution(logits, params)
-    assert (got > 0).tolist() == (want > 0).tolist() and int((want > 0).sum()) == 11
+    got = sampler.distribution(logits.unsqueeze(0), [sampler.new_row(params, 0, [])])
+    want = sorted_row_weights(logits.unsqueeze(0), [params])
+    assert torch.equal(got, want / want.sum()) and int((got > 0).sum()) == head + 1

@@ -35,19 +35,14 @@ What it promises:
   +inf or are all -inf.
 
 How it stays cheap: greedy, temperature-only and min_p-only rows never sort
-(min_p compares with the largest probability, a max); top_k takes a `topk`.
-top_p needs the sorted distribution, and a full-vocabulary sort costs more
-than a decode step on a CPU, so there a top_p row sorts only candidates, a
-prefix of its sort that is sure to hold the cut, and the whole row only when
-no such prefix is found cheaply (flat distributions, ties running past the
-candidates). The candidate path gives the full sort's cut bit for bit; it
-reads tensors back to choose (free on the CPU). Off the CPU every row with a
-cut sorts whole, so the single sync stays the only one. The sorted masses
-are the softmax of the sorted, top_k-cut row, except for top_p rows without
-a top_k on the CPU: theirs are the softmax of the unsorted row, which a
-prefix can reproduce; the two differ only in how the softmax's sum rounds,
-which moves a cut only where a preceding mass lies within float32 rounding
-of top_p.
+(min_p compares with the largest probability, a max), and top_k takes a
+`topk`. top_p needs the sorted distribution. On the CPU, where `torch.sort`
+of a 49k vocabulary costs about as much as a decode step, a row with top_k
+and top_p finds the cut in its top-k when every token >= the k-th is in there
+(a `topk`, no sort), and other top_p rows sort their values with numpy (values
+are all the cut needs, and any sort gives the same ones); both give the
+`torch.sort` path's cut bit for bit. Off the CPU every row with a cut sorts
+whole with `torch.sort`, so the single sync stays the only one.
 
 Seam for grammars and reasoning budgets (out of scope here, spec 3.10): their
 vocab masks would apply right after the penalties, and a row masked to
@@ -61,6 +56,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ferrox_batch.errors import DecodeError, TokenOutOfVocab
@@ -71,15 +67,12 @@ __all__ = ["MIN_TEMPERATURE", "BatchSampler", "RowSampler", "SamplingError"]
 #: Below this a temperature is treated as greedy.
 MIN_TEMPERATURE = 1e-5
 _MAX_SEED = 2**64 - 1
-#: A CPU top_p row without a top_k sorts as candidates the logits whose
-#: probability buckets (`_BUCKETS` of them, by float bits) reach top_p +
-#: `_MASS_MARGIN` of the mass, widened by `_LOGIT_MARGIN` nats. Candidates
-#: beyond `_CANDIDATE_SHARE` of the vocabulary are not worth it; 0 sends every
-#: top_p row to the full sort (the tests compare the two paths).
-_BUCKETS = 1024
-_MASS_MARGIN = 1e-4
-_LOGIT_MARGIN = 1e-3
-_CANDIDATE_SHARE = 0.5
+#: On the CPU, rows with top_k and top_p look for top_p's cut in their top-k
+#: before sorting whole; False sends them straight to the full sort (the tests
+#: compare the two).
+_TOP_K_HEAD = True
+#: On the CPU, top_p's running sum first covers this many of the sorted probabilities (see _sorted_nucleus).
+_PREFIX = 1024
 # Row status codes carried through the single host sync (index 0 = fine).
 _PROBLEMS = (
     "",
@@ -318,41 +311,40 @@ def _cuts(
 ) -> torch.Tensor:
     """Each row's `[B, 1]` cut: tokens below it are dropped (-inf: no cut).
 
-    top_k's cut is the k-th largest logit; top_p's is the logit of the last
-    token of the shortest sorted prefix whose preceding mass stays < top_p.
-    Off the CPU every row with a cut sorts its whole row, reading nothing
-    back. On the CPU a row sorts only candidates (a prefix of its sort) when
-    they are sure to give the full sort's cut bit for bit, and its whole row
-    otherwise (see `_nucleus_from_top_k` and `_nucleus_without_top_k`).
+    top_k's cut is the k-th largest logit. top_p's is the logit of the last
+    token of the shortest prefix of the sorted row whose preceding mass stays
+    < top_p, the masses being the softmax of the sorted, top_k-cut row. Off
+    the CPU one sort serves every row with a cut and nothing is read back. On
+    the CPU a row with top_k and top_p looks in its top-k first
+    (`_nucleus_from_top_k`), and a top_p row without top_k sorts its values
+    with numpy (`_sorted_values`).
     """
     b, n = l.shape
     dev = l.device
     cut = torch.full_like(top_p, float("-inf"))
     if p_rows and not _reads_back(dev):
-        # One sort of every row with a cut and no host read: the batch keeps its single sync.
         index = _index(sorted({*k_rows, *p_rows}), b, dev)
-        ordered = torch.sort(_pick(l, index), dim=-1, descending=True).values
+        ordered = _sorted_values(_pick(l, index))
         kc, pc = _pick(top_k, index), _pick(top_p, index)
         kth = torch.where(kc > 0, ordered.gather(1, (kc.long() - 1).clamp_(min=0)), float("-inf"))
-        last, _ = _sorted_nucleus(ordered, kth, pc)
-        return _put(cut, index, torch.where(pc < 1.0, torch.maximum(kth, last), kth))
-    with_k = [i for i in p_rows if ks[i]]
+        return _put(cut, index, torch.maximum(kth, _sorted_nucleus(ordered, kth, pc)))
+    with_p = sorted(set(k_rows) & set(p_rows))
     if k_rows:
         index = _index(k_rows, b, dev)
-        # Enough for every row's k-th value; a top_p row's also wants to see where its ties end, and at
-        # least 16 logits (see _nucleus_from_top_k).
-        width = min(n, max(max(ks) + 1, 16)) if with_k else max(ks)
+        # Enough for every row's k-th value; a top_p row's also wants to see where its ties end,
+        # and at least 16 logits (see _nucleus_from_top_k).
+        width = min(n, max(max(ks) + 1, 16)) if with_p else max(ks)
         head = torch.topk(_pick(l, index), width, dim=-1).values
         cut = _put(cut, index, head.gather(1, (_pick(top_k, index).long() - 1).clamp_(min=0)))
-        if with_k:
+        if with_p:
             place = {row: i for i, row in enumerate(k_rows)}
-            index = _index(with_k, b, dev)
-            head = _pick(head, _index([place[i] for i in with_k], len(k_rows), dev))
+            index = _index(with_p, b, dev)
+            head = _pick(head, _index([place[i] for i in with_p], len(k_rows), dev))
             cut = _put(cut, index, _nucleus_from_top_k(l, index, head, _pick(cut, index), _pick(top_p, index)))
     without_k = [i for i in p_rows if not ks[i]]
     if without_k:
         index = _index(without_k, b, dev)
-        cut = _put(cut, index, _nucleus_without_top_k(_pick(l, index), _pick(top_p, index)))
+        cut = _put(cut, index, _sorted_nucleus(_sorted_values(_pick(l, index)), None, _pick(top_p, index)))
     return cut
 
 
@@ -361,31 +353,52 @@ def _reads_back(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-def _nucleus(sorted_probs: torch.Tensor, ordered: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """top_p's cut over a sorted prefix of each row, and the running sum's last value (the prefix's mass).
+def _sorted_values(l: torch.Tensor) -> torch.Tensor:
+    """Each row's logits, largest first.
 
-    `sorted_probs[i, j]` is the probability of the token whose logit is
-    `ordered[i, j]` (0 past the end of a row's prefix). Rows with top_p = 1
-    get some logit of theirs: callers keep only the rows with top_p < 1.
+    Values only, which every sort gives alike (tie order cannot show), so on
+    the CPU numpy sorts them: about ten times faster than `torch.sort`, which
+    also sorts indices. Negating around an ascending sort flips each sign bit
+    twice, giving back every value bit for bit.
     """
-    running = sorted_probs.cumsum(dim=-1)
-    before = running - sorted_probs  # mass strictly ahead of each sorted token
-    keep = (before < top_p).sum(dim=-1, keepdim=True)  # >= 1 (before[0] is exactly 0) unless the row is NaN
-    last = ordered.gather(1, (keep - 1).clamp_(min=0))
-    return torch.where(top_p < 1.0, last, float("-inf")), running[:, -1:]
+    if l.device.type != "cpu":
+        return torch.sort(l, dim=-1, descending=True).values
+    flipped = np.negative(l.detach().numpy())
+    flipped.sort(axis=-1)
+    return torch.from_numpy(np.negative(flipped, out=flipped))
 
 
-def _sorted_nucleus(ordered: torch.Tensor, kth: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_nucleus` with the probabilities as the softmax of the sorted, top_k-cut row."""
-    return _nucleus(torch.softmax(ordered.masked_fill(ordered < kth, float("-inf")), dim=-1), ordered, top_p)
+def _sorted_nucleus(ordered: torch.Tensor, kth: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    """top_p's cut, from sorted logits (all of a row's, or a prefix holding every one above its top_k cut).
+
+    -inf for rows with top_p = 1 (and for none of the others). `kth` is the
+    rows' top_k cut, None when no row has one. The running sum is sequential,
+    so its first values do not depend on how far it runs: on the CPU it runs
+    over a prefix of the sorted probabilities, widened until every row's
+    prefix is sure to hold the cut (`_holds`).
+    """
+    masked = ordered if kth is None else ordered.masked_fill(ordered < kth, float("-inf"))
+    probs = torch.softmax(masked, dim=-1)
+    n = probs.shape[1]
+    width = min(n, _PREFIX) if _reads_back(probs.device) else n
+    while True:
+        head = probs[:, :width]
+        running = head.cumsum(dim=-1)
+        if width == n or all(_holds(running[:, -1:], top_p).squeeze(1).tolist()):
+            break
+        width = min(n, width * 8)
+    before = running - head  # mass strictly ahead of each sorted token
+    keep = (before < top_p).sum(dim=-1, keepdim=True)  # >= 1: before[0] is exactly 0
+    last = ordered.gather(1, (keep - 1).clamp_(min=0))  # the clamp is for a NaN row only
+    return torch.where(top_p < 1.0, last, float("-inf"))
 
 
 def _holds(mass: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """Whether a sorted prefix whose running sum ends at `mass` is sure to hold top_p's cut.
+    """Whether a sorted prefix whose running sum ends at `mass` holds top_p's cut: no later token is kept.
 
-    Every later token of the full sort sees a preceding mass within 2**-23
-    of that sum (the running sum is accumulated in float64 and rounded to
-    float32 per element), so from top_p + 2**-22 on none of them is kept.
+    A later token's preceding mass is at least `mass` less two float32
+    roundings of the running sum (under 2**-24 each, below 2), so from
+    top_p + 2**-22 on it is >= top_p.
     """
     return (mass.double() >= top_p.double() + 2.0**-22) | (top_p >= 1.0)
 
@@ -393,109 +406,27 @@ def _holds(mass: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
 def _nucleus_from_top_k(
     l: torch.Tensor, index: torch.Tensor | None, head: torch.Tensor, kth: torch.Tensor, top_p: torch.Tensor
 ) -> torch.Tensor:
-    """The cut of rows `index` of `l` that have both top_k and top_p, from `head`, their largest logits sorted.
+    """The cut of rows `index` of `l`, which have top_k and top_p, from `head`, their largest logits sorted.
 
-    The probabilities are the softmax of the sorted, top_k-cut row, whose
-    tokens past the top_k cut weigh exactly 0. Over a head of >= 16 logits
-    that holds every nonzero one, the CPU softmax sums the same bits as over
-    the whole sorted row (its vector lanes only ever add those zeros; the
-    tests check this), so the head gives the full sort's cut. Rows whose
-    top_k ties may run on past the head, or whose head misses top_p's cut
-    (`_holds`), sort whole.
+    Past the top_k cut a sorted row's tokens weigh exactly 0, and the CPU
+    softmax only ever adds those zeros into its vector lanes, so over a head
+    of >= 16 logits that holds every token >= the k-th it sums the same bits
+    as over the whole sorted row (the tests check this): the same masses, the
+    same running sum. Tokens past the head cannot move the cut either: where
+    the full sort would keep one, its preceding mass is the whole mass, so it
+    would keep every zero-weight token in the head too and the top_k cut
+    rules. Only a row whose ties with the k-th logit may run on past the
+    head (its last logit still >= the k-th) has to sort whole.
     """
     n = l.shape[1]
-    last, mass = _sorted_nucleus(head, kth, top_p)
-    cut = torch.maximum(kth, last)
-    if head.shape[1] == n:
-        return cut
-    held = _holds(mass, top_p) & (head[:, -1:] < kth)
-    whole = [i for i, ok in enumerate(held.squeeze(1).tolist()) if not ok or _CANDIDATE_SHARE <= 0]
-    if whole:
-        at = _index(whole, head.shape[0], l.device)
-        rows = at if index is None else _pick(index, at)
-        ordered = torch.sort(_pick(l, rows), dim=-1, descending=True).values
-        kth_whole, top_p_whole = _pick(kth, at), _pick(top_p, at)
-        last, _ = _sorted_nucleus(ordered, kth_whole, top_p_whole)
-        cut = _put(cut, at, torch.maximum(kth_whole, last))
+    cut = torch.maximum(kth, _sorted_nucleus(head, kth, top_p))
+    if head.shape[1] == n or not _TOP_K_HEAD:
+        spill = list(range(head.shape[0])) if head.shape[1] < n else []
+    else:
+        spill = [i for i, tied in enumerate((head[:, -1:] >= kth).squeeze(1).tolist()) if tied]
+    if spill:
+        at = _index(spill, head.shape[0], l.device)
+        ordered = _sorted_values(_pick(l, at if index is None else _pick(index, at)))
+        kth_spill = _pick(kth, at)
+        cut = _put(cut, at, torch.maximum(kth_spill, _sorted_nucleus(ordered, kth_spill, _pick(top_p, at))))
     return cut
-
-
-def _nucleus_without_top_k(l: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """The cut of top_p rows without a top_k on the CPU, sorting only their candidates where they hold it.
-
-    The probabilities are the softmax of the unsorted row gathered into
-    sorted order, which any sorted prefix of the row can reproduce (the
-    sorted row's softmax could not: its sum runs over the whole sort). A
-    row's candidates are every logit in the histogram buckets of its
-    probabilities that first reach top_p + `_MASS_MARGIN`, counted down from
-    the top: every logit >= their smallest, ties included, so a prefix of the
-    row's sort with the same probabilities and running sum as there. Rows
-    whose candidates miss the cut (`_holds`), or are too many to be worth it
-    (`_few_enough`), sort whole. Deciding reads back from the tensors, which
-    on the CPU costs no sync.
-    """
-    f, n = l.shape
-    dev = l.device
-    probs = torch.softmax(l, dim=-1)
-    cut = torch.full_like(top_p, float("-inf"))
-    full = list(range(f))
-    if _CANDIDATE_SHARE > 0:
-        # Bucket each probability by its float bits: exponent and top 3 mantissa bits, 8 buckets an
-        # octave (a NaN, from a bad row, lands in the first or last). Counted down from the top, the
-        # buckets that reach the aim give a probability floor, and the candidates are the logits at or
-        # above the floor's logit less a margin: value-closed, whatever the rounding of exp.
-        bucket = (probs.view(torch.int32) >> 20).clamp_(0, _BUCKETS - 1)
-        bucket += torch.arange(0, f * _BUCKETS, _BUCKETS, dtype=torch.int32, device=dev).unsqueeze(1)
-        # index_add_, not scatter_add_: it takes int32 indices on every supported torch, without a copy.
-        mass = torch.zeros(f * _BUCKETS, dtype=probs.dtype, device=dev).index_add_(0, bucket.view(-1), probs.view(-1))
-        short = (mass.view(f, _BUCKETS).flip(-1).cumsum(dim=-1) < top_p + _MASS_MARGIN).sum(dim=-1, keepdim=True)
-        floor = ((_BUCKETS - 1 - short).clamp_(min=0).to(torch.int32) << 20).view(torch.float32)
-        at_least = l.amax(dim=-1, keepdim=True) + (floor / probs.amax(dim=-1, keepdim=True)).log_() - _LOGIT_MARGIN
-        at_least.masked_fill_(floor == 0, float("inf"))  # no floor: the whole row, so no candidates at all
-        row, col = (l >= at_least).nonzero().unbind(1)  # grouped by row
-        counts = torch.bincount(row, minlength=f)
-        few = _few_enough(counts.tolist(), n)
-        chosen = set(few)
-        full = [i for i in range(f) if i not in chosen]
-        if few:
-            index = _index(few, f, dev)
-            if index is not None:  # drop the other rows' candidates, number the rest by their place in `few`
-                slot = torch.full((f,), -1, dtype=torch.long, device=dev)
-                slot[index] = torch.arange(len(few), device=dev)
-                kept = slot[row] >= 0
-                row, col = row[kept], col[kept]
-            count = _pick(counts, index)
-            place = row if index is None else slot[row]
-            pos = torch.arange(row.shape[0], device=dev) - (count.cumsum(0) - count)[place]
-            width = int(count.max())
-            values = torch.full((len(few), width), float("-inf"), device=dev)
-            values[place, pos] = l[row, col]
-            unsorted = torch.zeros((len(few), width), dtype=probs.dtype, device=dev)
-            unsorted[place, pos] = probs[row, col]
-            ordered, order = torch.sort(values, dim=-1, descending=True)
-            top_p_few = _pick(top_p, index)
-            few_cut, few_mass = _nucleus(unsorted.gather(1, order), ordered, top_p_few)
-            cut = _put(cut, index, few_cut)
-            full += [i for i, ok in zip(few, _holds(few_mass, top_p_few).squeeze(1).tolist()) if not ok]
-    if full:
-        index = _index(sorted(full), f, dev)
-        ordered, order = torch.sort(_pick(l, index), dim=-1, descending=True)
-        full_cut, _ = _nucleus(_pick(probs, index).gather(1, order), ordered, _pick(top_p, index))
-        cut = _put(cut, index, full_cut)
-    return cut
-
-
-def _few_enough(counts: Sequence[int], n: int) -> list[int]:
-    """The rows that sort only their candidates, padded to the longest of them; the rest sort whole.
-
-    Picks the width that sorts the fewest elements in all (sorting a whole
-    row costs about as much as sorting `n` padded candidates), never above
-    `_CANDIDATE_SHARE` of the vocabulary.
-    """
-    widths = sorted(c for c in counts if 0 < c <= _CANDIDATE_SHARE * n)
-    if not widths:
-        return []
-    rows = len(counts)
-    # Padding to widths[j] sorts at least j + 1 rows that way (exactly, at the last of equal widths).
-    best = min(range(len(widths)), key=lambda j: ((j + 1) * widths[j] + (rows - j - 1) * n, j))
-    return [i for i, c in enumerate(counts) if 0 < c <= widths[best]]
