@@ -124,3 +124,16 @@ def test_a_growable_store_enlarges_its_pool_and_keeps_what_was_written():
     store.free_sequence("a")
     store.free_sequence("b")
     assert store.num_free_blocks == store.num_blocks
+
+
+def test_a_leased_block_starts_zeroed_even_after_another_sequence_used_it():
+    store = PagedKvStore(CONFIG, 3, 4)
+    blocks = store.add_sequence("a", 8)
+    store.kv.fill_(float("nan"))
+    store.free_sequence("a")
+    again = store.add_sequence("b", 8)
+    assert sorted(again) == sorted(set(again)) and len(again) == 2
+    view = store.kv.view(2, 3, 4, 2, 2, 4)
+    for block in again:
+        assert bool((view[:, block] == 0).all())
+    assert blocks  # "a" really held blocks before "b" reused the pool

@@ -1,4 +1,4 @@
-"""The prompts and request shapes `scripts/bench.py` runs, its statistics helpers, and the two transformers peers.
+"""The prompts and request shapes the batcher benchmark (`bench.batcher`) runs, its statistics helpers, and the two transformers peers.
 
 Every method in a run gets exactly the same requests: the same prompt token ids
 (from our tokenizer) and the same number of new tokens. The ids come from one
@@ -154,7 +154,7 @@ def current_rss_mb() -> float | None:
 
 
 # ------------------------------------------------------------------ the transformers peers (child side)
-# Each takes the parsed `bench.py` arguments, the requests and the cb block count, and returns the raw
+# Each takes the parsed `bench.batcher` arguments, the requests and the cb block count, and returns the raw
 # run: start/end (perf_counter), per-request ids, errors, TTFTs and token times.
 
 def load_hf(args):

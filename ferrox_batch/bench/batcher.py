@@ -1,0 +1,335 @@
+"""Benchmark the continuous batcher against transformers' static and continuous batching (issue 4).
+
+Closed-loop, all-at-once workloads on the default model (`bench.workloads` builds them):
+  a: 32 requests x 64 new tokens, prompts of 20-200 tokens (3,520 in all);
+  b: 128 requests, prompt and output lengths uniform in 16-256 (seeded).
+Greedy, EOS ignored, the same prompt ids and token counts for every method:
+  ours    one thread per request calling `ContinuousBatcher.generate_streaming`, started behind a barrier;
+  static  transformers `generate`, every request in one left-padded batch, max_new_tokens = the largest asked
+          (only each request's own tokens count as output);
+  cb      transformers continuous batching (`continuous_batching_context_manager`, sdpa, page 64,
+          max_batch_tokens 512) after one untimed warm-up session.
+Each method runs in its own fresh subprocess (so peak RSS is per method), `--repeats` times interleaved
+by method; the table gives medians. tok/s = useful generated tokens / (first submit -> last finish).
+TTFT: ours submit -> first streamed chunk; cb created_time -> timestamps[0]; static start -> first
+step. ITL: gaps between a request's consecutive token times, pooled (ours: chunk times; a token that
+completes no UTF-8 text joins the next chunk). Our greedy ids for the first 4 requests must equal
+static's in fp32 (exit 1 otherwise); in bf16 a mismatch is only a warning. The peers need the test
+extra (transformers); `--methods ours` runs without it.
+
+    ferrox-batch bench                          # shapes a,b; ours,static,cb; 3 repeats; bf16
+    ferrox-batch bench --quick                  # 4 requests x 8 tokens, 1 repeat: does it work
+    ferrox-batch bench --shapes a --methods ours,static --dtype fp32 --json /tmp/bench.json
+    ferrox-batch bench --shapes b --max-batch-tokens 1024 --kv-block-size 32
+(`python scripts/bench.py ...` and `python -m ferrox_batch.bench.batcher ...` are the same program.)
+"""
+
+# It lives in the package, not in scripts/, so that the installed `ferrox-batch bench` can run it; each
+# measured run is a child process of this same module (`python -m ferrox_batch.bench.batcher --child ...`).
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ferrox_batch.bench.workloads import (
+    Request,
+    build_requests,
+    current_rss_mb,
+    describe,
+    latency_summary,
+    peak_rss_mb,
+    run_cb,
+    run_static,
+)
+
+METHODS = ("ours", "static", "cb")
+CHECKED = 4  # requests whose ids are compared with static's
+CHILD_MODULE = "ferrox_batch.bench.batcher"
+
+
+def default_model(env: Mapping[str, str]) -> str:
+    """The fetched default checkpoint under `$FERROX_HOME` (or `~/.cache/ferrox-batch`), as before the move."""
+    from ferrox_batch.models.fetch import default_model_dir, ferrox_home_from_env
+
+    return str(default_model_dir(ferrox_home_from_env(env)))
+
+
+def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
+               prog: str | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=default_model(os.environ if env is None else env),
+                   help="checkpoint folder (default: the fetched SmolLM2-135M-Instruct)")
+    p.add_argument("--shapes", default="a,b")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--quick", action="store_true", help="4 requests x 8 tokens, 1 repeat")
+    p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds one method run may take")
+    g = p.add_argument_group("our batcher")
+    g.add_argument("--max-seqs", type=int, default=0, help="0: unlimited")
+    g.add_argument("--prefill-chunk", type=int, default=256)
+    g.add_argument("--max-batch-tokens", type=int, default=512)
+    g.add_argument("--kv-block-size", type=int, default=16)
+    g.add_argument("--kv-blocks", type=int, default=0, help="0: every request of the shape fits at once")
+    g = p.add_argument_group("transformers continuous batching")
+    g.add_argument("--cb-blocks", type=int, default=0, help="0: 1.5x what the shape needs, in 16s (160 for a)")
+    g.add_argument("--cb-page-size", type=int, default=64)
+    g.add_argument("--cb-max-batch-tokens", type=int, default=512)
+    p.add_argument("--child", help=argparse.SUPPRESS)  # METHOD:SHAPE, internal: one measured run
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.repeats = 1
+    return args
+
+
+def blocks_needed(requests: list[Request], block: int) -> int:
+    return sum(max(1, math.ceil((len(r.prompt) + r.max_tokens) / block)) for r in requests)
+
+
+def sized(args: argparse.Namespace, requests: list[Request]) -> tuple[int, int]:
+    kv = args.kv_blocks or blocks_needed(requests, args.kv_block_size)
+    cb = args.cb_blocks or 16 * math.ceil(1.5 * blocks_needed(requests, args.cb_page_size) / 16)
+    return kv, cb
+
+
+# ------------------------------------------------------------------ the three methods (child side)
+
+def run_ours(args, requests: list[Request], kv_blocks: int) -> dict:
+    from ferrox_batch.batch.config import BatcherConfig
+    from ferrox_batch.batch.handle import ContinuousBatcher
+    from ferrox_batch.checks import UNLIMITED
+    from ferrox_batch.generate import GenerationParams
+    from ferrox_batch.models.loader import load_model
+
+    model = load_model(args.model, device="cpu", dtype=args.dtype)
+    loaded = peak_rss_mb()
+    config = BatcherConfig(max_seqs=args.max_seqs or UNLIMITED, prefill_chunk=args.prefill_chunk,
+                           max_batch_tokens=args.max_batch_tokens, kv_block_size=args.kv_block_size,
+                           kv_blocks=kv_blocks)
+    batcher = ContinuousBatcher.spawn_with_config(model.decoder, model.tokenizer.decode, config)
+    stop = model.tokenizer.stop_tokens
+
+    def closed_loop(reqs: list[Request]) -> dict:
+        n = len(reqs)
+        barrier = threading.Barrier(n)
+        submit, done = [0.0] * n, [0.0] * n
+        chunks: list[list[float]] = [[] for _ in range(n)]
+        results: list = [None] * n
+        errors: list[str] = []
+
+        def one(i: int) -> None:
+            params = GenerationParams(max_tokens=reqs[i].max_tokens, ignore_eos=True)
+            times, clock = chunks[i], time.perf_counter
+            barrier.wait()
+            submit[i] = clock()
+            try:
+                results[i] = batcher.generate_streaming(reqs[i].prompt, params, stop, lambda _t: times.append(clock()))
+            except BaseException as error:  # noqa: BLE001 - reported, not raised
+                errors.append(f"request {i}: {type(error).__name__}: {error}")
+            done[i] = clock()
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + args.timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            raise RuntimeError(f"ours: {sum(t.is_alive() for t in threads)} requests still waiting after "
+                               f"{args.timeout:.0f} s; stats {batcher.stats()}")
+        ids = [list(r.token_ids) if r is not None else [] for r in results]
+        return {"start": min(submit), "end": max(done), "ids": ids, "errors": errors,
+                "ttfts": [c[0] - s for c, s in zip(chunks, submit) if c], "times": chunks,
+                "chunks": sum(len(c) for c in chunks)}
+
+    closed_loop([Request(r.prompt[:16], 4) for r in requests[:2]])  # warm-up, untimed
+    out = closed_loop(requests)
+    stats = batcher.stats()
+    closed = batcher.close(timeout=60)
+    out["extra"] = {"config": {"max_seqs": args.max_seqs or "unlimited", "prefill_chunk": args.prefill_chunk,
+                               "max_batch_tokens": args.max_batch_tokens, "kv_block_size": args.kv_block_size,
+                               "kv_blocks": kv_blocks},
+                    "stats": {k: getattr(stats, k) for k in stats.__dataclass_fields__}, "closed": closed,
+                    "chunks_per_token": out.pop("chunks") / max(1, sum(len(i) for i in out["ids"]))}
+    out["rss_after_load_mb"] = loaded
+    return out
+
+
+def child_main(args: argparse.Namespace) -> int:
+    import torch
+
+    from ferrox_batch.models.tokenizer import Tokenizer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    method, shape = args.child.split(":")
+    requests = build_requests(shape, Tokenizer.from_dir(args.model).encode, args.seed, args.quick)
+    kv_blocks, cb_blocks = sized(args, requests)
+    run = {"ours": run_ours, "static": run_static, "cb": run_cb}[method]
+    raw = run(args, requests, kv_blocks if method == "ours" else cb_blocks)
+    useful = sum(min(len(ids), r.max_tokens) for ids, r in zip(raw["ids"], requests))
+    short = [i for i, (ids, r) in enumerate(zip(raw["ids"], requests)) if len(ids) != r.max_tokens]
+    wall = raw["end"] - raw["start"]
+    result = {"method": method, "shape": shape, "wall_s": wall, "useful_tokens": useful, "tok_s": useful / wall,
+              **latency_summary(raw["ttfts"], raw["times"]), "peak_rss_mb": peak_rss_mb(),
+              "rss_end_mb": current_rss_mb(), "rss_after_load_mb": raw["rss_after_load_mb"],
+              "threads": torch.get_num_threads(),
+              "errors": raw["errors"][:10], "wrong_length": short[:20], "ids": raw["ids"][:CHECKED],
+              "ttfts_ms": [t * 1e3 for t in raw["ttfts"]], **raw.get("extra", {})}
+    Path(args.out).write_text(json.dumps(result))
+    return 0
+
+
+# ------------------------------------------------------------------ the parent: spawn, collect, report
+
+def child_argv(args: argparse.Namespace, method: str, shape: str, out: str, kv: int, cb: int) -> list[str]:
+    argv = [sys.executable, "-m", CHILD_MODULE, "--child", f"{method}:{shape}", "--out", out,
+            "--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--threads", str(args.threads),
+            "--timeout", str(args.timeout), "--max-seqs", str(args.max_seqs),
+            "--prefill-chunk", str(args.prefill_chunk), "--max-batch-tokens", str(args.max_batch_tokens),
+            "--kv-block-size", str(args.kv_block_size), "--kv-blocks", str(kv), "--cb-blocks", str(cb),
+            "--cb-page-size", str(args.cb_page_size), "--cb-max-batch-tokens", str(args.cb_max_batch_tokens)]
+    return argv + (["--quick"] if args.quick else [])
+
+
+def child_env() -> dict[str, str]:
+    """The parent's environment, with this package's folder first on PYTHONPATH.
+
+    `-m` finds the module through the child's sys.path, which starts with its working directory; an
+    uninstalled checkout run from elsewhere (`python /path/to/scripts/bench.py`) must still find it.
+    """
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def spawn(args: argparse.Namespace, method: str, shape: str, kv: int, cb: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result.json")
+        began = time.monotonic()
+        try:
+            proc = subprocess.run(child_argv(args, method, shape, out, kv, cb), check=False,
+                                  timeout=args.timeout + 300, env=child_env())
+            code = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        if code != 0 or not Path(out).exists():
+            return {"method": method, "shape": shape, "failed": f"exit {code}", "process_s": time.monotonic() - began}
+        result = json.loads(Path(out).read_text())
+        result["process_s"] = time.monotonic() - began
+        return result
+
+
+def fmt(value, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def median_of(runs: list[dict], key: str):
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def report(args, shapes, methods, runs: list[dict]) -> tuple[list[str], dict]:
+    lines = ["| method | shape | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | peak RSS MB | ours/peer |",
+             "|---|---|---|---|---|---|---|"]
+    summary: dict = {}
+    for shape in shapes:
+        good = {m: [r for r in runs if r["shape"] == shape and r["method"] == m and "failed" not in r] for m in methods}
+        ours_tok = median_of(good.get("ours", []), "tok_s")
+        for m in methods:
+            keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "peak_rss_mb", "wall_s")
+            med = {k: median_of(good[m], k) for k in keys}
+            ratio = None if m == "ours" or ours_tok is None or not med["tok_s"] else ours_tok / med["tok_s"]
+            summary[f"{m}:{shape}"] = {**med, "ours_over_peer": ratio, "runs": len(good[m])}
+            lines.append(f"| {m} | {shape} | {fmt(med['tok_s'], '.1f')} | {fmt(med['ttft_p50_ms'])} / "
+                         f"{fmt(med['ttft_p99_ms'])} | {fmt(med['itl_p50_ms'], '.1f')} / "
+                         f"{fmt(med['itl_p99_ms'], '.1f')} | {fmt(med['peak_rss_mb'])} | {fmt(ratio, '.2f')} |")
+    return lines, summary
+
+
+def check_ids(args, shapes, runs: list[dict]) -> tuple[list[str], bool]:
+    notes, failed = [], False
+    for shape in shapes:
+        first = {}
+        for r in runs:
+            if r["shape"] == shape and "failed" not in r:
+                first.setdefault(r["method"], r["ids"])
+        if "static" not in first:
+            continue
+        for m in ("ours", "cb"):
+            if m not in first:
+                continue
+            bad = [i for i, (x, y) in enumerate(zip(first[m], first["static"])) if x != y]
+            if not bad:
+                notes.append(f"ids check, shape {shape}: {m} == static on the first {CHECKED} requests")
+            elif m == "ours" and args.dtype == "fp32":
+                failed = True
+                notes.append(f"ids check FAILED, shape {shape}: ours != static (fp32) on requests {bad}")
+            else:
+                notes.append(f"WARNING ids, shape {shape}: {m} != static ({args.dtype}) on requests {bad}")
+    return notes, failed
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, prog: str | None = None) -> int:
+    """Run the benchmark (or, with `--child`, one measured run); `env` defaults to the process environment."""
+    args = parse_args(argv, env, prog)
+    if args.child:
+        return child_main(args)
+    from ferrox_batch.models.tokenizer import Tokenizer
+
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if unknown := sorted(set(methods) - set(METHODS)):
+        raise SystemExit(f"unknown methods {unknown}; use {','.join(METHODS)}")
+    tokenizer = Tokenizer.from_dir(args.model)
+    sizes = {}
+    print(f"# bench: {args.model}, dtype {args.dtype}, repeats {args.repeats}{', quick' if args.quick else ''}")
+    for shape in shapes:
+        requests = build_requests(shape, tokenizer.encode, args.seed, args.quick)
+        sizes[shape] = sized(args, requests)
+        print(f"# shape {shape}: {describe(requests)}; ours kv_blocks {sizes[shape][0]} x {args.kv_block_size}, "
+              f"cb num_blocks {sizes[shape][1]} x {args.cb_page_size}")
+    print(f"# ours: max_seqs {args.max_seqs or 'unlimited'}, prefill_chunk {args.prefill_chunk}, "
+          f"max_batch_tokens {args.max_batch_tokens}, kv_block_size {args.kv_block_size}; "
+          f"cb: page_size {args.cb_page_size}, max_batch_tokens {args.cb_max_batch_tokens}, sdpa", flush=True)
+    runs = []
+    for shape in shapes:
+        for rep in range(args.repeats):
+            for method in methods:
+                r = spawn(args, method, shape, *sizes[shape])
+                runs.append(r)
+                state = r.get("failed") or (f"{r['tok_s']:.1f} tok/s in {r['wall_s']:.1f} s, "
+                                            f"{len(r['errors'])} errors, {len(r['wrong_length'])} wrong lengths")
+                print(f"# [{rep + 1}/{args.repeats}] {method} {shape}: {state} ({r['process_s']:.0f} s process)",
+                      file=sys.stderr, flush=True)
+    lines, summary = report(args, shapes, methods, runs)
+    notes, failed = check_ids(args, shapes, runs)
+    print("\n".join(lines + [""] + [f"# {n}" for n in notes]))
+    for r in runs:
+        if r.get("failed") or r.get("errors") or r.get("wrong_length"):
+            print(f"# PROBLEM {r['method']} {r['shape']}: {r.get('failed') or ''} {r.get('errors', [])[:3]} "
+                  f"wrong lengths {r.get('wrong_length', [])}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "sizes": sizes, "summary": summary, "runs": runs},
+                                              indent=1))
+    return 1 if failed or any("failed" in r for r in runs) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
