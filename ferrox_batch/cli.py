@@ -33,12 +33,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from ferrox_batch.batch.config import (
     DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH_TOKENS,
+    DEFAULT_MAX_PREFILLS_PER_TICK,
     DEFAULT_MAX_QUEUE,
     DEFAULT_PREFILL_CHUNK,
     ENV_KV_BLOCK_SIZE,
     ENV_KV_BLOCKS,
     ENV_MAX_BATCH_TOKENS,
     ENV_MAX_CONTEXT,
+    ENV_MAX_PREFILLS_PER_TICK,
     ENV_MAX_QUEUE,
     ENV_MAX_SEQS,
     ENV_PREFILL_CHUNK,
@@ -293,6 +295,9 @@ BATCHER_FLAGS: dict[str, tuple[str, str, str, str]] = {
                   "KV blocks in the budget (wins over --kv-memory)"),
     "max_context": ("--max-context", ENV_MAX_CONTEXT, "the model's context",
                     "prompt + max_tokens ceiling per request"),
+    "max_prefills_per_tick": ("--max-prefills-per-tick", ENV_MAX_PREFILLS_PER_TICK,
+                              str(DEFAULT_MAX_PREFILLS_PER_TICK),
+                              "prompts one forward may advance, sharing --max-batch-tokens"),
 }
 
 

@@ -26,6 +26,8 @@ DEFAULT_MAX_QUEUE = 512
 DEFAULT_MAX_BATCH_TOKENS = 256
 #: Decode forwards between two decode log lines (upstream keeps it in `status`).
 DEFAULT_DECODE_LOG_INTERVAL = 40
+#: Prompts advanced per tick: 1 is the upstream V4 tick (one prefill chunk per tick).
+DEFAULT_MAX_PREFILLS_PER_TICK = 1
 
 ENV_MAX_SEQS = "FERROX_CB_MAX_SEQS"
 ENV_PREFILL_CHUNK = "FERROX_CB_PREFILL_CHUNK"
@@ -34,6 +36,7 @@ ENV_MAX_QUEUE = "FERROX_CB_MAX_QUEUE"
 ENV_KV_BLOCK_SIZE = "FERROX_CB_KV_BLOCK_SIZE"
 ENV_KV_BLOCKS = "FERROX_CB_KV_BLOCKS"
 ENV_MAX_CONTEXT = "FERROX_CB_MAX_CONTEXT"
+ENV_MAX_PREFILLS_PER_TICK = "FERROX_CB_MAX_PREFILLS_PER_TICK"
 ENV_DECODE_LOG_INTERVAL = "FERROX_DECODE_LOG_INTERVAL"
 
 #: Upstream `prefill_batch::PREFILL_CHUNK_ENV_KEYS`, ported to the FERROX_ prefix:
@@ -83,6 +86,11 @@ class BatcherConfig:
     budget; `max_context` None means no per-request ceiling. `max_queue` may be
     0 (refuse every job: upstream's own test does this) although the
     environment variable must be positive.
+
+    `max_prefills_per_tick` (port-only): how many admitted prompts one tick may
+    advance, sharing the tick's token budget. 1 is the upstream tick; more
+    lets a burst of prompts prefill together instead of one per forward
+    (measured in docs/benchmarks.md).
     """
 
     max_seqs: int = UNLIMITED
@@ -92,6 +100,7 @@ class BatcherConfig:
     kv_block_size: int = DEFAULT_KV_BLOCK_SIZE
     kv_blocks: int | None = None
     max_context: int | None = None
+    max_prefills_per_tick: int = DEFAULT_MAX_PREFILLS_PER_TICK
 
     def __post_init__(self) -> None:
         _check_field("max_seqs", self.max_seqs, minimum=1)
@@ -101,6 +110,7 @@ class BatcherConfig:
         _check_field("kv_block_size", self.kv_block_size, minimum=1)
         _check_field("kv_blocks", self.kv_blocks, minimum=1, optional=True)
         _check_field("max_context", self.max_context, minimum=1, optional=True)
+        _check_field("max_prefills_per_tick", self.max_prefills_per_tick, minimum=1)
 
     @classmethod
     def default(cls) -> BatcherConfig:
@@ -124,6 +134,7 @@ class BatcherConfig:
         max_batch_tokens = env_positive(env, ENV_MAX_BATCH_TOKENS)
         max_queue = env_positive(env, ENV_MAX_QUEUE)
         kv_block_size = env_positive(env, ENV_KV_BLOCK_SIZE)
+        prefills = env_positive(env, ENV_MAX_PREFILLS_PER_TICK)
         return cls(
             max_seqs=UNLIMITED if max_seqs is None else max_seqs,
             prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
@@ -132,6 +143,7 @@ class BatcherConfig:
             kv_block_size=DEFAULT_KV_BLOCK_SIZE if kv_block_size is None else kv_block_size,
             kv_blocks=env_positive(env, ENV_KV_BLOCKS),
             max_context=env_positive(env, ENV_MAX_CONTEXT),
+            max_prefills_per_tick=DEFAULT_MAX_PREFILLS_PER_TICK if prefills is None else prefills,
         )
 
     @property

@@ -4,7 +4,8 @@ Each tick: block only when fully idle -> drain the channel -> apply cancels
 -> flush finished rows -> admit (FIFO; `max_seqs` and the block budget; a
 head job that does not fit holds the line) -> record peak blocks -> sample
 every ready row -> ONE forward holding every active row's next token *and*
-one bounded prefill chunk (the V4 step budget) -> flush.
+one bounded prefill chunk (the V4 step budget; `max_prefills_per_tick` lets
+further prompts share what is left of it) -> flush.
 
 Divergence from the upstream tick, on purpose: upstream runs the prefill
 chunk as its own forward before sampling, then a second forward for the
@@ -256,14 +257,32 @@ class Worker:
 
     # --------------------------------------------------------------- forward
 
+    def _take_prefill_chunks(self, decode_rows: int) -> list[tuple[Prefill, list[int]]]:
+        """The prompts this tick advances and the tokens of each (V4 step budget).
+
+        The first prompt gets `prefill_budget(...)` tokens (at least MIN_PREFILL_CHUNK, so a
+        saturated batch still progresses); with `max_prefills_per_tick > 1` further prompts
+        share what is left of `max_batch_tokens`, each at most its chunk ceiling.
+        """
+        taken: list[tuple[Prefill, list[int]]] = []
+        if not self.prefills:
+            return taken
+        first = self.prefills.popleft()
+        budget = prefill_budget(self.config.max_batch_tokens, decode_rows, first.state.chunk_ceiling())
+        chunk = first.state.next_chunk(budget)
+        taken.append((first, chunk))
+        left = self.config.max_batch_tokens - decode_rows - len(chunk)
+        while self.prefills and len(taken) < self.config.max_prefills_per_tick and left > 0:
+            prefill = self.prefills.popleft()
+            chunk = prefill.state.next_chunk(min(left, prefill.state.chunk_ceiling()))
+            taken.append((prefill, chunk))
+            left -= len(chunk)
+        return taken
+
     def _forward(self, active: list[int]) -> None:
         chunks = [SeqChunk(self.rows.state[uid].seq_id, [self.rows.state[uid].generated_ids[-1]]) for uid in active]
-        prefill = self.prefills.popleft() if self.prefills else None
-        prompt_chunk: list[int] = []
-        if prefill is not None:
-            budget = prefill_budget(self.config.max_batch_tokens, len(active), prefill.state.chunk_ceiling())
-            prompt_chunk = prefill.state.next_chunk(budget)
-            chunks.append(SeqChunk(prefill.state.seq_id, prompt_chunk))
+        prompt_chunks = self._take_prefill_chunks(len(active))
+        chunks += [SeqChunk(prefill.state.seq_id, tokens) for prefill, tokens in prompt_chunks]
         if not chunks:
             return
         try:
@@ -273,7 +292,7 @@ class Worker:
             error = InternalError(f"forward failed: {type(bad).__name__}: {bad}")
             for uid in active:
                 self.rows.state[uid].fail(error)
-            if prefill is not None:
+            for prefill, _ in prompt_chunks:
                 self._release_prefill(prefill)
                 send_finished(prefill.reply, error)
             return
@@ -284,12 +303,12 @@ class Worker:
             line = self.reporter.report_decode(self._now(), len(active), self.batch_status())
             if line is not None:
                 log.info(line)
-        if prefill is not None:
-            self.counters.add_prefill(len(prompt_chunk))
-            if prefill.state.advance(len(prompt_chunk), self.store.seq_len(prefill.state.seq_id)):
+        for row, (prefill, tokens) in enumerate(prompt_chunks, start=len(active)):
+            self.counters.add_prefill(len(tokens))
+            if prefill.state.advance(len(tokens), self.store.seq_len(prefill.state.seq_id)):
                 sampler_row = self.sampler.new_row(prefill.params.sampling, prefill.params.seed, prefill.state.tokens)
                 uid = self.rows.insert(prefill.into_slot(sampler_row))
-                self._logit_row[uid] = len(active)
+                self._logit_row[uid] = row
             else:
                 self.prefills.append(prefill)  # round-robin: back of the line
 

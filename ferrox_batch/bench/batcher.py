@@ -82,7 +82,9 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
     g = p.add_argument_group("our batcher")
     g.add_argument("--max-seqs", type=int, default=0, help="0: unlimited")
     g.add_argument("--prefill-chunk", type=int, default=256)
-    g.add_argument("--max-batch-tokens", type=int, default=512)
+    g.add_argument("--max-batch-tokens", type=int, default=1024)
+    g.add_argument("--max-prefills-per-tick", type=int, default=8,
+                   help="prompts one forward may advance (1: the upstream tick)")
     g.add_argument("--kv-block-size", type=int, default=16)
     g.add_argument("--kv-blocks", type=int, default=0, help="0: every request of the shape fits at once")
     g = p.add_argument_group("transformers continuous batching")
@@ -120,7 +122,7 @@ def run_ours(args, requests: list[Request], kv_blocks: int) -> dict:
     loaded = peak_rss_mb()
     config = BatcherConfig(max_seqs=args.max_seqs or UNLIMITED, prefill_chunk=args.prefill_chunk,
                            max_batch_tokens=args.max_batch_tokens, kv_block_size=args.kv_block_size,
-                           kv_blocks=kv_blocks)
+                           kv_blocks=kv_blocks, max_prefills_per_tick=args.max_prefills_per_tick)
     batcher = ContinuousBatcher.spawn_with_config(model.decoder, model.tokenizer.decode, config)
     stop = model.tokenizer.stop_tokens
 
@@ -163,7 +165,7 @@ def run_ours(args, requests: list[Request], kv_blocks: int) -> dict:
     closed = batcher.close(timeout=60)
     out["extra"] = {"config": {"max_seqs": args.max_seqs or "unlimited", "prefill_chunk": args.prefill_chunk,
                                "max_batch_tokens": args.max_batch_tokens, "kv_block_size": args.kv_block_size,
-                               "kv_blocks": kv_blocks},
+                               "kv_blocks": kv_blocks, "max_prefills_per_tick": args.max_prefills_per_tick},
                     "stats": {k: getattr(stats, k) for k in stats.__dataclass_fields__}, "closed": closed,
                     "chunks_per_token": out.pop("chunks") / max(1, sum(len(i) for i in out["ids"]))}
     out["rss_after_load_mb"] = loaded
@@ -202,6 +204,7 @@ def child_argv(args: argparse.Namespace, method: str, shape: str, out: str, kv: 
             "--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--threads", str(args.threads),
             "--timeout", str(args.timeout), "--max-seqs", str(args.max_seqs),
             "--prefill-chunk", str(args.prefill_chunk), "--max-batch-tokens", str(args.max_batch_tokens),
+            "--max-prefills-per-tick", str(args.max_prefills_per_tick),
             "--kv-block-size", str(args.kv_block_size), "--kv-blocks", str(kv), "--cb-blocks", str(cb),
             "--cb-page-size", str(args.cb_page_size), "--cb-max-batch-tokens", str(args.cb_max_batch_tokens)]
     return argv + (["--quick"] if args.quick else [])
@@ -306,7 +309,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         print(f"# shape {shape}: {describe(requests)}; ours kv_blocks {sizes[shape][0]} x {args.kv_block_size}, "
               f"cb num_blocks {sizes[shape][1]} x {args.cb_page_size}")
     print(f"# ours: max_seqs {args.max_seqs or 'unlimited'}, prefill_chunk {args.prefill_chunk}, "
-          f"max_batch_tokens {args.max_batch_tokens}, kv_block_size {args.kv_block_size}; "
+          f"max_batch_tokens {args.max_batch_tokens}, max_prefills_per_tick {args.max_prefills_per_tick}, "
+          f"kv_block_size {args.kv_block_size}; "
           f"cb: page_size {args.cb_page_size}, max_batch_tokens {args.cb_max_batch_tokens}, sdpa", flush=True)
     runs = []
     for shape in shapes:

@@ -1,0 +1,89 @@
+"""`max_prefills_per_tick`: several prompts share one tick's token budget; answers do not change.
+
+With the default (1) every forward holds at most one prefill chunk (spec invariant 8).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.batch.step_budget import MIN_PREFILL_CHUNK
+
+from batch_helpers import greedy_params, identity_decode, sequential_ids
+
+
+class RecordingDecoder:
+    """Delegates to the real decoder and records each forward's (decode rows, prefill chunk lengths)."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.config, self.vocab_size = inner.config, inner.vocab_size
+        self.device, self.dtype = inner.device, inner.dtype
+        self.forwards: list[tuple[int, list[int]]] = []
+
+    def new_store(self, *args, **kwargs):
+        return self.inner.new_store(*args, **kwargs)
+
+    def forward(self, chunks, store):
+        lens = [len(c.tokens) for c in chunks]
+        first_prefill = next((i for i, n in enumerate(lens) if n > 1), len(lens))
+        # Decodes come first; a 1-token prompt chunk after them counts as a prefill chunk too.
+        decodes = sum(1 for c in chunks if len(c.tokens) == 1 and store.seq_len(c.seq_id) > 0
+                      and chunks.index(c) < first_prefill)
+        self.forwards.append((decodes, lens[decodes:]))
+        return self.inner.forward(chunks, store)
+
+
+def run_concurrently(batcher, prompts, params):
+    results: list = [None] * len(prompts)
+
+    def go(i: int) -> None:
+        results[i] = batcher.generate(prompts[i], params)
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive()
+    return results
+
+
+PROMPTS = [[(7 * i + j) % 300 + 3 for j in range(5 + 9 * i)] for i in range(6)]
+
+
+@pytest.mark.parametrize("per_tick,budget", [(1, 64), (3, 64), (6, 40), (4, 512)])
+def test_prompts_sharing_a_tick_get_their_alone_answers_within_the_budget(tiny_batch_model, per_tick, budget):
+    decoder = RecordingDecoder(tiny_batch_model.decoder)
+    config = BatcherConfig(prefill_chunk=16, max_batch_tokens=budget, kv_block_size=4, kv_blocks=512,
+                           max_prefills_per_tick=per_tick)
+    params = greedy_params(6, ignore_eos=True)
+    with ContinuousBatcher.spawn_with_config(decoder, identity_decode, config) as batcher:
+        results = run_concurrently(batcher, PROMPTS, params)
+        stats = batcher.stats()
+    for prompt, result in zip(PROMPTS, results):
+        assert list(result.token_ids) == sequential_ids(tiny_batch_model, prompt, params)
+    assert stats.prefill_tokens == sum(len(p) for p in PROMPTS)
+    most = 0
+    for decodes, prefill_lens in decoder.forwards:
+        assert len(prefill_lens) <= per_tick
+        assert all(n <= 16 for n in prefill_lens)
+        if prefill_lens:
+            # The first chunk follows the V4 budget; the rest only use what is left of it.
+            assert sum(prefill_lens) + decodes <= max(budget, decodes + MIN_PREFILL_CHUNK)
+        most = max(most, len(prefill_lens))
+    if per_tick > 1:
+        assert most > 1, "a burst of prompts never shared a tick"
+
+
+def test_the_knob_is_read_from_the_environment_and_validated():
+    assert BatcherConfig.from_env({"FERROX_CB_MAX_PREFILLS_PER_TICK": "8"}).max_prefills_per_tick == 8
+    assert BatcherConfig.from_env({}).max_prefills_per_tick == 1
+    with pytest.raises(ValueError, match="FERROX_CB_MAX_PREFILLS_PER_TICK must be a positive integer"):
+        BatcherConfig.from_env({"FERROX_CB_MAX_PREFILLS_PER_TICK": "0"})
+    with pytest.raises(ValueError, match="max_prefills_per_tick"):
+        BatcherConfig(max_prefills_per_tick=0)
