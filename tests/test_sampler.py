@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from ferrox_batch.errors import DecodeError, TokenOutOfVocab
 from ferrox_batch.generate import SamplingParams
-from ferrox_batch.models import sampler as sampler_module
+from ferrox_batch.models import sampling_cuts as cuts_module
 from ferrox_batch.models.sampler import BatchSampler, RowSampler, SamplingError
 
 GREEDY = SamplingParams()
@@ -341,13 +341,13 @@ def assorted_params(rng: random.Random) -> SamplingParams:
 def full_sorts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Records how many rows each call of the sampler's full sort took."""
     seen: list[int] = []
-    real = sampler_module._sorted_values
+    real = cuts_module._sorted_values
 
     def recording(l: torch.Tensor) -> torch.Tensor:
         seen.append(l.shape[0])
         return real(l)
 
-    monkeypatch.setattr(sampler_module, "_sorted_values", recording)
+    monkeypatch.setattr(cuts_module, "_sorted_values", recording)
     return seen
 
 
@@ -366,9 +366,9 @@ def test_every_top_p_path_gives_the_torch_sort_bits(monkeypatch):
         for path in ("cpu", "no head", "sync-free"):
             with monkeypatch.context() as m:
                 if path == "no head":
-                    m.setattr(sampler_module, "_TOP_K_HEAD", False)
+                    m.setattr(cuts_module, "_TOP_K_HEAD", False)
                 if path == "sync-free":
-                    m.setattr(sampler_module, "_reads_back", lambda device: False)
+                    m.setattr(cuts_module, "_reads_back", lambda device: False)
                 sampler = BatchSampler(n, "cpu")
                 rows = [sampler.new_row(p, seed, []) for p, seed in zip(params, seeds)]
                 dist = sampler.distribution(logits, rows)
@@ -421,7 +421,7 @@ def test_temperature_and_min_p_rows_never_sort(device, monkeypatch):
 
     monkeypatch.setattr(torch, "sort", boom)
     monkeypatch.setattr(torch, "topk", boom)
-    monkeypatch.setattr(sampler_module, "_sorted_values", boom)
+    monkeypatch.setattr(cuts_module, "_sorted_values", boom)
     sampler = BatchSampler(3000, device)
     params = [SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, min_p=0.05), GREEDY,
               SamplingParams(temperature=1.3, min_p=0.5, repetition_penalty=1.1)]
@@ -443,7 +443,7 @@ def test_only_top_k_and_top_p_rows_reach_a_sort(device, monkeypatch):
 
         monkeypatch.setattr(module, name, call)
 
-    for module, name in ((torch, "sort"), (torch, "topk"), (sampler_module, "_sorted_values")):
+    for module, name in ((torch, "sort"), (torch, "topk"), (cuts_module, "_sorted_values")):
         recording(module, name)
     sampler = BatchSampler(3000, device)
     params = [SamplingParams(temperature=0.8, min_p=0.05), SamplingParams(temperature=0.8, top_p=0.9),
@@ -469,7 +469,7 @@ def test_bad_rows_fail_alone_under_top_k_and_top_p(device):
 def test_a_prefix_just_short_of_top_p_runs_on():
     # The running sum first covers _PREFIX sorted probabilities; top_p sits 3e-6 above their mass, so
     # the cut is the next token and the sum has to run on past the prefix.
-    n, head = 5000, sampler_module._PREFIX
+    n, head = 5000, cuts_module._PREFIX
     logits = randn(n, seed=12, device="cpu", scale=0.01)
     logits[:head] += 5.0
     probs = torch.softmax(logits, 0)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ferrox_batch.models.errors import FetchError, ModelLoadError
+from ferrox_batch.models.gguf_convert import fsync_path as _fsync
 from ferrox_batch.models.gguf_convert import read_gguf, write_hf_folder
 
 MARKER = ".ferrox-complete"
@@ -264,11 +265,3 @@ def _sha_ok(path: Path, expected: str | None) -> bool:
         while chunk := handle.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest() == expected
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
