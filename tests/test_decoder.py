@@ -211,3 +211,18 @@ def test_writing_past_a_sequences_lease_is_refused(tiny_model):
     tiny_model.decoder.forward([SeqChunk("s", [1, 2, 3, 4])], store)
     with pytest.raises(ValueError, match="KV lease holds 4"):
         tiny_model.decoder.forward([SeqChunk("s", [5])], store)
+
+
+def test_prefill_chunks_of_different_lengths_near_the_end_of_a_small_lease(tiny_model):
+    """A short chunk at the end of a small lease beside a long chunk: padding must not index past its table."""
+    a = tiny_model.tokenizer.encode(PROMPTS[0])[:8]
+    b = tiny_model.tokenizer.encode(PROMPTS[2])[:12]
+    want_a, _ = prefill_logits(tiny_model, a)
+    want_b, _ = prefill_logits(tiny_model, b)
+    store = tiny_model.decoder.new_store(4, num_blocks=16)
+    store.add_sequence("a", 8)  # two blocks: exactly full after this forward
+    store.add_sequence("b", 12)
+    tiny_model.decoder.forward([SeqChunk("a", a[:6])], store)
+    out = tiny_model.decoder.forward([SeqChunk("a", a[6:]), SeqChunk("b", b)], store)
+    assert torch.allclose(out[0], want_a, atol=1e-4)
+    assert torch.allclose(out[1], want_b, atol=1e-4)

@@ -138,7 +138,9 @@ def build_inputs(
         valid_q = q_idx[None, :] < len_t[:, None]
         flat_pos = qpos[valid_q]
         pos_parts.append(flat_pos)
-        slot_parts.append(_slots(p_tables, qpos, bs)[valid_q])
+        # Padding queries (past a chunk's end) may lie past that sequence's block table: point
+        # them at the chunk's first position before the lookup; their slots are dropped anyway.
+        slot_parts.append(_slots(p_tables, torch.where(valid_q, qpos, start_t[:, None]), bs)[valid_q])
         width = int(max(s + n for s, n in zip(p_starts, p_lens)))
         keys = torch.arange(width, device=device)
         ctx = _slots(p_tables, keys[None, :].expand(count, width), bs)
