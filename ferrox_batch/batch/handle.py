@@ -38,6 +38,7 @@ from ferrox_batch.errors import DecodeError, InvalidRequest, QueueFull
 from ferrox_batch.generate import GenerationParams, GenerationResult, PagedKvConfig, paged_hold_positions
 from ferrox_batch.models.kv import KvElem, KvShape
 from ferrox_batch.models.loader import LoadedModel
+from ferrox_batch.models.openmp import release_thread_pool
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.sampler import BatchSampler
 from ferrox_batch.models.tokenizer import Tokenizer
@@ -105,6 +106,8 @@ class ContinuousBatcher:
         )
         thread = threading.Thread(target=worker.run, name=WORKER_THREAD_NAME, daemon=True)
         thread.start()
+        if store.device.type == "cpu":
+            release_thread_pool()  # this thread most likely built the model: see models.openmp
         return cls(jobs=jobs, lifecycle=lifecycle, counters=counters, queue_gate=queue_gate, budget=budget,
                    aborts=aborts, config=config, thread=thread, store=store)
 
