@@ -6,7 +6,8 @@ plain slice of the flat projections:
 
 * decode group: `B` queries, one per sequence; each attends to its own
   gathered context `[B, L]` (L = the longest context in the group) under a
-  length mask;
+  length mask, or, for the paged decode kernel (`decode_gather=False`),
+  straight from the pool through its block table and key range;
 * prefill group: `P` chunks padded to the longest chunk `Q`; each query
   attends causally to its sequence's context.
 
@@ -37,14 +38,22 @@ class SeqChunk:
 
 @dataclass(slots=True)
 class AttnGroup:
-    """Context slots (flattened `[N * L]`) and a boolean mask broadcastable to the group's scores."""
+    """Context slots (flattened `[N * L]`) and a boolean mask broadcastable to the group's scores.
 
-    ctx_slots: torch.Tensor
+    The decode group also carries what the paged kernel reads instead: the padded block
+    tables and each sequence's key range `lo .. hi - 1`; without a gather its `ctx_slots`
+    and `mask` are None.
+    """
+
+    ctx_slots: torch.Tensor | None
     mask: torch.Tensor | None
     count: int
     q_len: int  # 1 for the decode group, the padded chunk length for the prefill group
     pad_index: torch.Tensor | None = None  # flat rows -> padded [N*q_len] (prefill, N > 1)
     unpad_index: torch.Tensor | None = None  # padded rows -> flat rows (prefill, N > 1)
+    tables: torch.Tensor | None = None  # [N, max_blocks] int64 (decode group)
+    lo: torch.Tensor | None = None  # [N] first key attended (decode group)
+    hi: torch.Tensor | None = None  # [N] one past the last key (decode group)
 
 
 @dataclass(slots=True)
@@ -64,8 +73,13 @@ def build_inputs(
     vocab_size: int,
     sliding_window: int | None,
     group_size: int,
+    decode_gather: bool = True,
 ) -> BatchInputs:
-    """`group_size` is query heads per KV head: prefill queries are laid out `(query, group)`."""
+    """`group_size` is query heads per KV head: prefill queries are laid out `(query, group)`.
+
+    `decode_gather=False` skips the decode group's context slots and mask (the paged kernel
+    reads the tables instead).
+    """
     if not chunks:
         raise ValueError("a forward needs at least one sequence; got an empty batch")
     seen: set[Hashable] = set()
@@ -117,14 +131,16 @@ def build_inputs(
         pos_parts.append(d_pos)
         slot_parts.append(_slots(d_tables, d_pos[:, None], bs).squeeze(1))
         ctx_len = d_pos + 1
-        width = int(max(starts[:n_decode])) + 1
-        keys = torch.arange(width, device=device)
-        ctx = _slots(d_tables, keys[None, :].expand(n_decode, width), bs)
-        mask = keys[None, :] < ctx_len[:, None]
-        if sliding_window is not None:
-            mask &= keys[None, :] > (d_pos[:, None] - sliding_window)
-        all_full = bool(mask.all())
-        decode = AttnGroup(ctx.reshape(-1), None if all_full else mask[:, None, None, :], n_decode, 1)
+        lo = torch.zeros_like(d_pos) if sliding_window is None else (ctx_len - sliding_window).clamp(min=0)
+        decode = AttnGroup(None, None, n_decode, 1, tables=d_tables, lo=lo, hi=ctx_len)
+        if decode_gather:
+            width = int(max(starts[:n_decode])) + 1
+            keys = torch.arange(width, device=device)
+            ctx = _slots(d_tables, keys[None, :].expand(n_decode, width), bs)
+            mask = (keys[None, :] < ctx_len[:, None]) & (keys[None, :] >= lo[:, None])
+            all_full = bool(mask.all())
+            decode.ctx_slots = ctx.reshape(-1)
+            decode.mask = None if all_full else mask[:, None, None, :]
     if n_decode < len(order):
         p_starts = starts[n_decode:]
         p_lens = lens[n_decode:]

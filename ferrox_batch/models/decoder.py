@@ -9,6 +9,10 @@ once for the decode group and once for the prefill group per layer (see
 share a KV head are folded into the query-length axis of
 `scaled_dot_product_attention`.
 
+On the CPU the decode group's attention runs in the paged decode kernel
+(`paged_attention`), which reads K/V straight from the pool; set
+`decode_kernel = None` to use gather + SDPA instead (CUDA always does).
+
 Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
 matmuls, each prepacked for the CPU's matmul library where that works
 (`models.linear`). The decoder is stateless between calls; all per-sequence state is in
@@ -27,6 +31,7 @@ from ferrox_batch.models.batch_inputs import AttnGroup, SeqChunk, build_inputs
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.errors import ModelLoadError
 from ferrox_batch.models.linear import Linear
+from ferrox_batch.models.paged_attention import PagedDecodeKernel, paged_decode_kernel
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.rope import apply_rope, rope_tables
 
@@ -69,6 +74,9 @@ class Decoder:
         if unused:
             raise ModelLoadError(f"checkpoint has tensors this architecture does not use: {sorted(unused)[:5]}")
         self.cos, self.sin = rope_tables(config, self.device, dtype)
+        self.decode_kernel: PagedDecodeKernel | None = None
+        if self.device.type == "cpu" and PagedDecodeKernel.supports(dtype):
+            self.decode_kernel = paged_decode_kernel()
 
     def _layer(self, take: "_Taker", i: int) -> LayerWeights:
         c = self.config
@@ -122,7 +130,11 @@ class Decoder:
             raise ValueError(
                 f"store is {store.dtype} on {store.device} but the decoder runs {self.dtype} on {self.device}"
             )
-        inputs = build_inputs(chunks, store, c.vocab_size, c.sliding_window, c.group_size)
+        kernel = self.decode_kernel
+        inputs = build_inputs(chunks, store, c.vocab_size, c.sliding_window, c.group_size,
+                              decode_gather=kernel is None)
+        if kernel is not None and inputs.decode is not None and int(inputs.decode.tables.max()) >= store.num_blocks:
+            raise ValueError("a block table points past the KV pool")  # the kernel reads unchecked
         n_tok = inputs.tokens.numel()
         last = int(inputs.positions.max())
         if last >= c.max_position_embeddings:
@@ -148,7 +160,7 @@ class Decoder:
             n_dec = 0
             if inputs.decode is not None:
                 n_dec = inputs.decode.count
-                parts.append(self._attend_decode(q[:n_dec], pool, inputs.decode))
+                parts.append(self._attend_decode(q[:n_dec], pool, inputs.decode, store.block_size))
             if inputs.prefill is not None:
                 parts.append(self._attend_prefill(q[n_dec:], pool, inputs.prefill))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -169,12 +181,15 @@ class Decoder:
         ctx = pool.index_select(0, group.ctx_slots).view(group.count, -1, 2, c.num_kv_heads, c.head_dim)
         return ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
 
-    def _attend_decode(self, q: torch.Tensor, pool: torch.Tensor, group: AttnGroup) -> torch.Tensor:
+    def _attend_decode(self, q: torch.Tensor, pool: torch.Tensor, group: AttnGroup, block_size: int) -> torch.Tensor:
         c = self.config
         n = group.count
-        k, v = self._context(pool, group)
         qd = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
-        out = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask)
+        if self.decode_kernel is not None:
+            out = self.decode_kernel(qd, pool, group.tables, group.lo, group.hi, block_size, c.head_dim ** -0.5)
+        else:
+            k, v = self._context(pool, group)
+            out = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask)
         return out.reshape(n, c.num_heads * c.head_dim)
 
     def _attend_prefill(self, q: torch.Tensor, pool: torch.Tensor, group: AttnGroup) -> torch.Tensor:

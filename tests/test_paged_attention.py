@@ -1,0 +1,175 @@
+"""The CPU paged decode-attention kernel: against a float64 reference, inside the decoder, and its build."""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ferrox_batch.models import paged_attention
+from ferrox_batch.models.batch_inputs import SeqChunk
+from ferrox_batch.models.loader import load_model
+from ferrox_batch.models.openmp import loaded_openmp_runtimes
+from ferrox_batch.models.paged_attention import PagedDecodeKernel, paged_decode_kernel
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="the kernel is built with the system C compiler")
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedDecodeKernel:
+    built = paged_decode_kernel()
+    assert built is not None, "a C compiler is on PATH, so the kernel must build"
+    return built
+
+
+def random_case(rng: random.Random, n: int, kv: int, g: int, d: int, block: int, window: int | None, dtype):
+    """A pool with randomly placed blocks, and what each sequence attends to."""
+    lens = [rng.randint(1, 40) for _ in range(n)]
+    blocks = [-(-length // block) for length in lens]
+    order = list(range(1, sum(blocks) + 3))  # block 0 stays unused, as in the store
+    rng.shuffle(order)
+    tables = torch.zeros(n, max(blocks), dtype=torch.long)
+    used = 0
+    for i, count in enumerate(blocks):
+        tables[i, :count] = torch.tensor(order[used:used + count])
+        used += count
+    gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
+    pool = torch.randn((sum(blocks) + 3) * block, 2, kv, d, generator=gen).to(dtype)
+    q = torch.randn(n, kv, g, d, generator=gen).to(dtype)
+    hi = torch.tensor(lens)
+    lo = torch.zeros(n, dtype=torch.long) if window is None else (hi - window).clamp(min=0)
+    return q, pool, tables, lo, hi
+
+
+def reference(q, pool, tables, lo, hi, block):
+    """Gather each sequence's keys and values and attend in float64."""
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for i in range(q.shape[0]):
+        pos = torch.arange(int(lo[i]), int(hi[i]))
+        slots = tables[i, pos // block] * block + pos % block
+        ctx = pool.double()[slots]  # [L, 2, kv, d]
+        k, v = ctx[:, 0].transpose(0, 1), ctx[:, 1].transpose(0, 1)  # [kv, L, d]
+        out[i] = F.scaled_dot_product_attention(q[i].double(), k, v)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**20),
+    n=st.integers(1, 6),
+    kv=st.integers(1, 3),
+    g=st.integers(1, 4),
+    d=st.sampled_from([4, 16, 24, 64]),
+    block=st.sampled_from([1, 3, 4, 16]),
+    window=st.one_of(st.none(), st.integers(1, 12)),
+)
+def test_float32_matches_the_reference(kernel, seed, n, kv, g, d, block, window) -> None:
+    q, pool, tables, lo, hi = random_case(random.Random(seed), n, kv, g, d, block, window, torch.float32)
+    got = kernel(q, pool, tables, lo, hi, block, d ** -0.5)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    torch.testing.assert_close(got.double(), reference(q, pool, tables, lo, hi, block), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_bfloat16_matches_the_reference_to_bf16_rounding(kernel, seed) -> None:
+    rng = random.Random(seed)
+    q, pool, tables, lo, hi = random_case(rng, 5, 3, 3, 64, 16, None if seed % 2 else 9, torch.bfloat16)
+    got = kernel(q, pool, tables, lo, hi, 16, 64 ** -0.5)
+    want = reference(q, pool, tables, lo, hi, 16)
+    assert got.dtype == torch.bfloat16
+    # Accumulation is float32; the one rounding is the bf16 output (8 bits of mantissa).
+    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
+    assert torch.equal(got, want.to(torch.bfloat16)) or (got.double() - want).abs().max() < 1e-2
+
+
+def test_the_scale_is_applied(kernel) -> None:
+    q, pool, tables, lo, hi = random_case(random.Random(1), 3, 2, 2, 16, 4, None, torch.float32)
+    flat = kernel(q, pool, tables, lo, hi, 4, 0.0)  # zero scale: a plain mean of the values
+    for i in range(3):
+        pos = torch.arange(int(hi[i]))
+        values = pool[tables[i, pos // 4] * 4 + pos % 4][:, 1]  # [L, kv, d]
+        torch.testing.assert_close(flat[i], values.mean(0)[:, None, :].expand(2, 2, 16), atol=1e-5, rtol=1e-5)
+
+
+def test_bad_inputs_are_clear_errors(kernel) -> None:
+    q, pool, tables, lo, hi = random_case(random.Random(2), 2, 2, 2, 8, 4, None, torch.float32)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernel(q.to(torch.bfloat16), pool, tables, lo, hi, 4, 1.0)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernel(q.double(), pool.double(), tables, lo, hi, 4, 1.0)
+    with pytest.raises(ValueError, match="expected"):
+        kernel(q, pool[:, :1], tables, lo, hi, 4, 1.0)
+    with pytest.raises(ValueError, match="int64"):
+        kernel(q, pool, tables.int(), lo, hi, 4, 1.0)
+    with pytest.raises(ValueError, match="do not match"):
+        kernel(q, pool, tables[:1], lo, hi, 4, 1.0)
+
+
+def test_a_non_contiguous_query_is_read_correctly(kernel) -> None:
+    q, pool, tables, lo, hi = random_case(random.Random(3), 4, 2, 3, 16, 4, None, torch.float32)
+    wide = torch.cat([q, torch.full_like(q, 1e6)], dim=-1)[..., :16]  # a strided view of q
+    torch.testing.assert_close(kernel(wide, pool, tables, lo, hi, 4, 0.25), kernel(q, pool, tables, lo, hi, 4, 0.25))
+
+
+def test_loading_it_adds_no_second_openmp_runtime_and_keeps_denormals(kernel) -> None:
+    runtimes = loaded_openmp_runtimes()
+    assert len(runtimes) <= 1 or all("torch" not in r for r in runtimes[1:]), runtimes
+    assert not any("x86_64-linux-gnu/libgomp" in r for r in runtimes), f"the system libgomp got loaded: {runtimes}"
+    # Linking with -ffast-math would switch on flush-to-zero process-wide.
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert float(tiny * 1.0) != 0.0
+
+
+def decoder_run(model, with_kernel: bool) -> list[torch.Tensor]:
+    """Prefill five prompts in one forward, then twelve batched decode steps of four of them."""
+    model.decoder.decode_kernel = paged_decode_kernel() if with_kernel else None
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(3, 30))] for _ in range(5)]
+    store = model.decoder.new_store(4, num_blocks=128)
+    for i, ids in enumerate(prompts):
+        store.add_sequence(i, len(ids) + 12)
+    outs = [model.decoder.forward([SeqChunk(i, ids) for i, ids in enumerate(prompts)], store)]
+    for step in range(12):
+        outs.append(model.decoder.forward([SeqChunk(i, [3 + (step * 7 + i) % 50]) for i in range(4)], store))
+    return [o.float() for o in outs]
+
+
+@pytest.mark.parametrize("variant", ["llama", "mistral-window"])
+def test_the_decoder_gives_the_same_float32_logits_with_and_without_the_kernel(tiny_variant_dirs, variant) -> None:
+    model = load_model(tiny_variant_dirs[variant], device="cpu", dtype="float32")
+    assert model.decoder.decode_kernel is not None  # on by default on the CPU
+    for got, want in zip(decoder_run(model, True), decoder_run(model, False)):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_in_bfloat16_the_kernel_is_as_close_to_float32_as_gather_and_sdpa(tiny_variant_dirs) -> None:
+    truth = decoder_run(load_model(tiny_variant_dirs["llama"], device="cpu", dtype="float32"), False)
+    bf16 = load_model(tiny_variant_dirs["llama"], device="cpu", dtype="bfloat16")
+    err = {}
+    for with_kernel in (True, False):
+        got = decoder_run(bf16, with_kernel)
+        err[with_kernel] = sum(float((a - b).abs().mean()) for a, b in zip(got, truth)) / len(truth)
+    assert err[True] <= 1.25 * err[False] + 1e-3, err
+
+
+def test_without_a_compiler_the_decoder_falls_back(monkeypatch, caplog) -> None:
+    monkeypatch.setattr(paged_attention.shutil, "which", lambda _name: None)
+    with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
+        assert paged_attention.paged_decode_kernel.__wrapped__() is None
+    assert "no C compiler" in caplog.text
+
+
+def test_a_source_that_does_not_compile_falls_back_with_the_reason(monkeypatch, tmp_path, caplog) -> None:
+    broken = tmp_path / "broken.c"
+    broken.write_text("this is not C\n")
+    monkeypatch.setattr(paged_attention, "SOURCE", broken)
+    with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
+        assert paged_attention.paged_decode_kernel.__wrapped__() is None
+    assert "did not build" in caplog.text and "broken.c" in caplog.text
