@@ -346,3 +346,14 @@ def test_serve_runs_answers_and_stops_cleanly_on_sigint(tiny_batch_dir: Path) ->
                                              torch.float32)
     assert f"KV budget {MiB // per_block} blocks x 16 positions" in output
     assert wait_port_free(port)
+
+
+def test_the_bench_children_get_the_peer_diagnostic_flag() -> None:
+    from ferrox_batch.bench.batcher import child_argv, parse_args
+
+    plain = parse_args(["--model", "/m"], {})
+    released = parse_args(["--model", "/m", "--cb-release-openmp"], {})
+    assert plain.cb_release_openmp is False and released.cb_release_openmp is True
+    assert "--cb-release-openmp" not in child_argv(plain, "cb", "a", "/o", 1, 2)
+    argv = child_argv(released, "cb", "a", "/o", 1, 2)
+    assert parse_args(argv[argv.index("--child"):], {}).cb_release_openmp is True

@@ -90,7 +90,12 @@ class ContinuousBatcher:
         ceiling: ContextCeiling,
         paged: PagedKvConfig | None = None,
     ) -> "ContinuousBatcher":
-        """The production entry point: start the worker thread and return the handle."""
+        """The production entry point: start the worker thread and return the handle.
+
+        On the CPU this also releases the calling thread's OpenMP helper threads
+        (`models.openmp`): the worker runs every forward, and a second idle pool would
+        make each of its kernels slower. Load the model, then spawn, then serve.
+        """
         store = _store_for(decoder, config, paged)
         total = config.kv_blocks if config.kv_blocks is not None or paged is None else store.num_blocks
         budget = BlockBudget(config.kv_block_size, total, ceiling)

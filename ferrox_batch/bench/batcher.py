@@ -91,6 +91,9 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
     g.add_argument("--cb-blocks", type=int, default=0, help="0: 1.5x what the shape needs, in 16s (160 for a)")
     g.add_argument("--cb-page-size", type=int, default=64)
     g.add_argument("--cb-max-batch-tokens", type=int, default=512)
+    g.add_argument("--cb-release-openmp", action="store_true",
+                   help="diagnostic: release the loading thread's OpenMP pool before the run, as our "
+                        "batcher does (the peer runs its loop on a background thread too)")
     p.add_argument("--child", help=argparse.SUPPRESS)  # METHOD:SHAPE, internal: one measured run
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -207,7 +210,7 @@ def child_argv(args: argparse.Namespace, method: str, shape: str, out: str, kv: 
             "--max-prefills-per-tick", str(args.max_prefills_per_tick),
             "--kv-block-size", str(args.kv_block_size), "--kv-blocks", str(kv), "--cb-blocks", str(cb),
             "--cb-page-size", str(args.cb_page_size), "--cb-max-batch-tokens", str(args.cb_max_batch_tokens)]
-    return argv + (["--quick"] if args.quick else [])
+    return argv + (["--quick"] if args.quick else []) + (["--cb-release-openmp"] if args.cb_release_openmp else [])
 
 
 def child_env() -> dict[str, str]:
@@ -311,7 +314,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     print(f"# ours: max_seqs {args.max_seqs or 'unlimited'}, prefill_chunk {args.prefill_chunk}, "
           f"max_batch_tokens {args.max_batch_tokens}, max_prefills_per_tick {args.max_prefills_per_tick}, "
           f"kv_block_size {args.kv_block_size}; "
-          f"cb: page_size {args.cb_page_size}, max_batch_tokens {args.cb_max_batch_tokens}, sdpa", flush=True)
+          f"cb: page_size {args.cb_page_size}, max_batch_tokens {args.cb_max_batch_tokens}, sdpa"
+          f"{', loading thread OpenMP pool released' if args.cb_release_openmp else ''}", flush=True)
     runs = []
     for shape in shapes:
         for rep in range(args.repeats):

@@ -215,6 +215,10 @@ def run_cb(args, requests: list[Request], cb_blocks: int) -> dict:
 
     model = load_hf(args)
     loaded = peak_rss_mb()
+    if args.cb_release_openmp:
+        from ferrox_batch.models.openmp import release_thread_pool
+
+        release_thread_pool()
 
     def session(reqs: list[Request]) -> dict:
         gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(r.max_tokens for r in reqs))

@@ -8,8 +8,11 @@ plain slice of the flat projections:
   gathered context `[B, L]` (L = the longest context in the group) under a
   length mask, or, for the paged decode kernel (`decode_gather=False`),
   straight from the pool through its block table and key range;
-* prefill group: `P` chunks padded to the longest chunk `Q`; each query
-  attends causally to its sequence's context.
+* prefill group: `P` chunks, each attending causally to its own sequence's
+  context, one SDPA call per chunk at its own length (padding every chunk to
+  the longest cost up to ten times the attention work of a burst of prompts
+  of different lengths); a chunk that starts a sequence with no window uses
+  SDPA's own causal mode, others carry a `[len, L]` mask built here.
 
 Everything is built once per forward and shared by every layer; positions
 come from the store (the KV is the only cursor), and the new tokens' slots are
@@ -37,23 +40,26 @@ class SeqChunk:
 
 
 @dataclass(slots=True)
-class AttnGroup:
-    """Context slots (flattened `[N * L]`) and a boolean mask broadcastable to the group's scores.
+class DecodeGroup:
+    """One query per sequence. The paged kernel reads `tables` within `lo .. hi - 1`; the
+    gather path reads `ctx_slots` (flattened `[N * L]`) under `mask` (None: every key counts)."""
 
-    The decode group also carries what the paged kernel reads instead: the padded block
-    tables and each sequence's key range `lo .. hi - 1`; without a gather its `ctx_slots`
-    and `mask` are None.
-    """
-
-    ctx_slots: torch.Tensor | None
-    mask: torch.Tensor | None
     count: int
-    q_len: int  # 1 for the decode group, the padded chunk length for the prefill group
-    pad_index: torch.Tensor | None = None  # flat rows -> padded [N*q_len] (prefill, N > 1)
-    unpad_index: torch.Tensor | None = None  # padded rows -> flat rows (prefill, N > 1)
-    tables: torch.Tensor | None = None  # [N, max_blocks] int64 (decode group)
-    lo: torch.Tensor | None = None  # [N] first key attended (decode group)
-    hi: torch.Tensor | None = None  # [N] one past the last key (decode group)
+    tables: torch.Tensor  # [N, max_blocks] int64
+    lo: torch.Tensor  # [N] first key attended
+    hi: torch.Tensor  # [N] one past the last key
+    ctx_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One chunk's keys: the slots of positions `0 .. start + length - 1`, and its mask
+    (`[length, L]`, True = attend), None when plain causal attention is exact."""
+
+    ctx_slots: torch.Tensor
+    length: int
+    mask: torch.Tensor | None
 
 
 @dataclass(slots=True)
@@ -61,8 +67,8 @@ class BatchInputs:
     tokens: torch.Tensor  # [T] in flat (decodes-first) order
     positions: torch.Tensor  # [T]
     slots: torch.Tensor  # [T] where each token's K/V is written
-    decode: AttnGroup | None
-    prefill: AttnGroup | None
+    decode: DecodeGroup | None
+    prefill: list[PrefillChunk]
     last_rows: torch.Tensor  # [S] flat row of each sequence's last token, in the caller's order
     new_lengths: list[tuple[Hashable, int]]
 
@@ -72,10 +78,9 @@ def build_inputs(
     store: PagedKvStore,
     vocab_size: int,
     sliding_window: int | None,
-    group_size: int,
     decode_gather: bool = True,
 ) -> BatchInputs:
-    """`group_size` is query heads per KV head: prefill queries are laid out `(query, group)`.
+    """The tensors of one forward over `chunks`.
 
     `decode_gather=False` skips the decode group's context slots and mask (the paged kernel
     reads the tables instead).
@@ -122,7 +127,7 @@ def build_inputs(
         raise TokenOutOfVocab(int(tokens[bad.nonzero()[0, 0]]), vocab_size)
     tokens = tokens.to(device)
 
-    decode = prefill = None
+    decode = None
     pos_parts: list[torch.Tensor] = []
     slot_parts: list[torch.Tensor] = []
     if n_decode:
@@ -132,7 +137,7 @@ def build_inputs(
         slot_parts.append(_slots(d_tables, d_pos[:, None], bs).squeeze(1))
         ctx_len = d_pos + 1
         lo = torch.zeros_like(d_pos) if sliding_window is None else (ctx_len - sliding_window).clamp(min=0)
-        decode = AttnGroup(None, None, n_decode, 1, tables=d_tables, lo=lo, hi=ctx_len)
+        decode = DecodeGroup(n_decode, d_tables, lo, ctx_len)
         if decode_gather:
             width = int(max(starts[:n_decode])) + 1
             keys = torch.arange(width, device=device)
@@ -141,43 +146,21 @@ def build_inputs(
             all_full = bool(mask.all())
             decode.ctx_slots = ctx.reshape(-1)
             decode.mask = None if all_full else mask[:, None, None, :]
-    if n_decode < len(order):
-        p_starts = starts[n_decode:]
-        p_lens = lens[n_decode:]
-        count = len(p_lens)
-        q_len = max(p_lens)
-        p_tables = _pad_tables(tables[n_decode:], device)
-        start_t = torch.tensor(p_starts, dtype=torch.long, device=device)
-        len_t = torch.tensor(p_lens, dtype=torch.long, device=device)
-        q_idx = torch.arange(q_len, device=device)
-        qpos = start_t[:, None] + q_idx[None, :]  # [P, Q]
-        valid_q = q_idx[None, :] < len_t[:, None]
-        flat_pos = qpos[valid_q]
-        pos_parts.append(flat_pos)
-        # Padding queries (past a chunk's end) may lie past that sequence's block table: point
-        # them at the chunk's first position before the lookup; their slots are dropped anyway.
-        slot_parts.append(_slots(p_tables, torch.where(valid_q, qpos, start_t[:, None]), bs)[valid_q])
-        width = int(max(s + n for s, n in zip(p_starts, p_lens)))
+    prefill: list[PrefillChunk] = []
+    for j in range(n_decode, len(order)):
+        start, length, table = starts[j], lens[j], tables[j].to(device)
+        width = start + length
         keys = torch.arange(width, device=device)
-        ctx = _slots(p_tables, keys[None, :].expand(count, width), bs)
-        mask = keys[None, None, :] <= qpos[:, :, None]  # [P, Q, L] causal
-        if sliding_window is not None:
-            mask &= keys[None, None, :] > (qpos[:, :, None] - sliding_window)
-        # Padding queries attend to key 0 only, so their softmax is finite; their output is dropped.
-        mask = torch.where(valid_q[:, :, None], mask, keys[None, None, :] == 0)
-        pad_index = unpad_index = None
-        if count > 1:
-            padded_rows = torch.arange(count * q_len, device=device).view(count, q_len)
-            unpad_index = padded_rows[valid_q]
-            # Each padded row reads some flat row (pads read row 0 of the group).
-            pad_index = torch.zeros(count * q_len, dtype=torch.long, device=device)
-            pad_index[unpad_index] = torch.arange(unpad_index.numel(), device=device)
-        # Scores are `[P, kv_heads, Q * group, L]` (GQA without expanding K/V), so each
-        # query's mask row repeats for the query heads that share a KV head.
-        mask = mask[:, None, :, None, :].expand(count, 1, q_len, group_size, width)
-        prefill = AttnGroup(
-            ctx.reshape(-1), mask.reshape(count, 1, q_len * group_size, width), count, q_len, pad_index, unpad_index
-        )
+        ctx = table[keys // bs] * bs + keys % bs
+        qpos = keys[start:]
+        pos_parts.append(qpos)
+        slot_parts.append(ctx[start:])
+        mask = None
+        if start > 0 or (sliding_window is not None and width > sliding_window):
+            mask = keys[None, :] <= qpos[:, None]
+            if sliding_window is not None:
+                mask &= keys[None, :] > (qpos[:, None] - sliding_window)
+        prefill.append(PrefillChunk(ctx, length, mask))
 
     positions = torch.cat(pos_parts)
     slots = torch.cat(slot_parts)

@@ -27,7 +27,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ferrox_batch.models.batch_inputs import AttnGroup, SeqChunk, build_inputs
+from ferrox_batch.models.batch_inputs import DecodeGroup, PrefillChunk, SeqChunk, build_inputs
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.errors import ModelLoadError
 from ferrox_batch.models.linear import Linear
@@ -131,8 +131,7 @@ class Decoder:
                 f"store is {store.dtype} on {store.device} but the decoder runs {self.dtype} on {self.device}"
             )
         kernel = self.decode_kernel
-        inputs = build_inputs(chunks, store, c.vocab_size, c.sliding_window, c.group_size,
-                              decode_gather=kernel is None)
+        inputs = build_inputs(chunks, store, c.vocab_size, c.sliding_window, decode_gather=kernel is None)
         if kernel is not None and inputs.decode is not None and int(inputs.decode.tables.max()) >= store.num_blocks:
             raise ValueError("a block table points past the KV pool")  # the kernel reads unchecked
         n_tok = inputs.tokens.numel()
@@ -161,7 +160,7 @@ class Decoder:
             if inputs.decode is not None:
                 n_dec = inputs.decode.count
                 parts.append(self._attend_decode(q[:n_dec], pool, inputs.decode, store.block_size))
-            if inputs.prefill is not None:
+            if inputs.prefill:
                 parts.append(self._attend_prefill(q[n_dec:], pool, inputs.prefill))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             h = h + layer.o(attn)
@@ -175,38 +174,34 @@ class Decoder:
             store.seq(seq_id).length = length
         return logits
 
-    def _context(self, pool: torch.Tensor, group: AttnGroup) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather a group's K and V, each `[N, kv_heads, L, head_dim]`, with one `index_select`."""
-        c = self.config
-        ctx = pool.index_select(0, group.ctx_slots).view(group.count, -1, 2, c.num_kv_heads, c.head_dim)
-        return ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
-
-    def _attend_decode(self, q: torch.Tensor, pool: torch.Tensor, group: AttnGroup, block_size: int) -> torch.Tensor:
+    def _attend_decode(self, q: torch.Tensor, pool: torch.Tensor, group: DecodeGroup, block_size: int) -> torch.Tensor:
         c = self.config
         n = group.count
         qd = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
         if self.decode_kernel is not None:
             out = self.decode_kernel(qd, pool, group.tables, group.lo, group.hi, block_size, c.head_dim ** -0.5)
         else:
-            k, v = self._context(pool, group)
+            # Gather each sequence's K and V, `[N, kv_heads, L, head_dim]`, with one `index_select`;
+            # the query heads that share a KV head are its "query length" (GQA without expansion).
+            ctx = pool.index_select(0, group.ctx_slots).view(n, -1, 2, c.num_kv_heads, c.head_dim)
+            k, v = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
             out = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask)
         return out.reshape(n, c.num_heads * c.head_dim)
 
-    def _attend_prefill(self, q: torch.Tensor, pool: torch.Tensor, group: AttnGroup) -> torch.Tensor:
+    def _attend_prefill(self, q: torch.Tensor, pool: torch.Tensor, chunks: list[PrefillChunk]) -> torch.Tensor:
+        """One SDPA call per chunk, at its own length, over its own gathered context."""
         c = self.config
-        n, q_len = group.count, group.q_len
-        if group.pad_index is not None:
-            q = q[group.pad_index]
-        # [n, Q, kv, g, hd] -> [n, kv, Q*g, hd]: query heads sharing a KV head fold into the length axis.
-        qp = q.reshape(n, q_len, c.num_kv_heads, c.group_size, c.head_dim)
-        qp = qp.permute(0, 2, 1, 3, 4).reshape(n, c.num_kv_heads, q_len * c.group_size, c.head_dim)
-        k, v = self._context(pool, group)
-        out = F.scaled_dot_product_attention(qp, k, v, attn_mask=group.mask)
-        out = out.reshape(n, c.num_kv_heads, q_len, c.group_size, c.head_dim).permute(0, 2, 1, 3, 4)
-        out = out.reshape(n * q_len, c.num_heads * c.head_dim)
-        if group.unpad_index is not None:
-            out = out[group.unpad_index]
-        return out
+        outs = []
+        row = 0
+        for chunk in chunks:
+            qc = q[row:row + chunk.length].transpose(0, 1)[None]  # [1, heads, len, hd]
+            row += chunk.length
+            ctx = pool.index_select(0, chunk.ctx_slots)  # [L, 2, kv, hd]
+            k, v = ctx[:, 0].transpose(0, 1)[None], ctx[:, 1].transpose(0, 1)[None]  # [1, kv, L, hd]
+            out = F.scaled_dot_product_attention(qc, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                                 enable_gqa=c.group_size > 1)
+            outs.append(out[0].transpose(0, 1).reshape(chunk.length, c.num_heads * c.head_dim))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
