@@ -9,9 +9,10 @@ once for the decode group and once for the prefill group per layer (see
 share a KV head are folded into the query-length axis of
 `scaled_dot_product_attention`.
 
-On the CPU the decode group's attention runs in the paged decode kernel
-(`paged_attention`), which reads K/V straight from the pool; set
-`decode_kernel = None` to use gather + SDPA instead (CUDA always does).
+On the CPU two hot spots run in small C kernels (`cpu_kernels`): the decode
+group's attention reads K/V straight from the pool, and each RMSNorm takes
+the residual add before it in the same call. Set `kernels = None` to use
+torch's ops instead (CUDA always does); both paths agree to float rounding.
 
 Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
 matmuls, each prepacked for the CPU's matmul library where that works
@@ -31,7 +32,7 @@ from ferrox_batch.models.batch_inputs import DecodeGroup, PrefillChunk, SeqChunk
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.errors import ModelLoadError
 from ferrox_batch.models.linear import Linear
-from ferrox_batch.models.paged_attention import PagedDecodeKernel, paged_decode_kernel
+from ferrox_batch.models.cpu_kernels import CpuKernels, cpu_kernels
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.rope import apply_rope, rope_tables
 
@@ -74,9 +75,9 @@ class Decoder:
         if unused:
             raise ModelLoadError(f"checkpoint has tensors this architecture does not use: {sorted(unused)[:5]}")
         self.cos, self.sin = rope_tables(config, self.device, dtype)
-        self.decode_kernel: PagedDecodeKernel | None = None
-        if self.device.type == "cpu" and PagedDecodeKernel.supports(dtype):
-            self.decode_kernel = paged_decode_kernel()
+        self.kernels: CpuKernels | None = None
+        if self.device.type == "cpu" and CpuKernels.supports(dtype):
+            self.kernels = cpu_kernels()
 
     def _layer(self, take: "_Taker", i: int) -> LayerWeights:
         c = self.config
@@ -130,7 +131,7 @@ class Decoder:
             raise ValueError(
                 f"store is {store.dtype} on {store.device} but the decoder runs {self.dtype} on {self.device}"
             )
-        kernel = self.decode_kernel
+        kernel = self.kernels
         inputs = build_inputs(chunks, store, c.vocab_size, c.sliding_window, decode_gather=kernel is None)
         if kernel is not None and inputs.decode is not None and int(inputs.decode.tables.max()) >= store.num_blocks:
             raise ValueError("a block table points past the KV pool")  # the kernel reads unchecked
@@ -146,8 +147,9 @@ class Decoder:
         q_width, kv_width = heads * c.head_dim, kv_heads * c.head_dim
 
         h = F.embedding(inputs.tokens, self.embed)
+        pending: torch.Tensor | None = None  # the MLP output still to be added to h
         for index, layer in enumerate(self.layers):
-            x = _rms_norm(h, layer.input_norm, c.rms_norm_eps)
+            h, x = self._add_norm(h, pending, layer.input_norm)
             qkv = layer.qkv(x)
             # RoPE on q and k in one pass: their heads are adjacent in the fused projection.
             qk = apply_rope(qkv[:, : q_width + kv_width].view(n_tok, heads + kv_heads, c.head_dim), cos, sin)
@@ -163,23 +165,34 @@ class Decoder:
             if inputs.prefill:
                 parts.append(self._attend_prefill(q[n_dec:], pool, inputs.prefill))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            h = h + layer.o(attn)
-            x = _rms_norm(h, layer.post_norm, c.rms_norm_eps)
+            h, x = self._add_norm(h, layer.o(attn), layer.post_norm)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            h = h + layer.down(F.silu(gate) * up)
+            pending = layer.down(F.silu(gate) * up)
 
-        h = _rms_norm(h[inputs.last_rows], self.final_norm, c.rms_norm_eps)
+        last = inputs.last_rows
+        _, h = self._add_norm(h[last], None if pending is None else pending[last], self.final_norm)
         logits = self.lm_head(h).float()
         for seq_id, length in inputs.new_lengths:
             store.seq(seq_id).length = length
         return logits
 
+    def _add_norm(
+        self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(h + residual, rms_norm(h + residual))`; the CPU kernel adds into `h` in place."""
+        eps = self.config.rms_norm_eps
+        if self.kernels is not None:
+            return h, self.kernels.rms_norm(h, weight, eps, residual)
+        if residual is not None:
+            h = h + residual
+        return h, _rms_norm(h, weight, eps)
+
     def _attend_decode(self, q: torch.Tensor, pool: torch.Tensor, group: DecodeGroup, block_size: int) -> torch.Tensor:
         c = self.config
         n = group.count
         qd = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
-        if self.decode_kernel is not None:
-            out = self.decode_kernel(qd, pool, group.tables, group.lo, group.hi, block_size, c.head_dim ** -0.5)
+        if self.kernels is not None:
+            out = self.kernels.paged_decode(qd, pool, group.tables, group.lo, group.hi, block_size, c.head_dim ** -0.5)
         else:
             # Gather each sequence's K and V, `[N, kv_heads, L, head_dim]`, with one `index_select`;
             # the query heads that share a KV head are its "query length" (GQA without expansion).

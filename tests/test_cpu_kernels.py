@@ -1,4 +1,4 @@
-"""The CPU paged decode-attention kernel: against a float64 reference, inside the decoder, and its build."""
+"""The CPU kernels (paged decode attention, RMSNorm): against float64 references, inside the decoder, their build."""
 
 from __future__ import annotations
 
@@ -12,20 +12,20 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.models import paged_attention
+from ferrox_batch.models import cpu_kernels as kernels_module
 from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.loader import load_model
 from ferrox_batch.models.openmp import loaded_openmp_runtimes
-from ferrox_batch.models.paged_attention import PagedDecodeKernel, paged_decode_kernel
+from ferrox_batch.models.cpu_kernels import CpuKernels, cpu_kernels
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="the kernel is built with the system C compiler")
+                                reason="the kernels are built with the system C compiler")
 
 
 @pytest.fixture(scope="module")
-def kernel() -> PagedDecodeKernel:
-    built = paged_decode_kernel()
-    assert built is not None, "a C compiler is on PATH, so the kernel must build"
+def kernels() -> CpuKernels:
+    built = cpu_kernels()
+    assert built is not None, "a C compiler is on PATH, so the kernels must build"
     return built
 
 
@@ -70,18 +70,18 @@ def reference(q, pool, tables, lo, hi, block):
     block=st.sampled_from([1, 3, 4, 16]),
     window=st.one_of(st.none(), st.integers(1, 12)),
 )
-def test_float32_matches_the_reference(kernel, seed, n, kv, g, d, block, window) -> None:
+def test_float32_matches_the_reference(kernels, seed, n, kv, g, d, block, window) -> None:
     q, pool, tables, lo, hi = random_case(random.Random(seed), n, kv, g, d, block, window, torch.float32)
-    got = kernel(q, pool, tables, lo, hi, block, d ** -0.5)
+    got = kernels.paged_decode(q, pool, tables, lo, hi, block, d ** -0.5)
     assert got.dtype == torch.float32 and got.shape == q.shape
     torch.testing.assert_close(got.double(), reference(q, pool, tables, lo, hi, block), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("seed", range(8))
-def test_bfloat16_matches_the_reference_to_bf16_rounding(kernel, seed) -> None:
+def test_bfloat16_matches_the_reference_to_bf16_rounding(kernels, seed) -> None:
     rng = random.Random(seed)
     q, pool, tables, lo, hi = random_case(rng, 5, 3, 3, 64, 16, None if seed % 2 else 9, torch.bfloat16)
-    got = kernel(q, pool, tables, lo, hi, 16, 64 ** -0.5)
+    got = kernels.paged_decode(q, pool, tables, lo, hi, 16, 64 ** -0.5)
     want = reference(q, pool, tables, lo, hi, 16)
     assert got.dtype == torch.bfloat16
     # Accumulation is float32; the one rounding is the bf16 output (8 bits of mantissa).
@@ -89,36 +89,36 @@ def test_bfloat16_matches_the_reference_to_bf16_rounding(kernel, seed) -> None:
     assert torch.equal(got, want.to(torch.bfloat16)) or (got.double() - want).abs().max() < 1e-2
 
 
-def test_the_scale_is_applied(kernel) -> None:
+def test_the_scale_is_applied(kernels) -> None:
     q, pool, tables, lo, hi = random_case(random.Random(1), 3, 2, 2, 16, 4, None, torch.float32)
-    flat = kernel(q, pool, tables, lo, hi, 4, 0.0)  # zero scale: a plain mean of the values
+    flat = kernels.paged_decode(q, pool, tables, lo, hi, 4, 0.0)  # zero scale: a plain mean of the values
     for i in range(3):
         pos = torch.arange(int(hi[i]))
         values = pool[tables[i, pos // 4] * 4 + pos % 4][:, 1]  # [L, kv, d]
         torch.testing.assert_close(flat[i], values.mean(0)[:, None, :].expand(2, 2, 16), atol=1e-5, rtol=1e-5)
 
 
-def test_bad_inputs_are_clear_errors(kernel) -> None:
+def test_bad_inputs_are_clear_errors(kernels) -> None:
     q, pool, tables, lo, hi = random_case(random.Random(2), 2, 2, 2, 8, 4, None, torch.float32)
     with pytest.raises(ValueError, match="one dtype"):
-        kernel(q.to(torch.bfloat16), pool, tables, lo, hi, 4, 1.0)
+        kernels.paged_decode(q.to(torch.bfloat16), pool, tables, lo, hi, 4, 1.0)
     with pytest.raises(ValueError, match="one dtype"):
-        kernel(q.double(), pool.double(), tables, lo, hi, 4, 1.0)
+        kernels.paged_decode(q.double(), pool.double(), tables, lo, hi, 4, 1.0)
     with pytest.raises(ValueError, match="expected"):
-        kernel(q, pool[:, :1], tables, lo, hi, 4, 1.0)
+        kernels.paged_decode(q, pool[:, :1], tables, lo, hi, 4, 1.0)
     with pytest.raises(ValueError, match="int64"):
-        kernel(q, pool, tables.int(), lo, hi, 4, 1.0)
+        kernels.paged_decode(q, pool, tables.int(), lo, hi, 4, 1.0)
     with pytest.raises(ValueError, match="do not match"):
-        kernel(q, pool, tables[:1], lo, hi, 4, 1.0)
+        kernels.paged_decode(q, pool, tables[:1], lo, hi, 4, 1.0)
 
 
-def test_a_non_contiguous_query_is_read_correctly(kernel) -> None:
+def test_a_non_contiguous_query_is_read_correctly(kernels) -> None:
     q, pool, tables, lo, hi = random_case(random.Random(3), 4, 2, 3, 16, 4, None, torch.float32)
     wide = torch.cat([q, torch.full_like(q, 1e6)], dim=-1)[..., :16]  # a strided view of q
-    torch.testing.assert_close(kernel(wide, pool, tables, lo, hi, 4, 0.25), kernel(q, pool, tables, lo, hi, 4, 0.25))
+    torch.testing.assert_close(kernels.paged_decode(wide, pool, tables, lo, hi, 4, 0.25), kernels.paged_decode(q, pool, tables, lo, hi, 4, 0.25))
 
 
-def test_loading_it_adds_no_second_openmp_runtime_and_keeps_denormals(kernel) -> None:
+def test_loading_it_adds_no_second_openmp_runtime_and_keeps_denormals(kernels) -> None:
     runtimes = loaded_openmp_runtimes()
     assert len(runtimes) <= 1 or all("torch" not in r for r in runtimes[1:]), runtimes
     assert not any("x86_64-linux-gnu/libgomp" in r for r in runtimes), f"the system libgomp got loaded: {runtimes}"
@@ -127,9 +127,57 @@ def test_loading_it_adds_no_second_openmp_runtime_and_keeps_denormals(kernel) ->
     assert float(tiny * 1.0) != 0.0
 
 
+def reference_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama reference: float32 statistics, cast back, then the weight in the input dtype."""
+    hf = h.float()
+    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**20), rows=st.sampled_from([1, 3, 32, 200]), dim=st.sampled_from([1, 7, 64, 576]),
+       with_residual=st.booleans())
+def test_rms_norm_float32_matches_the_reference(kernels, seed, rows, dim, with_residual) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, dim, generator=gen) * 3
+    weight = torch.rand(dim, generator=gen) + 0.5
+    residual = torch.randn(rows, dim, generator=gen) if with_residual else None
+    want_h = h + residual if with_residual else h.clone()
+    got = kernels.rms_norm(h, weight, 1e-5, residual)
+    torch.testing.assert_close(h, want_h)  # the residual went into h, in place
+    torch.testing.assert_close(got, reference_norm(want_h, weight, 1e-5), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 32, 700])  # 700 x 576 runs on the OpenMP team
+def test_rms_norm_bfloat16_rounds_like_the_reference(kernels, rows) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    h = (torch.randn(rows, 576, generator=gen) * 2).to(torch.bfloat16)
+    weight = (torch.rand(576, generator=gen) + 0.5).to(torch.bfloat16)
+    residual = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    want_h = h + residual
+    got = kernels.rms_norm(h, weight, 1e-5, residual)
+    assert torch.equal(h, want_h)  # the same bf16 rounding of the add as torch
+    want = reference_norm(want_h, weight, 1e-5)
+    # The statistics are summed in another order, so a value may land one bf16 step away.
+    step = want.float().abs() * 2 ** -7
+    assert bool(((got.float() - want.float()).abs() <= step + 1e-6).all())
+    assert (got != want).float().mean() < 0.02
+
+
+def test_rms_norm_bad_inputs_are_clear_errors(kernels) -> None:
+    h, w = torch.randn(4, 8), torch.rand(8)
+    with pytest.raises(ValueError, match="one dtype"):
+        kernels.rms_norm(h, w.double(), 1e-5)
+    with pytest.raises(ValueError, match="weight"):
+        kernels.rms_norm(h, torch.rand(9), 1e-5)
+    with pytest.raises(ValueError, match="residual"):
+        kernels.rms_norm(h, w, 1e-5, torch.randn(4, 9))
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.rms_norm(torch.randn(8, 4).t(), w, 1e-5)
+
+
 def decoder_run(model, with_kernel: bool) -> list[torch.Tensor]:
     """Prefill five prompts in one forward, then twelve batched decode steps of four of them."""
-    model.decoder.decode_kernel = paged_decode_kernel() if with_kernel else None
+    model.decoder.kernels = cpu_kernels() if with_kernel else None
     rng = random.Random(5)
     prompts = [[rng.randrange(3, model.config.vocab_size) for _ in range(rng.randint(3, 30))] for _ in range(5)]
     store = model.decoder.new_store(4, num_blocks=128)
@@ -144,7 +192,7 @@ def decoder_run(model, with_kernel: bool) -> list[torch.Tensor]:
 @pytest.mark.parametrize("variant", ["llama", "mistral-window"])
 def test_the_decoder_gives_the_same_float32_logits_with_and_without_the_kernel(tiny_variant_dirs, variant) -> None:
     model = load_model(tiny_variant_dirs[variant], device="cpu", dtype="float32")
-    assert model.decoder.decode_kernel is not None  # on by default on the CPU
+    assert model.decoder.kernels is not None  # on by default on the CPU
     for got, want in zip(decoder_run(model, True), decoder_run(model, False)):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
@@ -160,16 +208,17 @@ def test_in_bfloat16_the_kernel_is_as_close_to_float32_as_gather_and_sdpa(tiny_v
 
 
 def test_without_a_compiler_the_decoder_falls_back(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(paged_attention.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(kernels_module.shutil, "which", lambda _name: None)
     with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
-        assert paged_attention.paged_decode_kernel.__wrapped__() is None
+        assert kernels_module.cpu_kernels.__wrapped__() is None
     assert "no C compiler" in caplog.text
 
 
 def test_a_source_that_does_not_compile_falls_back_with_the_reason(monkeypatch, tmp_path, caplog) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(paged_attention, "SOURCE", broken)
+    monkeypatch.setattr(kernels_module, "CSRC", tmp_path)
+    monkeypatch.setattr(kernels_module, "SOURCES", ("broken.c",))
     with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
-        assert paged_attention.paged_decode_kernel.__wrapped__() is None
+        assert kernels_module.cpu_kernels.__wrapped__() is None
     assert "did not build" in caplog.text and "broken.c" in caplog.text
