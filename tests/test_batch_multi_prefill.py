@@ -6,12 +6,16 @@ With the default (1) every forward holds at most one prefill chunk (spec invaria
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.handle import ContinuousBatcher
-from ferrox_batch.batch.step_budget import MIN_PREFILL_CHUNK
+from ferrox_batch.batch.prefill import Prefill, PrefillState, take_prefill_chunks
+from ferrox_batch.batch.step_budget import MIN_PREFILL_CHUNK, prefill_budget
 
 from batch_helpers import greedy_params, identity_decode, sequential_ids
 
@@ -87,3 +91,32 @@ def test_the_knob_is_read_from_the_environment_and_validated():
         BatcherConfig.from_env({"FERROX_CB_MAX_PREFILLS_PER_TICK": "0"})
     with pytest.raises(ValueError, match="max_prefills_per_tick"):
         BatcherConfig(max_prefills_per_tick=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    prompts=st.lists(st.integers(1, 700), min_size=0, max_size=12),
+    decode_rows=st.integers(0, 600),
+    max_batch_tokens=st.integers(1, 2048),
+    per_tick=st.integers(1, 8),
+    chunk=st.integers(1, 512),
+)
+def test_take_prefill_chunks_keeps_the_step_budget(prompts, decode_rows, max_batch_tokens, per_tick, chunk) -> None:
+    """The first prompt gets exactly the V4 budget; the others share what is left, FIFO, each within its ceiling."""
+    config = BatcherConfig(max_batch_tokens=max_batch_tokens, prefill_chunk=chunk, max_prefills_per_tick=per_tick)
+    line = deque(Prefill(PrefillState(i, list(range(n)), chunk), n, greedy_params(4), None, None, i, 1, None)
+                 for i, n in enumerate(prompts))
+    taken = take_prefill_chunks(line, config, decode_rows)
+    if not prompts:
+        assert taken == []
+        return
+    assert [p.abort for p, _ in taken] == list(range(len(taken)))  # FIFO off the front
+    assert [p.abort for p in line] == list(range(len(taken), len(prompts)))  # the rest wait, in order
+    assert 1 <= len(taken) <= per_tick
+    first_budget = prefill_budget(max_batch_tokens, decode_rows, chunk)
+    assert len(taken[0][1]) == min(prompts[0], first_budget)
+    for prefill, tokens in taken[1:]:
+        assert 1 <= len(tokens) <= min(chunk, prompts[prefill.abort])
+    # Past the first chunk (which may use the MIN_PREFILL_CHUNK floor), the tick stays in budget.
+    others = sum(len(t) for _, t in taken[1:])
+    assert others == 0 or decode_rows + sum(len(t) for _, t in taken) <= max_batch_tokens

@@ -13,12 +13,15 @@ to get the logits the first sampled token comes from.
 from __future__ import annotations
 
 import queue
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
 from ferrox_batch.batch.clock import RowClock
+from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.row import Slot
+from ferrox_batch.batch.step_budget import prefill_budget
 from ferrox_batch.checks import check_int
 from ferrox_batch.generate import GenerationParams
 from ferrox_batch.models.batch_inputs import SeqChunk
@@ -102,3 +105,29 @@ class Prefill:
             clock=self.clock,
             stops=StopMatcher(self.params.stop, self.params.stop_token_ids),
         )
+
+
+def take_prefill_chunks(
+    prefills: deque[Prefill], config: BatcherConfig, decode_rows: int
+) -> list[tuple[Prefill, list[int]]]:
+    """The prompts one tick advances, taken off the front of `prefills`, and the tokens of each.
+
+    The first prompt gets `prefill_budget(...)` tokens (at least MIN_PREFILL_CHUNK, so a
+    saturated batch still progresses: the V4 step budget); with `max_prefills_per_tick > 1`
+    further prompts share what is left of `max_batch_tokens`, each at most its chunk ceiling.
+    The caller puts back every prompt that is not finished (round-robin).
+    """
+    taken: list[tuple[Prefill, list[int]]] = []
+    if not prefills:
+        return taken
+    first = prefills.popleft()
+    budget = prefill_budget(config.max_batch_tokens, decode_rows, first.state.chunk_ceiling())
+    chunk = first.state.next_chunk(budget)
+    taken.append((first, chunk))
+    left = config.max_batch_tokens - decode_rows - len(chunk)
+    while prefills and len(taken) < config.max_prefills_per_tick and left > 0:
+        prefill = prefills.popleft()
+        chunk = prefill.state.next_chunk(min(left, prefill.state.chunk_ceiling()))
+        taken.append((prefill, chunk))
+        left -= len(chunk)
+    return taken

@@ -9,6 +9,7 @@ lease, returns its blocks to the ledger and sends its one `Finished` reply.
 
 from __future__ import annotations
 
+import logging
 import queue
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -16,13 +17,14 @@ from typing import Callable, Iterable
 from ferrox_batch.batch.block_budget import BlockBudget
 from ferrox_batch.batch.clock import RowClock
 from ferrox_batch.batch.config import Chunk, Finished
-from ferrox_batch.errors import DecodeError
+from ferrox_batch.errors import DecodeError, InternalError
 from ferrox_batch.generate import FinishReason, GenerationParams, GenerationResult
 from ferrox_batch.policy.stop import Matched, StopMatcher
 from ferrox_batch.policy.utf8_stream import Utf8Stream
 from ferrox_batch.stop_tokens import StopTokens
 
 Uid = int
+log = logging.getLogger("ferrox_batch.batch")
 
 
 @dataclass(slots=True)
@@ -81,6 +83,32 @@ class Slot:
             self.finish = FinishReason.stop_sequence(step.stop)
             return True
         return False
+
+    def push_token(self, token: int, decode: Callable[[list[int]], bytes]) -> bool:
+        """Apply one sampled token; True when the row goes on (the token must be fed to the model).
+
+        A stop token ends the row and is not part of the output; a decoder failure fails this
+        row only (`InternalError`), never the worker.
+        """
+        if (not self.params.ignore_eos and token in self.stop_tokens) or self.stops.is_stop_token(token):
+            self.finish = FinishReason.STOP
+            return False
+        self.generated_ids.append(token)
+        self.clock.token()
+        try:
+            text = decode([token])
+        except Exception as bad:  # one row's detokenizer failure is that row's fault, not the worker's
+            log.exception("decode failed")
+            self.fail(InternalError(f"decoding token {token} failed: {type(bad).__name__}: {bad}"))
+            return False
+        piece = self.utf8.push(text)
+        if piece and self.apply_stop_buffer(piece):
+            return False
+        if len(self.generated_ids) >= self.max_tokens:
+            # The last token is not fed: its logits would be discarded (upstream feeds it anyway).
+            self.finish = FinishReason.LENGTH
+            return False
+        return True
 
     def reply_finished(self) -> None:
         if self.error is not None:

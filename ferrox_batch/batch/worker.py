@@ -36,11 +36,10 @@ from ferrox_batch.batch.clock import RowClock
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.counters import Counters
 from ferrox_batch.batch.lifecycle import CLOSE, Lifecycle
-from ferrox_batch.batch.prefill import Prefill, PrefillState
+from ferrox_batch.batch.prefill import Prefill, PrefillState, take_prefill_chunks
 from ferrox_batch.batch.queue import AbortInbox, QueueGate
 from ferrox_batch.batch.row import Job, Rows, Slot, send_finished
 from ferrox_batch.batch.status import BatchStatus, PoolUsage, PrefillSnapshot, StatusReporter
-from ferrox_batch.batch.step_budget import prefill_budget
 from ferrox_batch.errors import DecodeError, InternalError, KvPoolExhausted, TokenOutOfVocab, WorkerDied
 from ferrox_batch.generate import FinishReason, GenerationResult, Usage
 from ferrox_batch.models.batch_inputs import SeqChunk
@@ -229,59 +228,15 @@ class Worker:
         for uid, slot, token in zip(ready, slots, tokens):
             if isinstance(token, DecodeError):
                 slot.fail(token)
-            elif self._push_token(slot, token):
+            elif slot.push_token(token, self.decode):
                 active.append(uid)
         return active
 
-    def _push_token(self, slot: Slot, token: int) -> bool:
-        """Apply one sampled token to a row; True when the row goes on (its token must be fed)."""
-        if (not slot.params.ignore_eos and token in slot.stop_tokens) or slot.stops.is_stop_token(token):
-            slot.finish = FinishReason.STOP  # the terminator is not part of the output
-            return False
-        slot.generated_ids.append(token)
-        slot.clock.token()
-        try:
-            text = self.decode([token])
-        except Exception as bad:  # one row's detokenizer failure is that row's fault, not the worker's
-            log.exception("decode failed")
-            slot.fail(InternalError(f"decoding token {token} failed: {type(bad).__name__}: {bad}"))
-            return False
-        piece = slot.utf8.push(text)
-        if piece and slot.apply_stop_buffer(piece):
-            return False
-        if len(slot.generated_ids) >= slot.max_tokens:
-            # The last token is not fed: its logits would be discarded (upstream feeds it anyway).
-            slot.finish = FinishReason.LENGTH
-            return False
-        return True
-
     # --------------------------------------------------------------- forward
-
-    def _take_prefill_chunks(self, decode_rows: int) -> list[tuple[Prefill, list[int]]]:
-        """The prompts this tick advances and the tokens of each (V4 step budget).
-
-        The first prompt gets `prefill_budget(...)` tokens (at least MIN_PREFILL_CHUNK, so a
-        saturated batch still progresses); with `max_prefills_per_tick > 1` further prompts
-        share what is left of `max_batch_tokens`, each at most its chunk ceiling.
-        """
-        taken: list[tuple[Prefill, list[int]]] = []
-        if not self.prefills:
-            return taken
-        first = self.prefills.popleft()
-        budget = prefill_budget(self.config.max_batch_tokens, decode_rows, first.state.chunk_ceiling())
-        chunk = first.state.next_chunk(budget)
-        taken.append((first, chunk))
-        left = self.config.max_batch_tokens - decode_rows - len(chunk)
-        while self.prefills and len(taken) < self.config.max_prefills_per_tick and left > 0:
-            prefill = self.prefills.popleft()
-            chunk = prefill.state.next_chunk(min(left, prefill.state.chunk_ceiling()))
-            taken.append((prefill, chunk))
-            left -= len(chunk)
-        return taken
 
     def _forward(self, active: list[int]) -> None:
         chunks = [SeqChunk(self.rows.state[uid].seq_id, [self.rows.state[uid].generated_ids[-1]]) for uid in active]
-        prompt_chunks = self._take_prefill_chunks(len(active))
+        prompt_chunks = take_prefill_chunks(self.prefills, self.config, len(active))
         chunks += [SeqChunk(prefill.state.seq_id, tokens) for prefill, tokens in prompt_chunks]
         if not chunks:
             return
