@@ -110,6 +110,18 @@ def test_bad_inputs_are_clear_errors(kernels) -> None:
         kernels.paged_decode(q, pool, tables.int(), lo, hi, 4, 1.0)
     with pytest.raises(ValueError, match="do not match"):
         kernels.paged_decode(q, pool, tables[:1], lo, hi, 4, 1.0)
+    # The pool is read through raw pointers: anything out of range is refused before the call.
+    width = tables.shape[1] * 4
+    with pytest.raises(ValueError, match="outside its block table"):
+        kernels.paged_decode(q, pool, tables, lo, torch.full_like(hi, width + 1), 4, 1.0)
+    with pytest.raises(ValueError, match="outside its block table"):
+        kernels.paged_decode(q, pool, tables, lo - 1, hi, 4, 1.0)
+    with pytest.raises(ValueError, match="outside its block table"):
+        kernels.paged_decode(q, pool, tables, hi, lo, 4, 1.0)
+    with pytest.raises(ValueError, match="outside the KV pool"):
+        kernels.paged_decode(q, pool, tables + pool.shape[0], lo, hi, 4, 1.0)
+    with pytest.raises(ValueError, match="whole blocks"):
+        kernels.paged_decode(q, pool[:-1], tables, lo, hi, 4, 1.0)
 
 
 def test_a_non_contiguous_query_is_read_correctly(kernels) -> None:

@@ -82,12 +82,16 @@ class CpuKernels:
         hi: torch.Tensor,
         block_size: int,
         scale: float,
+        *,
+        ranges_checked: bool = False,
     ) -> torch.Tensor:
         """Attention of one new token per sequence over its paged context.
 
         q `[n, kv, g, d]` and pool `[slots, 2, kv, d]` in one dtype; tables `[n, max_blocks]`,
-        lo and hi `[n]` int64. Sequence i attends to positions `lo[i] .. hi[i] - 1`, which its
-        table must cover (the caller's promise: the kernel reads the pool through it unchecked).
+        lo and hi `[n]` int64. Sequence i attends to positions `lo[i] .. hi[i] - 1` through its
+        table. The kernel reads the pool unchecked, so the ranges and block ids are checked
+        here (`check_decode_ranges`) unless the caller already did (`ranges_checked`: the
+        decoder checks once per forward, not once per layer).
         """
         n, kv, g, d = q.shape
         _check_dtypes("paged decode", q, pool)
@@ -99,6 +103,10 @@ class CpuKernels:
         if tables.dim() != 2 or tables.shape[0] != n or lo.shape != (n,) or hi.shape != (n,):
             raise ValueError(f"tables {tuple(tables.shape)}, lo {tuple(lo.shape)}, hi {tuple(hi.shape)} "
                              f"do not match {n} sequences")
+        if block_size < 1 or pool.shape[0] % block_size:
+            raise ValueError(f"a pool of {pool.shape[0]} slots is not whole blocks of {block_size}")
+        if not ranges_checked:
+            self.check_decode_ranges(tables, lo, hi, block_size, pool.shape[0] // block_size)
         q = q.contiguous()
         _check_cpu_contiguous(q, pool)
         out = torch.empty_like(q)
@@ -107,6 +115,18 @@ class CpuKernels:
         if status != 0:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
+
+    @staticmethod
+    def check_decode_ranges(tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, block_size: int,
+                            num_blocks: int) -> None:
+        """Raise unless every key range lies inside its table and every block id inside the pool."""
+        if lo.numel() == 0:
+            return
+        width = tables.shape[1] * block_size
+        if int(lo.min()) < 0 or bool((hi < lo).any()) or int(hi.max()) > width:
+            raise ValueError(f"a key range is outside its block table ({width} positions)")
+        if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
+            raise ValueError(f"a block table points outside the KV pool of {num_blocks} blocks")
 
     def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -133,8 +133,9 @@ class Decoder:
             )
         kernel = self.kernels
         inputs = build_inputs(chunks, store, c.vocab_size, c.sliding_window, decode_gather=kernel is None)
-        if kernel is not None and inputs.decode is not None and int(inputs.decode.tables.max()) >= store.num_blocks:
-            raise ValueError("a block table points past the KV pool")  # the kernel reads unchecked
+        if kernel is not None and inputs.decode is not None:  # once per forward; the kernel reads unchecked
+            d = inputs.decode
+            kernel.check_decode_ranges(d.tables, d.lo, d.hi, store.block_size, store.num_blocks)
         n_tok = inputs.tokens.numel()
         last = int(inputs.positions.max())
         if last >= c.max_position_embeddings:
@@ -192,7 +193,8 @@ class Decoder:
         n = group.count
         qd = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
         if self.kernels is not None:
-            out = self.kernels.paged_decode(qd, pool, group.tables, group.lo, group.hi, block_size, c.head_dim ** -0.5)
+            out = self.kernels.paged_decode(qd, pool, group.tables, group.lo, group.hi, block_size,
+                                            c.head_dim ** -0.5, ranges_checked=True)
         else:
             # Gather each sequence's K and V, `[N, kv_heads, L, head_dim]`, with one `index_select`;
             # the query heads that share a KV head are its "query length" (GQA without expansion).
