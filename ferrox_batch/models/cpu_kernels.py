@@ -39,6 +39,7 @@ import logging
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -161,6 +162,7 @@ def _check_cpu_contiguous(*tensors: torch.Tensor) -> None:
 @functools.lru_cache(maxsize=1)  # one build per process; the result never changes
 def cpu_kernels() -> CpuKernels | None:
     """The compiled kernels, or None when this machine cannot build them (the reason is logged)."""
+    began = time.monotonic()
     compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if compiler is None:
         log.warning("no C compiler found: the decoder uses torch's ops for attention and norms")
@@ -178,7 +180,10 @@ def cpu_kernels() -> CpuKernels | None:
             if built is None:
                 try:
                     # Loaded while the file exists; the mapping outlives the folder.
-                    return CpuKernels(ctypes.CDLL(str(lib)))
+                    kernels = CpuKernels(ctypes.CDLL(str(lib)))
+                    log.info("CPU kernels built with %s %s in %.1f s", compiler, " ".join(flags),
+                             time.monotonic() - began)
+                    return kernels
                 except (OSError, AttributeError) as error:
                     built = f"load failed: {error}"
             errors.append(f"{' '.join(flags)}: {built}")
