@@ -19,8 +19,12 @@ thread that most likely built the model.
 `omp_pause_resource_all(omp_pause_hard)` is the OpenMP 5.0 call for this; in
 libgomp it frees the *calling* thread's pool only. If that thread runs torch
 kernels again later, its pool comes back (nothing breaks; the worker is just
-slower while both exist). Runtimes without the call (another OpenMP, or a
-torch built without one) make this a no-op.
+slower while both exist).
+
+Only GNU OpenMP is touched. In LLVM's and Intel's runtimes a hard pause
+releases the whole runtime, not one thread's pool, which would be unsafe
+while another batcher's worker is inside a parallel region; those runtimes
+(and torch builds without OpenMP) make this a no-op.
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ log = logging.getLogger("ferrox_batch.models")
 
 #: `omp_pause_hard` in OpenMP 5.0's `omp_pause_resource_t`.
 OMP_PAUSE_HARD = 2
-_RUNTIME_NAMES = ("libgomp", "libiomp", "libomp")
+_RUNTIME_NAMES = ("libgomp",)  # GNU only: see the module docstring
 
 
 def loaded_openmp_runtimes(maps: str | None = None) -> list[str]:
-    """Paths of the OpenMP runtimes mapped into this process (read from `/proc/self/maps`)."""
+    """Paths of the GNU OpenMP runtimes mapped into this process (read from `/proc/self/maps`)."""
     if maps is None:
         try:
             maps = Path("/proc/self/maps").read_text()
