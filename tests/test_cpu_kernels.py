@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,9 +85,10 @@ def test_bfloat16_matches_the_reference_to_bf16_rounding(kernels, seed) -> None:
     got = kernels.paged_decode(q, pool, tables, lo, hi, 16, 64 ** -0.5)
     want = reference(q, pool, tables, lo, hi, 16)
     assert got.dtype == torch.bfloat16
-    # Accumulation is float32; the one rounding is the bf16 output (8 bits of mantissa).
-    torch.testing.assert_close(got.double(), want, atol=1e-2, rtol=1e-2)
-    assert torch.equal(got, want.to(torch.bfloat16)) or (got.double() - want).abs().max() < 1e-2
+    # Accumulation is float32, so the one rounding that shows is the bf16 output's: within half a
+    # bf16 step of the exact value, and equal to the exact value's rounding but for near-ties.
+    assert bool(((got.double() - want).abs() <= want.abs() * 2 ** -8 + 1e-5).all())
+    assert (got == want.to(torch.bfloat16)).double().mean() > 0.97
 
 
 def test_the_scale_is_applied(kernels) -> None:
@@ -131,9 +133,11 @@ def test_a_non_contiguous_query_is_read_correctly(kernels) -> None:
 
 
 def test_loading_it_adds_no_second_openmp_runtime_and_keeps_denormals(kernels) -> None:
-    runtimes = loaded_openmp_runtimes()
-    assert len(runtimes) <= 1 or all("torch" not in r for r in runtimes[1:]), runtimes
-    assert not any("x86_64-linux-gnu/libgomp" in r for r in runtimes), f"the system libgomp got loaded: {runtimes}"
+    # Every OpenMP runtime mapped into the process, of any vendor: only torch's may be there.
+    mapped = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+              if line.split()[-1].startswith("/") and Path(line.split()[-1]).name.startswith(("libgomp", "libomp", "libiomp"))}
+    assert len(mapped) == 1 and loaded_openmp_runtimes() == sorted(mapped), mapped
+    assert Path(next(iter(mapped))).parent == Path(torch.__file__).parent / "lib", mapped
     # Linking with -ffast-math would switch on flush-to-zero process-wide.
     tiny = torch.tensor([1e-40], dtype=torch.float32)
     assert float(tiny * 1.0) != 0.0
@@ -223,7 +227,18 @@ def test_without_a_compiler_the_decoder_falls_back(monkeypatch, caplog) -> None:
     monkeypatch.setattr(kernels_module.shutil, "which", lambda _name: None)
     with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
         assert kernels_module.cpu_kernels.__wrapped__() is None
-    assert "no C compiler" in caplog.text
+    assert "no GCC found" in caplog.text
+
+
+def test_clang_is_not_used(monkeypatch, tmp_path) -> None:
+    """Clang's -fopenmp would bring LLVM's OpenMP runtime beside torch's libgomp."""
+    fake = tmp_path / "cc"
+    fake.write_text("#!/bin/sh\necho 'clang version 17.0.6'\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(kernels_module.shutil, "which", lambda name: str(fake) if name == "cc" else None)
+    assert kernels_module._gnu_compiler() is None
+    fake.write_text("#!/bin/sh\necho 'cc (Debian 12.2.0-14) 12.2.0'; echo 'Copyright (C) 2022 Free Software Foundation, Inc.'\n")
+    assert kernels_module._gnu_compiler() == str(fake)
 
 
 def test_a_source_that_does_not_compile_falls_back_with_the_reason(monkeypatch, tmp_path, caplog) -> None:

@@ -51,7 +51,7 @@ def test_release_frees_the_calling_threads_helpers_only() -> None:
     go_on = threading.Event()
 
     def body() -> None:
-        torch.set_num_threads(2)  # per thread: the suite's main thread keeps its one
+        torch.set_num_threads(2)  # process-wide in torch; restored below
         torch.ones(4_000_000).add_(1)  # big enough to run in parallel
         counts["with_pool"] = _os_threads()
         counts["released"] = release_thread_pool()
@@ -64,10 +64,12 @@ def test_release_frees_the_calling_threads_helpers_only() -> None:
         go_on.wait(5)
 
     before = _os_threads()
+    threads = torch.get_num_threads()
     worker = threading.Thread(target=body)
     worker.start()
     go_on.set()
     worker.join(10)
+    torch.set_num_threads(threads)  # torch's count is process-wide: give the suite its own back
     assert counts["released"] is True
     assert counts["with_pool"] > before  # the thread itself plus its helper
     assert counts["after"] < counts["with_pool"]

@@ -13,7 +13,7 @@ Two hot spots of a CPU decode step are not worth torch's generic kernels:
   instead of the seven or eight small kernels the reference formula takes;
   a decode step runs 61 norms.
 
-How: the sources are compiled with the system C compiler when first asked
+How: the sources are compiled with the system's GCC when first asked
 for in a process (about a second), into a private temporary folder, and
 loaded with ctypes; nothing is cached on disk, so there is no stale build to
 invalidate. They run on the calling thread's OpenMP team: the library's
@@ -21,7 +21,8 @@ invalidate. They run on the calling thread's OpenMP team: the library's
 same soname), so it shares the worker's threads instead of starting more.
 ctypes drops the GIL for each call.
 
-When the compiler is missing or the build fails, `cpu_kernels()` returns
+When GCC is missing (clang is not used: its `-fopenmp` brings LLVM's OpenMP
+runtime, a second thread pool) or the build fails, `cpu_kernels()` returns
 None (logged once) and the decoder keeps torch's ops; the two paths agree to
 float rounding (tested).
 
@@ -63,10 +64,10 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self._decode = library.ferrox_paged_decode
-        self._decode.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32]
+        self._decode.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32, i32]
         self._decode.restype = i32
         self._norm = library.ferrox_rms_norm
-        self._norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32]
+        self._norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32, i32]
         self._norm.restype = i32
         self._library = library  # keeps the mapping alive as long as the kernels
 
@@ -112,7 +113,8 @@ class CpuKernels:
         _check_cpu_contiguous(q, pool)
         out = torch.empty_like(q)
         status = self._decode(q.data_ptr(), pool.data_ptr(), tables.data_ptr(), tables.shape[1], lo.data_ptr(),
-                              hi.data_ptr(), out.data_ptr(), n, kv, g, d, block_size, scale, _DTYPES[q.dtype])
+                              hi.data_ptr(), out.data_ptr(), n, kv, g, d, block_size, scale, _DTYPES[q.dtype],
+                              torch.get_num_threads())
         if status != 0:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
@@ -142,7 +144,7 @@ class CpuKernels:
         _check_cpu_contiguous(h, weight, *([] if residual is None else [residual]))
         out = torch.empty_like(h)
         status = self._norm(h.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
-                            out.data_ptr(), rows, dim, eps, _DTYPES[h.dtype])
+                            out.data_ptr(), rows, dim, eps, _DTYPES[h.dtype], torch.get_num_threads())
         if status != 0:
             raise MemoryError("rms norm could not allocate its scratch memory")
         return out
@@ -163,9 +165,9 @@ def _check_cpu_contiguous(*tensors: torch.Tensor) -> None:
 def cpu_kernels() -> CpuKernels | None:
     """The compiled kernels, or None when this machine cannot build them (the reason is logged)."""
     began = time.monotonic()
-    compiler = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    compiler = _gnu_compiler()
     if compiler is None:
-        log.warning("no C compiler found: the decoder uses torch's ops for attention and norms")
+        log.warning("no GCC found: the decoder uses torch's ops for attention and norms")
         return None
     with tempfile.TemporaryDirectory(prefix="ferrox-kernels-") as folder:
         lib = Path(folder) / "libferrox_cpu_kernels.so"
@@ -190,6 +192,22 @@ def cpu_kernels() -> CpuKernels | None:
         log.warning("the CPU kernels did not build; the decoder uses torch's ops for attention and norms:\n%s",
                     "\n".join(errors))
         return None
+
+
+def _gnu_compiler() -> str | None:
+    """GCC, as `gcc` or as a `cc` that is GCC. Clang's `-fopenmp` links LLVM's OpenMP runtime,
+    which would start a second set of threads beside torch's libgomp."""
+    for name in ("gcc", "cc"):
+        path = shutil.which(name)
+        if path is None:
+            continue
+        try:
+            version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            continue
+        if "clang" not in version.lower() and ("gcc" in version.lower() or "free software foundation" in version.lower()):
+            return path
+    return None
 
 
 def _run(argv: list[str]) -> str | None:

@@ -150,7 +150,7 @@ class Decoder:
         h = F.embedding(inputs.tokens, self.embed)
         pending: torch.Tensor | None = None  # the MLP output still to be added to h
         for index, layer in enumerate(self.layers):
-            h, x = self._add_norm(h, pending, layer.input_norm)
+            h, x = self._add_norm(h, pending, layer.input_norm, kernel)
             qkv = layer.qkv(x)
             # RoPE on q and k in one pass: their heads are adjacent in the fused projection.
             qk = apply_rope(qkv[:, : q_width + kv_width].view(n_tok, heads + kv_heads, c.head_dim), cos, sin)
@@ -162,38 +162,40 @@ class Decoder:
             n_dec = 0
             if inputs.decode is not None:
                 n_dec = inputs.decode.count
-                parts.append(self._attend_decode(q[:n_dec], pool, inputs.decode, store.block_size))
+                parts.append(self._attend_decode(q[:n_dec], pool, inputs.decode, store.block_size, kernel))
             if inputs.prefill:
                 parts.append(self._attend_prefill(q[n_dec:], pool, inputs.prefill))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            h, x = self._add_norm(h, layer.o(attn), layer.post_norm)
+            h, x = self._add_norm(h, layer.o(attn), layer.post_norm, kernel)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             pending = layer.down(F.silu(gate) * up)
 
         last = inputs.last_rows
-        _, h = self._add_norm(h[last], None if pending is None else pending[last], self.final_norm)
+        _, h = self._add_norm(h[last], None if pending is None else pending[last], self.final_norm, kernel)
         logits = self.lm_head(h).float()
         for seq_id, length in inputs.new_lengths:
             store.seq(seq_id).length = length
         return logits
 
     def _add_norm(
-        self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
+        self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, kernels: CpuKernels | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`(h + residual, rms_norm(h + residual))`; the CPU kernel adds into `h` in place."""
         eps = self.config.rms_norm_eps
-        if self.kernels is not None:
-            return h, self.kernels.rms_norm(h, weight, eps, residual)
+        if kernels is not None:
+            return h, kernels.rms_norm(h, weight, eps, residual)
         if residual is not None:
             h = h + residual
         return h, _rms_norm(h, weight, eps)
 
-    def _attend_decode(self, q: torch.Tensor, pool: torch.Tensor, group: DecodeGroup, block_size: int) -> torch.Tensor:
+    def _attend_decode(
+        self, q: torch.Tensor, pool: torch.Tensor, group: DecodeGroup, block_size: int, kernels: CpuKernels | None
+    ) -> torch.Tensor:
         c = self.config
         n = group.count
         qd = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
-        if self.kernels is not None:
-            out = self.kernels.paged_decode(qd, pool, group.tables, group.lo, group.hi, block_size,
+        if kernels is not None:  # read once per forward: build_inputs skipped the gather for it
+            out = kernels.paged_decode(qd, pool, group.tables, group.lo, group.hi, block_size,
                                             c.head_dim ** -0.5, ranges_checked=True)
         else:
             # Gather each sequence's K and V, `[N, kv_heads, L, head_dim]`, with one `index_select`;

@@ -14,19 +14,21 @@
  *                               tables[i][p / block_size] * block_size + p % block_size
  *   lo, hi [n]                  int64: sequence i attends to positions lo[i] .. hi[i] - 1
  *   out    [n, kv, g, d]        T
- * Accumulation is float32; bfloat16 output is rounded to nearest even, as torch does.
+ * Accumulation is float32; bfloat16 output is rounded to nearest even, as torch does. A
+ * sequence with no key to attend (lo == hi) gets zeros (SDPA would give NaN); the decoder never
+ * asks for one. `threads` is the team size (torch's intra-op thread count).
  * Returns 0, or -1 when scratch memory could not be had (out is then unspecified).
  */
 #include "bf16.h"
 
 int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, int64_t max_blocks,
                         const int64_t *lo, const int64_t *hi, void *out, int64_t n, int64_t kv, int64_t g,
-                        int64_t d, int64_t block_size, float scale, int is_bf16) {
+                        int64_t d, int64_t block_size, float scale, int is_bf16, int threads) {
     int failed = 0;
     const int64_t slot_stride = 2 * kv * d; /* elements from one slot to the next */
     const int64_t heads = kv * g;           /* query heads of one sequence */
     const int64_t elem = is_bf16 ? 2 : 4;
-#pragma omp parallel reduction(| : failed)
+#pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int64_t longest = 0;
         for (int64_t i = 0; i < n; ++i)
@@ -34,18 +36,22 @@ int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, 
         /* Per thread: scores [heads, longest], the query and accumulators [heads, d], one slot's
          * K (or V) rows for every KV head [kv, d], and 1 / sum per query head. */
         float *scratch = (float *)malloc(sizeof(float) * (size_t)(heads * longest + 2 * heads * d + kv * d + heads + 16));
-        if (scratch == NULL) {
-            failed = 1;
-        } else {
-            float *scores = scratch;
-            float *qf = scores + heads * longest;
-            float *acc = qf + heads * d;
-            float *rows = acc + heads * d;
-            float *inv_sum = rows + kv * d;
-            /* One task per sequence: a slot's K rows for all KV heads are one contiguous run
-             * (and its V rows the next), so each pass streams whole slots in position order. */
+        float *scores = scratch;
+        float *qf = scores + heads * longest;
+        float *acc = qf + heads * d;
+        float *rows = acc + heads * d;
+        float *inv_sum = rows + kv * d;
+        /* One task per sequence: a slot's K rows for all KV heads are one contiguous run (and its
+         * V rows the next), so each pass streams whole slots in position order. Every thread of
+         * the team must reach the worksharing loop, so a thread without scratch enters it too
+         * and fails the tasks it is handed. */
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t i = 0; i < n; ++i) {
+        for (int64_t i = 0; i < n; ++i) {
+            if (scratch == NULL) {
+                failed = 1;
+                continue;
+            }
+            {
                 const int64_t first = lo[i], len = hi[i] - lo[i];
                 const int64_t *table = tables + i * max_blocks;
                 row_f32(q, i * heads * d, heads * d, is_bf16, qf);
@@ -104,8 +110,8 @@ int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, 
                     }
                 }
             }
-            free(scratch);
         }
+        free(scratch);
     }
     return failed ? -1 : 0;
 }

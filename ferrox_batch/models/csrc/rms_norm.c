@@ -8,56 +8,63 @@
  * small torch kernels of a norm (and the add before it); a decode step runs 61 of them.
  *
  * h, residual, out: [rows, dim]; weight: [dim]; all contiguous, one dtype (float32 or bfloat16).
- * Rows are split over the calling thread's OpenMP team when there are enough of them.
+ * Rows are split over a team of `threads` (torch's intra-op thread count) when there are enough
+ * of them. With -ffast-math a row holding an infinity comes out all NaN (the reference gives NaN
+ * only there); finite inputs are unaffected.
  * Returns 0, or -1 when scratch memory could not be had (out is then unspecified).
  */
 #include "bf16.h"
 
 int ferrox_rms_norm(void *h, const void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
-                    float eps, int is_bf16) {
+                    float eps, int is_bf16, int threads) {
     int failed = 0;
-#pragma omp parallel for schedule(static) if (rows * dim >= 65536) reduction(| : failed)
-    for (int64_t r = 0; r < rows; ++r) {
-        float *x = (float *)malloc(sizeof(float) * (size_t)dim);
-        if (x == NULL) {
-            failed = 1;
-            continue;
-        }
-        row_f32(h, r * dim, dim, is_bf16, x);
-        if (residual != NULL) {
+#pragma omp parallel num_threads(rows * dim >= 65536 ? threads : 1) reduction(| : failed)
+    {
+        /* One row of float32 scratch per thread; a thread without it still enters the loop (every
+         * thread of the team must) and fails the rows it is handed. */
+        float *x = (float *)malloc(sizeof(float) * (size_t)(dim > 0 ? dim : 1));
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            if (x == NULL) {
+                failed = 1;
+                continue;
+            }
+            row_f32(h, r * dim, dim, is_bf16, x);
+            if (residual != NULL) {
+                if (is_bf16) {
+                    const uint16_t *add = (const uint16_t *)residual + r * dim;
+                    uint16_t *dst = (uint16_t *)h + r * dim;
+                    for (int64_t j = 0; j < dim; ++j) {
+                        dst[j] = bf16_round(x[j] + bf16_load(add + j));
+                        x[j] = bf16_load(dst + j);
+                    }
+                } else {
+                    const float *add = (const float *)residual + r * dim;
+                    float *dst = (float *)h + r * dim;
+#pragma omp simd
+                    for (int64_t j = 0; j < dim; ++j) {
+                        x[j] += add[j];
+                        dst[j] = x[j];
+                    }
+                }
+            }
+            float squares = 0.0f;
+#pragma omp simd reduction(+ : squares)
+            for (int64_t j = 0; j < dim; ++j) squares += x[j] * x[j];
+            const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
             if (is_bf16) {
-                const uint16_t *add = (const uint16_t *)residual + r * dim;
-                uint16_t *dst = (uint16_t *)h + r * dim;
+                const uint16_t *w = (const uint16_t *)weight;
+                uint16_t *dst = (uint16_t *)out + r * dim;
                 for (int64_t j = 0; j < dim; ++j) {
-                    dst[j] = bf16_round(x[j] + bf16_load(add + j));
-                    x[j] = bf16_load(dst + j);
+                    const uint16_t normed = bf16_round(x[j] * inv);
+                    dst[j] = bf16_round(bf16_load(w + j) * bf16_load(&normed));
                 }
             } else {
-                const float *add = (const float *)residual + r * dim;
-                float *dst = (float *)h + r * dim;
+                const float *w = (const float *)weight;
+                float *dst = (float *)out + r * dim;
 #pragma omp simd
-                for (int64_t j = 0; j < dim; ++j) {
-                    x[j] += add[j];
-                    dst[j] = x[j];
-                }
+                for (int64_t j = 0; j < dim; ++j) dst[j] = w[j] * (x[j] * inv);
             }
-        }
-        float squares = 0.0f;
-#pragma omp simd reduction(+ : squares)
-        for (int64_t j = 0; j < dim; ++j) squares += x[j] * x[j];
-        const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
-        if (is_bf16) {
-            const uint16_t *w = (const uint16_t *)weight;
-            uint16_t *dst = (uint16_t *)out + r * dim;
-            for (int64_t j = 0; j < dim; ++j) {
-                const uint16_t normed = bf16_round(x[j] * inv);
-                dst[j] = bf16_round(bf16_load(w + j) * bf16_load(&normed));
-            }
-        } else {
-            const float *w = (const float *)weight;
-            float *dst = (float *)out + r * dim;
-#pragma omp simd
-            for (int64_t j = 0; j < dim; ++j) dst[j] = w[j] * (x[j] * inv);
         }
         free(x);
     }
