@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import random
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
@@ -249,3 +250,32 @@ def test_a_source_that_does_not_compile_falls_back_with_the_reason(monkeypatch, 
     with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
         assert kernels_module.cpu_kernels.__wrapped__() is None
     assert "did not build" in caplog.text and "broken.c" in caplog.text
+
+
+def test_results_do_not_depend_on_the_thread_count(kernels) -> None:
+    """The suite runs torch with one thread; here both kernels also run on a team of two (and
+    from two threads at once), where each sequence and each row is still one thread's work."""
+    q, pool, tables, lo, hi = random_case(random.Random(9), 6, 3, 3, 64, 16, None, torch.bfloat16)
+    h = torch.randn(800, 576).to(torch.bfloat16)  # big enough for the norm to use the team
+    weight, residual = torch.rand(576).to(torch.bfloat16), torch.randn(800, 576).to(torch.bfloat16)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        h2 = h.clone()
+        return kernels.paged_decode(q, pool, tables, lo, hi, 16, 0.125), kernels.rms_norm(h2, weight, 1e-5, residual), h2
+
+    alone = run()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        results: list = []
+        workers = [threading.Thread(target=lambda: results.append(run())) for _ in range(2)]
+        for w in workers:
+            w.start()
+        results.append(run())
+        for w in workers:
+            w.join(30)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(results) == 3
+    for got in results:
+        assert all(torch.equal(a, b) for a, b in zip(got, alone))
