@@ -33,7 +33,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ferrox_batch.bench.report import CHECKED, check_ids, report
 from ferrox_batch.bench.workloads import (
     Request,
     build_requests,
@@ -54,7 +54,6 @@ from ferrox_batch.bench.workloads import (
 )
 
 METHODS = ("ours", "static", "cb")
-CHECKED = 4  # requests whose ids are compared with static's
 CHILD_MODULE = "ferrox_batch.bench.batcher"
 
 
@@ -242,56 +241,6 @@ def spawn(args: argparse.Namespace, method: str, shape: str, kv: int, cb: int) -
         return result
 
 
-def fmt(value, spec: str = ".0f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def median_of(runs: list[dict], key: str):
-    values = [r[key] for r in runs if r.get(key) is not None]
-    return statistics.median(values) if values else None
-
-
-def report(args, shapes, methods, runs: list[dict]) -> tuple[list[str], dict]:
-    lines = ["| method | shape | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | peak RSS MB | ours/peer |",
-             "|---|---|---|---|---|---|---|"]
-    summary: dict = {}
-    for shape in shapes:
-        good = {m: [r for r in runs if r["shape"] == shape and r["method"] == m and "failed" not in r] for m in methods}
-        ours_tok = median_of(good.get("ours", []), "tok_s")
-        for m in methods:
-            keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "peak_rss_mb", "wall_s")
-            med = {k: median_of(good[m], k) for k in keys}
-            ratio = None if m == "ours" or ours_tok is None or not med["tok_s"] else ours_tok / med["tok_s"]
-            summary[f"{m}:{shape}"] = {**med, "ours_over_peer": ratio, "runs": len(good[m])}
-            lines.append(f"| {m} | {shape} | {fmt(med['tok_s'], '.1f')} | {fmt(med['ttft_p50_ms'])} / "
-                         f"{fmt(med['ttft_p99_ms'])} | {fmt(med['itl_p50_ms'], '.1f')} / "
-                         f"{fmt(med['itl_p99_ms'], '.1f')} | {fmt(med['peak_rss_mb'])} | {fmt(ratio, '.2f')} |")
-    return lines, summary
-
-
-def check_ids(args, shapes, runs: list[dict]) -> tuple[list[str], bool]:
-    notes, failed = [], False
-    for shape in shapes:
-        first = {}
-        for r in runs:
-            if r["shape"] == shape and "failed" not in r:
-                first.setdefault(r["method"], r["ids"])
-        if "static" not in first:
-            continue
-        for m in ("ours", "cb"):
-            if m not in first:
-                continue
-            bad = [i for i, (x, y) in enumerate(zip(first[m], first["static"])) if x != y]
-            if not bad:
-                notes.append(f"ids check, shape {shape}: {m} == static on the first {CHECKED} requests")
-            elif m == "ours" and args.dtype == "fp32":
-                failed = True
-                notes.append(f"ids check FAILED, shape {shape}: ours != static (fp32) on requests {bad}")
-            else:
-                notes.append(f"WARNING ids, shape {shape}: {m} != static ({args.dtype}) on requests {bad}")
-    return notes, failed
-
-
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, prog: str | None = None) -> int:
     """Run the benchmark (or, with `--child`, one measured run); `env` defaults to the process environment."""
     args = parse_args(argv, env, prog)
@@ -326,8 +275,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
                                             f"{len(r['errors'])} errors, {len(r['wrong_length'])} wrong lengths")
                 print(f"# [{rep + 1}/{args.repeats}] {method} {shape}: {state} ({r['process_s']:.0f} s process)",
                       file=sys.stderr, flush=True)
-    lines, summary = report(args, shapes, methods, runs)
-    notes, failed = check_ids(args, shapes, runs)
+    lines, summary = report(shapes, methods, runs)
+    notes, failed = check_ids(args.dtype, shapes, runs)
     print("\n".join(lines + [""] + [f"# {n}" for n in notes]))
     for r in runs:
         if r.get("failed") or r.get("errors") or r.get("wrong_length"):

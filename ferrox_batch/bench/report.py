@@ -1,0 +1,60 @@
+"""The batcher benchmark's report: medians per method and shape, our/peer ratios, and the ids check."""
+
+from __future__ import annotations
+
+import statistics
+
+#: Requests whose greedy ids each child returns, to compare with static's.
+CHECKED = 4
+
+
+def fmt(value, spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def median_of(runs: list[dict], key: str):
+    values = [r[key] for r in runs if r.get(key) is not None]
+    return statistics.median(values) if values else None
+
+
+def report(shapes: list[str], methods: list[str], runs: list[dict]) -> tuple[list[str], dict]:
+    """The markdown table of medians per method and shape, and the same numbers as a summary dict."""
+    lines = ["| method | shape | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | peak RSS MB | ours/peer |",
+             "|---|---|---|---|---|---|---|"]
+    summary: dict = {}
+    for shape in shapes:
+        good = {m: [r for r in runs if r["shape"] == shape and r["method"] == m and "failed" not in r] for m in methods}
+        ours_tok = median_of(good.get("ours", []), "tok_s")
+        for m in methods:
+            keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "peak_rss_mb", "wall_s")
+            med = {k: median_of(good[m], k) for k in keys}
+            ratio = None if m == "ours" or ours_tok is None or not med["tok_s"] else ours_tok / med["tok_s"]
+            summary[f"{m}:{shape}"] = {**med, "ours_over_peer": ratio, "runs": len(good[m])}
+            lines.append(f"| {m} | {shape} | {fmt(med['tok_s'], '.1f')} | {fmt(med['ttft_p50_ms'])} / "
+                         f"{fmt(med['ttft_p99_ms'])} | {fmt(med['itl_p50_ms'], '.1f')} / "
+                         f"{fmt(med['itl_p99_ms'], '.1f')} | {fmt(med['peak_rss_mb'])} | {fmt(ratio, '.2f')} |")
+    return lines, summary
+
+
+def check_ids(dtype: str, shapes: list[str], runs: list[dict]) -> tuple[list[str], bool]:
+    """Compare each method's first greedy ids with static's; in fp32 a mismatch of ours fails the run."""
+    notes, failed = [], False
+    for shape in shapes:
+        first = {}
+        for r in runs:
+            if r["shape"] == shape and "failed" not in r:
+                first.setdefault(r["method"], r["ids"])
+        if "static" not in first:
+            continue
+        for m in ("ours", "cb"):
+            if m not in first:
+                continue
+            bad = [i for i, (x, y) in enumerate(zip(first[m], first["static"])) if x != y]
+            if not bad:
+                notes.append(f"ids check, shape {shape}: {m} == static on the first {CHECKED} requests")
+            elif m == "ours" and dtype == "fp32":
+                failed = True
+                notes.append(f"ids check FAILED, shape {shape}: ours != static (fp32) on requests {bad}")
+            else:
+                notes.append(f"WARNING ids, shape {shape}: {m} != static ({dtype}) on requests {bad}")
+    return notes, failed
