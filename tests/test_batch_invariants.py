@@ -167,6 +167,15 @@ def random_request(rng: random.Random, model, *, oversize: bool = False, bad_tok
     )
 
 
+def cancelling(req: Request, kind: str) -> Request:
+    """`req` made long enough to be cut short (24 new tokens, no stops) and cancelled `kind`-wise."""
+    req.params = greedy_params(24, cancel=CancelToken())
+    req.stop_tokens = StopTokens.default()
+    req.cancel, req.cancel_after_chunks, req.start_delay = kind, 1, 0.0
+    req.expected_error, req.expected = None, None
+    return req
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -292,9 +301,17 @@ def test_sixty_four_concurrent_random_callers_keep_every_invariant(tiny_batch_mo
     for req in requests:
         if req.params.max_tokens <= 24:
             expect(model, req)
+    # Whether the burst's own cancels land depends on timing (most may meet a full queue, or a
+    # timer may fire after its request finished), so a second wave on the drained batcher holds
+    # two that always cancel something: one cancelled before submission, one from its first chunk.
+    stragglers = [cancelling(random_request(rng, model), kind) for kind in ("before", "chunk")]
+    for req in stragglers:
+        expect(model, req)
     config = budget_config(4, 24, max_seqs=6, max_queue=16, max_prefills_per_tick=1 + seed % 3)
     with spawn(model, config) as batcher:
         outcomes = run_all(batcher, requests)
+        outcomes += run_all(batcher, stragglers)
+        requests = requests + stragglers
         tally = check(batcher, requests, outcomes, queue_cap=16)
         # The load really exercised every path it is meant to. (How many pass the queue gate in
         # the burst depends on timing: about 16-22; the bound only checks that many were served.)
