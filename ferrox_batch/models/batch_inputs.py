@@ -148,10 +148,10 @@ def build_inputs(
             decode.mask = None if all_full else mask[:, None, None, :]
     prefill: list[PrefillChunk] = []
     for j in range(n_decode, len(order)):
-        start, length, table = starts[j], lens[j], tables[j].to(device)
+        start, length = starts[j], lens[j]
         width = start + length
         keys = torch.arange(width, device=device)
-        ctx = table[keys // bs] * bs + keys % bs
+        ctx = _slots(tables[j][None, :], keys[None, :], bs)[0]
         qpos = keys[start:]
         pos_parts.append(qpos)
         slot_parts.append(ctx[start:])

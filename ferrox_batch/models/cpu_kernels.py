@@ -14,7 +14,7 @@ Two hot spots of a CPU decode step are not worth torch's generic kernels:
   a decode step runs 61 norms.
 
 How: the sources are compiled with the system's GCC when first asked
-for in a process (about a second), into a private temporary folder, and
+for in a process (0.3 s here), into a private temporary folder, and
 loaded with ctypes; nothing is cached on disk, so there is no stale build to
 invalidate. They run on the calling thread's OpenMP team: the library's
 `libgomp.so.1` dependency resolves to the runtime torch already loaded (the
@@ -49,7 +49,7 @@ log = logging.getLogger("ferrox_batch.models")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_decode.c", "rms_norm.c")
-#: Flag sets tried in order: the first that compiles wins (x86 first, then any GCC/Clang target).
+#: GCC flag sets tried in order: the first that compiles wins (x86 first, then any target).
 COMPILE_FLAGS = (
     ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math"],
     ["-O3", "-march=native", "-ffast-math"],
