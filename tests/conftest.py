@@ -13,7 +13,15 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+
+# No deadline: tests never time things (the benchmarks do), and a slow example on a loaded
+# machine is not a failure. CI (.ci/run) derandomizes, so a commit's CI result is
+# reproducible from the commit alone; a developer's `make test` keeps exploring new examples.
+settings.register_profile("dev", deadline=None)
+settings.register_profile("ci", deadline=None, derandomize=True, print_blob=True)
+settings.load_profile(os.environ.get("FERROX_HYPOTHESIS_PROFILE", "dev"))
 
 # Tests run a batcher's worker thread and a reference decode on the test's own thread at
 # once; with torch's default two threads each on this 2-core machine, the OpenMP pools

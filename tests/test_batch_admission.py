@@ -164,7 +164,7 @@ def test_every_admitted_request_gives_its_blocks_back(tiny_batch_model):
         for i in range(8):
             result = batcher.generate([i + 1, i + 2], greedy_params(3))
             assert result.finish_reason == FinishReason.LENGTH
-        wait_for(lambda: batcher.stats().kv_blocks_free == 8, "every block back", timeout=1.0)
+        wait_for(lambda: batcher.stats().kv_blocks_free == 8, "every block back")
         stats = batcher.stats()
         assert stats.kv_blocks_peak > 0 and stats.queue_depth == 0
         assert batcher.store.blocks_held() == 0

@@ -34,7 +34,7 @@ def test_make_serve_starts_the_default_model_and_answers_a_chat(real_model_dir: 
         wait_healthy(base_url, server, timeout=STARTUP_SECS)
         client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=120)
         reply = client.chat.completions.create(
-            model="smollm2-135m-instruct", max_tokens=32,
+            model="smollm2-135m-instruct", max_tokens=32, temperature=0,
             messages=[{"role": "user", "content": "What is the capital of France?"}])
         answer = reply.choices[0].message.content
         assert answer and answer.strip(), reply
