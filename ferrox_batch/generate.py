@@ -4,10 +4,11 @@ Upstream keeps these in one `generate` module because every serving path speaks
 them: the `DecodeError` family (whose messages clients parse, so they are kept
 verbatim), `FinishReason`, `Usage`, the request parameters, the successful
 result, and the paged-KV configuration with the hold arithmetic admission
-reserves by. Here the error family lives in `ferrox_batch.errors` and `Usage`
-in `ferrox_batch.usage` (one concept a file); this module re-exports both, so
-`from ferrox_batch.generate import QueueFull, Usage` works as a reader of the
-spec expects.
+reserves by. Here the error family lives in `ferrox_batch.errors`, `Usage` in
+`ferrox_batch.usage` and the paged-KV arithmetic in `ferrox_batch.paged_hold`
+(one concept a file); this module re-exports them, so
+`from ferrox_batch.generate import QueueFull, Usage, paged_hold_positions`
+works as a reader of the spec expects.
 
 Python shape of the Rust types:
 
@@ -33,15 +34,14 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Iterator
 
 from ferrox_batch.cancel import CancelToken
-from ferrox_batch.policy.window import WindowPolicy, slide_hold_bound
-
-from ferrox_batch.checks import UNLIMITED, check_int, check_seconds
+from ferrox_batch.checks import UNLIMITED, check_int
 from ferrox_batch.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     DEVICE_MEMORY_BUDGET_EXCEEDED,
     BatcherClosed,
     DecodeError,
     GrammarConstraint,
+    InternalError,
     InvalidRequest,
     KvBudgetExceeded,
     KvPoolExhausted,
@@ -50,7 +50,11 @@ from ferrox_batch.errors import (
     TokenOutOfVocab,
     Unsupported,
     WorkerDied,
-    InternalError,
+)
+from ferrox_batch.paged_hold import (
+    PagedKvConfig,
+    paged_hold_positions,
+    paged_window_policy,
 )
 from ferrox_batch.usage import CompletionTokensDetails, Usage
 
@@ -272,95 +276,3 @@ class GenerationResult:
 
     def __getitem__(self, index: int) -> Any:
         return (self.finish_reason, self.token_ids, self.text, self.usage)[index]
-
-
-# ---------------------------------------------------------------------------
-# Paged KV configuration and hold arithmetic (spec 3.5)
-# ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PagedKvConfig:
-    """How the batcher reaches the paged KV store.
-
-    `store` is the runtime's paged store (typed loosely: it lives in the model
-    layer, which this module must not import). `queue_wait` is seconds to wait
-    for pages at admission (0.0 = try once). `radix` is the optional shared
-    prefix tree; `anchor_token` the single token id that opens a tool call;
-    `slide_interval` the decode steps between two window slides.
-    """
-
-    store: Any
-    queue_wait: float = 0.0
-    radix: Any = None
-    anchor_token: int | None = None
-    slide_interval: int = 128
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "queue_wait", check_seconds("queue_wait", self.queue_wait))
-        if self.anchor_token is not None:
-            check_int("anchor_token", self.anchor_token)
-        check_int("slide_interval", self.slide_interval)
-
-
-def paged_hold_positions(max_seq_len: int, prompt_len: int, block_size: int, window: WindowPolicy | None) -> int:
-    """Positions a paged row can hold at once: what admission reserves blocks for.
-
-    Without a window that is `max_seq_len` (prompt + max_tokens). With one, a
-    row gives pages back as it slides, so it never holds more than its prompt,
-    the slide bound and one block of slack, and never more than `max_seq_len`.
-    """
-    check_int("max_seq_len", max_seq_len)
-    check_int("prompt_len", prompt_len)
-    check_int("block_size", block_size, minimum=1)
-    if window is None:
-        return max_seq_len
-    if not isinstance(window, WindowPolicy):
-        raise TypeError(f"window must be a WindowPolicy or None, got {window!r}")
-    return min(prompt_len + slide_hold_bound(window.sliding_window, window) + block_size, max_seq_len)
-
-
-def paged_window_policy(sliding_window: int | None, paged: PagedKvConfig | None, block_size: int) -> WindowPolicy | None:
-    """The window policy a paged row slides by, or None.
-
-    Upstream reads the decoder's per-layer windows and answers only when every
-    layer slides by the same one. This runtime's models have one uniform window
-    or none (`ModelConfig.sliding_window`), so the caller passes that window,
-    the paged configuration (None = contiguous rows, which never slide) and the
-    store's block (page) size.
-    """
-    check_int("block_size", block_size, minimum=1)
-    if sliding_window is None or paged is None:
-        return None
-    check_int("sliding_window", sliding_window, minimum=1)
-    if not isinstance(paged, PagedKvConfig):
-        raise TypeError(f"paged must be a PagedKvConfig or None, got {paged!r}")
-    return WindowPolicy.new(sliding_window, block_size).with_eviction_interval(paged.slide_interval)
-
-
-__all__ = [
-    "UNLIMITED",
-    "check_int",
-    "DecodeError",
-    "TokenOutOfVocab",
-    "KvPoolExhausted",
-    "Unsupported",
-    "QueueFull",
-    "KvBudgetExceeded",
-    "GrammarConstraint",
-    "ReasoningBudget",
-    "InvalidRequest",
-    "BatcherClosed",
-    "WorkerDied",
-    "CONTEXT_LENGTH_EXCEEDED",
-    "DEVICE_MEMORY_BUDGET_EXCEEDED",
-    "FinishReason",
-    "CompletionTokensDetails",
-    "Usage",
-    "SamplingParams",
-    "GenerationParams",
-    "GenerationResult",
-    "PagedKvConfig",
-    "paged_hold_positions",
-    "paged_window_policy",
-]
