@@ -198,6 +198,30 @@ def test_a_full_queue_is_503_with_retry_after(tiny_batch_model):
         assert stats(base_url)["queue_rejected"] == 2
 
 
+def test_past_max_concurrent_requests_is_503_server_busy(tiny_batch_model):
+    gate = letter_gate(permits=0)
+    batcher = gated_batcher(tiny_batch_model, gate)
+    request = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}
+    with served(batcher, max_concurrent_requests=2) as (base_url, app), openai_client(base_url) as client, \
+            concurrent.futures.ThreadPoolExecutor(2) as pool:
+        open_requests = [pool.submit(client.completions.create, **request) for _ in range(2)]
+        gate.wait_calls(1)  # the worker is held inside its first decode
+        generations = app.state.ferrox.generations
+        poll(lambda: len(generations.in_flight) == 2, "both requests to be submitted")
+        for stream in (False, True):
+            with pytest.raises(openai.InternalServerError) as busy:
+                client.completions.create(**request, stream=stream)
+            assert busy.value.status_code == 503 and busy.value.code == "server_busy"
+            assert busy.value.response.headers["retry-after"] == "1"
+            assert "2 generation requests are already open (limit 2)" in busy.value.message
+        assert stats(base_url)["queue_rejected"] == 0, "refused by the server, never offered to the batcher"
+        gate.open()
+        assert [f.result(DEADLINE).usage.completion_tokens for f in open_requests] == [3, 3]
+        # Answered requests leave the count: the next one is served.
+        assert client.completions.create(**request).usage.completion_tokens == 3
+
+
 class SchedulerBug(BaseException):
     """Escapes every `except Exception` in the worker: stands in for a bug that kills it."""
 

@@ -105,7 +105,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                       metavar="N", help="chat's max_tokens when a request sends none "
                                         f"(default: {DEFAULT_CHAT_MAX_TOKENS}; clamped to the context)")
     http.add_argument("--max-concurrent-requests", type=positive_int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
-                      metavar="N", help="generation requests open at once before new ones get 503 "
+                      metavar="N", help="generation requests open at once before new ones get 503 server_busy "
                                         f"(default: {DEFAULT_MAX_CONCURRENT_REQUESTS})")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
     batcher = parser.add_argument_group(

@@ -41,8 +41,8 @@ log = logging.getLogger("ferrox_batch.server")
 #: Request bodies larger than this are refused with 413. A 1 MB prompt still fits, and is then
 #: refused by the context ceiling with a 400 that names the numbers.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
-#: Threads that wait on tickets, one per request in flight (started lazily). Requests past this
-#: many still run in the batcher; their chunks wait until a thread frees up.
+#: Generation requests open at once (in flight or being prepared); one more is refused with
+#: 503 `server_busy`. Also the size of the pool of threads that wait on tickets (started lazily).
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 #: Threads that parse, tokenize and submit.
 DEFAULT_PREPARE_THREADS = 4

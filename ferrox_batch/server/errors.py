@@ -2,7 +2,8 @@
 
 The batcher's `DecodeError` family already knows its HTTP status, its
 `Retry-After` and its OpenAI body; the server adds the few refusals only HTTP
-has (an unknown model name, a body over the size cap) as members of the same
+has (an unknown model name, a body over the size cap, more requests open than
+the server takes) as members of the same
 family, so one function answers them all and the refusal metrics can count
 them by the same `code`.
 """
@@ -43,6 +44,21 @@ class RequestTooLarge(DecodeError):
         self.size = size
         self.limit = limit
         super().__init__(f"the request body is {size} bytes, more than this server's limit of {limit} bytes")
+
+
+class ServerBusy(DecodeError):
+    """More generation requests open than `--max-concurrent-requests`: busy, not wrong (503, retry)."""
+
+    retry_after_secs = 1
+    http_status = 503
+    error_code = "server_busy"
+    _fields = ("open", "limit")
+
+    def __init__(self, open: int, limit: int) -> None:
+        self.open = open
+        self.limit = limit
+        super().__init__(f"server is at capacity: {open} generation requests are already open "
+                         f"(limit {limit}); retry shortly")
 
 
 def error_body(error: BaseException) -> dict[str, Any]:

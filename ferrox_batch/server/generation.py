@@ -10,8 +10,10 @@ The pipeline of one request, and why each step is where it is:
    anything is queued. A 1 MB prompt is tokenized there, never on the loop.
    A refusal is a JSON error with the error's own status (and `Retry-After`).
 3. The ticket's blocking `wait` runs on a large *wait* pool (one thread per
-   request in flight, up to `max_concurrent_requests`; the default anyio limit
-   of 40 would cap concurrency), bridged to the loop by `TicketBridge`.
+   request in flight; the default anyio limit of 40 would cap concurrency),
+   bridged to the loop by `TicketBridge`. A request that would make more than
+   `max_concurrent_requests` open (in flight or being prepared) is refused
+   with 503 `server_busy` before it is parsed, so the pool never backs up.
    Keeping the pools apart means busy waits never delay a refusal and a burst
    of long prompts never delays the streams.
 4. Headers go out only once the first event arrives, so a failure the worker
@@ -44,7 +46,7 @@ from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.batch.ticket import Ticket
 from ferrox_batch.errors import BatcherClosed, DecodeError
 from ferrox_batch.models.tokenizer import Tokenizer
-from ferrox_batch.server.errors import ModelNotFound, RequestTooLarge, error_body, error_response
+from ferrox_batch.server.errors import ModelNotFound, RequestTooLarge, ServerBusy, error_body, error_response
 from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.requests import (
     ChatRequest,
@@ -100,6 +102,7 @@ class Generations:
         self.model_name = model_name
         self.limits = limits
         self.in_flight: set[TicketBridge] = set()  # touched on the loop thread only
+        self._preparing = 0  # requests on the prepare pool, not yet in flight (loop thread only)
         self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), model_name)
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"
@@ -112,7 +115,14 @@ class Generations:
         arrival = time.monotonic()
         try:
             raw = await _read_body(request, self.limits.max_body_bytes)
-            prepared = await self._prepare(raw, chat)
+            open_now = len(self.in_flight) + self._preparing
+            if open_now >= self.limits.max_concurrent_requests:
+                raise ServerBusy(open_now, self.limits.max_concurrent_requests)
+            self._preparing += 1
+            try:
+                prepared = await self._prepare(raw, chat)
+            finally:
+                self._preparing -= 1
         except DecodeError as refusal:
             self.metrics.refused(refusal.code)
             return error_response(refusal)
