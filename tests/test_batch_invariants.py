@@ -223,7 +223,7 @@ def run_all(batcher, requests: list[Request]) -> list[Outcome]:
     return outcomes
 
 
-def settled(batcher, timeout: float = 2.0):
+def settled(batcher, timeout: float = JOIN_TIMEOUT):
     """Stats once the worker has given back what it held (a refusal is replied just before its release)."""
     deadline = time.monotonic() + timeout
     while True:

@@ -117,7 +117,8 @@ def test_close_lets_in_flight_requests_finish_then_refuses_new_ones(tiny_batch_m
         began = time.monotonic()
         with pytest.raises(BatcherClosed):
             batcher.generate([6], params)
-        assert time.monotonic() - began < 1.0, "a closed batcher refuses at once"
+        # The worker is held by the gate, so a refusal that waited on it would not return at all.
+        assert time.monotonic() - began < 5.0, "a closed batcher refuses at once"
         assert batcher.stats().worker_alive
 
         gate.open()
