@@ -25,7 +25,9 @@ class PagedKvConfig:
     layer, which this module must not import). `queue_wait` is seconds to wait
     for pages at admission (0.0 = try once). `radix` is the optional shared
     prefix tree; `anchor_token` the single token id that opens a tool call;
-    `slide_interval` the decode steps between two window slides.
+    `slide_interval` the decode steps between two window slides. They mirror
+    the upstream type; `ContinuousBatcher` refuses all but `store` at other
+    than their defaults, since it has none of those features.
     """
 
     store: Any

@@ -233,6 +233,16 @@ def test_a_validation_refusal_through_the_worker_answers_once(tiny_batch_model):
     assert worker.budget.free() == 4 - good.blocks and worker.queue_gate.depth() == 0
 
 
+@pytest.mark.parametrize("option", [{"radix": object()}, {"anchor_token": 7}, {"queue_wait": 0.5},
+                                    {"slide_interval": 16}])
+def test_paged_options_this_batcher_lacks_are_refused_not_ignored(tiny_batch_model, option):
+    decoder = tiny_batch_model.decoder
+    store = decoder.new_store(4, num_blocks=16)
+    with pytest.raises(ValueError, match=f"PagedKvConfig {next(iter(option))}: not supported"):
+        ContinuousBatcher.spawn_with_config_paged(decoder, identity_decode, budget_config(4, None),
+                                                  PagedKvConfig(store, **option))
+
+
 def test_a_page_store_that_cannot_supply_pages_refuses_with_kv_pool_exhausted(tiny_batch_model):
     """The ledger says yes but a shared page store, partly held by someone else, says no (spec 4)."""
     decoder = tiny_batch_model.decoder

@@ -116,6 +116,19 @@ def test_a_cancel_that_arrives_before_its_job_is_not_lost(tiny_batch_model):
     assert worker.budget.free() == 8 and worker.store.blocks_held() == 0
 
 
+def test_a_cancel_that_raced_its_answer_is_dropped_after_one_more_tick(tiny_batch_model):
+    worker = make_worker(tiny_batch_model, budget_config(4, 8))
+    job, reply = make_job(worker, [1, 2], greedy_params(2))
+    worker.jobs.put(job)
+    while worker.waiting or worker.prefills or not worker.rows.is_empty() or not drain_reply(reply)[1]:
+        worker.tick()
+    worker.aborts.enqueue(job.abort)  # the caller cancelled just after its answer was sent
+    worker._apply_aborts()
+    assert worker.carried == {job.abort}, "carried once: its job might still be on the channel"
+    worker._apply_aborts()
+    assert worker.carried == set() and worker.aborts.aborted() == 0
+
+
 def test_a_cancelled_prefill_is_abandoned_and_gives_its_blocks_back(tiny_batch_model):
     worker = make_worker(tiny_batch_model, BatcherConfig(prefill_chunk=16, kv_block_size=16, kv_blocks=4))
     job, reply = make_job(worker, list(range(1, 41)), greedy_params(4))  # 44 positions: 3 blocks of 16

@@ -30,6 +30,8 @@ def test_a_ticket_reports_the_clamped_budget_and_waits_for_the_answer(tiny_batch
         assert ticket.done
         assert list(result.token_ids) == sequential_ids(tiny_batch_model, prompt, greedy_params(6, ignore_eos=True))
         assert "".join(chunks) == result.text
+        with pytest.raises(RuntimeError, match="already waited on"):
+            ticket.wait()  # the answer was taken: never a wait that cannot end
 
 
 def test_a_ticket_cancels_from_another_thread(tiny_batch_model):

@@ -75,7 +75,7 @@ def make_job(
 def make_slot(seq_id: int, abort: int, blocks: int, max_tokens: int = 8, stop: tuple[str, ...] = ()) -> Slot:
     """A decoding row as `Prefill.into_slot` builds it (2-token prompt, greedy, no sampler state needed)."""
     params = GenerationParams(max_tokens=max_tokens, stop=stop)
-    return Slot(seq_id=seq_id, sampler=None, prompt_ids=[1, 2], prompt_tokens=2, max_tokens=max_tokens,
+    return Slot(seq_id=seq_id, sampler=None, prompt_tokens=2, max_tokens=max_tokens,
                 stop_tokens=StopTokens.default(), params=params, reply=queue.SimpleQueue(), abort=abort,
                 blocks=blocks, clock=RowClock.start(), stops=StopMatcher(params.stop, params.stop_token_ids))
 

@@ -19,6 +19,7 @@ says so.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import weakref
@@ -294,6 +295,15 @@ def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> P
         store = paged.store
         if not isinstance(store, PagedKvStore):
             raise TypeError(f"PagedKvConfig.store must be a PagedKvStore, got {type(store).__name__}")
+        # Refused rather than ignored: a caller who sets these expects what they do upstream.
+        unsupported = [f.name for f in dataclasses.fields(PagedKvConfig)
+                       if f.name != "store" and getattr(paged, f.name) != f.default]
+        if unsupported:
+            raise ValueError(
+                f"PagedKvConfig {', '.join(unsupported)}: not supported by this batcher (it has no prefix "
+                "cache, no tool-call anchor, no waiting for pages and no window page recycling); leave "
+                "them at their defaults"
+            )
         if store.block_size != config.kv_block_size:
             raise ValueError(
                 f"the paged store's block size ({store.block_size}) must equal kv_block_size "

@@ -94,7 +94,6 @@ class Prefill:
         return Slot(
             seq_id=self.state.seq_id,
             sampler=sampler_row,
-            prompt_ids=list(self.state.tokens),
             prompt_tokens=self.prompt_tokens,
             max_tokens=self.params.max_tokens,
             stop_tokens=self.stop_tokens,

@@ -36,7 +36,6 @@ class Job:
     abort: int
     blocks: int
     positions: int  # KV positions the lease holds: what `blocks` was priced from
-    skips: int = 0
 
 
 def send_finished(reply: queue.SimpleQueue, result: GenerationResult | DecodeError) -> None:
@@ -49,7 +48,6 @@ class Slot:
 
     seq_id: int
     sampler: object  # the sampler's per-row state (models.sampler.RowSampler)
-    prompt_ids: list[int]  # the tokens prefilled ([0] for an empty prompt)
     prompt_tokens: int  # real prompt length for usage (0 for an empty prompt)
     max_tokens: int
     stop_tokens: StopTokens

@@ -24,7 +24,8 @@ LIVENESS_POLL_SECS = 0.5
 
 
 class Ticket:
-    __slots__ = ("prompt_tokens", "max_tokens", "_reply", "_abort", "_aborts", "_worker", "_lifecycle", "_done")
+    __slots__ = ("prompt_tokens", "max_tokens", "_reply", "_abort", "_aborts", "_worker", "_lifecycle", "_done",
+                 "_claimed")
 
     def __init__(
         self,
@@ -45,6 +46,7 @@ class Ticket:
         self._worker = worker
         self._lifecycle = lifecycle
         self._done = threading.Event()
+        self._claimed = threading.Lock()  # held by the one `wait`: its events go to one waiter only
 
     @property
     def done(self) -> bool:
@@ -60,7 +62,11 @@ class Ticket:
 
         If `on_chunk` raises, the request is cancelled, the rest of its events are drained,
         and the callback's exception propagates (how a server stops work for a client that left).
+        A ticket has one answer for one waiter: a second `wait` raises `RuntimeError` instead of
+        waiting for events that were already taken.
         """
+        if not self._claimed.acquire(blocking=False):
+            raise RuntimeError("this ticket is already waited on: a ticket has one answer, for one waiter")
         try:
             return self._wait(on_chunk)
         finally:

@@ -111,9 +111,9 @@ class Worker:
         self._apply_aborts()
         self._flush()
         snapshot = self._admit()
-        if snapshot.new_seqs:
+        if snapshot.new_seqs:  # blocks are reserved only at admission: only then can the peak rise
             log.info(self.reporter.report_prefill(self._now(), snapshot, self.batch_status()))
-        self.counters.record_peak(self.rows.blocks_held() + sum(p.blocks for p in self.prefills))
+            self.counters.record_peak(self.rows.blocks_held() + sum(p.blocks for p in self.prefills))
         active = self._sample_ready()
         self._forward(active)
         self._flush()
@@ -139,7 +139,12 @@ class Worker:
     # ---------------------------------------------------------- cancellation
 
     def _apply_aborts(self) -> None:
-        self.carried |= self.aborts.drain()
+        # A job is on the channel before its abort id can be (the cancel hook is registered after
+        # the send), but the id may be drained first: an unmatched id is carried one tick, by which
+        # time its job has been drained. An id still unmatched then belongs to a request that was
+        # already answered (a cancel that raced its answer) and is dropped, so none pile up.
+        fresh = self.aborts.drain()
+        self.carried |= fresh
         if not self.carried:
             return
         stopped = 0
@@ -157,6 +162,7 @@ class Worker:
             stopped += 1
         consumed = self.rows.mark_cancelled(self.carried)
         self.carried.difference_update(consumed)
+        self.carried &= fresh
         stopped += len(consumed)
         if stopped:
             self.aborts.add_aborted(stopped)
