@@ -6,7 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.models.tokenizer import Tokenizer, byte_level_alphabet
+from ferrox_batch.batch.text import prompt_ids
+from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.models.tokenizer import Tokenizer, _compile, byte_level_alphabet
 from ferrox_batch.stop_tokens import StopTokens
 
 
@@ -60,6 +62,15 @@ def test_bad_chat_messages_are_refused_clearly(tok):
         tok.apply_chat_template([])
     with pytest.raises(ValueError, match="message 0 needs a string role"):
         tok.apply_chat_template([{"role": "user", "content": 3}])
+
+
+def test_a_template_that_fails_on_the_messages_is_a_value_error(tiny_llama_dir):
+    tok = Tokenizer.from_dir(tiny_llama_dir)
+    tok._template = _compile("{{ messages[0].tools.name }}")  # needs a field these messages lack
+    with pytest.raises(ValueError, match="chat template failed on the messages"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    with pytest.raises(InvalidRequest, match="chat template failed"):  # the library's text path: a 400
+        prompt_ids(tok, [{"role": "user", "content": "hi"}])
 
 
 def test_stop_tokens_are_a_set_of_ids():

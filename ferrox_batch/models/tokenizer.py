@@ -186,12 +186,15 @@ class Tokenizer:
             if not isinstance(role, str) or not isinstance(content, str):
                 raise ValueError(f"message {i} needs a string role and a string content")
             rendered.append({"role": role, "content": content})
-        return self._template.render(
-            messages=rendered,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        try:
+            return self._template.render(
+                messages=rendered,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as bad:  # e.g. a field the template needs and the messages lack
+            raise ValueError(f"chat template failed on the messages: {bad}") from None
 
     def encode_chat(self, messages: Sequence[ChatMessage | Mapping[str, Any]]) -> list[int]:
         # The template writes any BOS itself, so none is added here.

@@ -38,7 +38,6 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-import jinja2
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
@@ -251,7 +250,7 @@ def _chat_ids(tokenizer: Tokenizer, request: ChatRequest) -> list[int]:
     """The templated conversation's ids; a template that refuses the messages is the client's 400."""
     try:
         return tokenizer.encode_chat(request.messages)
-    except (ValueError, jinja2.TemplateError) as bad:
+    except ValueError as bad:
         raise invalid("messages", list(request.messages),
                       f"could not be rendered by the checkpoint's chat template ({bad})") from None
 
