@@ -16,7 +16,8 @@ def test_packed_linear_matches_f_linear_at_every_batch_size(dtype, with_bias):
     weight = torch.randn(96, 40, generator=gen).to(dtype)
     bias = torch.randn(96, generator=gen).to(dtype) if with_bias else None
     layer = Linear(weight, bias)
-    assert layer.kind in ("mkldnn", "mkl", "plain")
+    # bf16 is packed where oneDNN's op exists; fp32 always runs plain (see the module docstring).
+    assert layer.kind in (("mkldnn", "plain") if dtype == torch.bfloat16 else ("plain",))
     for batch in (1, 3, 32, 33, 257):
         x = torch.randn(batch, 40, generator=gen).to(dtype)
         tol = 1e-5 if dtype == torch.float32 else 2e-2
