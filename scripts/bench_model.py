@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from ferrox_batch.bench.batcher import default_model  # noqa: E402
 from ferrox_batch.models.batch_inputs import SeqChunk  # noqa: E402
 from ferrox_batch.models.config import ModelConfig  # noqa: E402
 from ferrox_batch.models.decoder import Decoder  # noqa: E402
@@ -115,9 +116,8 @@ def bench_decode(ours: Decoder, ref, device, batch: int, context: int, steps: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    home = Path(os.environ.get("FERROX_HOME") or Path.home() / ".cache" / "ferrox-batch")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=str(home / "models" / "smollm2-135m-instruct"))
+    parser.add_argument("--model", default=default_model(os.environ))
     parser.add_argument("--random", action="store_true", help="random weights of SmolLM2-135M's shape")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtypes", default="bf16,fp32")

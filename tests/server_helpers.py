@@ -34,6 +34,8 @@ from ferrox_batch.server import create_app
 
 #: How long a test waits for a server to start or stop, or for a state it polls for.
 DEADLINE = 15.0
+#: Request options for a reproducible reply: greedy, and past EOS (a random checkpoint may pick it).
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 MODEL_NAME = "tiny"
 
 

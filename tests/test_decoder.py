@@ -213,6 +213,16 @@ def test_writing_past_a_sequences_lease_is_refused(tiny_model):
         tiny_model.decoder.forward([SeqChunk("s", [5])], store)
 
 
+def test_a_position_past_the_trained_context_is_refused(tiny_model):
+    limit = tiny_model.config.max_position_embeddings
+    store = tiny_model.decoder.new_store(16, num_blocks=limit // 16 + 2)
+    store.add_sequence("long", limit + 1)
+    store.add_sequence("short", 4)
+    tiny_model.decoder.forward([SeqChunk("long", [1] * limit)], store)  # positions 0..limit-1: fine
+    with pytest.raises(ValueError, match=f"position {limit} is past this model's {limit} trained positions"):
+        tiny_model.decoder.forward([SeqChunk("short", [1]), SeqChunk("long", [2])], store)
+
+
 def test_prefill_chunks_of_different_lengths_near_the_end_of_a_small_lease(tiny_model):
     """A short chunk at the end of a small lease beside a long chunk: padding must not index past its table."""
     a = tiny_model.tokenizer.encode(PROMPTS[0])[:8]

@@ -16,13 +16,12 @@ import time
 import httpx
 import pytest
 from conftest import TEST_DEVICE
-from server_helpers import DEADLINE, MODEL_NAME, openai_client, poll, served, stats, tiny_batcher
+from server_helpers import DEADLINE, GREEDY, MODEL_NAME, openai_client, poll, served, stats, tiny_batcher
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.server import serve
 
-GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
 PROMPTS = ["The quick brown fox", "Paged attention stores", "Continuous batching keeps", "def forward(self, x):"]
 
 

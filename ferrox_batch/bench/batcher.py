@@ -125,7 +125,7 @@ def run_ours(args, requests: list[Request], kv_blocks: int) -> dict:
     config = BatcherConfig(max_seqs=args.max_seqs or UNLIMITED, prefill_chunk=args.prefill_chunk,
                            max_batch_tokens=args.max_batch_tokens, kv_block_size=args.kv_block_size,
                            kv_blocks=kv_blocks, max_prefills_per_tick=args.max_prefills_per_tick)
-    batcher = ContinuousBatcher.spawn_with_config(model.decoder, model.tokenizer.decode, config)
+    batcher = ContinuousBatcher.from_model(model, config)  # as the server builds it
     stop = model.tokenizer.stop_tokens
 
     def closed_loop(reqs: list[Request]) -> dict:

@@ -16,8 +16,8 @@ plain slice of the flat projections:
 
 Everything is built once per forward and shared by every layer; positions
 come from the store (the KV is the only cursor), and the new tokens' slots are
-computed from the block tables, so no per-layer or per-sequence Python work
-happens inside the model.
+computed from the block tables. Inside the model the only Python loop is the
+one SDPA call per prefill chunk in each layer.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ def build_inputs(
     bs = store.block_size
     # Decodes first, then prefill chunks; `order[j]` is the caller's index of flat sequence j.
     order = [i for i, c in enumerate(chunks) if len(c.tokens) == 1]
+    n_decode = len(order)
     order += [i for i, c in enumerate(chunks) if len(c.tokens) > 1]
-    n_decode = sum(1 for c in chunks if len(c.tokens) == 1)
 
     flat_tokens: list[int] = []
     starts: list[int] = []

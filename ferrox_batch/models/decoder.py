@@ -4,7 +4,7 @@
 that mixes prefill chunks of several sequences with single-token decodes of
 others, returning the last-position logits of each sequence (float32, in the
 order given). Every projection runs once over the flat batch; attention runs
-once for the decode group and once for the prefill group per layer (see
+once for the decode group and once per prefill chunk in each layer (see
 `batch_inputs`). GQA is computed without expanding K/V: the query heads that
 share a KV head are folded into the query-length axis of
 `scaled_dot_product_attention`.
@@ -15,8 +15,8 @@ the residual add before it in the same call. Set `kernels = None` to use
 torch's ops instead (CUDA always does); both paths agree to float rounding.
 
 Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
-matmuls, each prepacked for the CPU's matmul library where that works
-(`models.linear`). The decoder is stateless between calls; all per-sequence state is in
+matmuls, prepacked for oneDNN where that works (bf16 on the CPU,
+`models.linear`). The decoder is stateless between calls; all per-sequence state is in
 the store.
 """
 
@@ -137,10 +137,11 @@ class Decoder:
             d = inputs.decode
             kernel.check_decode_ranges(d.tables, d.lo, d.hi, store.block_size, store.num_blocks)
         n_tok = inputs.tokens.numel()
-        last = int(inputs.positions.max())
-        if last >= c.max_position_embeddings:
+        # From the host-side lengths, not `positions.max()`: no device sync on CUDA.
+        top = max(length for _, length in inputs.new_lengths) - 1
+        if top >= c.max_position_embeddings:
             raise ValueError(
-                f"position {last} is past this model's {c.max_position_embeddings} trained positions"
+                f"position {top} is past this model's {c.max_position_embeddings} trained positions"
             )
         cos = self.cos[inputs.positions][:, None, :]
         sin = self.sin[inputs.positions][:, None, :]
