@@ -148,6 +148,30 @@ def test_a_batch_of_different_lengths_matches_each_sequence_alone(tiny_model):
         assert torch.allclose(stepped[i], ref, atol=1e-4), i
 
 
+@pytest.mark.parametrize("variant", ["llama", "mistral-window"])
+@pytest.mark.parametrize("kernels", [True, False])
+def test_stale_pool_memory_never_reaches_the_logits(tiny_variant_dirs, device, variant, kernels):
+    """The store never clears a lease: whatever the pool held (NaN here) must not matter."""
+    model = load_model(tiny_variant_dirs[variant], device=device, dtype="float32")
+    if not kernels:
+        model.decoder.kernels = None  # the torch gather path, as on CUDA
+    enc = [model.tokenizer.encode(p) for p in PROMPTS]  # different lengths: padded tables, masks
+
+    def run(fill: float) -> torch.Tensor:
+        store = model.decoder.new_store(4, num_blocks=96)
+        store.kv.fill_(fill)
+        for i, ids in enumerate(enc):
+            store.add_sequence(i, len(ids) + 4)
+        out = [model.decoder.forward([SeqChunk(i, ids) for i, ids in enumerate(enc)], store)]
+        for step in range(4):
+            out.append(model.decoder.forward([SeqChunk(i, [5 + step + i]) for i in range(len(enc))], store))
+        return torch.cat(out)
+
+    poisoned = run(float("nan"))
+    assert bool(poisoned.isfinite().all())
+    assert torch.equal(poisoned, run(0.0))
+
+
 def test_decodes_and_prefills_interleave_in_one_forward(tiny_model):
     a = tiny_model.tokenizer.encode(PROMPTS[0])
     b = tiny_model.tokenizer.encode(PROMPTS[2])

@@ -126,14 +126,13 @@ def test_a_growable_store_enlarges_its_pool_and_keeps_what_was_written():
     assert store.num_free_blocks == store.num_blocks
 
 
-def test_a_leased_block_starts_zeroed_even_after_another_sequence_used_it():
+def test_a_freed_block_is_leased_again_as_it_is():
+    """Leases are not cleared (readers only read what their own sequence wrote: test_decoder)."""
     store = PagedKvStore(CONFIG, 3, 4)
     blocks = store.add_sequence("a", 8)
     store.kv.fill_(float("nan"))
     store.free_sequence("a")
     again = store.add_sequence("b", 8)
     assert sorted(again) == sorted(set(again)) and len(again) == 2
-    view = store.kv.view(2, 3, 4, 2, 2, 4)
-    for block in again:
-        assert bool((view[:, block] == 0).all())
-    assert blocks  # "a" really held blocks before "b" reused the pool
+    assert set(again) & set(blocks), "the freed blocks are reused"
+    assert bool(store.kv.isnan().all()), "and were not rewritten at lease time"

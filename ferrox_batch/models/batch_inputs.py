@@ -141,7 +141,10 @@ def build_inputs(
         if decode_gather:
             width = int(max(starts[:n_decode])) + 1
             keys = torch.arange(width, device=device)
-            ctx = _slots(d_tables, keys[None, :].expand(n_decode, width), bs)
+            # Keys past a row's own position are masked, but still gathered: clamped to the
+            # row's last written slot, they read its own finite KV, never stale pool memory
+            # (the store does not clear leases) nor a padded table entry.
+            ctx = _slots(d_tables, torch.minimum(keys[None, :], d_pos[:, None]), bs)
             mask = (keys[None, :] < ctx_len[:, None]) & (keys[None, :] >= lo[:, None])
             all_full = bool(mask.all())
             decode.ctx_slots = ctx.reshape(-1)

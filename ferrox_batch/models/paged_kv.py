@@ -117,12 +117,12 @@ class PagedKvStore:
         self.dtype = dtype
         self.growable = growable
         shape = (config.num_layers, num_blocks * block_size, 2, config.num_kv_heads, config.head_dim)
-        # Uninitialised, so a large pool costs no resident memory until blocks are used; each
-        # block is zeroed when it is leased (masked attention still multiplies stale slots,
-        # and never-written memory could hold NaN). Block 0 is also what padded block
-        # tables point at, so it is zeroed now.
+        # Uninitialised, so a large pool costs no resident memory until blocks are used, and
+        # never cleared: every reader reads only positions its own sequence has written
+        # (`batch_inputs` clamps the decode gather to them), so stale or never-written memory,
+        # NaN included, never reaches attention. Zeroing each lease instead cost the worker
+        # 6.5 ms per admitted 1,088-position request (SmolLM2 bf16), 42 ms at 8,192.
         self.kv = torch.empty(shape, device=self.device, dtype=dtype)
-        self._zero_blocks([0])
         self._seqs: dict[Hashable, SeqKv] = {}
 
     @classmethod
@@ -176,14 +176,8 @@ class PagedKvStore:
             self._grow(max(self.num_blocks, needed - self.allocator.num_free))
         blocks = self.allocator.allocate(needed)
         table = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        self._zero_blocks(table)
         self._seqs[seq_id] = SeqKv(blocks, len(blocks) * self.block_size, 0, table)
         return list(blocks)
-
-    def _zero_blocks(self, blocks: list[int] | torch.Tensor) -> None:
-        index = blocks if isinstance(blocks, torch.Tensor) else torch.tensor(blocks, device=self.device)
-        layers, slots, *rest = self.kv.shape
-        self.kv.view(layers, slots // self.block_size, self.block_size, *rest).index_fill_(1, index, 0)
 
     def _grow(self, extra_blocks: int) -> None:
         """Enlarge the pool (a growable store stands in for "no block budget"): copy, then extend."""
