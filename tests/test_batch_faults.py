@@ -34,8 +34,8 @@ from batch_helpers import (
     spawn,
 )
 
-from ferrox_batch.batch import handle as handle_module
 from ferrox_batch.batch import ticket as ticket_module
+from ferrox_batch.batch import wiring as wiring_module
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.errors import InternalError, WorkerDied
 from ferrox_batch.generate import FinishReason, GenerationResult
@@ -223,7 +223,7 @@ class FlakySampler(BatchSampler):
 def test_a_sampler_that_raises_fails_the_rows_it_was_sampling(tiny_batch_model, monkeypatch):
     model = tiny_batch_model
     FlakySampler.instances.clear()
-    monkeypatch.setattr(handle_module, "BatchSampler", FlakySampler)
+    monkeypatch.setattr(wiring_module, "BatchSampler", FlakySampler)
     batcher = spawn(model, budget_config(4, 64, max_seqs=3))
     monkeypatch.undo()
     with batcher:
@@ -334,7 +334,8 @@ def crash() -> None:
     raise Crash("injected crash")
 
 
-@pytest.mark.parametrize("how", ["decode_raises_base_exception", "store_loses_a_sequence"])
+@pytest.mark.parametrize("how", ["decode_raises_base_exception", "store_loses_a_sequence",
+                                 "forward_raises_base_exception"])
 def test_a_crashed_worker_answers_everyone_and_refuses_later_calls(tiny_batch_model, how, monkeypatch):
     model = tiny_batch_model
     # A caller that only learns of the death through its liveness poll would now wait 30 s, so
@@ -360,6 +361,8 @@ def test_a_crashed_worker_answers_everyone_and_refuses_later_calls(tiny_batch_mo
     def after_forward(call, chunks, store):
         if how == "store_loses_a_sequence" and call == 4:
             hold_then(lambda: store.free_sequence(chunks[0].seq_id))
+        if how == "forward_raises_base_exception" and call > 1 and any(len(c.tokens) > 1 for c in chunks):
+            hold_then(crash)  # a later prompt's chunk, next to a decode: taken off the prefill queue
 
     decoder = FaultyDecoder(model.decoder, after_forward=after_forward)
     jobs = [(p, greedy_params(100)) for p in PROMPTS[:5]]
@@ -382,7 +385,7 @@ def test_a_crashed_worker_answers_everyone_and_refuses_later_calls(tiny_batch_mo
             assert isinstance(outcomes[k], WorkerDied), outcomes[k]
             assert answered[k] - released < 5.0, "a caller waited on a dead worker"
         cause = outcomes[0].cause
-        assert ("Crash" in cause) if how == "decode_raises_base_exception" else ("KeyError" in cause), cause
+        assert ("KeyError" in cause) if how == "store_loses_a_sequence" else ("Crash" in cause), cause
         # Later calls are refused at once, with the same cause.
         t0 = time.monotonic()
         with pytest.raises(WorkerDied) as later:

@@ -22,19 +22,12 @@ from collections.abc import Callable, Sequence
 
 from batch_helpers import identity_decode
 
-from ferrox_batch.batch.block_budget import BlockBudget
 from ferrox_batch.batch.clock import RowClock
 from ferrox_batch.batch.config import BatcherConfig, Chunk, Finished
-from ferrox_batch.batch.counters import Counters
-from ferrox_batch.batch.lifecycle import Lifecycle
-from ferrox_batch.batch.queue import AbortInbox, QueueGate
 from ferrox_batch.batch.row import Job, Slot
+from ferrox_batch.batch.wiring import build_worker, config_ceiling
 from ferrox_batch.batch.worker import Worker
-from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.generate import GenerationParams
-from ferrox_batch.models.kv import KvElem, KvShape
-from ferrox_batch.models.paged_kv import PagedKvStore
-from ferrox_batch.models.sampler import BatchSampler
 from ferrox_batch.policy.stop import StopMatcher
 from ferrox_batch.stop_tokens import StopTokens
 
@@ -43,20 +36,8 @@ DEADLINE = 10.0
 
 
 def make_worker(model, config: BatcherConfig, decode=identity_decode) -> Worker:
-    decoder = model.decoder
-    limit = config.max_context or decoder.config.max_position_embeddings
-    ceiling = ContextCeiling(limit, KvShape.from_config(decoder.config, KvElem.F32))
-    if config.kv_blocks is not None:
-        store = decoder.new_store(config.kv_block_size, num_blocks=config.kv_blocks)
-    else:
-        store = PagedKvStore(decoder.config, 16, config.kv_block_size, device=decoder.device,
-                             dtype=decoder.dtype, growable=True)
-    return Worker(
-        decoder=decoder, decode=decode, config=config, jobs=queue.SimpleQueue(), lifecycle=Lifecycle(),
-        counters=Counters(), queue_gate=QueueGate(config.max_queue),
-        budget=BlockBudget(config.kv_block_size, config.kv_blocks, ceiling), aborts=AbortInbox(),
-        store=store, sampler=BatchSampler(decoder.vocab_size, store.device), log_interval=40,
-    )
+    """A worker wired as `spawn_with_config` wires it, driven tick by tick on the test's thread."""
+    return build_worker(model.decoder, decode, config, config_ceiling(model.decoder, config), log_interval=40)
 
 
 def make_job(

@@ -19,7 +19,6 @@ says so.
 
 from __future__ import annotations
 
-import dataclasses
 import queue
 import threading
 import weakref
@@ -33,21 +32,23 @@ from ferrox_batch.batch.queue import AbortInbox, QueueGate
 from ferrox_batch.batch.row import Job
 from ferrox_batch.batch.text import Messages, generate_text
 from ferrox_batch.batch.ticket import Ticket
-from ferrox_batch.batch.worker import DecodeFn, Worker
+from ferrox_batch.batch.wiring import build_worker, config_ceiling
+from ferrox_batch.batch.worker import DecodeFn
 from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.errors import DecodeError, InvalidRequest, QueueFull
-from ferrox_batch.generate import GenerationParams, GenerationResult, PagedKvConfig, paged_hold_positions
-from ferrox_batch.models.kv import KvElem, KvShape
+from ferrox_batch.generate import (
+    GenerationParams,
+    GenerationResult,
+    PagedKvConfig,
+    paged_hold_positions,
+)
 from ferrox_batch.models.loader import LoadedModel
 from ferrox_batch.models.openmp import release_thread_pool
 from ferrox_batch.models.paged_kv import PagedKvStore
-from ferrox_batch.models.sampler import BatchSampler
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.stop_tokens import StopTokens
 
 WORKER_THREAD_NAME = "ferrox-continuous-batch"
-#: Blocks a growable store starts with when there is no block budget.
-_GROWABLE_INITIAL_BLOCKS = 16
 
 
 class ContinuousBatcher:
@@ -97,25 +98,14 @@ class ContinuousBatcher:
         (`models.openmp`): the worker runs every forward, and a second idle pool would
         make each of its kernels slower. Load the model, then spawn, then serve.
         """
-        store = _store_for(decoder, config, paged)
-        total = config.kv_blocks if config.kv_blocks is not None or paged is None else store.num_blocks
-        budget = BlockBudget(config.kv_block_size, total, ceiling)
-        jobs: queue.SimpleQueue = queue.SimpleQueue()
-        lifecycle = Lifecycle()
-        counters = Counters()
-        queue_gate = QueueGate(config.max_queue)
-        aborts = AbortInbox()
-        worker = Worker(
-            decoder=decoder, decode=decode, config=config, jobs=jobs, lifecycle=lifecycle,
-            counters=counters, queue_gate=queue_gate, budget=budget, aborts=aborts, store=store,
-            sampler=BatchSampler(decoder.vocab_size, store.device), log_interval=decode_log_interval_from_env(),
-        )
+        worker = build_worker(decoder, decode, config, ceiling, paged, log_interval=decode_log_interval_from_env())
         thread = threading.Thread(target=worker.run, name=WORKER_THREAD_NAME, daemon=True)
         thread.start()
-        if store.device.type == "cpu":
+        if worker.store.device.type == "cpu":
             release_thread_pool()  # this thread most likely built the model: see models.openmp
-        return cls(jobs=jobs, lifecycle=lifecycle, counters=counters, queue_gate=queue_gate, budget=budget,
-                   aborts=aborts, config=config, thread=thread, store=store)
+        return cls(jobs=worker.jobs, lifecycle=worker.lifecycle, counters=worker.counters,
+                   queue_gate=worker.queue_gate, budget=worker.budget, aborts=worker.aborts, config=config,
+                   thread=thread, store=worker.store)
 
     @classmethod
     def from_model(cls, model: LoadedModel, config: BatcherConfig | None = None) -> "ContinuousBatcher":
@@ -144,9 +134,7 @@ class ContinuousBatcher:
         Divergence: with no `max_context`, the ceiling is the model's trained context
         (`max_position_embeddings`) rather than none, since positions past it cannot be computed.
         """
-        limit = config.max_context or decoder.config.max_position_embeddings
-        ceiling = ContextCeiling(limit, KvShape.from_config(decoder.config, KvElem.F32))
-        return cls.spawn_with_ceiling(decoder, decode, config, ceiling, paged)
+        return cls.spawn_with_ceiling(decoder, decode, config, config_ceiling(decoder, config), paged)
 
     # ----------------------------------------------------------------- stats
 
@@ -288,34 +276,3 @@ def _prompt_list(prompt_tokens: Sequence[int]) -> list[int]:
         if isinstance(token, bool) or not isinstance(token, int):
             raise InvalidRequest("prompt_tokens", token, "must hold only integer token ids")
     return prompt
-
-
-def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> PagedKvStore:
-    if paged is not None:
-        store = paged.store
-        if not isinstance(store, PagedKvStore):
-            raise TypeError(f"PagedKvConfig.store must be a PagedKvStore, got {type(store).__name__}")
-        # Refused rather than ignored: a caller who sets these expects what they do upstream.
-        unsupported = [f.name for f in dataclasses.fields(PagedKvConfig)
-                       if f.name != "store" and getattr(paged, f.name) != f.default]
-        if unsupported:
-            raise ValueError(
-                f"PagedKvConfig {', '.join(unsupported)}: not supported by this batcher (it has no prefix "
-                "cache, no tool-call anchor, no waiting for pages and no window page recycling); leave "
-                "them at their defaults"
-            )
-        if store.block_size != config.kv_block_size:
-            raise ValueError(
-                f"the paged store's block size ({store.block_size}) must equal kv_block_size "
-                f"({config.kv_block_size}): the ledger and the store count the same blocks"
-            )
-        if config.kv_blocks is not None and config.kv_blocks > store.num_blocks:
-            raise ValueError(
-                f"kv_blocks ({config.kv_blocks}) is more than the paged store holds ({store.num_blocks})"
-            )
-        return store
-    if config.kv_blocks is not None:
-        return decoder.new_store(config.kv_block_size, num_blocks=config.kv_blocks)
-    # No block budget: the upstream's per-request caches; a store that grows on demand stands in.
-    return PagedKvStore(decoder.config, _GROWABLE_INITIAL_BLOCKS, config.kv_block_size,
-                        device=decoder.device, dtype=decoder.dtype, growable=True)

@@ -83,6 +83,7 @@ class Worker:
         self.prefills: deque[Prefill] = deque()
         self.rows = Rows()
         self.carried: set[int] = set()
+        self.in_forward: list[Prefill] = []  # prefills taken for the forward now running
         self.closing = False
         self.started = time.monotonic()
         self.reporter = StatusReporter(log_interval, 0.0)
@@ -243,6 +244,9 @@ class Worker:
     def _forward(self, active: list[int]) -> None:
         chunks = [SeqChunk(self.rows.state[uid].seq_id, [self.rows.state[uid].generated_ids[-1]]) for uid in active]
         prompt_chunks = take_prefill_chunks(self.prefills, self.config, len(active))
+        # Off the prefill queue until they are put back or become rows: a crash meanwhile must
+        # still answer them (`fail_everything`).
+        self.in_forward = [prefill for prefill, _ in prompt_chunks]
         chunks += [SeqChunk(prefill.state.seq_id, tokens) for prefill, tokens in prompt_chunks]
         if not chunks:
             return
@@ -253,9 +257,10 @@ class Worker:
             error = InternalError(f"forward failed: {type(bad).__name__}: {bad}")
             for uid in active:
                 self.rows.state[uid].fail(error)
-            for prefill, _ in prompt_chunks:
+            for prefill in self.in_forward:
                 self._release_prefill(prefill)
                 send_finished(prefill.reply, error)
+            self.in_forward = []
             return
         self._logits = logits
         self._logit_row = {uid: j for j, uid in enumerate(active)}
@@ -268,9 +273,11 @@ class Worker:
             self.counters.add_prefill(len(tokens))
             if prefill.state.advance(len(tokens), self.store.seq_len(prefill.state.seq_id)):
                 sampler_row = self.sampler.new_row(prefill.params.sampling, prefill.params.seed, prefill.state.tokens)
+                self.in_forward.remove(prefill)
                 uid = self.rows.insert(prefill.into_slot(sampler_row))
                 self._logit_row[uid] = row
             else:
+                self.in_forward.remove(prefill)
                 self.prefills.append(prefill)  # round-robin: back of the line
 
     # ----------------------------------------------------------------- exits
@@ -313,9 +320,10 @@ class Worker:
             self.queue_gate.release()
             send_finished(job.reply, error)
         self.waiting.clear()
-        for prefill in self.prefills:
+        for prefill in [*self.in_forward, *self.prefills]:
             self._safely(lambda: self._release_prefill(prefill))
             send_finished(prefill.reply, error)
+        self.in_forward = []
         self.prefills.clear()
         for uid in list(self.rows.order):
             slot = self.rows.remove(uid)

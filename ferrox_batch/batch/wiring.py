@@ -1,0 +1,81 @@
+"""How a batcher is wired: its context ceiling, its KV store, and the worker with the parts it shares.
+
+`ContinuousBatcher.spawn_with_ceiling` builds its worker here, and so do the
+tests that drive a worker tick by tick, so both run exactly the production
+wiring: one `BlockBudget` priced like the store leases, one store (the
+caller's paged store, checked against the config, or one of the config's
+size), and the channel, lifecycle, counters, queue gate and abort inbox that
+the handle and the worker share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+
+from ferrox_batch.batch.block_budget import BlockBudget
+from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.batch.counters import Counters
+from ferrox_batch.batch.lifecycle import Lifecycle
+from ferrox_batch.batch.queue import AbortInbox, QueueGate
+from ferrox_batch.batch.worker import DecodeFn, Worker
+from ferrox_batch.budget import ContextCeiling
+from ferrox_batch.generate import PagedKvConfig
+from ferrox_batch.models.kv import KvElem, KvShape
+from ferrox_batch.models.paged_kv import PagedKvStore
+from ferrox_batch.models.sampler import BatchSampler
+
+#: Blocks a growable store starts with when there is no block budget.
+_GROWABLE_INITIAL_BLOCKS = 16
+
+
+def config_ceiling(decoder, config: BatcherConfig) -> ContextCeiling:
+    """`config.max_context` (else the trained context), priced with the model's f32 `KvShape`."""
+    limit = config.max_context or decoder.config.max_position_embeddings
+    return ContextCeiling(limit, KvShape.from_config(decoder.config, KvElem.F32))
+
+
+def build_worker(
+    decoder, decode: DecodeFn, config: BatcherConfig, ceiling: ContextCeiling, paged: PagedKvConfig | None = None,
+    *, log_interval: int,
+) -> Worker:
+    """The worker and the parts it shares with the handle, wired as `spawn_with_ceiling` runs them."""
+    store = _store_for(decoder, config, paged)
+    total = config.kv_blocks if config.kv_blocks is not None or paged is None else store.num_blocks
+    return Worker(
+        decoder=decoder, decode=decode, config=config, jobs=queue.SimpleQueue(), lifecycle=Lifecycle(),
+        counters=Counters(), queue_gate=QueueGate(config.max_queue),
+        budget=BlockBudget(config.kv_block_size, total, ceiling), aborts=AbortInbox(), store=store,
+        sampler=BatchSampler(decoder.vocab_size, store.device), log_interval=log_interval,
+    )
+
+
+def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> PagedKvStore:
+    if paged is not None:
+        store = paged.store
+        if not isinstance(store, PagedKvStore):
+            raise TypeError(f"PagedKvConfig.store must be a PagedKvStore, got {type(store).__name__}")
+        # Refused rather than ignored: a caller who sets these expects what they do upstream.
+        unsupported = [f.name for f in dataclasses.fields(PagedKvConfig)
+                       if f.name != "store" and getattr(paged, f.name) != f.default]
+        if unsupported:
+            raise ValueError(
+                f"PagedKvConfig {', '.join(unsupported)}: not supported by this batcher (it has no prefix "
+                "cache, no tool-call anchor, no waiting for pages and no window page recycling); leave "
+                "them at their defaults"
+            )
+        if store.block_size != config.kv_block_size:
+            raise ValueError(
+                f"the paged store's block size ({store.block_size}) must equal kv_block_size "
+                f"({config.kv_block_size}): the ledger and the store count the same blocks"
+            )
+        if config.kv_blocks is not None and config.kv_blocks > store.num_blocks:
+            raise ValueError(
+                f"kv_blocks ({config.kv_blocks}) is more than the paged store holds ({store.num_blocks})"
+            )
+        return store
+    if config.kv_blocks is not None:
+        return decoder.new_store(config.kv_block_size, num_blocks=config.kv_blocks)
+    # No block budget: the upstream's per-request caches; a store that grows on demand stands in.
+    return PagedKvStore(decoder.config, _GROWABLE_INITIAL_BLOCKS, config.kv_block_size,
+                        device=decoder.device, dtype=decoder.dtype, growable=True)
