@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 
-
 class DecodeError(Exception):
     """Base of every request-level failure a serving path reports to its caller."""
 
@@ -183,8 +182,27 @@ class ReasoningBudget(DecodeError):
         super().__init__(f"reasoning budget could not be enforced: {detail}")
 
 
+#: How much of an offending value an `InvalidRequest` message quotes.
+SHOWN_CHARS = 80
+
+
+def shown(value: Any) -> str:
+    """`value` as an error message quotes it: its repr, cut to `SHOWN_CHARS` characters.
+
+    A 1 MB prompt or stop list must not make a 1 MB message (or error body); a huge
+    string, bytes, list or dict is not even repr'd, only named with its length.
+    """
+    if isinstance(value, (str, bytes, list, dict)) and len(value) >= 1000:
+        return f"<{type(value).__name__} of length {len(value)}>"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS else text[: SHOWN_CHARS - 3] + "..."
+
+
 class InvalidRequest(DecodeError, ValueError):
-    """A request parameter Rust's types would have made impossible (port-only variant)."""
+    """A request parameter Rust's types would have made impossible (port-only variant).
+
+    The message quotes the value shortened (`shown`); the `value` field keeps it whole.
+    """
 
     http_status = 400
     error_type = "invalid_request_error"
@@ -195,7 +213,7 @@ class InvalidRequest(DecodeError, ValueError):
         self.param = param
         self.value = value
         self.reason = reason
-        super().__init__(f"{param} {reason}, got {value!r}")
+        super().__init__(f"{param} {reason}, got {shown(value)}")
 
     def to_dict(self) -> dict[str, Any]:
         body = super().to_dict()
@@ -204,7 +222,7 @@ class InvalidRequest(DecodeError, ValueError):
 
     def __hash__(self) -> int:
         # `value` may be unhashable (a list); hash what always hashes.
-        return hash((type(self), self.param, self.reason, repr(self.value)))
+        return hash((type(self), self.param, self.reason, shown(self.value)))
 
 
 class BatcherClosed(DecodeError):

@@ -141,6 +141,15 @@ def test_an_invalid_request_is_also_a_value_error_and_names_its_param():
     assert hash(InvalidRequest("stop", [1], "x")) == hash(InvalidRequest("stop", [1], "x"))
 
 
+def test_an_invalid_request_quotes_a_long_value_short_and_keeps_it_whole():
+    huge = ["stop"] * 100_000
+    err = InvalidRequest("stop", huge, "is too long")
+    assert str(err) == "stop is too long, got <list of length 100000>"
+    assert err.value is huge and err == InvalidRequest("stop", list(huge), "is too long")
+    medium = "x" * 200
+    assert str(InvalidRequest("prompt", medium, "is bad")) == f"prompt is bad, got {repr(medium)[:77]}..."
+
+
 # --- FinishReason ----------------------------------------------------------------------------
 
 

@@ -43,14 +43,13 @@ from starlette.responses import JSONResponse, Response
 
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.batch.ticket import Ticket
-from ferrox_batch.errors import BatcherClosed, DecodeError
+from ferrox_batch.errors import BatcherClosed, DecodeError, InvalidRequest
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.server.errors import ModelNotFound, RequestTooLarge, ServerBusy, error_body, error_response
 from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.requests import (
     ChatRequest,
     CompletionRequest,
-    invalid,
     parse_chat_request,
     parse_completion_request,
     parse_json_object,
@@ -251,7 +250,7 @@ def _chat_ids(tokenizer: Tokenizer, request: ChatRequest) -> list[int]:
     try:
         return tokenizer.encode_chat(request.messages)
     except ValueError as bad:
-        raise invalid("messages", list(request.messages),
+        raise InvalidRequest("messages", list(request.messages),
                       f"could not be rendered by the checkpoint's chat template ({bad})") from None
 
 

@@ -13,8 +13,9 @@ What it promises:
   float is not an integer, NaN and Infinity are not JSON); ranges are checked
   by `SamplingParams` / `GenerationParams` themselves, so the server and the
   library refuse exactly the same values with the same messages.
-* Error messages quote at most `_SHOWN_CHARS` characters of the offending
-  value, so a 1 MB field cannot make a 1 MB error body.
+* Error messages quote at most `errors.SHOWN_CHARS` characters of the
+  offending value (`InvalidRequest` shortens it), so a 1 MB field cannot make
+  a 1 MB error body.
 * `n` other than 1 and batched prompts are refused clearly (one request, one
   completion).
 
@@ -30,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox_batch.batch.text import text_params
-from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
 from ferrox_batch.generate import UNLIMITED, GenerationParams, SamplingParams
 from ferrox_batch.models.tokenizer import ChatMessage, Tokenizer
 
@@ -44,29 +45,6 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 #: the field expects OpenAI's behaviour.
 DEFAULT_TEMPERATURE = 1.0
 
-_SHOWN_CHARS = 80
-
-
-class _Shown:
-    """A value as an error message quotes it: its repr, cut to `_SHOWN_CHARS` characters."""
-
-    __slots__ = ("_text",)
-
-    def __init__(self, value: Any) -> None:
-        text = repr(value) if not isinstance(value, (str, bytes, list, dict)) or len(value) < 1000 else None
-        if text is None:  # do not repr a huge value only to cut it
-            text = f"<{type(value).__name__} of length {len(value)}>"
-        self._text = text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
-
-    def __repr__(self) -> str:
-        return self._text
-
-
-def invalid(param: str, value: Any, reason: str) -> InvalidRequest:
-    """An `InvalidRequest` whose message quotes a shortened `value`."""
-    return InvalidRequest(param, _Shown(value), reason)
-
-
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
@@ -76,9 +54,9 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     try:
         value = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as bad:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise InvalidRequest("body", _Shown(raw[:_SHOWN_CHARS]), f"is not valid JSON ({bad})") from None
+        raise InvalidRequest("body", raw[:SHOWN_CHARS], f"is not valid JSON ({bad})") from None
     if not isinstance(value, dict):
-        raise invalid("body", value, "must be a JSON object")
+        raise InvalidRequest("body", value, "must be a JSON object")
     return value
 
 
@@ -172,7 +150,7 @@ class _Fields:
         if value is None:
             return default
         if not _is_int(value):
-            raise invalid(name, value, "must be an integer")
+            raise InvalidRequest(name, value, "must be an integer")
         return value
 
     def number(self, name: str, default: float) -> float:
@@ -180,7 +158,7 @@ class _Fields:
         if value is None:
             return default
         if not _is_number(value):
-            raise invalid(name, value, "must be a number")
+            raise InvalidRequest(name, value, "must be a number")
         return value
 
     def boolean(self, name: str, default: bool) -> bool:
@@ -188,7 +166,7 @@ class _Fields:
         if value is None:
             return default
         if not isinstance(value, bool):
-            raise invalid(name, value, "must be true or false")
+            raise InvalidRequest(name, value, "must be true or false")
         return value
 
 
@@ -196,10 +174,10 @@ def _common(fields: _Fields, default_max_tokens: int) -> dict[str, Any]:
     """The fields both endpoints share, as keyword arguments of the request dataclasses."""
     model = fields.raw("model")
     if model is not None and not isinstance(model, str):
-        raise invalid("model", model, "must be a string")
+        raise InvalidRequest("model", model, "must be a string")
     n = fields.integer("n", 1)
     if n != 1:
-        raise invalid("n", n, "is not supported above 1: this server returns one choice per request "
+        raise InvalidRequest("n", n, "is not supported above 1: this server returns one choice per request "
                                "(send n separate requests)")
     return {
         "model": model,
@@ -217,7 +195,7 @@ def _max_tokens(fields: _Fields, default: int) -> int:
         if value is None:
             continue
         if not 0 <= value <= UNLIMITED:
-            raise invalid(name, value, "must be a non-negative integer")
+            raise InvalidRequest(name, value, "must be a non-negative integer")
         return value
     return default
 
@@ -237,7 +215,7 @@ def _options(fields: _Fields) -> SamplingOptions:
     )
     seed = fields.integer("seed", None)
     if seed is not None and not 0 <= seed <= UNLIMITED:
-        raise invalid("seed", seed, "must be an integer in [0, 2**64 - 1]")
+        raise InvalidRequest("seed", seed, "must be an integer in [0, 2**64 - 1]")
     return SamplingOptions(sampling=sampling, seed=seed, stop=_stop(fields.raw("stop")),
                            ignore_eos=fields.boolean("ignore_eos", False))
 
@@ -249,19 +227,19 @@ def _stop(value: Any) -> tuple[str, ...]:
         return (value,)
     if isinstance(value, list) and all(isinstance(s, str) for s in value):
         return tuple(value)
-    raise invalid("stop", value, "must be a string or a list of strings")
+    raise InvalidRequest("stop", value, "must be a string or a list of strings")
 
 
 def _include_usage(value: Any) -> bool:
     if value is None:
         return False
     if not isinstance(value, dict):
-        raise invalid("stream_options", value, "must be an object")
+        raise InvalidRequest("stream_options", value, "must be an object")
     include = value.get("include_usage")
     if include is None:
         return False
     if not isinstance(include, bool):
-        raise invalid("stream_options.include_usage", include, "must be true or false")
+        raise InvalidRequest("stream_options.include_usage", include, "must be true or false")
     return include
 
 
@@ -271,40 +249,40 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
         value = value[0]
     if isinstance(value, str):
         if not value:
-            raise invalid("prompt", value, "must not be empty")
+            raise InvalidRequest("prompt", value, "must not be empty")
         return value
     if isinstance(value, list):
         if not value:
-            raise invalid("prompt", value, "must not be empty")
+            raise InvalidRequest("prompt", value, "must not be empty")
         if all(isinstance(v, str) for v in value):
-            raise invalid("prompt", value, "must be one prompt: batched prompts are not supported "
+            raise InvalidRequest("prompt", value, "must be one prompt: batched prompts are not supported "
                                            "(send one request per prompt)")
         for token in value:
             if not _is_int(token) or token < 0:
-                raise invalid("prompt", token, "token ids must be non-negative integers")
+                raise InvalidRequest("prompt", token, "token ids must be non-negative integers")
         return tuple(value)
     if value is None:
-        raise invalid("prompt", value, "is required")
-    raise invalid("prompt", value, "must be a string, a list of token ids, or a list of one string")
+        raise InvalidRequest("prompt", value, "is required")
+    raise InvalidRequest("prompt", value, "must be a string, a list of token ids, or a list of one string")
 
 
 def _messages(value: Any) -> tuple[ChatMessage, ...]:
     if value is None:
-        raise invalid("messages", value, "is required")
+        raise InvalidRequest("messages", value, "is required")
     if not isinstance(value, list):
-        raise invalid("messages", value, "must be a list of messages")
+        raise InvalidRequest("messages", value, "must be a list of messages")
     if not value:
-        raise invalid("messages", value, "must hold at least one message")
+        raise InvalidRequest("messages", value, "must hold at least one message")
     return tuple(_message(i, m) for i, m in enumerate(value))
 
 
 def _message(index: int, message: Any) -> ChatMessage:
     where = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise invalid(where, message, "must be an object with a role and a content")
+        raise InvalidRequest(where, message, "must be an object with a role and a content")
     role = message.get("role")
     if not isinstance(role, str) or not role:
-        raise invalid(f"{where}.role", role, "must be a non-empty string")
+        raise InvalidRequest(f"{where}.role", role, "must be a non-empty string")
     return ChatMessage(role, _content(f"{where}.content", message.get("content")))
 
 
@@ -316,8 +294,8 @@ def _content(where: str, content: Any) -> str:
         texts = []
         for i, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise invalid(f"{where}[{i}]", part, "must be a text part {\"type\": \"text\", \"text\": ...}: "
+                raise InvalidRequest(f"{where}[{i}]", part, "must be a text part {\"type\": \"text\", \"text\": ...}: "
                                                      "this server takes text only")
             texts.append(part["text"])
         return "".join(texts)
-    raise invalid(where, content, "must be a string (or a list of text parts)")
+    raise InvalidRequest(where, content, "must be a string (or a list of text parts)")
