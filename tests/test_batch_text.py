@@ -56,6 +56,18 @@ def test_a_single_token_stop_string_stops_by_id_even_for_a_special_token(batcher
     assert params.stop == ("<|im_end|>", "two tokens here")
 
 
+def test_sampling_comes_whole_or_as_fields_never_both(tiny_batch_model):
+    from ferrox_batch.batch.text import text_params
+    from ferrox_batch.generate import SamplingParams
+
+    tok = tiny_batch_model.tokenizer
+    whole = SamplingParams(temperature=0.5, top_k=3, frequency_penalty=0.2)
+    assert text_params(tok, max_tokens=4, sampling=whole).sampling is whole
+    assert text_params(tok, max_tokens=4, temperature=0.5, top_k=3, frequency_penalty=0.2).sampling == whole
+    with pytest.raises(TypeError, match="not both"):
+        text_params(tok, max_tokens=4, sampling=whole, top_k=5)
+
+
 def test_bad_text_requests_are_invalid_requests(batcher):
     with pytest.raises(InvalidRequest):
         batcher.generate_text(42)

@@ -243,6 +243,27 @@ def test_a_dead_worker_is_500_and_health_says_503(tiny_batch_model):
         assert stats(base_url)["worker_alive"] is False
 
 
+def test_a_failure_outside_the_decode_errors_is_a_500_logged_once(tiny_batch_model, monkeypatch, caplog):
+    from ferrox_batch.batch.ticket import Ticket
+
+    def broken_wait(self, on_chunk=None):
+        self.cancel()
+        raise RuntimeError("a bug between the batcher and the server")
+
+    batcher = tiny_batcher(tiny_batch_model)
+    with served(batcher) as (base_url, _app):
+        monkeypatch.setattr(Ticket, "wait", broken_wait)
+        for stream in (False, True):
+            response = post(base_url, "/v1/completions", json={**OK_BODY, "stream": stream})
+            assert response.status_code == 500
+            assert response.json()["error"] == {"type": "server_error", "code": "internal_error",
+                                                "message": "internal server error (RuntimeError)"}
+        monkeypatch.undo()
+        assert_still_serving(base_url)
+    logged = [r for r in caplog.records if r.exc_info and "a bug between" in str(r.exc_info[1])]
+    assert len(logged) == 2, [r.getMessage() for r in logged]  # once per request
+
+
 def test_a_closed_batcher_is_503_batcher_closed(tiny_batch_model):
     batcher = tiny_batcher(tiny_batch_model)
     with served(batcher) as (base_url, _app):

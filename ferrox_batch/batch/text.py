@@ -42,8 +42,17 @@ def text_params(
     seed: int | None = None,
     ignore_eos: bool = False,
     cancel: CancelToken | None = None,
-    **sampling: Any,
+    sampling: SamplingParams | None = None,
+    **sampling_fields: Any,
 ) -> GenerationParams:
+    """`GenerationParams` for text: stop strings that are one token also stop by id.
+
+    Sampling comes as a ready `SamplingParams` or as its fields (`temperature=...`), not both.
+    """
+    if sampling is None:
+        sampling = SamplingParams(**sampling_fields)
+    elif sampling_fields:
+        raise TypeError(f"pass sampling or its fields, not both (got sampling and {sorted(sampling_fields)})")
     stops = (stop,) if isinstance(stop, str) else tuple(stop)
     ids = list(stop_token_ids)
     for token in resolve_stop_tokens(stops, lambda s: tokenizer.encode(s, add_special_tokens=False)):
@@ -51,7 +60,7 @@ def text_params(
             ids.append(token)
     return GenerationParams(
         max_tokens=max_tokens,
-        sampling=SamplingParams(**sampling),
+        sampling=sampling,
         seed=seed,
         stop=stops,
         stop_token_ids=tuple(ids),

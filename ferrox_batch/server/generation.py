@@ -257,7 +257,9 @@ def _chat_ids(tokenizer: Tokenizer, request: ChatRequest) -> list[int]:
 def _failure_response(error: BaseException) -> Response:
     if isinstance(error, DecodeError):
         return error_response(error)
-    raise error  # a bug: the app's handler answers 500 and logs it
+    # A bug, already logged with its traceback by `_answered`: a 500 here, not a re-raise that
+    # the app's handler (and the ASGI server) would log again.
+    return JSONResponse(error_body(error), status_code=500)
 
 
 def _cancel_orphan(future: asyncio.Future) -> None:

@@ -76,13 +76,8 @@ class SamplingOptions:
 
     def generation_params(self, tokenizer: Tokenizer, max_tokens: int) -> GenerationParams:
         """Params for the batcher; stop strings that are one token are also stopped on by id."""
-        s = self.sampling
-        return text_params(
-            tokenizer, max_tokens=max_tokens, stop=self.stop, seed=self.seed, ignore_eos=self.ignore_eos,
-            temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
-            repetition_penalty=s.repetition_penalty, presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-        )
+        return text_params(tokenizer, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
+                           ignore_eos=self.ignore_eos, sampling=self.sampling)
 
 
 @dataclass(frozen=True, slots=True)
