@@ -139,14 +139,16 @@ def build_inputs(
         lo = torch.zeros_like(d_pos) if sliding_window is None else (ctx_len - sliding_window).clamp(min=0)
         decode = DecodeGroup(n_decode, d_tables, lo, ctx_len)
         if decode_gather:
-            width = int(max(starts[:n_decode])) + 1
+            width = max(starts[:n_decode]) + 1
             keys = torch.arange(width, device=device)
             # Keys past a row's own position are masked, but still gathered: clamped to the
             # row's last written slot, they read its own finite KV, never stale pool memory
             # (the store does not clear leases) nor a padded table entry.
             ctx = _slots(d_tables, torch.minimum(keys[None, :], d_pos[:, None]), bs)
             mask = (keys[None, :] < ctx_len[:, None]) & (keys[None, :] >= lo[:, None])
-            all_full = bool(mask.all())
+            # Every key of every row counts when all rows sit at the same position inside the
+            # window: known from the host-side starts, with no device sync for `mask.all()`.
+            all_full = min(starts[:n_decode]) == width - 1 and (sliding_window is None or width <= sliding_window)
             decode.ctx_slots = ctx.reshape(-1)
             decode.mask = None if all_full else mask[:, None, None, :]
     prefill: list[PrefillChunk] = []

@@ -15,20 +15,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ferrox_batch.checks import check_int
+
 #: Decode steps between two window slides when the caller does not say.
 DEFAULT_SWA_EVICTION_INTERVAL = 128
 
 #: Positions kept past the window before anything is released (upstream's margin
 #: so a tool-call anchor just outside the window is not dropped at once).
 SWA_RETAIN_GAP = 16
-
-
-def _positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,9 +34,9 @@ class WindowPolicy:
     eviction_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
 
     def __post_init__(self) -> None:
-        _positive_int("sliding_window", self.sliding_window)
-        _positive_int("page_size", self.page_size)
-        _positive_int("eviction_interval", self.eviction_interval)
+        check_int("sliding_window", self.sliding_window, minimum=1)
+        check_int("page_size", self.page_size, minimum=1)
+        check_int("eviction_interval", self.eviction_interval, minimum=1)
 
     @classmethod
     def new(cls, sliding_window: int, page_size: int) -> WindowPolicy:
@@ -63,7 +57,7 @@ def slide_hold_bound(window: int, policy: WindowPolicy) -> int:
     model may price a window other than the policy's); callers normally pass
     `policy.sliding_window`.
     """
-    _positive_int("window", window)
+    check_int("window", window, minimum=1)
     if not isinstance(policy, WindowPolicy):
         raise TypeError(f"policy must be a WindowPolicy, got {policy!r}")
     return 2 * (window + SWA_RETAIN_GAP) + policy.eviction_interval + 2 * policy.page_size
