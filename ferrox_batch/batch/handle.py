@@ -24,16 +24,13 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
-from ferrox_batch.batch.block_budget import BlockBudget
 from ferrox_batch.batch.config import BatcherConfig, decode_log_interval_from_env
-from ferrox_batch.batch.counters import BatcherStats, Counters
-from ferrox_batch.batch.lifecycle import Lifecycle
-from ferrox_batch.batch.queue import AbortInbox, QueueGate
+from ferrox_batch.batch.counters import BatcherStats
 from ferrox_batch.batch.row import Job
 from ferrox_batch.batch.text import Messages, generate_text
 from ferrox_batch.batch.ticket import Ticket
 from ferrox_batch.batch.wiring import build_worker, config_ceiling
-from ferrox_batch.batch.worker import DecodeFn
+from ferrox_batch.batch.worker import DecodeFn, Worker
 from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.errors import DecodeError, InvalidRequest, QueueFull
 from ferrox_batch.generate import (
@@ -44,7 +41,6 @@ from ferrox_batch.generate import (
 )
 from ferrox_batch.models.loader import LoadedModel
 from ferrox_batch.models.openmp import release_thread_pool
-from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.stop_tokens import StopTokens
 
@@ -52,34 +48,23 @@ WORKER_THREAD_NAME = "ferrox-continuous-batch"
 
 
 class ContinuousBatcher:
-    def __init__(
-        self,
-        *,
-        jobs: queue.SimpleQueue,
-        lifecycle: Lifecycle,
-        counters: Counters,
-        queue_gate: QueueGate,
-        budget: BlockBudget,
-        aborts: AbortInbox,
-        config: BatcherConfig,
-        thread: threading.Thread,
-        store: PagedKvStore,
-        tokenizer: Tokenizer | None = None,
-    ) -> None:
-        self._jobs = jobs
-        self._lifecycle = lifecycle
-        self._counters = counters
-        self._queue = queue_gate
-        self._budget = budget
-        self._aborts = aborts
-        self._config = config
+    def __init__(self, worker: Worker, thread: threading.Thread, tokenizer: Tokenizer | None = None) -> None:
+        """The handle over `worker`, running on `thread`: it shares the worker's channel, lifecycle,
+        counters, queue gate, block budget, abort inbox and store (built by `wiring.build_worker`)."""
+        self._jobs = worker.jobs
+        self._lifecycle = worker.lifecycle
+        self._counters = worker.counters
+        self._queue = worker.queue_gate
+        self._budget = worker.budget
+        self._aborts = worker.aborts
+        self._config = worker.config
         self._thread = thread
-        self.store = store
+        self.store = worker.store
         self.tokenizer = tokenizer
         # The paged store keeps every position (no window page recycling), so requests are
         # priced at every position even for sliding-window models: no paged window policy.
         self._paged_window = None
-        self._finalizer = weakref.finalize(self, lifecycle.close, jobs)
+        self._finalizer = weakref.finalize(self, worker.lifecycle.close, worker.jobs)
 
     # ---------------------------------------------------------- constructors
 
@@ -103,9 +88,7 @@ class ContinuousBatcher:
         thread.start()
         if worker.store.device.type == "cpu":
             release_thread_pool()  # this thread most likely built the model: see models.openmp
-        return cls(jobs=worker.jobs, lifecycle=worker.lifecycle, counters=worker.counters,
-                   queue_gate=worker.queue_gate, budget=worker.budget, aborts=worker.aborts, config=config,
-                   thread=thread, store=worker.store)
+        return cls(worker, thread)
 
     @classmethod
     def from_model(cls, model: LoadedModel, config: BatcherConfig | None = None) -> "ContinuousBatcher":
