@@ -273,11 +273,11 @@ class Worker:
             self.counters.add_prefill(len(tokens))
             if prefill.state.advance(len(tokens), self.store.seq_len(prefill.state.seq_id)):
                 sampler_row = self.sampler.new_row(prefill.params.sampling, prefill.params.seed, prefill.state.tokens)
-                self.in_forward.remove(prefill)
+                self.in_forward.pop(0)  # handled in the order taken: this prefill
                 uid = self.rows.insert(prefill.into_slot(sampler_row))
                 self._logit_row[uid] = row
             else:
-                self.in_forward.remove(prefill)
+                self.in_forward.pop(0)
                 self.prefills.append(prefill)  # round-robin: back of the line
 
     # ----------------------------------------------------------------- exits
