@@ -98,7 +98,7 @@ class ContinuousBatcher:
         model's trained context.
         """
         config = config if config is not None else BatcherConfig.from_env()
-        limit = config.max_context or model.config.max_position_embeddings
+        limit = min(config.max_context or model.config.max_position_embeddings, model.config.max_position_embeddings)
         ceiling = ContextCeiling(limit, model.kv_shape())
         batcher = cls.spawn_with_ceiling(model.decoder, model.tokenizer.decode, config, ceiling)
         batcher.tokenizer = model.tokenizer

@@ -30,8 +30,10 @@ _GROWABLE_INITIAL_BLOCKS = 16
 
 
 def config_ceiling(decoder, config: BatcherConfig) -> ContextCeiling:
-    """`config.max_context` (else the trained context), priced with the model's f32 `KvShape`."""
-    limit = config.max_context or decoder.config.max_position_embeddings
+    """`config.max_context` capped at the trained context (positions past it cannot be computed),
+    priced with the model's f32 `KvShape`."""
+    trained = decoder.config.max_position_embeddings
+    limit = min(config.max_context or trained, trained)
     return ContextCeiling(limit, KvShape.from_config(decoder.config, KvElem.F32))
 
 
