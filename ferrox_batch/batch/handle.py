@@ -156,6 +156,8 @@ class ContinuousBatcher:
     def generate(
         self, prompt_tokens: Sequence[int], params: GenerationParams, stop_tokens: StopTokens | None = None
     ) -> GenerationResult:
+        """Block until the request finishes (see `generate_streaming`); `stop_tokens=None` means the
+        model's stop tokens when the batcher has a tokenizer (`from_model`), else none."""
         return self.generate_streaming(prompt_tokens, params, stop_tokens, None)
 
     def generate_streaming(
@@ -167,6 +169,8 @@ class ContinuousBatcher:
     ) -> GenerationResult:
         """Block until the request finishes; raise its typed `DecodeError` if it is refused or fails.
 
+        `stop_tokens=None` means the model's stop tokens (`tokenizer.stop_tokens`) when the batcher
+        has a tokenizer, else none; an explicit `StopTokens` wins (an empty one stops on no token).
         If `on_chunk` raises, the request is cancelled, the rest of its events are drained,
         and the callback's exception propagates (how a server stops work for a client that left).
         """
@@ -175,7 +179,10 @@ class ContinuousBatcher:
     def submit(
         self, prompt_tokens: Sequence[int], params: GenerationParams, stop_tokens: StopTokens | None = None
     ) -> Ticket:
-        """Run every refusal and queue the request without waiting; raise the typed refusal if any."""
+        """Run every refusal and queue the request without waiting; raise the typed refusal if any.
+
+        `stop_tokens=None` means the model's stop tokens when the batcher has a tokenizer, else none.
+        """
         prompt = _prompt_list(prompt_tokens)
         if not isinstance(params, GenerationParams):
             raise InvalidRequest("params", params, "must be a GenerationParams")
@@ -198,7 +205,9 @@ class ContinuousBatcher:
             raise QueueFull(depth, self._queue.cap)
         reply: queue.SimpleQueue = queue.SimpleQueue()
         abort = self._aborts.next_id()
-        job = Job(prompt, params, stop_tokens or StopTokens.default(), reply, abort, blocks, positions)
+        if stop_tokens is None:
+            stop_tokens = self.tokenizer.stop_tokens if self.tokenizer is not None else StopTokens.default()
+        job = Job(prompt, params, stop_tokens, reply, abort, blocks, positions)
         try:
             self._lifecycle.send(self._jobs, job)
         except DecodeError:
