@@ -257,3 +257,19 @@ class InternalError(DecodeError):
     def __init__(self, detail: str) -> None:
         self.detail = detail
         super().__init__(f"the model failed while serving this request: {detail}")
+
+
+class WaitTimedOut(DecodeError):
+    """The caller's wait timeout passed before the answer came; the request was cancelled (port-only).
+
+    A server that passed its own deadline this way would answer 504: the request was fine, the
+    answer did not come in time, and a retry may do better.
+    """
+
+    http_status = 504
+    error_code = "wait_timed_out"
+    _fields = ("timeout_secs",)
+
+    def __init__(self, timeout_secs: float) -> None:
+        self.timeout_secs = timeout_secs
+        super().__init__(f"no answer within the wait timeout of {timeout_secs:g} s; the request was cancelled")

@@ -1,15 +1,24 @@
-"""`submit` refuses before queueing and returns a `Ticket`; the ticket waits, streams and cancels."""
+"""`submit` refuses before queueing and returns a `Ticket`; the ticket waits, streams and cancels.
+
+A wait that ends without its answer (a timeout, an exception raised into the
+waiting thread) cancels the request: the worker frees its blocks, counts it
+aborted, and keeps serving everyone else.
+"""
 
 from __future__ import annotations
 
+import ctypes
+import pickle
 import threading
+import time
 
 import pytest
 
-from ferrox_batch.errors import KvBudgetExceeded
+from ferrox_batch.errors import KvBudgetExceeded, WaitTimedOut
 from ferrox_batch.generate import FinishReason
 
-from batch_helpers import ceiling_config, greedy_params, sequential_ids, spawn
+from batch_helpers import budget_config, ceiling_config, greedy_params, sequential_ids, spawn
+from worker_helpers import DEADLINE, Caller, Gate, wait_for
 
 
 def test_submit_refuses_on_the_callers_thread_and_queues_nothing(tiny_batch_model):
@@ -51,3 +60,87 @@ def test_a_ticket_cancels_from_another_thread(tiny_batch_model):
         assert stats.aborted == 1 and stats.kv_blocks_free == stats.kv_blocks_total
         ticket.cancel()  # after the answer: nothing happens
         assert batcher.stats().aborted == 1
+
+
+# ---- a wait that ends without the answer cancels its request -----------------------------
+
+def _held_batcher(model):
+    """A batcher whose worker is held inside its first decode call (one letter per token)."""
+    gate = Gate()
+    return gate, spawn(model, budget_config(4, 64), decode=gate)
+
+
+def _assert_cancelled_and_still_serving(batcher, gate: Gate, other: Caller, model, abandoned: int) -> None:
+    """Once the worker runs again: the abandoned requests are cancelled, and everyone else is served."""
+    assert batcher.stats().aborted == 0  # cancels are applied by the worker, which is still held
+    gate.open()
+    wait_for(lambda: batcher.stats().aborted == abandoned, "the abandoned requests to be cancelled")
+    wait_for(lambda: batcher.stats().kv_blocks_free == 64, "the abandoned requests' blocks back")
+    params = greedy_params(6, ignore_eos=True)
+    assert list(other.join().token_ids) == sequential_ids(model, [9, 10, 11], params)
+    assert list(batcher.generate([4, 5], params).token_ids) == sequential_ids(model, [4, 5], params)
+    assert batcher.stats().aborted == abandoned and batcher.stats().worker_alive
+
+
+def test_a_wait_timeout_cancels_the_request_and_raises_wait_timed_out(tiny_batch_model):
+    gate, batcher = _held_batcher(tiny_batch_model)
+    with batcher:
+        ticket = batcher.submit([1, 2, 3], greedy_params(100, ignore_eos=True))
+        gate.wait_calls(1)
+        other = Caller(batcher, [9, 10, 11], greedy_params(6, ignore_eos=True))
+        started = time.monotonic()
+        with pytest.raises(WaitTimedOut) as timed_out:
+            ticket.wait(timeout=0.2)
+        assert 0.2 <= time.monotonic() - started < DEADLINE and ticket.done
+        assert timed_out.value.timeout_secs == 0.2 and timed_out.value.http_status == 504
+        with pytest.raises(WaitTimedOut):  # the same through generate, with a request of its own
+            batcher.generate([6, 7], greedy_params(100, ignore_eos=True), timeout=0)
+        _assert_cancelled_and_still_serving(batcher, gate, other, tiny_batch_model, abandoned=2)
+
+
+def test_an_interrupted_wait_cancels_its_request(tiny_batch_model):
+    gate, batcher = _held_batcher(tiny_batch_model)
+    with batcher:
+        ticket = batcher.submit([1, 2, 3], greedy_params(100, ignore_eos=True))
+        gate.wait_calls(1)
+        other = Caller(batcher, [9, 10, 11], greedy_params(6, ignore_eos=True))
+        raised: list[BaseException] = []
+
+        def wait() -> None:
+            try:
+                ticket.wait()
+            except BaseException as error:  # noqa: BLE001 - kept for the test to assert on
+                raised.append(error)
+
+        waiter = threading.Thread(target=wait, name="test-interrupted-waiter", daemon=True)
+        waiter.start()
+        wait_for(lambda: ticket._claimed.locked(), "the waiter to be inside wait")
+        time.sleep(0.05)  # blocked on the reply queue, not on its way in
+        # Ctrl-C as a thread sees it: KeyboardInterrupt raised into it while it waits.
+        assert ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(waiter.ident),
+                                                          ctypes.py_object(KeyboardInterrupt)) == 1
+        waiter.join(DEADLINE)
+        assert not waiter.is_alive() and len(raised) == 1 and isinstance(raised[0], KeyboardInterrupt)
+        assert ticket.done
+        _assert_cancelled_and_still_serving(batcher, gate, other, tiny_batch_model, abandoned=1)
+
+
+def test_a_bad_timeout_is_refused_before_anything_is_queued(tiny_batch_model):
+    with spawn(tiny_batch_model, budget_config(4, 64)) as batcher:
+        for bad, error in ((-1, ValueError), (float("nan"), ValueError), ("5", TypeError), (True, TypeError)):
+            with pytest.raises(error, match="timeout"):
+                batcher.generate([1, 2], greedy_params(3), timeout=bad)
+        assert batcher.stats().queue_depth == 0 and batcher.stats().prefill_tokens == 0
+        ticket = batcher.submit([1, 2], greedy_params(3, ignore_eos=True))
+        with pytest.raises(ValueError, match="timeout"):
+            ticket.wait(timeout=-1)
+        assert len(ticket.wait(timeout=DEADLINE).token_ids) == 3  # still unclaimed: waitable once
+
+
+def test_wait_timed_out_is_a_typed_error_like_the_others():
+    error = WaitTimedOut(1.5)
+    assert pickle.loads(pickle.dumps(error)) == error and repr(error) == "WaitTimedOut(timeout_secs=1.5)"
+    assert error.to_dict() == {"error": {"type": "server_error", "code": "wait_timed_out",
+                                         "message": "no answer within the wait timeout of 1.5 s; "
+                                                    "the request was cancelled"}}
+    assert (error.http_status, error.retry_after_secs) == (504, None)

@@ -32,6 +32,7 @@ from ferrox_batch.batch.ticket import Ticket
 from ferrox_batch.batch.wiring import build_worker, config_ceiling
 from ferrox_batch.batch.worker import DecodeFn, Worker
 from ferrox_batch.budget import ContextCeiling
+from ferrox_batch.checks import check_seconds
 from ferrox_batch.errors import DecodeError, InvalidRequest, QueueFull
 from ferrox_batch.generate import (
     GenerationParams,
@@ -154,11 +155,12 @@ class ContinuousBatcher:
     # -------------------------------------------------------------- generate
 
     def generate(
-        self, prompt_tokens: Sequence[int], params: GenerationParams, stop_tokens: StopTokens | None = None
+        self, prompt_tokens: Sequence[int], params: GenerationParams, stop_tokens: StopTokens | None = None,
+        *, timeout: float | None = None,
     ) -> GenerationResult:
         """Block until the request finishes (see `generate_streaming`); `stop_tokens=None` means the
         model's stop tokens when the batcher has a tokenizer (`from_model`), else none."""
-        return self.generate_streaming(prompt_tokens, params, stop_tokens, None)
+        return self.generate_streaming(prompt_tokens, params, stop_tokens, None, timeout=timeout)
 
     def generate_streaming(
         self,
@@ -166,6 +168,8 @@ class ContinuousBatcher:
         params: GenerationParams,
         stop_tokens: StopTokens | None,
         on_chunk: Callable[[str], None] | None,
+        *,
+        timeout: float | None = None,
     ) -> GenerationResult:
         """Block until the request finishes; raise its typed `DecodeError` if it is refused or fails.
 
@@ -173,8 +177,12 @@ class ContinuousBatcher:
         has a tokenizer, else none; an explicit `StopTokens` wins (an empty one stops on no token).
         If `on_chunk` raises, the request is cancelled, the rest of its events are drained,
         and the callback's exception propagates (how a server stops work for a client that left).
+        After `timeout` seconds without the answer the request is cancelled and `WaitTimedOut` is
+        raised; any other exception raised into the wait (a `KeyboardInterrupt`) cancels it too.
         """
-        return self.submit(prompt_tokens, params, stop_tokens).wait(on_chunk)
+        if timeout is not None:
+            check_seconds("timeout", timeout)  # a bad timeout is refused before anything is queued
+        return self.submit(prompt_tokens, params, stop_tokens).wait(on_chunk, timeout)
 
     def submit(
         self, prompt_tokens: Sequence[int], params: GenerationParams, stop_tokens: StopTokens | None = None
