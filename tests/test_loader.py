@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from ferrox_batch.models.config import ModelConfig
-from ferrox_batch.models.device import choose_dtype, faster_cpu_dtype
 from ferrox_batch.models.errors import ModelLoadError, UnsupportedArchitecture
 from ferrox_batch.models.loader import load_model
 
@@ -30,15 +29,6 @@ def test_a_folder_loads_with_its_config_tokenizer_and_stop_tokens(tiny_llama_dir
     shape = model.kv_shape()
     # 2 layers x (K and V) x 2 kv heads x 16 head_dim x 4 bytes
     assert shape.per_token_kv_bytes() == 2 * 2 * 2 * 16 * 4
-
-
-def test_auto_dtype_picks_a_dtype_the_cpu_measures_faster(tiny_llama_dir):
-    config = ModelConfig.from_file(tiny_llama_dir / "config.json")
-    chosen = choose_dtype("auto", torch.device("cpu"), config)
-    assert chosen in (torch.float32, torch.bfloat16)
-    assert faster_cpu_dtype(config, repeats=2) in (torch.float32, torch.bfloat16)
-    with pytest.raises(ValueError, match="unknown dtype"):
-        choose_dtype("float8", torch.device("cpu"))
 
 
 def test_a_missing_path_is_a_clear_error(tmp_path):

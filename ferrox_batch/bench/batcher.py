@@ -17,7 +17,7 @@ completes no UTF-8 text joins the next chunk). Our greedy ids for the first 4 re
 static's in fp32 (exit 1 otherwise); in bf16 a mismatch is only a warning. The peers need the test
 extra (transformers); `--methods ours` runs without it.
 
-    ferrox-batch bench                          # shapes a,b; ours,static,cb; 3 repeats; bf16
+    ferrox-batch bench                          # shapes a,b; ours,static,cb; 3 repeats; dtype auto
     ferrox-batch bench --quick                  # 4 requests x 8 tokens, 1 repeat: does it work
     ferrox-batch bench --shapes a --methods ours,static --dtype fp32 --json /tmp/bench.json
     ferrox-batch bench --shapes b --max-batch-tokens 1024 --kv-block-size 32
@@ -72,7 +72,8 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
     p.add_argument("--shapes", default="a,b")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+                   help="auto: what `ferrox-batch serve` would pick on this machine (default)")
     p.add_argument("--quick", action="store_true", help="4 requests x 8 tokens, 1 repeat")
     p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     p.add_argument("--seed", type=int, default=0)
@@ -99,6 +100,16 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
     if args.quick:
         args.repeats = 1
     return args
+
+
+def resolved_dtype(dtype: str) -> tuple[str, str]:
+    """`auto` made concrete as the server makes it on this CPU (bf16 or fp32), with the reason."""
+    import torch
+
+    from ferrox_batch.models.device import choose_dtype_reasoned
+
+    choice = choose_dtype_reasoned(dtype, torch.device("cpu"))
+    return ("bf16" if choice.dtype == torch.bfloat16 else "fp32"), choice.reason
 
 
 def blocks_needed(requests: list[Request], block: int) -> int:
@@ -246,6 +257,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     args = parse_args(argv, env, prog)
     if args.child:
         return child_main(args)
+    from ferrox_batch.models.device import cpu_description
     from ferrox_batch.models.tokenizer import Tokenizer
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
@@ -254,7 +266,10 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         raise SystemExit(f"unknown methods {unknown}; use {','.join(METHODS)}")
     tokenizer = Tokenizer.from_dir(args.model)
     sizes = {}
-    print(f"# bench: {args.model}, dtype {args.dtype}, repeats {args.repeats}{', quick' if args.quick else ''}")
+    args.dtype, why = resolved_dtype(args.dtype)  # every child runs the one dtype the parent chose
+    print(f"# bench: {args.model}, dtype {args.dtype} ({why}), repeats {args.repeats}"
+          f"{', quick' if args.quick else ''}")
+    print(f"# cpu: {cpu_description()}")
     for shape in shapes:
         requests = build_requests(shape, tokenizer.encode, args.seed, args.quick)
         sizes[shape] = sized(args, requests)

@@ -1,15 +1,24 @@
-"""Choosing where and in what precision the model runs.
+"""Choosing where and in what precision the model runs, the same way on every start.
 
-CUDA when there is a GPU (bf16 there). On the CPU, bf16 is much faster than
-fp32 where the processor has native bf16 matmuls (avx512_bf16 / AMX) and much
-slower where it does not, so `auto` measures both on a matmul of the model's
-own MLP shape at batch 32 and takes the faster one. fp32 stays available by
-name (tests compare against a float32 reference).
+CUDA when there is a GPU (bf16 there). On the CPU, bf16 is about twice as fast
+as fp32 where the processor has native bf16 matmul instructions
+(`avx512_bf16`, or AMX tiles) and about three times slower where it has not
+and torch emulates them. `auto` therefore decides from what the CPU reports,
+never from a timing race: a race run at load flips under load, and the same
+machine then serves in a different precision from one start to the next.
+Only where the CPU reports nothing usable (a processor that is not x86-64)
+does a timing decide, and then bf16 must win clearly, else fp32.
+
+Every choice carries its reason, which the loader logs and the benchmark
+prints beside its table.
 """
 
 from __future__ import annotations
 
+import platform
 import time
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,6 +33,86 @@ DTYPES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 
+#: How much faster bf16 must measure before a timing picks it (only where the CPU reports nothing):
+#: the two dtypes' timings move 10-20% between runs, so a smaller lead is noise, and fp32 is the
+#: choice that is never badly wrong.
+BF16_CLEAR_LEAD = 1.3
+
+#: /proc/cpuinfo flags worth naming beside a measurement: what decides the dtype and the kernels.
+REPORTED_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+
+_X86 = ("x86_64", "amd64", "i386", "i686")
+
+
+@dataclass(frozen=True, slots=True)
+class CpuFeatures:
+    """What the processor says it can do, as far as the dtype choice is concerned."""
+
+    machine: str
+    avx512_bf16: bool
+    amx: bool
+
+    @property
+    def x86(self) -> bool:
+        return self.machine.lower() in _X86
+
+    @property
+    def native_bf16(self) -> bool:
+        return self.avx512_bf16 or self.amx
+
+    @classmethod
+    def probe(cls) -> CpuFeatures:
+        """The running CPU, as torch's cpuinfo sees it (independent of ATEN_CPU_CAPABILITY)."""
+        return cls(platform.machine(), _torch_cpu_flag("_is_avx512_bf16_supported"),
+                   _torch_cpu_flag("_is_amx_tile_supported"))
+
+
+def _torch_cpu_flag(name: str) -> bool:
+    probe = getattr(torch.cpu, name, None)
+    return bool(probe()) if callable(probe) else False
+
+
+@dataclass(frozen=True, slots=True)
+class DtypeChoice:
+    dtype: torch.dtype
+    reason: str
+
+
+def cpu_dtype_from_features(features: CpuFeatures) -> DtypeChoice | None:
+    """bf16 or fp32 from what an x86-64 CPU reports; None where it reports nothing usable."""
+    if not features.x86:
+        return None
+    if features.native_bf16:
+        which = "avx512_bf16" if features.avx512_bf16 else "AMX"
+        return DtypeChoice(torch.bfloat16, f"this CPU has native bf16 matmuls ({which}): bf16 is about 2x fp32")
+    return DtypeChoice(torch.float32, "this CPU has no native bf16 matmuls (no avx512_bf16 or AMX): "
+                                      "bf16 would be emulated, about 3x slower than fp32")
+
+
+def choose_dtype_reasoned(
+    dtype: str | torch.dtype | None, device: torch.device, config: ModelConfig | None = None,
+    features: CpuFeatures | None = None,
+) -> DtypeChoice:
+    """The dtype to load in, and why: a named dtype as asked, else `auto`'s rule (module docstring)."""
+    if isinstance(dtype, torch.dtype):
+        return DtypeChoice(dtype, "asked for")
+    if dtype is not None and dtype != "auto":
+        try:
+            return DtypeChoice(DTYPES[dtype], "asked for")
+        except KeyError:
+            raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}") from None
+    if device.type == "cuda":
+        return DtypeChoice(torch.bfloat16, "auto on CUDA")
+    decided = cpu_dtype_from_features(features if features is not None else CpuFeatures.probe())
+    if decided is not None:
+        return DtypeChoice(decided.dtype, f"auto: {decided.reason}")
+    speedup = bf16_speedup(config)
+    if speedup >= BF16_CLEAR_LEAD:
+        return DtypeChoice(torch.bfloat16, f"auto: the CPU reports no bf16 support we know of; bf16 measured "
+                                           f"{speedup:.2f}x fp32 here")
+    return DtypeChoice(torch.float32, f"auto: the CPU reports no bf16 support we know of; bf16 measured "
+                                      f"{speedup:.2f}x fp32 here, short of the {BF16_CLEAR_LEAD}x that would pick it")
+
 
 def choose_device(device: str | torch.device | None = None) -> torch.device:
     if device is None or str(device) == "auto":
@@ -37,20 +126,11 @@ def choose_device(device: str | torch.device | None = None) -> torch.device:
 def choose_dtype(
     dtype: str | torch.dtype | None, device: torch.device, config: ModelConfig | None = None
 ) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is not None and dtype != "auto":
-        try:
-            return DTYPES[dtype]
-        except KeyError:
-            raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(DTYPES)}") from None
-    if device.type == "cuda":
-        return torch.bfloat16
-    return faster_cpu_dtype(config)
+    return choose_dtype_reasoned(dtype, device, config).dtype
 
 
-def faster_cpu_dtype(config: ModelConfig | None = None, *, batch: int = 32, repeats: int = 5) -> torch.dtype:
-    """bf16 or fp32, whichever runs this model's MLP up-projection faster on this CPU."""
+def bf16_speedup(config: ModelConfig | None = None, *, batch: int = 32, repeats: int = 5) -> float:
+    """fp32 time / bf16 time for this model's MLP up-projection at `batch` rows (> 1: bf16 is faster)."""
     hidden = config.hidden_size if config else 576
     inter = config.intermediate_size if config else 1536
     timings: dict[torch.dtype, float] = {}
@@ -65,4 +145,24 @@ def faster_cpu_dtype(config: ModelConfig | None = None, *, batch: int = 32, repe
                 torch.nn.functional.linear(x, w)
             best = min(best, time.perf_counter() - start)
         timings[dtype] = best
-    return torch.bfloat16 if timings[torch.bfloat16] < timings[torch.float32] else torch.float32
+    return timings[torch.float32] / timings[torch.bfloat16]
+
+
+def cpu_description(cpuinfo: str | None = None) -> str:
+    """The CPU's model name and the flags that matter here, for a benchmark's header line."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return f"{platform.machine()} CPU ({platform.processor() or 'model unknown'})"
+    model: str | None = None
+    flags: set[str] | None = None
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "model name" and model is None:
+            model = value.strip()
+        elif key in ("flags", "Features") and flags is None:
+            flags = set(value.split())
+    shown = [flag for flag in REPORTED_FLAGS if flag in (flags or ())]
+    return f"{model or platform.machine()}; flags: {' '.join(shown) if shown else 'none of ' + ', '.join(REPORTED_FLAGS)}"

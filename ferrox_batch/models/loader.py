@@ -11,6 +11,7 @@ read.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,10 +21,12 @@ from safetensors.torch import load_file
 
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.decoder import Decoder
-from ferrox_batch.models.device import choose_device, choose_dtype
+from ferrox_batch.models.device import choose_device, choose_dtype_reasoned
 from ferrox_batch.models.errors import ModelLoadError
 from ferrox_batch.models.kv import KvElem, KvShape
 from ferrox_batch.models.tokenizer import Tokenizer
+
+log = logging.getLogger("ferrox_batch.models")
 
 
 @dataclass(slots=True)
@@ -32,6 +35,8 @@ class LoadedModel:
     decoder: Decoder
     tokenizer: Tokenizer
     source: Path
+    #: Why the decoder runs in its dtype (`auto`'s rule, or "asked for").
+    dtype_reason: str = "asked for"
 
     def kv_shape(self) -> KvShape:
         """KV bytes per position for the dtype the store will hold (the ceiling prices with it)."""
@@ -72,9 +77,11 @@ def _build(
         )
     tokenizer.pad_to(config.vocab_size)
     chosen_device = choose_device(device)
-    chosen_dtype = choose_dtype(dtype, chosen_device, config)
-    decoder = Decoder(config, weights, device=chosen_device, dtype=chosen_dtype)
-    return LoadedModel(config, decoder, tokenizer, source)
+    chosen = choose_dtype_reasoned(dtype, chosen_device, config)
+    log.info("%s runs in %s on %s: %s", source.name, str(chosen.dtype).removeprefix("torch."), chosen_device,
+             chosen.reason)
+    decoder = Decoder(config, weights, device=chosen_device, dtype=chosen.dtype)
+    return LoadedModel(config, decoder, tokenizer, source, chosen.reason)
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

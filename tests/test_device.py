@@ -1,0 +1,94 @@
+"""`auto` picks the dtype from what the CPU reports, the same on every start, and says why."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ferrox_batch.models import device as device_module
+from ferrox_batch.models.device import (
+    BF16_CLEAR_LEAD,
+    CpuFeatures,
+    choose_dtype,
+    choose_dtype_reasoned,
+    cpu_description,
+    cpu_dtype_from_features,
+)
+from ferrox_batch.models.loader import load_model
+
+CPU = torch.device("cpu")
+AVX2_ONLY = CpuFeatures("x86_64", avx512_bf16=False, amx=False)
+AVX512_BF16 = CpuFeatures("x86_64", avx512_bf16=True, amx=False)
+AMX = CpuFeatures("x86_64", avx512_bf16=False, amx=True)
+ARM = CpuFeatures("aarch64", avx512_bf16=False, amx=False)
+
+
+def _no_timing(*args, **kwargs):
+    raise AssertionError("a CPU that reports its bf16 support must not be timed")
+
+
+@pytest.mark.parametrize("features, want", [(AVX2_ONLY, torch.float32), (AVX512_BF16, torch.bfloat16),
+                                            (AMX, torch.bfloat16)])
+def test_an_x86_cpu_decides_from_its_flags_without_timing(monkeypatch, features, want):
+    monkeypatch.setattr(device_module, "bf16_speedup", _no_timing)
+    choice = choose_dtype_reasoned("auto", CPU, features=features)
+    assert choice.dtype == want
+    assert ("has native bf16" in choice.reason) == (want == torch.bfloat16)
+    assert cpu_dtype_from_features(features) is not None
+
+
+def test_a_timing_that_would_favour_bf16_cannot_override_an_avx2_only_cpu(monkeypatch):
+    monkeypatch.setattr(device_module, "bf16_speedup", lambda *a, **k: 10.0)
+    assert choose_dtype_reasoned("auto", CPU, features=AVX2_ONLY).dtype == torch.float32
+
+
+@pytest.mark.parametrize("speedup, want", [(BF16_CLEAR_LEAD * 1.01, torch.bfloat16),
+                                           (BF16_CLEAR_LEAD * 0.99, torch.float32), (0.3, torch.float32)])
+def test_an_unknown_cpu_is_timed_and_bf16_needs_a_clear_lead(monkeypatch, speedup, want):
+    monkeypatch.setattr(device_module, "bf16_speedup", lambda *a, **k: speedup)
+    choice = choose_dtype_reasoned("auto", CPU, features=ARM)
+    assert choice.dtype == want
+    assert f"{speedup:.2f}x" in choice.reason
+
+
+def test_named_dtypes_and_cuda_need_no_probe(monkeypatch):
+    monkeypatch.setattr(device_module.CpuFeatures, "probe", classmethod(lambda cls: _no_timing()))
+    assert choose_dtype("fp32", CPU) == torch.float32
+    assert choose_dtype(torch.float16, CPU) == torch.float16
+    assert choose_dtype_reasoned("auto", torch.device("cuda")).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="unknown dtype"):
+        choose_dtype("float8", CPU)
+
+
+def test_the_running_cpu_gives_the_same_answer_every_time():
+    # Whatever this machine is, `auto` is a function of its flags: repeated choices agree.
+    choices = {choose_dtype("auto", CPU) for _ in range(5)}
+    assert len(choices) == 1
+    features = CpuFeatures.probe()
+    if features.x86:
+        assert choices == {torch.bfloat16 if features.native_bf16 else torch.float32}
+
+
+def test_the_loader_logs_the_choice_and_keeps_its_reason(tiny_llama_dir, caplog):
+    with caplog.at_level(logging.INFO, logger="ferrox_batch.models"):
+        model = load_model(tiny_llama_dir, device="cpu", dtype="auto")
+    assert model.dtype_reason.startswith("auto")
+    assert any(model.dtype_reason in record.getMessage() for record in caplog.records)
+    assert load_model(tiny_llama_dir, device="cpu", dtype="fp32").dtype_reason == "asked for"
+
+
+CPUINFO = """processor\t: 0
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse avx2 fma avx512f avx512_bf16 sha_ni
+processor\t: 1
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse avx2 fma avx512f avx512_bf16 sha_ni
+"""
+
+
+def test_the_cpu_description_names_the_model_and_the_flags_that_matter():
+    assert cpu_description(CPUINFO) == "AMD EPYC 7B13; flags: avx2 fma avx512f avx512_bf16"
+    assert "flags: none of" in cpu_description("model name : Something\nflags : sse\n")
+    assert cpu_description()  # the running machine's, whatever it is
