@@ -91,6 +91,18 @@ class KvPoolExhausted(DecodeError):
         )
 
 
+class KvAllocationFailed(KvPoolExhausted):
+    """The KV store could not allocate what the ledger granted (the device ran out of memory); the
+    request is refused as busy and the worker keeps serving (port-only)."""
+
+    _fields = ("detail",)
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        DecodeError.__init__(self, f"server is at capacity: allocating this request's KV cache failed "
+                                   f"({detail}); retry shortly")
+
+
 class Unsupported(DecodeError):
     http_status = 501
     error_type = "invalid_request_error"

@@ -141,8 +141,9 @@ def test_without_ceilings_nothing_is_refused_as_too_large(tiny_batch_model):
         assert result.finish_reason == FinishReason.LENGTH and len(result.token_ids) == 20
         stats = batcher.stats()
         assert stats.kv_rejected_too_large == 0 and stats.kv_rejected_context_length == 0
-        assert stats.kv_blocks_total == 0 and stats.kv_blocks_free == 0
-        assert stats.kv_blocks_peak == 30  # counted even without a budget: 120 positions / 4
+        # No block count given: the budget comes from the machine's memory, and every block comes back.
+        assert stats.kv_blocks_total > 0 and stats.kv_blocks_free == stats.kv_blocks_total
+        assert stats.kv_blocks_peak == 30  # 120 positions / 4
 
 
 def test_concurrent_requests_never_hold_more_blocks_than_the_budget(tiny_batch_model):

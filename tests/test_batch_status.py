@@ -46,7 +46,7 @@ def test_a_status_line_omits_the_pools_this_model_does_not_have(tiny_batch_model
     assert status.kv_pages == PoolUsage(used=2, total=64)
     assert (status.running_reqs, status.queue_reqs) == (1, 1)
 
-    worker = make_worker(tiny_batch_model, BatcherConfig(kv_block_size=4))  # no block budget
+    worker = make_worker(tiny_batch_model, BatcherConfig(kv_block_size=4))  # a budget sized from memory
     status = worker.batch_status()
-    assert status.kv_pages == PoolUsage.empty() and status.kv_pages.ratio() == 0.0
+    assert status.kv_pages == PoolUsage(used=0, total=worker.budget.total) and worker.budget.total > 0
     assert status.window is None and status.recurrent is None

@@ -11,6 +11,7 @@ the handle and the worker share.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import queue
 
 from ferrox_batch.batch.block_budget import BlockBudget
@@ -22,11 +23,11 @@ from ferrox_batch.batch.worker import DecodeFn, Worker
 from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.generate import PagedKvConfig
 from ferrox_batch.models.kv import KvElem, KvShape
+from ferrox_batch.models.memory import default_kv_memory
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.sampler import BatchSampler
 
-#: Blocks a growable store starts with when there is no block budget.
-_GROWABLE_INITIAL_BLOCKS = 16
+log = logging.getLogger("ferrox_batch.batch")
 
 
 def config_ceiling(decoder, config: BatcherConfig) -> ContextCeiling:
@@ -41,9 +42,16 @@ def build_worker(
     decoder, decode: DecodeFn, config: BatcherConfig, ceiling: ContextCeiling, paged: PagedKvConfig | None = None,
     *, log_interval: int,
 ) -> Worker:
-    """The worker and the parts it shares with the handle, wired as `spawn_with_ceiling` runs them."""
+    """The worker and the parts it shares with the handle, wired as `spawn_with_ceiling` runs them.
+
+    Every batcher has a block budget: `config.kv_blocks`, else the paged store's size, else as many
+    blocks as `models.memory.default_kv_memory` allows on the decoder's device; the worker's config
+    carries the resolved count.
+    """
+    if config.kv_blocks is None and paged is None:
+        config = dataclasses.replace(config, kv_blocks=default_kv_blocks(decoder, config.kv_block_size))
     store = _store_for(decoder, config, paged)
-    total = config.kv_blocks if config.kv_blocks is not None or paged is None else store.num_blocks
+    total = config.kv_blocks if config.kv_blocks is not None else store.num_blocks
     return Worker(
         decoder=decoder, decode=decode, config=config, jobs=queue.SimpleQueue(), lifecycle=Lifecycle(),
         counters=Counters(), queue_gate=QueueGate(config.max_queue),
@@ -76,8 +84,23 @@ def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> P
                 f"kv_blocks ({config.kv_blocks}) is more than the paged store holds ({store.num_blocks})"
             )
         return store
-    if config.kv_blocks is not None:
+    assert config.kv_blocks is not None  # build_worker resolved it
+    try:
         return decoder.new_store(config.kv_block_size, num_blocks=config.kv_blocks)
-    # No block budget: the upstream's per-request caches; a store that grows on demand stands in.
-    return PagedKvStore(decoder.config, _GROWABLE_INITIAL_BLOCKS, config.kv_block_size,
-                        device=decoder.device, dtype=decoder.dtype, growable=True)
+    except (MemoryError, RuntimeError) as failed:  # torch's out-of-memory errors are RuntimeErrors
+        size = config.kv_blocks * PagedKvStore.bytes_per_block(decoder.config, config.kv_block_size, decoder.dtype)
+        raise MemoryError(f"could not allocate the KV pool of {config.kv_blocks} blocks x {config.kv_block_size} "
+                          f"positions ({size / 2**30:.2f} GiB) on {decoder.device}: {failed}; give a smaller "
+                          "kv_blocks (or --kv-memory)") from failed
+
+
+def default_kv_blocks(decoder, block_size: int) -> int:
+    """Blocks of `block_size` positions in the default KV memory budget of the decoder's device (logged)."""
+    budget = default_kv_memory(decoder.device)
+    per_block = PagedKvStore.bytes_per_block(decoder.config, block_size, decoder.dtype)
+    blocks = budget.bytes // per_block
+    if blocks < 1:
+        raise MemoryError(f"no KV block of {block_size} positions ({per_block} bytes) fits in {budget.reason}")
+    log.info("KV budget %d blocks x %d positions (%.2f GiB): %s", blocks, block_size, blocks * per_block / 2**30,
+             budget.reason)
+    return blocks

@@ -40,7 +40,14 @@ from ferrox_batch.batch.prefill import Prefill, PrefillState, take_prefill_chunk
 from ferrox_batch.batch.queue import AbortInbox, QueueGate
 from ferrox_batch.batch.row import Job, Rows, Slot, send_finished
 from ferrox_batch.batch.status import BatchStatus, PoolUsage, PrefillSnapshot, StatusReporter
-from ferrox_batch.errors import DecodeError, InternalError, KvPoolExhausted, TokenOutOfVocab, WorkerDied
+from ferrox_batch.errors import (
+    DecodeError,
+    InternalError,
+    KvAllocationFailed,
+    KvPoolExhausted,
+    TokenOutOfVocab,
+    WorkerDied,
+)
 from ferrox_batch.generate import FinishReason, GenerationResult, Usage
 from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.paged_kv import PagedKvStore
@@ -207,6 +214,9 @@ class Worker:
             self.store.add_sequence(seq_id, job.positions)
         except KvPoolExhausted:  # the ledger said yes but the page store said no
             return KvPoolExhausted()
+        except (MemoryError, RuntimeError) as failed:  # torch's out-of-memory errors are RuntimeErrors
+            log.warning("allocating KV for a request failed: %s", failed)
+            return KvAllocationFailed(f"{type(failed).__name__}: {failed}")
         state = PrefillState(seq_id, job.prompt_tokens, self.config.prefill_chunk)
         return Prefill(state, len(job.prompt_tokens), job.params, job.stop_tokens, job.reply, job.abort,
                        job.blocks, RowClock.start())

@@ -14,9 +14,9 @@ gathers a batch's whole context (measured: a flat `index_select` is about
 `p` of a sequence lives in slot `table[p // block_size] * block_size + p %
 block_size`. No per-sequence Python work happens inside a layer.
 
-A growable store (used when the scheduler has no block budget, the
-upstream's "contiguous caches" mode) enlarges its pool instead of refusing;
-block ids and tables stay valid across growth.
+The pool is allocated whole, at its bounded size, when the store is made:
+there is no growing store (see `models.memory` for the size a batcher gets
+when nobody chose one).
 
 The store is not thread-safe: only the worker thread (or a single test
 thread) drives it.
@@ -24,7 +24,6 @@ thread) drives it.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable
 
@@ -50,32 +49,37 @@ class BlockPoolExhausted(KvPoolExhausted):
 
 
 class BlockAllocator:
-    """Hands out block ids from a free list; never the same block twice until it is returned."""
+    """Hands out block ids; never the same block twice until it is returned.
+
+    Returned blocks are leased again first, most recently returned first, and a
+    block never leased before is taken only when none are waiting. A large,
+    uninitialised CPU pool therefore only becomes resident as far as the peak
+    use reaches, and the allocator costs nothing per block it has never seen.
+    """
 
     def __init__(self, num_blocks: int) -> None:
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         self.num_blocks = num_blocks
-        self._free: deque[int] = deque(range(num_blocks))
+        self._returned: list[int] = []
+        self._fresh = 0  # blocks [_fresh, num_blocks) were never leased
         self._used: set[int] = set()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._returned) + self.num_blocks - self._fresh
 
     def allocate(self, count: int) -> list[int]:
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise ValueError(f"block count must be a non-negative integer, got {count!r}")
-        if count > len(self._free):
-            raise BlockPoolExhausted(count, len(self._free))
-        blocks = [self._free.popleft() for _ in range(count)]
+        if count > self.num_free:
+            raise BlockPoolExhausted(count, self.num_free)
+        reused = min(count, len(self._returned))
+        blocks = [self._returned.pop() for _ in range(reused)]
+        blocks += range(self._fresh, self._fresh + count - reused)
+        self._fresh += count - reused
         self._used.update(blocks)
         return blocks
-
-    def extend(self, count: int) -> None:
-        """Add `count` new blocks (ids after the current ones) to the free list."""
-        self._free.extend(range(self.num_blocks, self.num_blocks + count))
-        self.num_blocks += count
 
     def release(self, blocks: Iterable[int]) -> None:
         blocks = list(blocks)
@@ -84,7 +88,7 @@ class BlockAllocator:
                 raise ValueError(f"block {block} is not allocated (double free or foreign block)")
         for block in blocks:
             self._used.remove(block)
-            self._free.append(block)
+        self._returned.extend(reversed(blocks))
 
 
 @dataclass(slots=True)
@@ -106,7 +110,6 @@ class PagedKvStore:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
-        growable: bool = False,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
@@ -115,7 +118,6 @@ class PagedKvStore:
         self.allocator = BlockAllocator(num_blocks)
         self.device = torch.device(device)
         self.dtype = dtype
-        self.growable = growable
         shape = (config.num_layers, num_blocks * block_size, 2, config.num_kv_heads, config.head_dim)
         # Uninitialised, so a large pool costs no resident memory until blocks are used, and
         # never cleared: every reader reads only positions its own sequence has written
@@ -171,21 +173,10 @@ class PagedKvStore:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
         if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 0:
             raise ValueError(f"max_positions must be a non-negative integer, got {max_positions!r}")
-        needed = self.blocks_for(max_positions)
-        if self.growable and needed > self.allocator.num_free:
-            self._grow(max(self.num_blocks, needed - self.allocator.num_free))
-        blocks = self.allocator.allocate(needed)
+        blocks = self.allocator.allocate(self.blocks_for(max_positions))
         table = torch.tensor(blocks, dtype=torch.long, device=self.device)
         self._seqs[seq_id] = SeqKv(blocks, len(blocks) * self.block_size, 0, table)
         return list(blocks)
-
-    def _grow(self, extra_blocks: int) -> None:
-        """Enlarge the pool (a growable store stands in for "no block budget"): copy, then extend."""
-        layers, slots, *rest = self.kv.shape
-        grown = torch.zeros((layers, slots + extra_blocks * self.block_size, *rest), device=self.device, dtype=self.dtype)
-        grown[:, :slots] = self.kv
-        self.kv = grown
-        self.allocator.extend(extra_blocks)
 
     def free_sequence(self, seq_id: Hashable) -> None:
         seq = self._seqs.pop(seq_id, None)
