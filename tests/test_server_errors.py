@@ -8,6 +8,8 @@ a one-slot queue, so the third request is refused deterministically.
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import socket
 
 import httpx
 import openai
@@ -219,6 +221,49 @@ def test_past_max_concurrent_requests_is_503_server_busy(tiny_batch_model):
         gate.open()
         assert [f.result(DEADLINE).usage.completion_tokens for f in open_requests] == [3, 3]
         # Answered requests leave the count: the next one is served.
+        assert client.completions.create(**request).usage.completion_tokens == 3
+
+
+def _read_response(sock: socket.socket) -> bytes:
+    """One HTTP response from a raw socket: its head and its Content-Length body."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        part = sock.recv(65536)
+        assert part, f"the server closed the connection after {data!r}"
+        data += part
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    while len(body) < length:
+        part = sock.recv(65536)
+        assert part, "the server closed the connection mid-body"
+        body += part
+    return head + b"\r\n\r\n" + body
+
+
+def test_a_busy_server_refuses_before_reading_the_body(tiny_batch_model):
+    gate = letter_gate(permits=0)
+    batcher = gated_batcher(tiny_batch_model, gate)
+    request = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0,
+               "extra_body": {"ignore_eos": True}}
+    with served(batcher, max_concurrent_requests=1) as (base_url, app), openai_client(base_url) as client, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(client.completions.create, **request)
+        gate.wait_calls(1)  # the one allowed request is held inside its first decode
+        poll(lambda: len(app.state.ferrox.generations.in_flight) == 1, "the request to be in flight")
+        host, port = base_url.removeprefix("http://").split(":")
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            with socket.create_connection((host, int(port)), timeout=DEADLINE) as sock:
+                # Headers announce 1,000 bytes; only the first few ever come.
+                sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                             "Content-Length: 1000\r\n\r\n{\"prompt\": ".encode())
+                response = _read_response(sock)  # a socket timeout here means the server waited for the body
+            head, _, body = response.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503"), head
+            assert b"retry-after: 1" in head.lower()
+            assert json.loads(body)["error"]["code"] == "server_busy"
+        gate.open()
+        assert running.result(DEADLINE).usage.completion_tokens == 3
         assert client.completions.create(**request).usage.completion_tokens == 3
 
 

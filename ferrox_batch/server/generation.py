@@ -12,8 +12,9 @@ The pipeline of one request, and why each step is where it is:
 3. The ticket's blocking `wait` runs on a large *wait* pool (one thread per
    request in flight; the default anyio limit of 40 would cap concurrency),
    bridged to the loop by `TicketBridge`. A request that would make more than
-   `max_concurrent_requests` open (in flight or being prepared) is refused
-   with 503 `server_busy` before it is parsed, so the pool never backs up.
+   `max_concurrent_requests` open (in flight, being prepared, or sending its
+   body) is refused with 503 `server_busy` before its body is read, so the
+   pool never backs up and a busy server never waits on an upload to say so.
    Keeping the pools apart means busy waits never delay a refusal and a burst
    of long prompts never delays the streams.
 4. Headers go out only once the first event arrives, so a failure the worker
@@ -100,7 +101,7 @@ class Generations:
         self.model_name = model_name
         self.limits = limits
         self.in_flight: set[TicketBridge] = set()  # touched on the loop thread only
-        self._preparing = 0  # requests on the prepare pool, not yet in flight (loop thread only)
+        self._preparing = 0  # requests reading their body or on the prepare pool, not yet in flight (loop thread)
         self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), model_name)
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"
@@ -112,12 +113,14 @@ class Generations:
     async def serve(self, request: Request, *, chat: bool) -> Response:
         arrival = time.monotonic()
         try:
-            raw = await _read_body(request, self.limits.max_body_bytes)
+            # Counted before the body is read: a body that arrives slowly (or never) must not
+            # keep a busy server from answering, nor hold a buffer past the limit.
             open_now = len(self.in_flight) + self._preparing
             if open_now >= self.limits.max_concurrent_requests:
                 raise ServerBusy(open_now, self.limits.max_concurrent_requests)
             self._preparing += 1
             try:
+                raw = await _read_body(request, self.limits.max_body_bytes)
                 prepared = await self._prepare(raw, chat)
             finally:
                 self._preparing -= 1
