@@ -125,6 +125,8 @@ def test_bad_completion_fields_are_400_naming_the_field(server, body, param):
     ([{"role": "user"}], "messages[0].content"),
     ([{"content": "hi"}], "messages[0].role"),
     ([{"role": 1, "content": "hi"}], "messages[0].role"),
+    ([{"role": "wizard", "content": "hi"}], "messages[0].role"),
+    ([{"role": "user", "content": "hi"}, {"role": "User", "content": "hi"}], "messages[1].role"),
     ([{"role": "user", "content": None}], "messages[0].content"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "messages[0].content[0]"),
 ])
@@ -132,6 +134,19 @@ def test_bad_messages_are_400_naming_the_field(server, messages, param):
     response = post(server, "/v1/chat/completions", json={"messages": messages})
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+def test_an_unknown_chat_role_is_400_naming_it_and_openais_roles_are_served(server):
+    response = post(server, "/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "hi"}]})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "messages[0].role"
+    assert error["message"] == ("messages[0].role must be one of system, developer, user, assistant, tool, "
+                                "got 'wizard'")
+    for role in ("system", "developer", "user", "assistant", "tool"):
+        reply = post(server, "/v1/chat/completions", json={"messages": [{"role": role, "content": "hi"}],
+                                                            "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
 
 
 @pytest.mark.parametrize("raw", [b"{", b"", b"[1, 2]", b'"text"', b'{"prompt": "x", "temperature": NaN}',

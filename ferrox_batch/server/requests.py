@@ -44,6 +44,8 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 #: OpenAI's temperature default. The library's default is greedy; an HTTP client that omits
 #: the field expects OpenAI's behaviour.
 DEFAULT_TEMPERATURE = 1.0
+#: OpenAI's chat roles; any other is refused rather than handed to the chat template.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
@@ -278,6 +280,8 @@ def _message(index: int, message: Any) -> ChatMessage:
     role = message.get("role")
     if not isinstance(role, str) or not role:
         raise InvalidRequest(f"{where}.role", role, "must be a non-empty string")
+    if role not in CHAT_ROLES:
+        raise InvalidRequest(f"{where}.role", role, f"must be one of {', '.join(CHAT_ROLES)}")
     return ChatMessage(role, _content(f"{where}.content", message.get("content")))
 
 
