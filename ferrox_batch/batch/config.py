@@ -9,6 +9,7 @@ a typo in an operator's setting must not silently fall back to a default.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
@@ -29,6 +30,15 @@ DEFAULT_DECODE_LOG_INTERVAL = 40
 #: Prompts advanced per tick: 1 is the upstream V4 tick (one prefill chunk per tick).
 DEFAULT_MAX_PREFILLS_PER_TICK = 1
 
+# What a server starts from (`BatcherConfig.serving()`): the upstream defaults serve a burst of prompts
+# one 128-token chunk per forward, which on these runtimes costs a third of the throughput; these are the
+# settings the HTTP benchmark measured best (docs/benchmarks.md). Port-only, like the server itself.
+SERVING_PREFILL_CHUNK = 256
+SERVING_MAX_BATCH_TOKENS = 1024
+SERVING_KV_BLOCK_SIZE = 16
+SERVING_MAX_PREFILLS_PER_TICK = 8
+SERVING_STEP_TARGET_MS = 400
+
 ENV_MAX_SEQS = "FERROX_CB_MAX_SEQS"
 ENV_PREFILL_CHUNK = "FERROX_CB_PREFILL_CHUNK"
 ENV_MAX_BATCH_TOKENS = "FERROX_CB_MAX_BATCH_TOKENS"
@@ -37,6 +47,7 @@ ENV_KV_BLOCK_SIZE = "FERROX_CB_KV_BLOCK_SIZE"
 ENV_KV_BLOCKS = "FERROX_CB_KV_BLOCKS"
 ENV_MAX_CONTEXT = "FERROX_CB_MAX_CONTEXT"
 ENV_MAX_PREFILLS_PER_TICK = "FERROX_CB_MAX_PREFILLS_PER_TICK"
+ENV_STEP_TARGET_MS = "FERROX_CB_STEP_TARGET_MS"
 ENV_DECODE_LOG_INTERVAL = "FERROX_DECODE_LOG_INTERVAL"
 
 #: Upstream `prefill_batch::PREFILL_CHUNK_ENV_KEYS`, ported to the FERROX_ prefix:
@@ -91,6 +102,14 @@ class BatcherConfig:
     advance, sharing the tick's token budget. 1 is the upstream tick; more
     lets a burst of prompts prefill together instead of one per forward
     (measured in docs/benchmarks.md).
+
+    `step_target_ms` (port-only): a latency target for a tick that has rows
+    decoding. The worker learns what a prompt token costs (`step_cost`) and
+    caps the tick's prompt tokens so the tick stays under it; None is no time
+    cap (the upstream tick, bounded by `max_batch_tokens` alone).
+
+    The field defaults are the upstream's; `serving()` holds the defaults
+    the server, the CLI and `ContinuousBatcher.from_model` start from.
     """
 
     max_seqs: int = UNLIMITED
@@ -101,6 +120,7 @@ class BatcherConfig:
     kv_blocks: int | None = None
     max_context: int | None = None
     max_prefills_per_tick: int = DEFAULT_MAX_PREFILLS_PER_TICK
+    step_target_ms: int | None = None
 
     def __post_init__(self) -> None:
         _check_field("max_seqs", self.max_seqs, minimum=1)
@@ -111,14 +131,23 @@ class BatcherConfig:
         _check_field("kv_blocks", self.kv_blocks, minimum=1, optional=True)
         _check_field("max_context", self.max_context, minimum=1, optional=True)
         _check_field("max_prefills_per_tick", self.max_prefills_per_tick, minimum=1)
+        _check_field("step_target_ms", self.step_target_ms, minimum=1, optional=True)
 
     @classmethod
     def default(cls) -> BatcherConfig:
         return cls()
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> BatcherConfig:
-        """Read `FERROX_CB_*` (from `env`, or the process environment); unset fields keep their defaults.
+    def serving(cls) -> BatcherConfig:
+        """The defaults a server starts from: the settings measured fastest (docs/benchmarks.md)."""
+        return cls(prefill_chunk=SERVING_PREFILL_CHUNK, max_batch_tokens=SERVING_MAX_BATCH_TOKENS,
+                   kv_block_size=SERVING_KV_BLOCK_SIZE, max_prefills_per_tick=SERVING_MAX_PREFILLS_PER_TICK,
+                   step_target_ms=SERVING_STEP_TARGET_MS)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, defaults: BatcherConfig | None = None) -> BatcherConfig:
+        """Read `FERROX_CB_*` (from `env`, or the process environment); unset fields keep `defaults`' values
+        (the upstream defaults when None; `BatcherConfig.serving()` for a server).
 
         The prefill chunk is `FERROX_CB_PREFILL_CHUNK`, falling back to
         `FERROX_CHUNKED_PREFILL` (the private path's variable) when only that
@@ -127,24 +156,22 @@ class BatcherConfig:
         """
         if env is None:
             env = os.environ
-        max_seqs = env_positive(env, ENV_MAX_SEQS)
+        base = defaults if defaults is not None else cls()
         prefill_chunk = env_positive(env, PREFILL_CHUNK_ENV_KEYS[BATCH_PATH_KEY])
         if prefill_chunk is None:
             prefill_chunk = env_positive(env, PREFILL_CHUNK_ENV_KEYS[PRIVATE_PATH_KEY])
-        max_batch_tokens = env_positive(env, ENV_MAX_BATCH_TOKENS)
-        max_queue = env_positive(env, ENV_MAX_QUEUE)
-        kv_block_size = env_positive(env, ENV_KV_BLOCK_SIZE)
-        prefills = env_positive(env, ENV_MAX_PREFILLS_PER_TICK)
-        return cls(
-            max_seqs=UNLIMITED if max_seqs is None else max_seqs,
-            prefill_chunk=DEFAULT_PREFILL_CHUNK if prefill_chunk is None else prefill_chunk,
-            max_batch_tokens=DEFAULT_MAX_BATCH_TOKENS if max_batch_tokens is None else max_batch_tokens,
-            max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue,
-            kv_block_size=DEFAULT_KV_BLOCK_SIZE if kv_block_size is None else kv_block_size,
-            kv_blocks=env_positive(env, ENV_KV_BLOCKS),
-            max_context=env_positive(env, ENV_MAX_CONTEXT),
-            max_prefills_per_tick=DEFAULT_MAX_PREFILLS_PER_TICK if prefills is None else prefills,
-        )
+        found = {
+            "max_seqs": env_positive(env, ENV_MAX_SEQS),
+            "prefill_chunk": prefill_chunk,
+            "max_batch_tokens": env_positive(env, ENV_MAX_BATCH_TOKENS),
+            "max_queue": env_positive(env, ENV_MAX_QUEUE),
+            "kv_block_size": env_positive(env, ENV_KV_BLOCK_SIZE),
+            "kv_blocks": env_positive(env, ENV_KV_BLOCKS),
+            "max_context": env_positive(env, ENV_MAX_CONTEXT),
+            "max_prefills_per_tick": env_positive(env, ENV_MAX_PREFILLS_PER_TICK),
+            "step_target_ms": env_positive(env, ENV_STEP_TARGET_MS),
+        }
+        return dataclasses.replace(base, **{name: value for name, value in found.items() if value is not None})
 
     @property
     def unlimited_seqs(self) -> bool:

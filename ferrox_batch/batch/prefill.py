@@ -107,23 +107,25 @@ class Prefill:
 
 
 def take_prefill_chunks(
-    prefills: deque[Prefill], config: BatcherConfig, decode_rows: int
+    prefills: deque[Prefill], config: BatcherConfig, decode_rows: int, tick_tokens: int | None = None
 ) -> list[tuple[Prefill, list[int]]]:
     """The prompts one tick advances, taken off the front of `prefills`, and the tokens of each.
 
-    The first prompt gets `prefill_budget(...)` tokens (at least MIN_PREFILL_CHUNK, so a
-    saturated batch still progresses: the V4 step budget); with `max_prefills_per_tick > 1`
-    further prompts share what is left of `max_batch_tokens`, each at most its chunk ceiling.
-    The caller puts back every prompt that is not finished (round-robin).
+    `tick_tokens` is the tick's token budget: `config.max_batch_tokens` unless given (the step
+    target lowers it). The first prompt gets `prefill_budget(...)` tokens (at least
+    MIN_PREFILL_CHUNK, so a saturated batch still progresses: the V4 step budget); with
+    `max_prefills_per_tick > 1` further prompts share what is left of the budget, each at most
+    its chunk ceiling. The caller puts back every prompt that is not finished (round-robin).
     """
     taken: list[tuple[Prefill, list[int]]] = []
     if not prefills:
         return taken
+    budget_tokens = config.max_batch_tokens if tick_tokens is None else tick_tokens
     first = prefills.popleft()
-    budget = prefill_budget(config.max_batch_tokens, decode_rows, first.state.chunk_ceiling())
+    budget = prefill_budget(budget_tokens, decode_rows, first.state.chunk_ceiling())
     chunk = first.state.next_chunk(budget)
     taken.append((first, chunk))
-    left = config.max_batch_tokens - decode_rows - len(chunk)
+    left = budget_tokens - decode_rows - len(chunk)
     while prefills and len(taken) < config.max_prefills_per_tick and left > 0:
         prefill = prefills.popleft()
         chunk = prefill.state.next_chunk(min(left, prefill.state.chunk_ceiling()))

@@ -5,7 +5,9 @@ Each tick: block only when fully idle -> drain the channel -> apply cancels
 head job that does not fit holds the line) -> record peak blocks -> sample
 every ready row -> ONE forward holding every active row's next token *and*
 one bounded prefill chunk (the V4 step budget; `max_prefills_per_tick` lets
-further prompts share what is left of it) -> flush.
+further prompts share what is left of it; with `step_target_ms`, a tick with
+rows decoding holds only the prompt tokens that keep it under that time, as
+`step_cost` learns from every tick's measured time) -> flush.
 
 Divergence from the upstream tick, on purpose: upstream runs the prefill
 chunk as its own forward before sampling, then a second forward for the
@@ -40,6 +42,7 @@ from ferrox_batch.batch.prefill import Prefill, PrefillState, take_prefill_chunk
 from ferrox_batch.batch.queue import AbortInbox, QueueGate
 from ferrox_batch.batch.row import Job, Rows, Slot, send_finished
 from ferrox_batch.batch.status import BatchStatus, PoolUsage, PrefillSnapshot, StatusReporter
+from ferrox_batch.batch.step_cost import StepCostModel
 from ferrox_batch.errors import (
     DecodeError,
     InternalError,
@@ -94,6 +97,7 @@ class Worker:
         self.closing = False
         self.started = time.monotonic()
         self.reporter = StatusReporter(log_interval, 0.0)
+        self.step_cost = StepCostModel()  # what a tick costs here, learnt as it runs (the step target)
         self._next_seq = 0
         # Logits of the last forward, and which of its rows belongs to which decoding row.
         self._logits: torch.Tensor | None = None
@@ -122,8 +126,11 @@ class Worker:
         if snapshot.new_seqs:  # blocks are reserved only at admission: only then can the peak rise
             log.info(self.reporter.report_prefill(self._now(), snapshot, self.batch_status()))
             self.counters.record_peak(self.rows.blocks_held() + sum(p.blocks for p in self.prefills))
+        began = time.perf_counter()
         active = self._sample_ready()
-        self._forward(active)
+        prompt_tokens = self._forward(active)
+        if prompt_tokens is not None:
+            self.step_cost.observe(len(active), prompt_tokens, time.perf_counter() - began)
         self._flush()
         self._check_ledger()
         return True
@@ -251,15 +258,17 @@ class Worker:
 
     # --------------------------------------------------------------- forward
 
-    def _forward(self, active: list[int]) -> None:
+    def _forward(self, active: list[int]) -> int | None:
+        """Run the tick's forward; the prompt tokens it held, or None when none ran (nothing to do, or it failed)."""
         chunks = [SeqChunk(self.rows.state[uid].seq_id, [self.rows.state[uid].generated_ids[-1]]) for uid in active]
-        prompt_chunks = take_prefill_chunks(self.prefills, self.config, len(active))
+        tick_tokens = self.step_cost.tick_tokens(self.config.max_batch_tokens, len(active), self.config.step_target_ms)
+        prompt_chunks = take_prefill_chunks(self.prefills, self.config, len(active), tick_tokens)
         # Off the prefill queue until they are put back or become rows: a crash meanwhile must
         # still answer them (`fail_everything`).
         self.in_forward = [prefill for prefill, _ in prompt_chunks]
         chunks += [SeqChunk(prefill.state.seq_id, tokens) for prefill, tokens in prompt_chunks]
         if not chunks:
-            return
+            return None
         try:
             logits = self.decoder.forward(chunks, self.store)
         except Exception as bad:
@@ -271,7 +280,7 @@ class Worker:
                 self._release_prefill(prefill)
                 send_finished(prefill.reply, error)
             self.in_forward = []
-            return
+            return None
         self._logits = logits
         self._logit_row = {uid: j for j, uid in enumerate(active)}
         if active:
@@ -289,6 +298,7 @@ class Worker:
             else:
                 self.in_forward.pop(0)
                 self.prefills.append(prefill)  # round-robin: back of the line
+        return sum(len(tokens) for _, tokens in prompt_chunks)
 
     # ----------------------------------------------------------------- exits
 
