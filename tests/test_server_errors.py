@@ -159,7 +159,7 @@ def test_malformed_json_is_400(server, raw):
 
 
 def test_unknown_fields_are_ignored(server):
-    body = {**OK_BODY, "logit_bias": {"1": 5}, "user": "me", "frobnicate": [1, 2], "stream_options": None}
+    body = {**OK_BODY, "user": "me", "frobnicate": [1, 2], "stream_options": None}
     assert post(server, "/v1/completions", json=body).status_code == 200
 
 
