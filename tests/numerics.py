@@ -1,0 +1,162 @@
+"""Tolerances from the arithmetic, shared by the numeric tests.
+
+A binary float format with p bits of precision (24 for float32, 11 for float16, 8 for bfloat16)
+spaces its values 2**(e + 1 - p) apart in the binade [2**e, 2**(e + 1)): `step(x, dtype)` is that
+spacing at x (one "ulp"). Rounding to nearest is off by at most half a step, a relative error of at
+most u = 2**-p (`unit_roundoff`). Every bound here counts steps or roundings of a format where each
+side of a comparison rounds; none comes from a measurement.
+
+* `steps_apart(a, b)`: how many values of their format lie from one result to the other.
+* `rounds_alike(exact, error, dtype)`: where a value computed within `error` of `exact` must round to
+  the same value of `dtype` as `exact` (it is farther than `error` from every rounding boundary).
+* `gamma(n)`: summing n terms in any order, blocked, pairwise or with FMA, errs by at most
+  gamma_n = n*u / (1 - n*u) times the sum of the terms' magnitudes.
+* `softmax_error(p, ...)`: how far a float32 `exp(l - max) / sum` may be from the exact softmax.
+* `logits_tolerance(config, context, logits, dtype)`: how far two whole forwards of one model, which
+  differ only in where and in what order they round, may put a logit apart (see there).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+#: Standard deviations' worth of accumulated rounding a whole-forward tolerance allows. A logit's
+#: error is a sum of K rounding errors; modelled as independent, zero-mean and each at most u (of the
+#: logits' scale), Hoeffding's inequality puts the sum past LAMBDA * sqrt(K) * u with probability at
+#: most 2 * exp(-LAMBDA**2 / 2) = 3e-8 per logit: below 1e-2 for all 49,152 logits of the real model
+#: over the prompts of a test.
+LAMBDA = 6.0
+
+_INT_VIEW = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16,
+             torch.float64: torch.int64}
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """u: the largest relative error of one rounding to nearest (half of `eps`, the step at 1)."""
+    return torch.finfo(dtype).eps / 2
+
+
+def step(x: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of `dtype`'s values at |x| (float64), the subnormal spacing below the normal range."""
+    info = torch.finfo(dtype)
+    x = torch.as_tensor(x, dtype=torch.float64).abs()
+    _, exponent = torch.frexp(x)  # x = m * 2**exponent with m in [0.5, 1): the binade starts at 2**(exponent - 1)
+    spacing = torch.ldexp(torch.full_like(x, info.eps), exponent - 1)
+    return spacing.clamp(min=info.smallest_normal * info.eps)
+
+
+def steps(n: float, x: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """n steps of `dtype` at x."""
+    return n * step(x, dtype)
+
+
+def steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many values of the tensors' (shared, floating) dtype lie from a to b: 0 when equal, 1 for
+    neighbours, counted across binades and through zero (+0 and -0 are one value). Finite inputs only."""
+    if a.dtype != b.dtype or a.dtype not in _INT_VIEW:
+        raise TypeError(f"steps_apart needs two tensors of one float dtype, got {a.dtype} and {b.dtype}")
+    if not bool(a.isfinite().all() and b.isfinite().all()):
+        raise ValueError("steps_apart counts between finite values only")
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        # Sign and magnitude bits -> one integer line: the magnitude bits count steps from zero.
+        bits = t.contiguous().view(_INT_VIEW[t.dtype]).long()
+        magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
+        return torch.where(bits < 0, -magnitude, magnitude)
+
+    return (ordered(a) - ordered(b)).abs()
+
+
+def rounds_alike(exact: torch.Tensor, error: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
+    """True where every value within `error` of `exact` rounds to nearest in `dtype` alike: `exact` is
+    farther than `error` from both half-way points around its nearest value of `dtype`. (The conversion
+    from float64 goes through float32, so `error` must be at least float32's half step at `exact`, as
+    any float32 computation's is.)"""
+    exact = exact.double()
+    nearest = exact.to(dtype)
+    up = torch.nextafter(nearest, torch.full_like(nearest, math.inf)).double()
+    down = torch.nextafter(nearest, torch.full_like(nearest, -math.inf)).double()
+    nearest = nearest.double()
+    distance = torch.minimum(((nearest + up) / 2 - exact).abs(), (exact - (nearest + down) / 2).abs())
+    return distance > torch.as_tensor(error, dtype=torch.float64)
+
+
+def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
+    """The worst relative error of a sum of n terms (to the sum of their magnitudes): n*u / (1 - n*u)."""
+    nu = n * unit_roundoff(dtype)
+    if nu >= 1:
+        raise ValueError(f"{n} terms are too many for a bound in {dtype}")
+    return nu / (1 - nu)
+
+
+def softmax_error(p: torch.Tensor, *, exp_ulps: float, logit_error: float = 0.0) -> torch.Tensor:
+    """Per element, how far a float32 `exp(l - max) / sum(...)` along the last axis may be from the
+    exact softmax `p` (float64) of its logits, when each logit reaches it off by at most `logit_error`.
+
+    Each term's relative error: the logit (a shift of the exponent by `logit_error` moves p_i by
+    p_i * (dl_i - sum_j p_j dl_j), so at most 2 * logit_error), the subtraction of the max (u * (m - l_i)
+    in the exponent), exp (`exp_ulps` ulps, 2u each), the sum of n positive terms (gamma_n) and the
+    division (u). The subtraction's share, p_i * u * (m - l_i) + p_i * u * sum_j p_j (m - l_j), is at most
+    u / e + p_i * u * ln(n): x * exp(-x) <= 1/e, and sum_j p_j (m - l_j) is at most the entropy.
+    """
+    n = p.shape[-1]
+    u = unit_roundoff(torch.float32)
+    relative = 2 * logit_error + 2 * exp_ulps * u + gamma(n) + u + math.log(n) * u
+    return p.double() * relative + u / math.e
+
+
+# --- whole forwards ---------------------------------------------------------------------------------
+
+#: Single roundings per layer on a logit's path besides the accumulations: two residual adds, RoPE
+#: (two products and a sum), each norm's scaling and weight (two each), SiLU's exp and quotient and
+#: its product with up, the softmax's exp and division.
+_ELEMENTWISE_PER_LAYER = 16
+
+
+def float32_terms(config, context: int) -> int:
+    """K: the terms summed in float32 along one logit's path through a forward over `context` positions.
+
+    Per layer: the norm's sum of squares and the QKV projection (hidden each), a score (head_dim), the
+    softmax's sum and the values' weighted sum (context each), the output projection (heads * head_dim),
+    the second norm and gate/up (hidden each), down (intermediate), and the single roundings. Then the
+    final norm and the lm_head (hidden each).
+    """
+    hidden, heads, head_dim = config.hidden_size, config.num_heads, config.head_dim
+    per_layer = (4 * hidden + head_dim + 2 * context + heads * head_dim + config.intermediate_size
+                 + _ELEMENTWISE_PER_LAYER)
+    return config.num_layers * per_layer + 2 * hidden
+
+
+#: Roundings to bfloat16 per layer on a logit's path when the model runs in bfloat16 (matmuls sum in
+#: float32 inside, which `float32_terms` covers): the two residual adds; each norm's cast and weight
+#: product (two each); the four weight matrices (rounded once at load) and the four projections'
+#: outputs; RoPE's output; attention (its scores, probabilities and output); SiLU and its product.
+_BFLOAT16_PER_LAYER = 2 + 4 + 4 + 4 + 1 + 3 + 2
+
+
+def bfloat16_roundings(config) -> int:
+    """R: bfloat16 roundings along one logit's path; past the layers: the embedding's weights, the final
+    norm's two, the lm_head's weights and its output."""
+    return config.num_layers * _BFLOAT16_PER_LAYER + 5
+
+
+def logits_tolerance(config, context: int, logits: torch.Tensor, dtype: torch.dtype = torch.float32,
+                     *, sides: int = 2) -> float:
+    """How far `sides` forwards of one model (each in float32, or one in `dtype` against exact/float32
+    ones) may put a logit apart, when they differ only in where and in what order they round.
+
+    Each side's error is LAMBDA * sqrt(K) * u_float32 (+ LAMBDA * sqrt(R) * u_dtype for a bfloat16 or
+    float16 side) of the logits' scale, the largest |logit|: every layer's input is renormalised, so a
+    relative error carries through a layer without growing, and lands on the logits relative to their
+    size. Two float32 sides (ours and a reference, two schedules of ours) count twice; a lower-precision
+    side against float32 counts its own roundings once and float32's twice.
+    """
+    scale = float(logits.detach().abs().max())
+    u32 = unit_roundoff(torch.float32)
+    per_side = LAMBDA * math.sqrt(float32_terms(config, context)) * u32
+    tolerance = sides * per_side
+    if dtype != torch.float32:
+        tolerance += LAMBDA * math.sqrt(bfloat16_roundings(config)) * unit_roundoff(dtype)
+    return tolerance * scale
