@@ -39,9 +39,28 @@ def test_flags_override_the_environment_and_the_environment_the_defaults() -> No
            "FERROX_CB_PREFILL_CHUNK": "64"}
     config = cli.batcher_config(serve_args("--max-seqs", "4", "--kv-block-size", "16", "--max-context", "300"),
                                 env)
-    assert config == BatcherConfig(max_seqs=4, prefill_chunk=64, max_queue=9, kv_block_size=16, max_context=300)
-    assert cli.batcher_config(serve_args(), {}) == BatcherConfig()
+    assert config == dataclasses.replace(BatcherConfig.serving(), max_seqs=4, prefill_chunk=64, max_queue=9,
+                                         kv_block_size=16, max_context=300)
+    assert cli.batcher_config(serve_args(), {}) == BatcherConfig.serving()  # the server's defaults
     assert cli.batcher_config(serve_args(), env).max_seqs == 8
+
+
+def test_the_server_defaults_are_the_serving_ones_and_help_shows_them() -> None:
+    serving = BatcherConfig.serving()
+    upstream = BatcherConfig()
+    assert serving != upstream and serving.step_target_ms is not None and upstream.step_target_ms is None
+    for field, (_flag, _env, default, _meaning) in cli.BATCHER_FLAGS.items():
+        value = getattr(serving, field)
+        if isinstance(value, int) and field != "max_seqs":
+            assert default == str(value), f"--help shows {default} for {field}, the server uses {value}"
+
+
+def test_a_step_target_of_zero_on_the_command_line_means_none() -> None:
+    assert cli.batcher_config(serve_args("--step-target-ms", "0"), {}).step_target_ms is None
+    assert cli.batcher_config(serve_args("--step-target-ms", "150"), {}).step_target_ms == 150
+    assert cli.batcher_config(serve_args(), {"FERROX_CB_STEP_TARGET_MS": "90"}).step_target_ms == 90
+    with pytest.raises(SystemExit):
+        serve_args("--step-target-ms", "-1")
 
 
 def test_every_batcher_field_has_a_flag_that_wins() -> None:
@@ -54,7 +73,7 @@ def test_every_batcher_field_has_a_flag_that_wins() -> None:
 
 
 def test_block_budget_precedence() -> None:
-    """--kv-blocks > --kv-memory > FERROX_CB_KV_BLOCKS > FERROX_CB_KV_MEMORY > 1 GiB."""
+    """--kv-blocks > --kv-memory > FERROX_CB_KV_BLOCKS > FERROX_CB_KV_MEMORY > the machine's share."""
     env = {"FERROX_CB_KV_BLOCKS": "7", "FERROX_CB_KV_MEMORY": "256MiB"}
     assert cli.batcher_config(serve_args("--kv-blocks", "5"), env).kv_blocks == 5
     given_memory = serve_args("--kv-memory", "2GiB")
@@ -62,7 +81,7 @@ def test_block_budget_precedence() -> None:
     assert cli.kv_memory(given_memory, env) == 2 * GiB
     assert cli.batcher_config(serve_args(), env).kv_blocks == 7
     assert cli.kv_memory(serve_args(), env) == 256 * MiB
-    assert cli.kv_memory(serve_args(), {}) == GiB == cli.parse_memory_size(cli.DEFAULT_KV_MEMORY)
+    assert cli.kv_memory(serve_args(), {}) is None  # sized from the machine once the model is loaded
     with pytest.raises(cli.CliError, match="FERROX_CB_KV_MEMORY: 'lots' is not a memory size") as err:
         cli.kv_memory(serve_args(), {"FERROX_CB_KV_MEMORY": "lots"})
     assert err.value.status == 2
@@ -208,7 +227,7 @@ def test_serve_help_names_every_flag_and_variable(capsys) -> None:
     for flag, env_name, _default, _meaning in cli.BATCHER_FLAGS.values():
         assert flag in out and env_name in out
     for flag in ("--model", "--host", "--port", "--device", "--dtype", "--model-name", "--kv-memory",
-                 "--default-max-tokens", "--log-level", "FERROX_CB_KV_MEMORY", "default: 1GiB"):
+                 "--default-max-tokens", "--log-level", "FERROX_CB_KV_MEMORY", "default: 25 percent of available memory"):
         assert flag in out
 
 

@@ -95,10 +95,11 @@ class ContinuousBatcher:
     def from_model(cls, model: LoadedModel, config: BatcherConfig | None = None) -> "ContinuousBatcher":
         """Serve a loaded checkpoint: its tokenizer decodes, and the ceiling prices KV in the store's dtype.
 
-        `config` defaults to `BatcherConfig.from_env()`; with no `max_context` the ceiling is the
-        model's trained context.
+        `config` defaults to `BatcherConfig.from_env()` over the serving defaults
+        (`BatcherConfig.serving()`, not the upstream ones); with no `kv_blocks` the KV budget is a
+        share of the machine's memory (`models.memory`).
         """
-        config = config if config is not None else BatcherConfig.from_env()
+        config = config if config is not None else BatcherConfig.from_env(defaults=BatcherConfig.serving())
         limit = min(config.max_context or model.config.max_position_embeddings, model.config.max_position_embeddings)
         ceiling = ContextCeiling(limit, model.kv_shape())
         batcher = cls.spawn_with_ceiling(model.decoder, model.tokenizer.decode, config, ceiling)

@@ -41,6 +41,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.bench.report import CHECKED, check_ids, report
 from ferrox_batch.bench.workloads import (
     Request,
@@ -79,13 +80,16 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds one method run may take")
-    g = p.add_argument_group("our batcher")
+    serving = BatcherConfig.serving()
+    g = p.add_argument_group("our batcher (defaults: the server's)")
     g.add_argument("--max-seqs", type=int, default=0, help="0: unlimited")
-    g.add_argument("--prefill-chunk", type=int, default=256)
-    g.add_argument("--max-batch-tokens", type=int, default=1024)
-    g.add_argument("--max-prefills-per-tick", type=int, default=8,
+    g.add_argument("--prefill-chunk", type=int, default=serving.prefill_chunk)
+    g.add_argument("--max-batch-tokens", type=int, default=serving.max_batch_tokens)
+    g.add_argument("--max-prefills-per-tick", type=int, default=serving.max_prefills_per_tick,
                    help="prompts one forward may advance (1: the upstream tick)")
-    g.add_argument("--kv-block-size", type=int, default=16)
+    g.add_argument("--step-target-ms", type=int, default=serving.step_target_ms or 0,
+                   help="time target of a tick with rows decoding (0: none, the token budget alone)")
+    g.add_argument("--kv-block-size", type=int, default=serving.kv_block_size)
     g.add_argument("--kv-blocks", type=int, default=0, help="0: every request of the shape fits at once")
     g = p.add_argument_group("transformers continuous batching")
     g.add_argument("--cb-blocks", type=int, default=0, help="0: 1.5x what the shape needs, in 16s (160 for a)")
@@ -125,7 +129,6 @@ def sized(args: argparse.Namespace, requests: list[Request]) -> tuple[int, int]:
 # ------------------------------------------------------------------ the three methods (child side)
 
 def run_ours(args, requests: list[Request], kv_blocks: int) -> dict:
-    from ferrox_batch.batch.config import BatcherConfig
     from ferrox_batch.batch.handle import ContinuousBatcher
     from ferrox_batch.checks import UNLIMITED
     from ferrox_batch.generate import GenerationParams
@@ -135,7 +138,8 @@ def run_ours(args, requests: list[Request], kv_blocks: int) -> dict:
     loaded = peak_rss_mb()
     config = BatcherConfig(max_seqs=args.max_seqs or UNLIMITED, prefill_chunk=args.prefill_chunk,
                            max_batch_tokens=args.max_batch_tokens, kv_block_size=args.kv_block_size,
-                           kv_blocks=kv_blocks, max_prefills_per_tick=args.max_prefills_per_tick)
+                           kv_blocks=kv_blocks, max_prefills_per_tick=args.max_prefills_per_tick,
+                           step_target_ms=args.step_target_ms or None)
     batcher = ContinuousBatcher.from_model(model, config)  # as the server builds it
     stop = model.tokenizer.stop_tokens
 
@@ -178,7 +182,8 @@ def run_ours(args, requests: list[Request], kv_blocks: int) -> dict:
     closed = batcher.close(timeout=60)
     out["extra"] = {"config": {"max_seqs": args.max_seqs or "unlimited", "prefill_chunk": args.prefill_chunk,
                                "max_batch_tokens": args.max_batch_tokens, "kv_block_size": args.kv_block_size,
-                               "kv_blocks": kv_blocks, "max_prefills_per_tick": args.max_prefills_per_tick},
+                               "kv_blocks": kv_blocks, "max_prefills_per_tick": args.max_prefills_per_tick,
+                               "step_target_ms": args.step_target_ms or None},
                     "stats": {k: getattr(stats, k) for k in stats.__dataclass_fields__}, "closed": closed,
                     "chunks_per_token": out.pop("chunks") / max(1, sum(len(i) for i in out["ids"]))}
     out["rss_after_load_mb"] = loaded
@@ -217,7 +222,7 @@ def child_argv(args: argparse.Namespace, method: str, shape: str, out: str, kv: 
             "--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--threads", str(args.threads),
             "--timeout", str(args.timeout), "--max-seqs", str(args.max_seqs),
             "--prefill-chunk", str(args.prefill_chunk), "--max-batch-tokens", str(args.max_batch_tokens),
-            "--max-prefills-per-tick", str(args.max_prefills_per_tick),
+            "--max-prefills-per-tick", str(args.max_prefills_per_tick), "--step-target-ms", str(args.step_target_ms),
             "--kv-block-size", str(args.kv_block_size), "--kv-blocks", str(kv), "--cb-blocks", str(cb),
             "--cb-page-size", str(args.cb_page_size), "--cb-max-batch-tokens", str(args.cb_max_batch_tokens)]
     return argv + (["--quick"] if args.quick else []) + (["--cb-release-openmp"] if args.cb_release_openmp else [])
@@ -277,6 +282,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
               f"cb num_blocks {sizes[shape][1]} x {args.cb_page_size}")
     print(f"# ours: max_seqs {args.max_seqs or 'unlimited'}, prefill_chunk {args.prefill_chunk}, "
           f"max_batch_tokens {args.max_batch_tokens}, max_prefills_per_tick {args.max_prefills_per_tick}, "
+          f"step_target_ms {args.step_target_ms or 'none'}, "
           f"kv_block_size {args.kv_block_size}; "
           f"cb: page_size {args.cb_page_size}, max_batch_tokens {args.cb_max_batch_tokens}, sdpa"
           f"{', loading thread OpenMP pool released' if args.cb_release_openmp else ''}", flush=True)

@@ -45,7 +45,7 @@ from ferrox_batch.cli.serve import (
     kv_memory,
     with_kv_budget,
 )
-from ferrox_batch.cli.tools import _add_bench, _add_fetch
+from ferrox_batch.cli.tools import _add_bench, _add_bench_http, _add_fetch
 
 #: The CLI's public surface (tests and scripts use these through `ferrox_batch.cli`).
 __all__ = [
@@ -94,6 +94,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _SUBCOMMANDS: tuple[Callable[[argparse._SubParsersAction], None], ...] = (
-    _add_serve, _add_generate, _add_fetch, _add_bench)
+    _add_serve, _add_generate, _add_fetch, _add_bench, _add_bench_http)
 
 

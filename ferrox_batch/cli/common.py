@@ -23,11 +23,9 @@ if TYPE_CHECKING:  # the CLI imports torch only once a command needs it: `--help
 
 Handler = Callable[[argparse.Namespace, Mapping[str, str]], int]
 
-#: The KV memory a server budgets when neither a block count nor a memory size is given. A server
-#: with no block budget grows its KV store without limit until the process runs out of memory; 1 GiB
-#: is a size any machine that runs a model can spare, and it holds the default SmolLM2-135M's KV for
-#: about 23k positions in fp32 (91 blocks of 256), 46k in bf16 (182 blocks).
-DEFAULT_KV_MEMORY = "1GiB"
+#: What `--help` says the KV memory budget is when neither a block count nor a size is given: the
+#: batcher then takes a share of the machine's memory (`models.memory.default_kv_memory`).
+DEFAULT_KV_MEMORY = "25 percent of available memory on the CPU, 80 percent of free GPU memory on CUDA"
 #: Read by the CLI only: `BatcherConfig` counts blocks, and bytes per block depend on the loaded model.
 ENV_KV_MEMORY = "FERROX_CB_KV_MEMORY"
 ENV_HOME = "FERROX_HOME"
@@ -79,6 +77,10 @@ def positive_int(text: str) -> int:
     return _int_at_least(text, 1, "a positive integer")
 
 
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
 def _port(text: str) -> int:
     value = positive_int(text)
     if value > 65535:
@@ -86,8 +88,7 @@ def _port(text: str) -> int:
     return value
 
 
-def _seed(text: str) -> int:
-    return _int_at_least(text, 0, "an integer >= 0")
+_seed = non_negative_int
 
 
 _UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
@@ -198,8 +199,8 @@ def load(args: argparse.Namespace, env: Mapping[str, str]) -> LoadedModel:
 
 
 def env_config(env: Mapping[str, str]) -> BatcherConfig:
-    """`BatcherConfig.from_env`, with a malformed variable as a CliError (exit 2) rather than a traceback."""
+    """`BatcherConfig.from_env` over the serving defaults, with a malformed variable as a CliError (exit 2)."""
     try:
-        return BatcherConfig.from_env(env)
+        return BatcherConfig.from_env(env, BatcherConfig.serving())
     except ValueError as err:
         raise CliError(str(err), status=2) from None

@@ -15,11 +15,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ferrox_batch.batch.config import (
-    DEFAULT_KV_BLOCK_SIZE,
-    DEFAULT_MAX_BATCH_TOKENS,
-    DEFAULT_MAX_PREFILLS_PER_TICK,
     DEFAULT_MAX_QUEUE,
-    DEFAULT_PREFILL_CHUNK,
     ENV_KV_BLOCK_SIZE,
     ENV_KV_BLOCKS,
     ENV_MAX_BATCH_TOKENS,
@@ -28,8 +24,14 @@ from ferrox_batch.batch.config import (
     ENV_MAX_QUEUE,
     ENV_MAX_SEQS,
     ENV_PREFILL_CHUNK,
+    ENV_STEP_TARGET_MS,
     PREFILL_CHUNK_ENV_KEYS,
     PRIVATE_PATH_KEY,
+    SERVING_KV_BLOCK_SIZE,
+    SERVING_MAX_BATCH_TOKENS,
+    SERVING_MAX_PREFILLS_PER_TICK,
+    SERVING_PREFILL_CHUNK,
+    SERVING_STEP_TARGET_MS,
     BatcherConfig,
 )
 from ferrox_batch.cli.common import (
@@ -47,6 +49,7 @@ from ferrox_batch.cli.common import (
     _subparser,
     env_config,
     load,
+    non_negative_int,
     parse_memory_size,
     positive_int,
 )
@@ -58,25 +61,30 @@ if TYPE_CHECKING:  # the CLI imports torch only once a command needs it: `--help
 # ------------------------------------------------------------------ serve
 
 #: BatcherConfig field -> (flag, environment variable, default shown in --help, meaning). The README's
-#: configuration table lists the same rows.
+#: configuration table lists the same rows. The defaults are the serving ones (`BatcherConfig.serving()`).
 BATCHER_FLAGS: dict[str, tuple[str, str, str, str]] = {
     "max_seqs": ("--max-seqs", ENV_MAX_SEQS, "unlimited", "sequences decoded at once"),
-    "prefill_chunk": ("--prefill-chunk", ENV_PREFILL_CHUNK, str(DEFAULT_PREFILL_CHUNK),
+    "prefill_chunk": ("--prefill-chunk", ENV_PREFILL_CHUNK, str(SERVING_PREFILL_CHUNK),
                       "prompt tokens per prefill chunk"),
-    "max_batch_tokens": ("--max-batch-tokens", ENV_MAX_BATCH_TOKENS, str(DEFAULT_MAX_BATCH_TOKENS),
+    "max_batch_tokens": ("--max-batch-tokens", ENV_MAX_BATCH_TOKENS, str(SERVING_MAX_BATCH_TOKENS),
                          "tokens per forward, decodes + prefill chunk"),
     "max_queue": ("--max-queue", ENV_MAX_QUEUE, str(DEFAULT_MAX_QUEUE),
                   "requests waiting for admission before new ones get 503"),
-    "kv_block_size": ("--kv-block-size", ENV_KV_BLOCK_SIZE, str(DEFAULT_KV_BLOCK_SIZE),
+    "kv_block_size": ("--kv-block-size", ENV_KV_BLOCK_SIZE, str(SERVING_KV_BLOCK_SIZE),
                       "token positions per KV block"),
     "kv_blocks": ("--kv-blocks", ENV_KV_BLOCKS, "from --kv-memory",
                   "KV blocks in the budget (wins over --kv-memory)"),
     "max_context": ("--max-context", ENV_MAX_CONTEXT, "the model's context",
                     "prompt + max_tokens ceiling per request"),
     "max_prefills_per_tick": ("--max-prefills-per-tick", ENV_MAX_PREFILLS_PER_TICK,
-                              str(DEFAULT_MAX_PREFILLS_PER_TICK),
+                              str(SERVING_MAX_PREFILLS_PER_TICK),
                               "prompts one forward may advance, sharing --max-batch-tokens"),
+    "step_target_ms": ("--step-target-ms", ENV_STEP_TARGET_MS, str(SERVING_STEP_TARGET_MS),
+                       "while rows decode, a forward holds only the prompt tokens that keep it under this "
+                       "many milliseconds (learnt as it runs); 0: no time target"),
 }
+#: Flags whose 0 means "none" (the variable, like every FERROX_CB_* one, must still be positive).
+_ZERO_IS_NONE = ("step_target_ms",)
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -114,8 +122,8 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         if field == "kv_blocks":
             continue  # in the exclusive group below
         also = f", else ${PREFILL_CHUNK_ENV_KEYS[PRIVATE_PATH_KEY]}" if field == "prefill_chunk" else ""
-        batcher.add_argument(flag, dest=field, type=positive_int, default=None, metavar="N",
-                             help=f"{meaning} (${env_name}{also}; default: {default})")
+        batcher.add_argument(flag, dest=field, type=non_negative_int if field in _ZERO_IS_NONE else positive_int,
+                             default=None, metavar="N", help=f"{meaning} (${env_name}{also}; default: {default})")
     budget = batcher.add_mutually_exclusive_group()
     flag, env_name, _, meaning = BATCHER_FLAGS["kv_blocks"]
     budget.add_argument(flag, dest="kv_blocks", type=positive_int, default=None, metavar="N",
@@ -134,6 +142,7 @@ def batcher_config(args: argparse.Namespace, env: Mapping[str, str]) -> BatcherC
     """
     config = env_config(env)
     given = {field: getattr(args, field) for field in BATCHER_FLAGS if getattr(args, field, None) is not None}
+    given.update({field: None for field in _ZERO_IS_NONE if given.get(field) == 0})
     if getattr(args, "kv_memory", None) is not None:
         given["kv_blocks"] = None  # an explicit --kv-memory wins over $FERROX_CB_KV_BLOCKS
     try:
@@ -142,13 +151,14 @@ def batcher_config(args: argparse.Namespace, env: Mapping[str, str]) -> BatcherC
         raise CliError(str(err), status=2) from None
 
 
-def kv_memory(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    """The KV memory budget in bytes: `--kv-memory`, else `$FERROX_CB_KV_MEMORY`, else 1 GiB."""
+def kv_memory(args: argparse.Namespace, env: Mapping[str, str]) -> int | None:
+    """The KV memory budget in bytes: `--kv-memory`, else `$FERROX_CB_KV_MEMORY`, else None (the machine's
+    share, `models.memory.default_kv_memory`, once the model is loaded)."""
     if args.kv_memory is not None:
         return args.kv_memory
     raw = env.get(ENV_KV_MEMORY)
     if raw is None:
-        return parse_memory_size(DEFAULT_KV_MEMORY)
+        return None
     try:
         return parse_memory_size(raw)
     except ValueError as err:
@@ -208,21 +218,30 @@ def cmd_serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None) -> None:
     started = time.monotonic()
     model = load(args, env)
-    if memory is not None:
-        config = with_kv_budget(config, memory, model)
+    from ferrox_batch.models.memory import default_kv_memory
     from ferrox_batch.models.paged_kv import PagedKvStore
+
+    if config.kv_blocks is None:
+        if memory is None:
+            budget = default_kv_memory(model.decoder.device)
+            logging.getLogger("ferrox_batch.cli").info("KV memory budget %s: %s", _size(budget.bytes), budget.reason)
+            memory = budget.bytes
+        config = with_kv_budget(config, memory, model)
     from ferrox_batch.server.run import default_model_name, serve
 
     name = args.model_name or default_model_name(model.source)
     kv_bytes = config.kv_blocks * PagedKvStore.bytes_per_block(model.config, config.kv_block_size,
                                                                model.decoder.dtype)
     logging.getLogger("ferrox_batch.cli").info(
-        "%s loaded from %s in %.1f s on %s (%s); KV budget %d blocks x %d positions (%s); max_seqs %s, "
-        "prefill_chunk %d, max_batch_tokens %d, max_queue %d, max_context %s",
+        "%s loaded from %s in %.1f s on %s (%s: %s); KV budget %d blocks x %d positions (%s); max_seqs %s, "
+        "prefill_chunk %d, max_batch_tokens %d, max_prefills_per_tick %d, step_target_ms %s, max_queue %d, "
+        "max_context %s",
         name, model.source, time.monotonic() - started, model.decoder.device,
-        str(model.decoder.dtype).removeprefix("torch."), config.kv_blocks, config.kv_block_size,
-        _size(kv_bytes), "unlimited" if config.unlimited_seqs else config.max_seqs, config.prefill_chunk,
-        config.max_batch_tokens, config.max_queue, config.max_context or model.config.max_position_embeddings)
+        str(model.decoder.dtype).removeprefix("torch."), model.dtype_reason, config.kv_blocks,
+        config.kv_block_size, _size(kv_bytes), "unlimited" if config.unlimited_seqs else config.max_seqs,
+        config.prefill_chunk, config.max_batch_tokens, config.max_prefills_per_tick,
+        config.step_target_ms or "none", config.max_queue,
+        min(config.max_context or model.config.max_position_embeddings, model.config.max_position_embeddings))
     serve(model, config, args.host, args.port, model_name=name, default_max_tokens=args.default_max_tokens,
           default_chat_max_tokens=args.default_chat_max_tokens,
           max_concurrent_requests=args.max_concurrent_requests, log_level=args.log_level)

@@ -1,4 +1,4 @@
-"""`ferrox-batch fetch` and `ferrox-batch bench`: the default model's download and the batcher benchmark."""
+"""`ferrox-batch fetch`, `bench` and `bench-http`: the default model's download and the two benchmarks."""
 
 from __future__ import annotations
 
@@ -54,3 +54,17 @@ def cmd_bench(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from ferrox_batch.bench.batcher import main as bench_main
 
     return bench_main(args.bench_args, env, prog="ferrox-batch bench")
+
+
+def _add_bench_http(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "bench-http", help="benchmark server settings over HTTP (ferrox-batch bench-http --help)",
+        add_help=False, prefix_chars="\0")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER)
+    parser.set_defaults(handler=cmd_bench_http, command="bench-http")
+
+
+def cmd_bench_http(args: argparse.Namespace, env: Mapping[str, str]) -> int:
+    from ferrox_batch.bench.http import main as bench_http_main
+
+    return bench_http_main(args.bench_args, env, prog="ferrox-batch bench-http")

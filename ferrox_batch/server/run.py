@@ -4,7 +4,7 @@ It promises a clean exit: however uvicorn stops (Ctrl-C, SIGTERM, `stop`, a
 port already in use), the app first cancels what is still in flight and joins
 its threads, then the batcher is closed and its worker joined. It reads no
 environment: the CLI passes every setting in (a `batcher_config` of None means
-the library defaults, not `BatcherConfig.from_env()`).
+the serving defaults, `BatcherConfig.serving()`, not `BatcherConfig.from_env()`).
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ def serve(
     """
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype)
     name = model_name or default_model_name(loaded.source)
-    batcher = ContinuousBatcher.from_model(loaded, batcher_config if batcher_config is not None else BatcherConfig())
+    batcher = ContinuousBatcher.from_model(loaded, batcher_config if batcher_config is not None
+                                           else BatcherConfig.serving())
     try:
         app = create_app(batcher, model_name=name, default_max_tokens=default_max_tokens,
                          default_chat_max_tokens=default_chat_max_tokens, max_body_bytes=max_body_bytes,

@@ -1,0 +1,231 @@
+"""Benchmark `ferrox-batch serve` over HTTP: server settings side by side, on the same workload, in one run.
+
+What a user gets is the server with its defaults, so this is the measurement the server's defaults are
+chosen by. Each named configuration is a list of `ferrox-batch serve` flags (empty: the defaults); each
+run starts a fresh server in its own process on a free loopback port, sends the shape's requests all at
+once as streamed `/v1/completions` (token-id prompts, greedy, `ignore_eos`, every request from its own
+thread behind a barrier), and stops the server. Repeats are interleaved by configuration, the table gives
+medians and each configuration's throughput over the first one's. tok/s = completion tokens (from each
+stream's usage) / (first submit -> last finish). TTFT: submit -> first streamed text. ITL: gaps between
+a request's consecutive streamed chunks, pooled.
+
+    ferrox-batch bench-http                                   # defaults vs the upstream tick, shape a, 3 repeats
+    ferrox-batch bench-http --config "fast=--max-batch-tokens 2048" --config "defaults=" --repeats 5
+    ferrox-batch bench-http --shape b --dtype fp32 --json /tmp/http.json
+(`python -m ferrox_batch.bench.http ...` is the same program.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from ferrox_batch.bench.report import fmt, median_of
+from ferrox_batch.bench.workloads import Request, build_requests, describe, latency_summary
+
+#: The configurations compared when none are named: the server's defaults, and the upstream tick.
+DEFAULT_CONFIGS = (
+    "defaults=",
+    "upstream=--max-prefills-per-tick 1 --max-batch-tokens 256 --prefill-chunk 128 --kv-block-size 256 "
+    "--step-target-ms 0",
+)
+
+
+def parse_args(argv: Sequence[str] | None, env: Mapping[str, str], prog: str | None = None) -> argparse.Namespace:
+    from ferrox_batch.bench.batcher import default_model
+
+    p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=default_model(env), help="checkpoint (default: the fetched SmolLM2)")
+    p.add_argument("--config", action="append", metavar="NAME=FLAGS",
+                   help=f"a named list of serve flags, repeatable (default: {' and '.join(DEFAULT_CONFIGS)})")
+    p.add_argument("--shape", default="a", choices=("a", "b"))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="4 requests x 8 tokens, 1 repeat")
+    p.add_argument("--timeout", type=float, default=900, help="seconds one run's requests may take")
+    p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
+    args = p.parse_args(argv)
+    args.config = args.config or list(DEFAULT_CONFIGS)
+    if args.quick:
+        args.repeats = 1
+    return args
+
+
+def named_configs(specs: Sequence[str]) -> list[tuple[str, list[str]]]:
+    """`NAME=FLAGS` specs as (name, serve flags)."""
+    out = []
+    for spec in specs:
+        name, sep, flags = spec.partition("=")
+        if not sep or not name:
+            raise SystemExit(f"--config takes NAME=FLAGS, got {spec!r}")
+        out.append((name, shlex.split(flags)))
+    return out
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    """`ferrox-batch serve` in a child process with the given flags, on a free loopback port."""
+
+    def __init__(self, model: str, dtype: str, flags: list[str], env: Mapping[str, str]) -> None:
+        self.port = free_port()
+        # The configuration is only what its flags say: no FERROX_CB_* of the caller's leaks in.
+        child_env = {k: v for k, v in env.items() if not k.startswith("FERROX_CB_")}
+        argv = [sys.executable, "-m", "ferrox_batch.cli", "serve", "--model", model, "--dtype", dtype,
+                "--port", str(self.port), "--log-level", "warning", *flags]
+        self.proc = subprocess.Popen(argv, env=child_env, stdin=subprocess.DEVNULL)
+
+    def wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.proc.returncode} before it was ready")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"the server was not ready within {timeout:.0f} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def stream_completion(port: int, request: Request, timeout: float) -> tuple[list[float], int]:
+    """One streamed completion: the arrival time of each chunk that carried text, and the completion tokens."""
+    body = json.dumps({"prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
+    times: list[float] = []
+    tokens = 0
+    for raw in response:
+        line = raw.strip()
+        if not line.startswith(b"data:") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[5:])
+        if any(choice.get("text") for choice in event.get("choices", ())):
+            times.append(time.perf_counter())
+        if event.get("usage"):
+            tokens = event["usage"]["completion_tokens"]
+    conn.close()
+    return times, tokens
+
+
+def closed_loop(port: int, requests: list[Request], timeout: float) -> dict:
+    n = len(requests)
+    barrier = threading.Barrier(n)
+    submit, done, tokens = [0.0] * n, [0.0] * n, [0] * n
+    chunks: list[list[float]] = [[] for _ in range(n)]
+    errors: list[str] = []
+
+    def one(i: int) -> None:
+        barrier.wait()
+        submit[i] = time.perf_counter()
+        try:
+            chunks[i], tokens[i] = stream_completion(port, requests[i], timeout)
+        except Exception as error:  # noqa: BLE001 - reported, not raised
+            errors.append(f"request {i}: {type(error).__name__}: {error}")
+        done[i] = time.perf_counter()
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout + 60)
+    wall = max(done) - min(submit)
+    ttfts = [c[0] - s for c, s in zip(chunks, submit) if c]
+    return {"wall_s": wall, "tokens": sum(tokens), "tok_s": sum(tokens) / wall, "errors": errors[:10],
+            "short": [i for i, (t, r) in enumerate(zip(tokens, requests)) if t != r.max_tokens][:20],
+            **latency_summary(ttfts, chunks)}
+
+
+def run_one(args: argparse.Namespace, name: str, flags: list[str], requests: list[Request],
+            env: Mapping[str, str]) -> dict:
+    server = Server(args.model, args.dtype, flags, env)
+    try:
+        server.wait_ready()
+        closed_loop(server.port, [Request(r.prompt[:16], 4) for r in requests[:2]], args.timeout)  # warm-up
+        return {"config": name, **closed_loop(server.port, requests, args.timeout)}
+    except Exception as error:  # noqa: BLE001 - a failed run is reported in the table, not raised
+        return {"config": name, "failed": f"{type(error).__name__}: {error}"}
+    finally:
+        server.stop()
+
+
+def report(names: list[str], runs: list[dict]) -> list[str]:
+    lines = ["| config | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | tok/s over the first |",
+             "|---|---|---|---|---|"]
+    first = None
+    for name in names:
+        good = [r for r in runs if r["config"] == name and "failed" not in r]
+        med = {k: median_of(good, k) for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
+        first = med["tok_s"] if first is None else first
+        ratio = None if not first or med["tok_s"] is None else med["tok_s"] / first
+        lines.append(f"| {name} | {fmt(med['tok_s'], '.1f')} | {fmt(med['ttft_p50_ms'])} / {fmt(med['ttft_p99_ms'])} "
+                     f"| {fmt(med['itl_p50_ms'], '.0f')} / {fmt(med['itl_p99_ms'], '.0f')} | {fmt(ratio, '.2f')} |")
+    return lines
+
+
+def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, prog: str | None = None) -> int:
+    env = os.environ if env is None else env
+    args = parse_args(argv, env, prog)
+    from ferrox_batch.bench.batcher import resolved_dtype
+    from ferrox_batch.models.device import cpu_description
+    from ferrox_batch.models.tokenizer import Tokenizer
+
+    configs = named_configs(args.config)
+    args.dtype, why = resolved_dtype(args.dtype)
+    requests = build_requests(args.shape, Tokenizer.from_dir(args.model).encode, args.seed, args.quick)
+    print(f"# bench-http: {args.model}, dtype {args.dtype} ({why}), shape {args.shape}: {describe(requests)}, "
+          f"repeats {args.repeats}")
+    print(f"# cpu: {cpu_description()}")
+    for name, flags in configs:
+        print(f"# {name}: ferrox-batch serve {' '.join(flags) or '(defaults)'}")
+    runs = []
+    for rep in range(args.repeats):
+        for name, flags in configs:
+            run = run_one(args, name, flags, requests, env)
+            runs.append(run)
+            state = run.get("failed") or (f"{run['tok_s']:.1f} tok/s, ITL p99 {run['itl_p99_ms']:.0f} ms, "
+                                          f"{len(run['errors'])} errors, {len(run['short'])} short")
+            print(f"# [{rep + 1}/{args.repeats}] {name}: {state}", file=sys.stderr, flush=True)
+    print("\n".join(report([name for name, _ in configs], runs)))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    bad = [r for r in runs if r.get("failed") or r.get("errors") or r.get("short")]
+    for r in bad:
+        print(f"# PROBLEM {r['config']}: {r.get('failed', '')} {r.get('errors', [])[:3]} short {r.get('short', [])}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
