@@ -39,6 +39,7 @@ from ferrox_batch.batch.text import text_params
 from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
 from ferrox_batch.generate import UNLIMITED, GenerationParams, SamplingParams
 from ferrox_batch.models.tokenizer import ChatMessage, Tokenizer
+from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS, refuse_not_honoured
 
 #: OpenAI's documented default for `/v1/completions`.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
@@ -112,61 +113,17 @@ class ChatRequest:
 
 
 def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int) -> CompletionRequest:
-    _refuse_not_honoured(body, COMPLETIONS)
+    refuse_not_honoured(body, COMPLETIONS)
     fields = _Fields(body)
     common = _common(fields, default_max_tokens)
     return CompletionRequest(prompt=_prompt(body.get("prompt")), **common)
 
 
 def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> ChatRequest:
-    _refuse_not_honoured(body, CHAT)
+    refuse_not_honoured(body, CHAT)
     fields = _Fields(body)
     common = _common(fields, default_max_tokens)
     return ChatRequest(messages=_messages(body.get("messages")), **common)
-
-
-# ---------------------------------------------------------------------------
-# Fields this server cannot honour yet
-# ---------------------------------------------------------------------------
-
-CHAT = "chat"
-COMPLETIONS = "completions"
-
-
-@dataclass(frozen=True, slots=True)
-class NotHonoured:
-    """An OpenAI field refused on `endpoints` unless it is null or exactly `nothing` (JSON text)."""
-
-    field: str
-    endpoints: tuple[str, ...]
-    nothing: str  # the one value that asks for nothing, type included (`false` is not `0`)
-    feature: str
-
-
-#: Where OpenAI defines each field. Completions' `logprobs` is a count, and 0 still asks for the
-#: sampled tokens' log probabilities, so only `false` (which some clients send) asks for nothing.
-NOT_HONOURED = (
-    NotHonoured("tools", (CHAT,), "[]", "tool calling"),
-    NotHonoured("tool_choice", (CHAT,), '"none"', "tool calling"),
-    NotHonoured("response_format", (CHAT,), '{"type": "text"}', "structured output"),
-    NotHonoured("logit_bias", (CHAT, COMPLETIONS), "{}", "logit bias"),
-    NotHonoured("logprobs", (CHAT, COMPLETIONS), "false", "log probabilities"),
-    NotHonoured("top_logprobs", (CHAT,), "0", "log probabilities"),
-    NotHonoured("echo", (COMPLETIONS,), "false", "echoing the prompt"),
-    NotHonoured("best_of", (COMPLETIONS,), "1", "choosing among candidates"),
-    NotHonoured("suffix", (COMPLETIONS,), '""', "insertion"),
-)
-
-
-def _refuse_not_honoured(body: Mapping[str, Any], endpoint: str) -> None:
-    for row in NOT_HONOURED:
-        value = body.get(row.field)
-        if endpoint not in row.endpoints or value is None:
-            continue
-        nothing = json.loads(row.nothing)
-        if type(value) is not type(nothing) or value != nothing:
-            raise InvalidRequest(row.field, value, f"is not supported by this server ({row.feature}): "
-                                                   f"leave it out or send {row.nothing}")
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,54 @@
+"""The OpenAI request fields this server cannot honour yet, refused by name rather than silently ignored.
+
+A client that asks for JSON output or log probabilities and gets a 200 without them has been lied to;
+a 400 naming the field tells it at once. Each field has the one value that asks for nothing, which
+common clients send by default and which is therefore accepted (`tools: []`, `logprobs: false`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ferrox_batch.errors import InvalidRequest
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+
+
+@dataclass(frozen=True, slots=True)
+class NotHonoured:
+    """An OpenAI field refused on `endpoints` unless it is null or exactly `nothing` (JSON text)."""
+
+    field: str
+    endpoints: tuple[str, ...]
+    nothing: str  # the one value that asks for nothing, type included (`false` is not `0`)
+    feature: str
+
+
+#: Where OpenAI defines each field. Completions' `logprobs` is a count, and 0 still asks for the
+#: sampled tokens' log probabilities, so only `false` (which some clients send) asks for nothing.
+NOT_HONOURED = (
+    NotHonoured("tools", (CHAT,), "[]", "tool calling"),
+    NotHonoured("tool_choice", (CHAT,), '"none"', "tool calling"),
+    NotHonoured("response_format", (CHAT,), '{"type": "text"}', "structured output"),
+    NotHonoured("logit_bias", (CHAT, COMPLETIONS), "{}", "logit bias"),
+    NotHonoured("logprobs", (CHAT, COMPLETIONS), "false", "log probabilities"),
+    NotHonoured("top_logprobs", (CHAT,), "0", "log probabilities"),
+    NotHonoured("echo", (COMPLETIONS,), "false", "echoing the prompt"),
+    NotHonoured("best_of", (COMPLETIONS,), "1", "choosing among candidates"),
+    NotHonoured("suffix", (COMPLETIONS,), '""', "insertion"),
+)
+
+
+def refuse_not_honoured(body: Mapping[str, Any], endpoint: str) -> None:
+    for row in NOT_HONOURED:
+        value = body.get(row.field)
+        if endpoint not in row.endpoints or value is None:
+            continue
+        nothing = json.loads(row.nothing)
+        if type(value) is not type(nothing) or value != nothing:
+            raise InvalidRequest(row.field, value, f"is not supported by this server ({row.feature}): "
+                                                   f"leave it out or send {row.nothing}")
