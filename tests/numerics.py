@@ -160,3 +160,27 @@ def logits_tolerance(config, context: int, logits: torch.Tensor, dtype: torch.dt
     if dtype != torch.float32:
         tolerance += LAMBDA * math.sqrt(bfloat16_roundings(config)) * unit_roundoff(dtype)
     return tolerance * scale
+
+
+def assert_logits_close(got: torch.Tensor, want: torch.Tensor, config, context: int,
+                        dtype: torch.dtype = torch.float32, *, sides: int = 2, note: object = "") -> None:
+    """`got` and `want` within `logits_tolerance` (measured from `want`'s scale)."""
+    tolerance = logits_tolerance(config, context, want, dtype, sides=sides)
+    worst = float((got.detach().cpu().double() - want.detach().cpu().double()).abs().max())
+    assert worst <= tolerance, f"{note}: logits {worst:.3g} apart, tolerance {tolerance:.3g}"
+
+
+def assert_decisive(steps: list[torch.Tensor], config, context: int, note: object = "") -> None:
+    """Every step of a greedy continuation is decided by the arithmetic, not by where a side rounds.
+
+    `steps[i]`: one float32 evaluation's logits for the token at position `context + i`. Each float32
+    forward is within half of `logits_tolerance` of the exact logits, so a top-two margin wider than
+    twice the tolerance here is still positive in every other float32 evaluation: any two pick the
+    same token, and a test may compare greedy tokens for equality.
+    """
+    for i, logits in enumerate(steps):
+        top = logits.detach().double().flatten().topk(2).values
+        tolerance = logits_tolerance(config, context + i, logits)
+        assert float(top[0] - top[1]) > 2 * tolerance, (
+            f"{note}: step {i}'s top two logits are {float(top[0] - top[1]):.3g} apart, within twice the "
+            f"tolerance {tolerance:.3g}: another machine could pick the other token")

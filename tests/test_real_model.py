@@ -8,6 +8,7 @@ import torch
 from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.fetch import default_gguf_path
 from ferrox_batch.models.loader import load_model
+from numerics import assert_decisive, assert_logits_close
 
 pytestmark = pytest.mark.real_model
 
@@ -47,7 +48,7 @@ def test_final_logits_agree_with_transformers(ours, reference):
         got, _ = run_prompt(ours, ids)
         with torch.no_grad():
             want = reference(torch.tensor([ids])).logits[0, -1]
-        assert torch.allclose(got, want, atol=1e-3), (prompt, (got - want).abs().max())
+        assert_logits_close(got, want, ours.config, len(ids), note=prompt)
 
 
 def test_a_32_token_greedy_continuation_is_identical(ours, reference):
@@ -55,10 +56,12 @@ def test_a_32_token_greedy_continuation_is_identical(ours, reference):
     for ids in (ours.tokenizer.encode(PROMPTS[0]), chat):
         _, got = run_prompt(ours, ids, 32)
         with torch.no_grad():
-            want = reference.generate(
-                torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2
-            )[0, len(ids):].tolist()
-        assert got == want
+            out = reference.generate(
+                torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=2,
+                output_logits=True, return_dict_in_generate=True,
+            )
+        assert_decisive([step[0] for step in out.logits], ours.config, len(ids))
+        assert got == out.sequences[0, len(ids):].tolist()
 
 
 def test_the_chat_template_and_stop_tokens_come_from_the_checkpoint(ours):
@@ -75,4 +78,7 @@ def test_the_gguf_loads_directly_and_gives_the_folders_logits(ours, real_model_d
     assert direct.tokenizer.encode(PROMPTS[1]) == ids
     a, _ = run_prompt(ours, ids)
     b, _ = run_prompt(direct, ids)
-    assert torch.allclose(a, b, atol=1e-5)
+    # The same weights, but the folder's are read in place from its safetensors file (8-byte aligned)
+    # and the GGUF's are fresh 64-byte aligned tensors, and the BLAS blocks its sums by alignment: two
+    # float32 forwards that round in different orders, not the same bits.
+    assert_logits_close(a, b, ours.config, len(ids))
