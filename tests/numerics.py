@@ -91,20 +91,29 @@ def gamma(n: int, dtype: torch.dtype = torch.float32) -> float:
     return nu / (1 - nu)
 
 
+#: torch's `exp` on the CPU: Sleef's 1-ulp exp under AVX2 and AVX-512, the C library's below that.
+TORCH_EXP_ULPS = 1
+#: torch's softmax on the CPU may take its faster exp, documented within 20 ulps.
+TORCH_SOFTMAX_EXP_ULPS = 20
+
+
 def softmax_error(p: torch.Tensor, *, exp_ulps: float, logit_error: float = 0.0) -> torch.Tensor:
     """Per element, how far a float32 `exp(l - max) / sum(...)` along the last axis may be from the
     exact softmax `p` (float64) of its logits, when each logit reaches it off by at most `logit_error`.
 
-    Each term's relative error: the logit (a shift of the exponent by `logit_error` moves p_i by
+    Each term's relative error: the logit (a shift dl of the logits moves p_i by
     p_i * (dl_i - sum_j p_j dl_j), so at most 2 * logit_error), the subtraction of the max (u * (m - l_i)
-    in the exponent), exp (`exp_ulps` ulps, 2u each), the sum of n positive terms (gamma_n) and the
-    division (u). The subtraction's share, p_i * u * (m - l_i) + p_i * u * sum_j p_j (m - l_j), is at most
-    u / e + p_i * u * ln(n): x * exp(-x) <= 1/e, and sum_j p_j (m - l_j) is at most the entropy.
+    in the exponent), exp (`exp_ulps` ulps, 2u each), the sum of the row's n non-zero terms (gamma_n;
+    the zeros add exactly) and the division (u). The subtraction's share, p_i * u * (m - l_i) +
+    p_i * u * sum_j p_j (m - l_j), is at most u / e + p_i * u * ln(n): x * exp(-x) <= 1/e, and
+    sum_j p_j (m - l_j) is at most the entropy.
     """
-    n = p.shape[-1]
+    p = p.double()
     u = unit_roundoff(torch.float32)
-    relative = 2 * logit_error + 2 * exp_ulps * u + gamma(n) + u + math.log(n) * u
-    return p.double() * relative + u / math.e
+    n = (p > 0).sum(-1, keepdim=True).clamp(min=1).double()
+    row_sum = n * u / (1 - n * u)  # gamma_n, row by row
+    relative = 2 * logit_error + 2 * exp_ulps * u + row_sum + u + n.log() * u
+    return p * relative + u / math.e
 
 
 # --- whole forwards ---------------------------------------------------------------------------------
@@ -170,15 +179,15 @@ def assert_logits_close(got: torch.Tensor, want: torch.Tensor, config, context: 
     assert worst <= tolerance, f"{note}: logits {worst:.3g} apart, tolerance {tolerance:.3g}"
 
 
-def assert_decisive(steps: list[torch.Tensor], config, context: int, note: object = "") -> None:
+def assert_decisive(logits_per_step: list[torch.Tensor], config, context: int, note: object = "") -> None:
     """Every step of a greedy continuation is decided by the arithmetic, not by where a side rounds.
 
-    `steps[i]`: one float32 evaluation's logits for the token at position `context + i`. Each float32
+    `logits_per_step[i]`: one float32 evaluation's logits for the token at position `context + i`. Each float32
     forward is within half of `logits_tolerance` of the exact logits, so a top-two margin wider than
     twice the tolerance here is still positive in every other float32 evaluation: any two pick the
     same token, and a test may compare greedy tokens for equality.
     """
-    for i, logits in enumerate(steps):
+    for i, logits in enumerate(logits_per_step):
         top = logits.detach().double().flatten().topk(2).values
         tolerance = logits_tolerance(config, context + i, logits)
         assert float(top[0] - top[1]) > 2 * tolerance, (

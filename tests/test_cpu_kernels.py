@@ -20,7 +20,7 @@ from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.loader import load_model
 from ferrox_batch.models.openmp import loaded_openmp_runtimes
 from ferrox_batch.models.cpu_kernels import CpuKernels, cpu_kernels
-from numerics import gamma, logits_tolerance, rounds_alike, step, steps_apart, unit_roundoff
+from numerics import gamma, logits_tolerance, rounds_alike, steps, steps_apart, unit_roundoff
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="the kernels are built with the system C compiler")
@@ -134,7 +134,7 @@ def test_bfloat16_matches_the_reference_to_bf16_rounding(kernels, seed) -> None:
     # half a bf16 step of the float32 result, and equal to the exact value's own rounding wherever that
     # lies farther than `bound` from a half-way point between two bf16 values.
     bound = decode_error_bound(q, pool, tables, lo, hi, 16, 64 ** -0.5)
-    assert bool(((got.double() - want).abs() <= bound + step(want.abs() + bound, torch.bfloat16) / 2).all())
+    assert bool(((got.double() - want).abs() <= bound + steps(0.5, want.abs() + bound, torch.bfloat16)).all())
     alike = rounds_alike(want, bound, torch.bfloat16)
     assert torch.equal(got[alike], want.to(torch.bfloat16)[alike])
     # Not vacuous: the bound is a few hundredths of a bf16 step at most values (an average of random
@@ -369,7 +369,7 @@ def check_against_the_references(built: CpuKernels) -> None:
         want = reference(q, pool, tables, lo, hi, 16, 0.125)
         bound = decode_error_bound(q, pool, tables, lo, hi, 16, 0.125)
         if dtype == torch.bfloat16:
-            bound = bound + step(want.abs() + bound, dtype) / 2
+            bound = bound + steps(0.5, want.abs() + bound, dtype)
         assert bool(((got - want).abs() <= bound).all()), dtype
         gen = torch.Generator().manual_seed(11)
         h = torch.randn(40, 576, generator=gen).to(dtype)

@@ -15,6 +15,7 @@ from ferrox_batch.errors import DecodeError, TokenOutOfVocab
 from ferrox_batch.generate import SamplingParams
 from ferrox_batch.models import sampling_cuts as cuts_module
 from ferrox_batch.models.sampler import BatchSampler, RowSampler, SamplingError
+from numerics import TORCH_EXP_ULPS, TORCH_SOFTMAX_EXP_ULPS, gamma, softmax_error, unit_roundoff
 
 GREEDY = SamplingParams()
 PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.2}
@@ -46,15 +47,27 @@ def reference_distribution(logits: torch.Tensor, p: SamplingParams) -> torch.Ten
     return torch.softmax(l.masked_fill(~keep, -math.inf), 0)
 
 
-def far_from_cuts(logits: torch.Tensor, p: SamplingParams, margin: float = 1e-4) -> bool:
-    """False when float32 vs float64 rounding could move a top_p or min_p cut (hypothesis skips those)."""
+def far_from_cuts(logits: torch.Tensor, p: SamplingParams) -> bool:
+    """False when float32 vs float64 rounding could move a top_p or min_p cut (hypothesis skips those).
+
+    top_k compares the same float32 logits on both sides. top_p compares a float32 running sum of
+    float32 probabilities (each within `softmax_error` of its exact value; the sum adds gamma_n) with
+    the same float32 top_p. min_p compares exp(l - max) (relative error u * (max - l) from the
+    subtraction and exp's ulps) with min_p rounded to float32 (u * min_p), where the reference keeps it
+    exact.
+    """
+    u = unit_roundoff(torch.float32)
     l = (logits.float() / p.temperature).double().cpu()
     if 0 < p.top_k < len(l):
         l = l.masked_fill(l < torch.sort(l, descending=True).values[p.top_k - 1], -math.inf)
     probs = torch.sort(torch.softmax(l, 0), descending=True).values
     before = torch.cumsum(probs, 0) - probs
-    ok = p.top_p == 1.0 or bool(((before - torch.tensor(p.top_p, dtype=torch.float32).double()).abs() > margin).all())
-    return ok and (p.min_p == 0.0 or bool(((probs / probs[0] - p.min_p).abs() > margin).all()))
+    top_p_margin = float(softmax_error(probs, exp_ulps=TORCH_EXP_ULPS).sum()) + gamma(len(l))
+    ok = p.top_p == 1.0 or bool(((before - torch.tensor(p.top_p, dtype=torch.float32).double()).abs() > top_p_margin).all())
+    ratio = probs / probs[0]
+    below_max = -ratio.log().nan_to_num(posinf=0.0)  # max - l, for the tokens still in
+    min_p_margin = ratio * (u * below_max + 2 * TORCH_EXP_ULPS * u) + u * p.min_p
+    return ok and (p.min_p == 0.0 or bool(((ratio - p.min_p).abs() > min_p_margin).all()))
 
 
 @settings(max_examples=60, deadline=None)
@@ -86,8 +99,23 @@ def test_repetition_penalty_matches_transformers(device, seed, penalty, history,
     if temperature == 0.0:
         assert sampler.sample(logits, [row]) == [int(expected.argmax())]
     else:
-        got = sampler.distribution(logits, [row]).cpu()
-        torch.testing.assert_close(got, torch.softmax(expected, -1), atol=1e-5, rtol=0)
+        got = sampler.distribution(logits, [row]).cpu().double()
+        want = torch.softmax(expected, -1).double()
+        # Two float32 softmaxes (the sampler's, with torch's exp, and torch.softmax) of logits that each
+        # side penalised in float32: the penalty rounded to float32, then one product or quotient, 2u of
+        # the logit from the exact one on each side.
+        exact = torch.softmax(penalised_exactly(logits.cpu().double(), history, penalty), -1)
+        logit_error = 2 * unit_roundoff(torch.float32) * float(expected.abs().max())
+        bound = (softmax_error(exact, exp_ulps=TORCH_EXP_ULPS, logit_error=logit_error)
+                 + softmax_error(exact, exp_ulps=TORCH_SOFTMAX_EXP_ULPS, logit_error=logit_error))
+        assert bool(((got - want).abs() <= bound).all())
+
+
+def penalised_exactly(logits: torch.Tensor, history: list[int], penalty: float) -> torch.Tensor:
+    """HF's repetition penalty in float64: seen logits divided by the penalty, or multiplied if negative."""
+    seen = torch.zeros(logits.shape[-1], dtype=torch.bool)
+    seen[history] = True
+    return torch.where(seen & (logits > 0), logits / penalty, torch.where(seen, logits * penalty, logits))
 
 
 def test_presence_and_frequency_penalties_follow_the_openai_formula(device):
@@ -98,7 +126,13 @@ def test_presence_and_frequency_penalties_follow_the_openai_formula(device):
     row = sampler.new_row(params, 0, [1, 1, 1, 5])
     counts = torch.bincount(torch.tensor([1, 1, 1, 5]), minlength=vocab).double()
     expected = logits.cpu().double() - 0.7 * (counts > 0) + 0.4 * counts
-    torch.testing.assert_close(sampler.distribution(logits, [row]).cpu().double(), torch.softmax(expected, -1), atol=1e-5, rtol=0)
+    want = torch.softmax(expected, -1)
+    # Each of the two penalty steps computes l - c * k in float32: c's own rounding and the product's
+    # (u * |c| * k each) and the difference's (u * |l - c * k|), under 3u of the largest magnitude M.
+    magnitude = float(logits.abs().max()) + 0.7 + 0.4 * 3
+    logit_error = 2 * 3 * unit_roundoff(torch.float32) * magnitude
+    bound = softmax_error(want, exp_ulps=TORCH_EXP_ULPS, logit_error=logit_error)
+    assert bool(((sampler.distribution(logits, [row]).cpu().double() - want).abs() <= bound).all())
 
 
 params_strategy = st.builds(
@@ -122,7 +156,8 @@ def test_filters_match_a_per_row_reference(device, seed, vocab, params):
     for i, p in enumerate(params):
         want = reference_distribution(logits[i, :vocab], p)
         assert (got[i] > 0).tolist() == (want > 0).tolist()
-        torch.testing.assert_close(got[i], want, atol=1e-5, rtol=0)
+        # The same float32 logits / temperature on both sides; then the sampler's float32 softmax.
+        assert bool(((got[i] - want).abs() <= softmax_error(want, exp_ulps=TORCH_EXP_ULPS)).all())
 
 
 def test_cuts_keep_tied_logits_together(device):
@@ -130,8 +165,10 @@ def test_cuts_keep_tied_logits_together(device):
     logits = torch.tensor([[2.0, 1.0, 2.0, 0.0]] * 3, device=device)
     params = [SamplingParams(temperature=1.0, top_k=1), SamplingParams(temperature=1.0, top_p=0.1),
               SamplingParams(temperature=1.0, min_p=0.99)]
-    got = sampler.distribution(logits, [sampler.new_row(p, 0, []) for p in params]).cpu()
-    torch.testing.assert_close(got, torch.tensor([[0.5, 0.0, 0.5, 0.0]] * 3))
+    got = sampler.distribution(logits, [sampler.new_row(p, 0, []) for p in params]).cpu().double()
+    want = torch.tensor([[0.5, 0.0, 0.5, 0.0]] * 3, dtype=torch.float64)
+    assert torch.equal(got > 0, want > 0)
+    assert bool(((got - want).abs() <= softmax_error(want, exp_ulps=TORCH_EXP_ULPS)).all())
 
 
 @pytest.mark.parametrize(
@@ -176,7 +213,7 @@ def test_a_seeded_row_ignores_what_else_is_in_the_batch(device):
         logits[batch.index(mine)] = row_logits[s]
         batched.append(sampler.sample(logits, batch)[batch.index(mine)])
     assert batched == solo
-    torch.testing.assert_close(mine.counts, alone.counts)
+    assert torch.equal(mine.counts, alone.counts)  # whole counts, exact in float32
 
 
 def test_unseeded_rows_draw_different_tokens(device):
@@ -203,7 +240,7 @@ def test_penalty_counts_cover_the_prompt_and_every_sampled_token(device):
             sampled[i].append(token)
     for i in (0, 1):
         expected = torch.bincount(torch.tensor(prompt + sampled[i]), minlength=vocab).float()
-        torch.testing.assert_close(rows[i].counts.cpu(), expected)
+        assert torch.equal(rows[i].counts.cpu(), expected)  # whole counts, exact in float32
 
 
 def test_sampled_tokens_feed_the_next_steps_penalty(device):
@@ -232,7 +269,7 @@ def test_bad_rows_fail_alone(device):
         assert (err.http_status, err.code) == (500, "sampling_error")
         assert pickle.loads(pickle.dumps(err)) == err
         if before[i] is not None:
-            torch.testing.assert_close(rows[i].counts, before[i])  # an erroring row records nothing
+            assert torch.equal(rows[i].counts, before[i])  # an erroring row records nothing
     assert isinstance(out[0], int) and isinstance(out[4], int)
     alone = BatchSampler(vocab, device)
     assert alone.sample(logits[4:5], [alone.new_row(GREEDY, 4, [1])]) == [out[4]]
@@ -411,7 +448,8 @@ def test_cut_ties_stay_together_past_the_head(full_sorts):
     assert (got[0] > 0).nonzero().flatten().tolist() == [0, 1, *range(100, 140)]
     assert (got[1] > 0).nonzero().flatten().tolist() == list(range(1000, 1100))
     for i, p in enumerate(params):
-        torch.testing.assert_close(got[i].double(), reference_distribution(logits[i], p), atol=1e-6, rtol=0)
+        want = reference_distribution(logits[i], p)
+        assert bool(((got[i].double() - want).abs() <= softmax_error(want, exp_ulps=TORCH_EXP_ULPS)).all()), i
     assert full_sorts == [1, 1]  # the spilling row, then the top_p row without top_k; the peaked row used its head
 
 
