@@ -17,7 +17,7 @@ PROMPT ?= Tell me about continuous batching in one paragraph.
 RUN_STAMP := $(VENV)/.ferrox-deps-run
 TEST_STAMP := $(VENV)/.ferrox-deps-test
 
-.PHONY: venv deps deps-run fetch serve generate test test-fast bench bench-model clean
+.PHONY: venv deps deps-run fetch serve generate test test-lower-cpu test-fast bench bench-model clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -51,6 +51,24 @@ generate: deps-run fetch
 
 test: deps fetch
 	$(PY) -m pytest -q
+	@$(MAKE) --no-print-directory test-lower-cpu
+
+# The fast numeric tests again on each of torch's CPU kernel sets below the one this machine picks
+# (ATEN_CPU_CAPABILITY=avx2, then =default on an AVX-512 machine; =default on an AVX2 one; none on a
+# machine already at default), so every machine also checks the paths older CPUs run. The C kernels
+# need no rerun: test_cpu_kernels builds and checks every flag set. About 45 s per capability on a
+# 2-core AVX2 machine.
+NUMERIC_TESTS := tests/test_cpu_kernels.py tests/test_decoder.py tests/test_sampler.py tests/test_linear.py \
+	tests/test_gguf_convert.py tests/test_real_model.py tests/test_batch_batching.py
+LOWER_CPU_CAPABILITIES := import torch; order = ["avx512", "avx2", "default"]; \
+	native = torch.backends.cpu.get_cpu_capability().lower(); \
+	print(*(order[order.index(native) + 1:] if native in order else ["default"]))
+
+test-lower-cpu: deps fetch
+	@for capability in $$($(PY) -c '$(LOWER_CPU_CAPABILITIES)'); do \
+		echo "numeric tests on torch's $$capability CPU kernels (ATEN_CPU_CAPABILITY=$$capability)"; \
+		ATEN_CPU_CAPABILITY=$$capability $(PY) -m pytest -q -p no:cacheprovider $(NUMERIC_TESTS) || exit 1; \
+	done
 
 test-fast: deps
 	$(PY) -m pytest -q -m "not real_model and not slow"
