@@ -26,10 +26,30 @@ runtime, a second thread pool) or the build fails, `cpu_kernels()` returns
 None (logged once) and the decoder keeps torch's ops; the two paths agree to
 float rounding (tested).
 
-Compile flags: `-ffast-math` lets GCC vectorize the reductions and `expf`
-(glibc's libmvec); the objects are linked *without* it, because linking a
-shared library with `-ffast-math` adds a constructor that turns on
-flush-to-zero for the whole process.
+Instruction sets: `COMPILE_FLAGS` are tried in order and the first set that
+compiles wins. On x86-64 that is the first, `-march=native
+-mprefer-vector-width=512`: code for the CPU that builds it. On an AVX2-only
+machine that is AVX2 + FMA with 256-bit vectors (the 512-bit preference has
+nothing to apply to) and glibc's AVX2 `expf`; on an AVX-512 machine, AVX-512
+with 512-bit vectors and the AVX-512 `expf`. No bf16 instructions are used on
+either (bf16 is widened and rounded with integer bit operations, `bf16.h`), so
+`avx512_bf16` and AMX change nothing here. The later sets are for compilers
+that refuse the earlier flags (the vector-width flag is x86-only); the last
+targets the compiler's baseline (SSE2 on x86-64). Building for `native` is safe
+because the library is built in the process that runs it, on that machine, and
+never cached: no build reaches another CPU (only a process moved live onto an
+older CPU would be caught out, as torch's own dispatch would be). Machines do
+differ in summation order (vector width, FMA, the `expf` variant), so the
+tests compare with bounds derived from the arithmetic, never bits, and build
+and check every flag set on whatever machine runs them.
+
+`-ffast-math`: the objects are *compiled* with it, which lets GCC vectorize
+the reductions (reassociating the sums), contract into FMA, call glibc's
+vector `expf` (within 4 ulps) and compute `1.0f / sqrtf(v)` as `rsqrtss` and
+one Newton step; it also assumes finite values, so a norm row holding an
+infinity comes out all NaN. The library is *linked* without it, because
+linking a shared library with `-ffast-math` adds a constructor that turns on
+flush-to-zero for the whole process (a test checks denormals survive).
 """
 
 from __future__ import annotations
