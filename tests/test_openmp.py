@@ -56,7 +56,7 @@ def test_release_frees_the_calling_threads_helpers_only() -> None:
         counts["with_pool"] = _os_threads()
         counts["released"] = release_thread_pool()
         deadline = time.monotonic() + 30  # threads exit asynchronously; a loaded machine is slow
-        while _os_threads() >= counts["with_pool"] and time.monotonic() < deadline:
+        while counts["released"] and _os_threads() >= counts["with_pool"] and time.monotonic() < deadline:
             time.sleep(0.01)
         counts["after"] = _os_threads()
         counts["again"] = release_thread_pool()  # no pool now: still fine
@@ -69,10 +69,20 @@ def test_release_frees_the_calling_threads_helpers_only() -> None:
     worker.join(60)
     assert not worker.is_alive()
     torch.set_num_threads(threads)  # torch's count is process-wide: give the suite its own back
-    assert counts["released"] is True
     assert counts["with_pool"] > before  # the thread itself plus its helper
+    if not _pausable():
+        # An OpenMP runtime older than 5.0 (torch 2.5's wheels ship one) has no pause call: the
+        # release is a no-op that says so, and nothing breaks.
+        assert counts["released"] is False and counts["again"] is False
+        return
+    assert counts["released"] is True
     assert counts["after"] < counts["with_pool"]
     assert counts["again"] is True
+
+
+def _pausable() -> bool:
+    """Whether a GNU OpenMP runtime in this process has `omp_pause_resource_all` (OpenMP 5.0)."""
+    return any(hasattr(ctypes.CDLL(path), "omp_pause_resource_all") for path in loaded_openmp_runtimes())
 
 
 def test_spawning_on_the_cpu_releases_the_callers_pool(monkeypatch, tiny_batch_model) -> None:
