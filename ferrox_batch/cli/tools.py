@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from ferrox_batch.cli.common import (
     CliError,
+    Handler,
     _add_home_flag,
     _home,
     _subparser,
@@ -38,16 +39,19 @@ def cmd_fetch(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return 0
 
 
-# ------------------------------------------------------------------ bench
+# ------------------------------------------------------------------ bench, bench-http
+
+def _add_passthrough(subparsers: argparse._SubParsersAction, name: str, help: str, handler: Handler) -> None:
+    # Every argument goes to the benchmark's own parser, `--help` included (which shows its examples):
+    # no prefix characters here, so argparse takes nothing after the command for an option of its own.
+    parser = subparsers.add_parser(name, help=help, add_help=False, prefix_chars="\0")
+    parser.add_argument("bench_args", nargs=argparse.REMAINDER)
+    parser.set_defaults(handler=handler, command=name)
+
 
 def _add_bench(subparsers: argparse._SubParsersAction) -> None:
-    # Every argument goes to the benchmark's own parser, `--help` included (which shows its examples):
-    # no prefix characters here, so argparse takes nothing after `bench` for an option of its own.
-    parser = subparsers.add_parser(
-        "bench", help="benchmark the batcher against transformers (ferrox-batch bench --help)",
-        add_help=False, prefix_chars="\0")
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER)
-    parser.set_defaults(handler=cmd_bench, command="bench")
+    _add_passthrough(subparsers, "bench", "benchmark the batcher against transformers (ferrox-batch bench --help)",
+                     cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace, env: Mapping[str, str]) -> int:
@@ -57,11 +61,8 @@ def cmd_bench(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _add_bench_http(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "bench-http", help="benchmark server settings over HTTP (ferrox-batch bench-http --help)",
-        add_help=False, prefix_chars="\0")
-    parser.add_argument("bench_args", nargs=argparse.REMAINDER)
-    parser.set_defaults(handler=cmd_bench_http, command="bench-http")
+    _add_passthrough(subparsers, "bench-http",
+                     "benchmark server settings over HTTP (ferrox-batch bench-http --help)", cmd_bench_http)
 
 
 def cmd_bench_http(args: argparse.Namespace, env: Mapping[str, str]) -> int:
