@@ -62,13 +62,21 @@ def steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if not bool(a.isfinite().all() and b.isfinite().all()):
         raise ValueError("steps_apart counts between finite values only")
 
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        # Sign and magnitude bits -> one integer line: the magnitude bits count steps from zero.
-        bits = t.contiguous().view(_INT_VIEW[t.dtype]).long()
-        magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
-        return torch.where(bits < 0, -magnitude, magnitude)
+    return (_ordered(a) - _ordered(b)).abs()
 
-    return (ordered(a) - ordered(b)).abs()
+
+def _ordered(t: torch.Tensor) -> torch.Tensor:
+    """Sign and magnitude bits -> one integer line (int64): the magnitude bits count steps from zero."""
+    bits = t.contiguous().view(_INT_VIEW[t.dtype]).long()
+    magnitude = bits & ((1 << (8 * t.element_size() - 1)) - 1)
+    return torch.where(bits < 0, -magnitude, magnitude)
+
+
+def _from_ordered(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `_ordered`."""
+    sign = 1 << (torch.finfo(dtype).bits - 1)
+    bits = torch.where(k < 0, -k - sign, k)  # a negative value's bits, read as a signed integer
+    return bits.to(_INT_VIEW[dtype]).view(dtype)
 
 
 def rounds_alike(exact: torch.Tensor, error: torch.Tensor | float, dtype: torch.dtype) -> torch.Tensor:
@@ -78,8 +86,8 @@ def rounds_alike(exact: torch.Tensor, error: torch.Tensor | float, dtype: torch.
     any float32 computation's is.)"""
     exact = exact.double()
     nearest = exact.to(dtype)
-    up = torch.nextafter(nearest, torch.full_like(nearest, math.inf)).double()
-    down = torch.nextafter(nearest, torch.full_like(nearest, -math.inf)).double()
+    k = _ordered(nearest)
+    up, down = _from_ordered(k + 1, dtype).double(), _from_ordered(k - 1, dtype).double()
     nearest = nearest.double()
     distance = torch.minimum(((nearest + up) / 2 - exact).abs(), (exact - (nearest + down) / 2).abs())
     return distance > torch.as_tensor(error, dtype=torch.float64)
