@@ -31,6 +31,7 @@ from batch_helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_checkpoint import write_tiny_checkpoint
+from numerics import assert_logits_close
 from worker_helpers import Caller, Gate, wait_for, wait_sent
 
 from ferrox_batch.batch.config import BatcherConfig
@@ -210,7 +211,7 @@ def test_prefill_chunking_does_not_change_logits(tiny_batch_model):
 
     reference = prefill(1)  # token by token
     for chunk in (2, 5, 11, 64):
-        torch.testing.assert_close(prefill(chunk), reference, atol=1e-3, rtol=0)
+        assert_logits_close(prefill(chunk), reference, decoder.config, len(prompt))
 
 
 def test_long_prefill_does_not_freeze_an_in_flight_decode(tiny_batch_model):
