@@ -98,6 +98,34 @@ def test_a_wait_timeout_cancels_the_request_and_raises_wait_timed_out(tiny_batch
         _assert_cancelled_and_still_serving(batcher, gate, other, tiny_batch_model, abandoned=2)
 
 
+def test_a_wait_timeout_fires_while_a_slow_on_chunk_keeps_the_queue_full(tiny_batch_model):
+    # The consumer paces the worker: each chunk it takes lets the worker make two more, so the
+    # reply queue only grows (it is never empty, where the deadline used to be checked) while
+    # the worker stays far from the end of the request (it is still running when the wait times out).
+    gate = Gate(permits=4)
+    taken: list[str] = []
+
+    def slow_consumer(text: str) -> None:
+        taken.append(text)
+        gate.release(2)
+        time.sleep(0.05)
+
+    with spawn(tiny_batch_model, budget_config(4, 64), decode=gate) as batcher:
+        started = time.monotonic()
+        with pytest.raises(WaitTimedOut) as timed_out:  # 150 chunks at 0.05 s would take 7.5 s
+            batcher.generate_streaming([1, 2, 3], greedy_params(150, ignore_eos=True), None, slow_consumer,
+                                       timeout=0.5)
+        elapsed = time.monotonic() - started
+        assert 0.5 <= elapsed < 5.0, elapsed
+        assert timed_out.value.timeout_secs == 0.5 and 0 < len(taken) < 100
+        gate.open()
+        wait_for(lambda: batcher.stats().aborted == 1, "the timed-out request to be cancelled")
+        wait_for(lambda: batcher.stats().kv_blocks_free == 64, "the timed-out request's blocks back")
+        params = greedy_params(6, ignore_eos=True)
+        assert list(batcher.generate([4, 5], params).token_ids) == sequential_ids(tiny_batch_model, [4, 5], params)
+        assert batcher.stats().aborted == 1 and batcher.stats().worker_alive
+
+
 def test_an_interrupted_wait_cancels_its_request(tiny_batch_model):
     gate, batcher = _held_batcher(tiny_batch_model)
     with batcher:

@@ -104,6 +104,12 @@ class Ticket:
                 except queue.Empty:
                     raise WorkerDied(self._lifecycle.dead or "the worker thread is gone") from None
             if isinstance(event, Chunk):
+                # An `on_chunk` slower than the worker never lets the queue run empty, so the
+                # deadline is checked on every chunk too, not only when the queue is empty; a
+                # final event is still taken (the answer arrived), and a callback that already
+                # failed keeps draining so that its own error is the one raised.
+                if deadline is not None and callback_error is None and time.monotonic() >= deadline:
+                    raise WaitTimedOut(timeout)
                 if on_chunk is not None and callback_error is None:
                     try:
                         on_chunk(event.text)
