@@ -10,6 +10,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import socket
+import time
 
 import httpx
 import openai
@@ -28,6 +29,7 @@ from server_helpers import (
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.server.app import create_app
 from ferrox_batch.server.requests import parse_chat_request, parse_completion_request
 
 CONTEXT = 64
@@ -280,6 +282,43 @@ def test_a_busy_server_refuses_before_reading_the_body(tiny_batch_model):
         gate.open()
         assert running.result(DEADLINE).usage.completion_tokens == 3
         assert client.completions.create(**request).usage.completion_tokens == 3
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408_and_frees_its_slot(tiny_batch_model):
+    timeout = 2.0
+    with served(tiny_batcher(tiny_batch_model), max_concurrent_requests=1, body_read_timeout=timeout) \
+            as (base_url, app):
+        generations = app.state.ferrox.generations
+        host, port = base_url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=DEADLINE) as sock:
+            started = time.monotonic()
+            # Headers announce 1,000 bytes; only the first few ever come.
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                         "Content-Length: 1000\r\n\r\n{\"prompt\": ".encode())
+            poll(lambda: generations._preparing == 1, "the upload to be counted")
+            # Meanwhile the upload holds the one slot: everyone else is told the server is busy.
+            assert post(base_url, "/v1/completions", json=OK_BODY).status_code == 503
+            response = _read_response(sock)  # a socket timeout here means the server kept waiting for the body
+            elapsed = time.monotonic() - started
+        head, _, body = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), head
+        assert b"connection: close" in head.lower()
+        assert json.loads(body)["error"] == {"type": "invalid_request_error", "code": "request_timeout",
+                                             "message": "the request body did not arrive within 2 s"}
+        assert timeout <= elapsed < timeout + DEADLINE, elapsed
+        assert generations._preparing == 0 and not generations.in_flight
+        assert_still_serving(base_url)  # the slot came back
+        assert 'reason="request_timeout"' in httpx.get(f"{base_url}/metrics", timeout=DEADLINE).text
+
+
+def test_the_body_read_timeout_must_be_a_positive_number_of_seconds(tiny_batch_model):
+    batcher = tiny_batcher(tiny_batch_model)
+    try:
+        for bad in (0, -1.5, float("nan"), float("inf"), "5", True, None):
+            with pytest.raises(ValueError, match="body_read_timeout must be a positive, finite number of seconds"):
+                create_app(batcher, model_name=MODEL_NAME, body_read_timeout=bad)
+    finally:
+        assert batcher.close(DEADLINE)
 
 
 class SchedulerBug(BaseException):

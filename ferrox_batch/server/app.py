@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -32,7 +33,7 @@ from starlette.responses import JSONResponse, Response
 
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.server.errors import error_body
-from ferrox_batch.server.generation import Generations, Limits
+from ferrox_batch.server.generation import DEFAULT_BODY_READ_TIMEOUT_SECS, Generations, Limits
 from ferrox_batch.server.metrics import CONTENT_TYPE
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS
 
@@ -57,13 +58,15 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     prepare_threads: int = DEFAULT_PREPARE_THREADS,
+    body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_SECS,
 ) -> FastAPI:
     """An app serving `batcher` under the name `model_name`.
 
     When a request sends neither `max_tokens` nor `max_completion_tokens`, `/v1/completions`
     generates up to `default_max_tokens` (OpenAI's 16) and chat up to `default_chat_max_tokens`
-    (1024); the batcher clamps any budget to the context ceiling. The batcher must have a
-    tokenizer (`ContinuousBatcher.from_model`).
+    (1024); the batcher clamps any budget to the context ceiling. A generation request whose
+    body has not arrived `body_read_timeout` seconds after it was accepted gets 408 and gives
+    its open-request slot back. The batcher must have a tokenizer (`ContinuousBatcher.from_model`).
     """
     tokenizer = batcher.tokenizer
     if tokenizer is None:
@@ -71,10 +74,13 @@ def create_app(
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
     limits = Limits(default_max_tokens, default_chat_max_tokens, max_body_bytes, max_concurrent_requests,
-                    prepare_threads)
+                    prepare_threads, body_read_timeout)
     for field in dataclasses.fields(limits):
         value = getattr(limits, field.name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if field.name == "body_read_timeout":  # seconds: any positive finite number (NaN fails `0 < value`)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"{field.name} must be a positive, finite number of seconds, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
     state = ServerState(batcher, Generations(batcher, tokenizer, model_name, limits), model_name)
 

@@ -4,7 +4,9 @@ The pipeline of one request, and why each step is where it is:
 
 1. The body is read on the loop (refused with 413 past `max_body_bytes`;
    the rest of it is drained first, so the client reads a clean 413 instead
-   of a connection reset).
+   of a connection reset). Reading it has a deadline (`body_read_timeout`,
+   408 past it): the request already holds one of the open-request slots,
+   and uploads that trickle in or never finish must not hold them all.
 2. On a small *prepare* pool: JSON parsing, validation, tokenizing or
    templating, and `batcher.submit`, which raises every refusal before
    anything is queued. A 1 MB prompt is tokenized there, never on the loop.
@@ -73,6 +75,23 @@ log = logging.getLogger("ferrox_batch.server")
 SHUTDOWN_JOIN_SECS = 10.0
 #: nginx's "client closed request": nobody reads it, but access logs then say what happened.
 CLIENT_CLOSED_REQUEST = 499
+#: Seconds a generation request may take to send its whole body before it gets 408. Generous for any
+#: honest client (the 4 MiB body cap in 30 s is about 140 KB/s), short enough that uploads which stall
+#: hand their open-request slots back long before anyone would wait on a 503 that long.
+DEFAULT_BODY_READ_TIMEOUT_SECS = 30.0
+
+
+class BodyReadTimedOut(DecodeError):
+    """The request body did not arrive within the server's deadline (408: the client may send it again)."""
+
+    http_status = 408
+    error_type = "invalid_request_error"
+    error_code = "request_timeout"
+    _fields = ("timeout_secs",)
+
+    def __init__(self, timeout_secs: float) -> None:
+        self.timeout_secs = timeout_secs
+        super().__init__(f"the request body did not arrive within {timeout_secs:g} s")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +103,7 @@ class Limits:
     max_body_bytes: int
     max_concurrent_requests: int
     prepare_threads: int
+    body_read_timeout: float  # seconds
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,13 +140,18 @@ class Generations:
                 raise ServerBusy(open_now, self.limits.max_concurrent_requests)
             self._preparing += 1
             try:
-                raw = await _read_body(request, self.limits.max_body_bytes)
+                raw = await _read_body(request, self.limits.max_body_bytes, self.limits.body_read_timeout)
                 prepared = await self._prepare(raw, chat)
             finally:
                 self._preparing -= 1
         except DecodeError as refusal:
             self.metrics.refused(refusal.code)
-            return error_response(refusal)
+            response = error_response(refusal)
+            if isinstance(refusal, BodyReadTimedOut):
+                # The rest of the body may still be on its way: the connection cannot carry
+                # another request, so say it will close (the ASGI server closes it either way).
+                response.headers["connection"] = "close"
+            return response
         except ClientDisconnect:  # gone while sending the body: nothing was submitted
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         stream = prepared.request.stream
@@ -270,14 +295,26 @@ def _cancel_orphan(future: asyncio.Future) -> None:
         future.result().ticket.cancel()
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The whole body, or `RequestTooLarge` once it passes `limit` (the rest is read and dropped)."""
-    parts: list[bytes] = []
-    size = 0
-    async for part in request.stream():
-        size += len(part)
-        if size <= limit:
-            parts.append(part)
-    if size > limit:
-        raise RequestTooLarge(size, limit)
-    return b"".join(parts)
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+    """The whole body, or `RequestTooLarge` once it passes `limit` (the rest is read and dropped).
+
+    `BodyReadTimedOut` if the whole body (the dropped rest of a too-large one included) has
+    not arrived `timeout` seconds after the handler started reading it. The deadline is on
+    the whole body, not on the gap between two parts: a client sending a byte now and then
+    would otherwise keep its slot forever.
+    """
+    async def read() -> bytes:
+        parts: list[bytes] = []
+        size = 0
+        async for part in request.stream():
+            size += len(part)
+            if size <= limit:
+                parts.append(part)
+        if size > limit:
+            raise RequestTooLarge(size, limit)
+        return b"".join(parts)
+
+    try:
+        return await asyncio.wait_for(read(), timeout)
+    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
+        raise BodyReadTimedOut(timeout) from None
