@@ -90,3 +90,24 @@ def test_a_failed_allocation_refuses_that_request_and_the_worker_keeps_serving(t
         again = batcher.generate([1, 2, 3], greedy_params(4))
         assert again.finish_reason == FinishReason.LENGTH and len(again.token_ids) == 4
         assert batcher.stats().worker_alive
+
+
+def test_a_block_table_that_cannot_be_allocated_leaks_no_block(tiny_batch_model, monkeypatch):
+    from ferrox_batch.models import paged_kv
+
+    with spawn(tiny_batch_model, BatcherConfig(kv_block_size=16, kv_blocks=8)) as batcher:
+        real_tensor = torch.tensor
+        failures = [torch.OutOfMemoryError("CUDA out of memory (simulated)")]
+
+        def flaky_tensor(*args, **kwargs):
+            if failures:
+                raise failures.pop()
+            return real_tensor(*args, **kwargs)
+
+        monkeypatch.setattr(paged_kv.torch, "tensor", flaky_tensor)
+        with pytest.raises(KvAllocationFailed):
+            batcher.generate([1, 2, 3], greedy_params(4))
+        monkeypatch.setattr(paged_kv.torch, "tensor", real_tensor)
+        wait_for(lambda: batcher.stats().kv_blocks_free == 8, "the ledger's blocks to come back")
+        assert batcher.store.num_free_blocks == 8, "and the store's: the failed lease returned its blocks"
+        assert batcher.generate([1, 2, 3], greedy_params(4)).finish_reason == FinishReason.LENGTH

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from types import SimpleNamespace
@@ -19,7 +21,7 @@ from ferrox_batch.batch.step_cost import (
     _TOKEN_SCALE,
     FORGETTING,
     MIN_PROMPT_TICKS,
-    _PRIOR,
+    _RIDGE,
     StepCostModel,
 )
 
@@ -36,9 +38,8 @@ def trained(fixed: float, per_row: float, per_token: float, seen: list[tuple[int
 
 @settings(max_examples=150, deadline=None)
 @given(cost=costs, seen=ticks, noise=st.lists(st.floats(-0.02, 0.02), min_size=60, max_size=60))
-def test_the_fit_is_the_forgetting_least_squares_fit_of_the_ticks_it_saw(cost, seen, noise):
-    """Recursive least squares is exact: it equals the closed-form fit, each tick weighted FORGETTING**age,
-    with the prior as a ridge that ages like the first tick."""
+def test_the_fit_is_the_weighted_least_squares_fit_of_the_ticks_it_saw(cost, seen, noise):
+    """Each tick weighted FORGETTING**(newer ticks of its own kind: with or without prompt tokens)."""
     fixed, per_row, per_token = cost
     model = StepCostModel()
     kept = []
@@ -46,15 +47,16 @@ def test_the_fit_is_the_forgetting_least_squares_fit_of_the_ticks_it_saw(cost, s
         seconds = max(0.0, fixed + per_row * rows + per_token * tokens + jitter)
         model.observe(rows, tokens, seconds)
         if rows or tokens:
-            kept.append(((1.0, rows / _ROW_SCALE, tokens / _TOKEN_SCALE), seconds))
-    n = len(kept)
-    x = np.array([f for f, _ in kept]).reshape(n, 3)
-    y = np.array([t for _, t in kept])
-    w = FORGETTING ** np.arange(n - 1, -1, -1)
-    normal = (x.T * w) @ x + FORGETTING**n / _PRIOR * np.eye(3)
+            kept.append(((1.0, rows / _ROW_SCALE, tokens / _TOKEN_SCALE), seconds, tokens > 0))
+    x = np.array([f for f, _, _ in kept]).reshape(len(kept), 3)
+    y = np.array([t for _, t, _ in kept])
+    kind = np.array([p for _, _, p in kept], dtype=bool)
+    newer = np.array([int((kind[k + 1:] == kind[k]).sum()) for k in range(len(kept))])
+    w = FORGETTING ** newer
+    normal = (x.T * w) @ x + _RIDGE * np.eye(3)
     want = np.linalg.solve(normal, (x.T * w) @ y)
-    # Both sides are float64; the recursion's rounding grows with the system's condition number.
-    tolerance = 1e-9 * np.linalg.cond(normal) * max(1.0, float(np.abs(want).max()))
+    # Both sides solve the same 3x3 system in float64: they agree to its condition number's rounding.
+    tolerance = 1e-12 * np.linalg.cond(normal) * max(1.0, float(np.abs(want).max()))
     assert np.allclose(model.coef, want, rtol=0, atol=tolerance)
 
 
@@ -63,7 +65,7 @@ def test_the_fit_is_the_forgetting_least_squares_fit_of_the_ticks_it_saw(cost, s
 def test_ticks_of_many_shapes_teach_the_true_cost(cost):
     fixed, per_row, per_token = cost
     model = trained(fixed, per_row, per_token, [(r, t) for r in (0, 8, 32, 64) for t in (0, 64, 512, 1024)])
-    # Exact data, a well-conditioned design: only the prior's 1e-6 ridge stands between fit and truth.
+    # Exact data, a well-conditioned design: only the 1e-9 ridge stands between fit and truth.
     for rows, tokens in ((1, 16), (32, 0), (16, 256), (128, 2048)):
         assert model.predict(rows, tokens) == pytest.approx(fixed + per_row * rows + per_token * tokens, abs=1e-5)
 
@@ -155,3 +157,55 @@ def test_the_worker_caps_prompt_tokens_while_rows_decode_and_answers_do_not_chan
         assert sum(lens) <= max(cost.prompt_allowance(decodes, 0.040), MIN_PREFILL_CHUNK)
     alone = [lens for decodes, lens in decoder.forwards if not decodes and lens]
     assert max(sum(lens) for lens in alone) > 30, "ticks without decoding rows are not capped"
+
+
+def test_a_long_run_of_decode_only_ticks_keeps_the_fit_and_its_precision():
+    fixed, per_row, per_token = 0.02, 0.004, 0.0016
+    model = trained(fixed, per_row, per_token, [(r, t) for r in (0, 8, 32) for t in (0, 128, 1024)])
+    before = model.prompt_allowance(16, 0.4)
+    for i in range(30_000):  # long answers, no prompt arriving: nothing informs the per-token cost
+        rows = 1 + i % 32
+        model.observe(rows, 0, fixed + per_row * rows)
+    assert all(math.isfinite(c) for c in model.coef)
+    assert model.prompt_allowance(16, 0.4) == before, "the per-token cost was kept"
+    # And prompts re-teach it when it changed meanwhile: after 200 prompt ticks the old ones weigh 0.97**200.
+    for k in range(200):
+        tokens = (64, 256, 512, 1024)[k % 4]
+        model.observe(16, tokens, fixed + per_row * 16 + 2 * per_token * tokens)
+    assert model.seconds_per_prompt_token() == pytest.approx(2 * per_token, rel=1e-2)
+
+
+def test_an_asynchronous_device_pairs_a_ticks_time_with_the_work_it_waited_for():
+    class Seen(StepCostModel):
+        def __init__(self, asynchronous: bool) -> None:
+            super().__init__(asynchronous=asynchronous)
+            self.ticks: list[tuple] = []
+
+        def observe(self, rows: int, prompt_tokens: int, seconds: float) -> None:
+            self.ticks.append((rows, prompt_tokens, seconds))
+
+    cpu, cuda = Seen(False), Seen(True)
+    for model in (cpu, cuda):
+        model.record(0, 512, 0.1)  # a prompt's forward
+        model.record(4, 0, 0.9)  # on CUDA this tick's sampling waited for the prompt's forward
+        model.record(4, None, 0.2)  # no forward ran
+        model.record(4, 0, 0.3)
+    assert cpu.ticks == [(0, 512, 0.1), (4, 0, 0.9), (4, 0, 0.3)]
+    assert cuda.ticks == [(0, 512, 0.9), (4, 0, 0.2)]
+
+
+def test_the_worker_teaches_the_model_from_its_own_ticks_only_with_a_target(tiny_batch_model):
+    prompts = [[(3 * i + j) % 200 + 3 for j in range(20 + 10 * i)] for i in range(4)]
+    for target, learns in ((None, False), (400, True)):
+        config = BatcherConfig(prefill_chunk=16, max_batch_tokens=64, kv_block_size=16, kv_blocks=64,
+                               step_target_ms=target)
+        worker = make_worker(tiny_batch_model, config)
+        for prompt in prompts:
+            job, _ = make_job(worker, prompt, greedy_params(4, ignore_eos=True))
+            worker.jobs.put(job)
+        for _ in range(100):
+            worker.tick()
+            if not (worker.rows.order or worker.prefills or worker.waiting):
+                break
+        assert (worker.step_cost.prompt_ticks >= MIN_PROMPT_TICKS) is learns
+        assert (worker.step_cost.coef != [0.0, 0.0, 0.0]) is learns

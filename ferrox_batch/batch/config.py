@@ -31,8 +31,9 @@ DEFAULT_DECODE_LOG_INTERVAL = 40
 DEFAULT_MAX_PREFILLS_PER_TICK = 1
 
 # What a server starts from (`BatcherConfig.serving()`): the upstream defaults serve a burst of prompts
-# one 128-token chunk per forward, which on these runtimes costs a third of the throughput; these are the
-# settings the HTTP benchmark measured best (docs/benchmarks.md). Port-only, like the server itself.
+# one 128-token chunk per forward; these trade a little of the best throughput found for a bound on
+# inter-token latency (the HTTP benchmark in docs/benchmarks.md: 0.92x the best flags' throughput, 1.15x
+# the upstream tick's, ITL p99 3.6x lower than without the step target). Port-only, like the server.
 SERVING_PREFILL_CHUNK = 256
 SERVING_MAX_BATCH_TOKENS = 1024
 SERVING_KV_BLOCK_SIZE = 16
@@ -139,7 +140,7 @@ class BatcherConfig:
 
     @classmethod
     def serving(cls) -> BatcherConfig:
-        """The defaults a server starts from: the settings measured fastest (docs/benchmarks.md)."""
+        """The defaults a server starts from: fast settings with a latency bound (docs/benchmarks.md)."""
         return cls(prefill_chunk=SERVING_PREFILL_CHUNK, max_batch_tokens=SERVING_MAX_BATCH_TOKENS,
                    kv_block_size=SERVING_KV_BLOCK_SIZE, max_prefills_per_tick=SERVING_MAX_PREFILLS_PER_TICK,
                    step_target_ms=SERVING_STEP_TARGET_MS)
@@ -172,6 +173,11 @@ class BatcherConfig:
             "step_target_ms": env_positive(env, ENV_STEP_TARGET_MS),
         }
         return dataclasses.replace(base, **{name: value for name, value in found.items() if value is not None})
+
+    def context_limit(self, trained: int) -> int:
+        """The per-request position ceiling: `max_context` capped at the model's `trained` context (positions
+        past it cannot be computed), or `trained` when unset."""
+        return min(self.max_context or trained, trained)
 
     @property
     def unlimited_seqs(self) -> bool:

@@ -100,8 +100,7 @@ class ContinuousBatcher:
         share of the machine's memory (`models.memory`).
         """
         config = config if config is not None else BatcherConfig.from_env(defaults=BatcherConfig.serving())
-        limit = min(config.max_context or model.config.max_position_embeddings, model.config.max_position_embeddings)
-        ceiling = ContextCeiling(limit, model.kv_shape())
+        ceiling = ContextCeiling(config.context_limit(model.config.max_position_embeddings), model.kv_shape())
         batcher = cls.spawn_with_ceiling(model.decoder, model.tokenizer.decode, config, ceiling)
         batcher.tokenizer = model.tokenizer
         return batcher

@@ -11,7 +11,7 @@ and admit only as many as keep a decode step under a latency target.
 close to linear in what it holds, `t = fixed + per_row * rows + per_token *
 prompt_tokens` (the weights are read once per forward; each row and each
 prompt token adds its matmul rows and attention), so the model fits those
-three coefficients by recursive least squares over every tick, forgetting old
+three coefficients by weighted least squares over every tick, forgetting old
 ticks geometrically so that it follows the machine's load and the context
 lengths being served. `prompt_allowance` inverts the fit: the prompt tokens
 that keep a tick with `rows` decoding rows under the target.
@@ -27,40 +27,94 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: Weight of the past per tick: about the last 30 ticks count.
+#: Weight of the past per tick: about the last 30 ticks of each kind count.
 FORGETTING = 0.97
 #: Feature scales, so that the three coefficients are of similar size (seconds per 100 rows, per 1,000 tokens).
 _ROW_SCALE = 100.0
 _TOKEN_SCALE = 1000.0
-#: Prior variance of each coefficient: large, so the first ticks decide (a ridge of 1e-6, forgotten like a tick).
-_PRIOR = 1e6
+#: A ridge that keeps the equations solvable before every coefficient has been informed (it pulls an
+#: uninformed coefficient to 0, which `prompt_allowance` reads as "not known yet").
+_RIDGE = 1e-9
 #: Ticks holding prompt tokens the fit must have seen before it caps anything.
 MIN_PROMPT_TICKS = 3
 
+Matrix = list[list[float]]
 
-def _prior_covariance() -> list[list[float]]:
-    return [[_PRIOR if i == j else 0.0 for j in range(3)] for i in range(3)]
+
+def _zeros() -> Matrix:
+    return [[0.0] * 3 for _ in range(3)]
+
+
+def _solve(a: Matrix, b: list[float]) -> list[float]:
+    """a x = b for a symmetric positive definite 3x3 `a` (Gaussian elimination; no pivoting needed)."""
+    m = [row[:] + [rhs] for row, rhs in zip(a, b)]
+    for k in range(3):
+        for i in range(k + 1, 3):
+            f = m[i][k] / m[k][k]
+            for j in range(k, 4):
+                m[i][j] -= f * m[k][j]
+    x = [0.0, 0.0, 0.0]
+    for i in (2, 1, 0):
+        x[i] = (m[i][3] - sum(m[i][j] * x[j] for j in range(i + 1, 3))) / m[i][i]
+    return x
+
+
+@dataclass(slots=True)
+class _Equations:
+    """Weighted least-squares normal equations of one kind of tick, older ticks weighted down."""
+
+    gram: Matrix = field(default_factory=_zeros)
+    moment: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
+
+    def add(self, x: tuple[float, float, float], seconds: float) -> None:
+        for i in range(3):
+            self.moment[i] = FORGETTING * self.moment[i] + x[i] * seconds
+            for j in range(3):
+                self.gram[i][j] = FORGETTING * self.gram[i][j] + x[i] * x[j]
 
 
 @dataclass(slots=True)
 class StepCostModel:
-    """Seconds a tick takes as a function of its decoding rows and prompt tokens (module docstring)."""
+    """Seconds a tick takes as a function of its decoding rows and prompt tokens (module docstring).
 
+    The fit is weighted least squares over two kinds of tick kept apart: ticks with prompt tokens,
+    each weighted FORGETTING**(prompt ticks since), and ticks without, weighted FORGETTING**(such
+    ticks since). Only prompt ticks inform the per-token cost, so a long run of decode-only ticks
+    must not forget it: each kind is forgotten only by newer ticks of its kind. Both sets of
+    equations are sums of positive terms, so the fit stays exact however long it runs.
+    """
+
+    #: True on a device whose forward returns before it ran (CUDA): see `record`.
+    asynchronous: bool = False
     coef: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
-    _cov: list[list[float]] = field(default_factory=_prior_covariance)
+    _prompt: _Equations = field(default_factory=_Equations)
+    _decode: _Equations = field(default_factory=_Equations)
     prompt_ticks: int = 0
+    _launched: tuple[int, int] | None = None
+
+    def record(self, rows: int, prompt_tokens: int | None, seconds: float) -> None:
+        """One tick's sampling plus forward took `seconds`; its forward held `rows` decoding rows and
+        `prompt_tokens` prompt tokens (None: no forward ran).
+
+        On the CPU the forward ran inside that time. On an asynchronous device it was only launched, and
+        its time shows in the next tick's sampling, which waits for its logits: there the time is paired
+        with the previous tick's work.
+        """
+        work = None if prompt_tokens is None else (rows, prompt_tokens)
+        timed = self._launched if self.asynchronous else work
+        self._launched = work
+        if timed is not None:
+            self.observe(*timed, seconds)
 
     def observe(self, rows: int, prompt_tokens: int, seconds: float) -> None:
-        """Fold one tick's measured time into the fit (one recursive least-squares step)."""
-        if (rows == 0 and prompt_tokens == 0) or not seconds >= 0.0:
+        """Fold one tick's measured time into the fit."""
+        if (rows == 0 and prompt_tokens == 0) or not seconds >= 0.0 or seconds == float("inf"):
             return
         x = (1.0, rows / _ROW_SCALE, prompt_tokens / _TOKEN_SCALE)
-        px = [sum(self._cov[i][j] * x[j] for j in range(3)) for i in range(3)]
-        denom = FORGETTING + sum(x[i] * px[i] for i in range(3))
-        gain = [v / denom for v in px]
-        error = seconds - self.predict(rows, prompt_tokens)
-        self.coef = [self.coef[i] + gain[i] * error for i in range(3)]
-        self._cov = [[(self._cov[i][j] - gain[i] * px[j]) / FORGETTING for j in range(3)] for i in range(3)]
+        (self._prompt if prompt_tokens else self._decode).add(x, seconds)
+        gram = [[self._prompt.gram[i][j] + self._decode.gram[i][j] + (_RIDGE if i == j else 0.0)
+                 for j in range(3)] for i in range(3)]
+        self.coef = _solve(gram, [p + d for p, d in zip(self._prompt.moment, self._decode.moment)])
         if prompt_tokens:
             self.prompt_ticks += 1
 

@@ -14,6 +14,8 @@ import dataclasses
 import logging
 import queue
 
+import torch
+
 from ferrox_batch.batch.block_budget import BlockBudget
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.counters import Counters
@@ -33,8 +35,7 @@ log = logging.getLogger("ferrox_batch.batch")
 def config_ceiling(decoder, config: BatcherConfig) -> ContextCeiling:
     """`config.max_context` capped at the trained context (positions past it cannot be computed),
     priced with the model's f32 `KvShape`."""
-    trained = decoder.config.max_position_embeddings
-    limit = min(config.max_context or trained, trained)
+    limit = config.context_limit(decoder.config.max_position_embeddings)
     return ContextCeiling(limit, KvShape.from_config(decoder.config, KvElem.F32))
 
 
@@ -87,7 +88,7 @@ def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> P
     assert config.kv_blocks is not None  # build_worker resolved it
     try:
         return decoder.new_store(config.kv_block_size, num_blocks=config.kv_blocks)
-    except (MemoryError, RuntimeError) as failed:  # torch's out-of-memory errors are RuntimeErrors
+    except (MemoryError, torch.OutOfMemoryError) as failed:
         size = config.kv_blocks * PagedKvStore.bytes_per_block(decoder.config, config.kv_block_size, decoder.dtype)
         raise MemoryError(f"could not allocate the KV pool of {config.kv_blocks} blocks x {config.kv_block_size} "
                           f"positions ({size / 2**30:.2f} GiB) on {decoder.device}: {failed}; give a smaller "

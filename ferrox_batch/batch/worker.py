@@ -97,7 +97,8 @@ class Worker:
         self.closing = False
         self.started = time.monotonic()
         self.reporter = StatusReporter(log_interval, 0.0)
-        self.step_cost = StepCostModel()  # what a tick costs here, learnt as it runs (the step target)
+        # What a tick costs here, learnt as it runs (the step target).
+        self.step_cost = StepCostModel(asynchronous=store.device.type != "cpu")
         self._next_seq = 0
         # Logits of the last forward, and which of its rows belongs to which decoding row.
         self._logits: torch.Tensor | None = None
@@ -129,8 +130,8 @@ class Worker:
         began = time.perf_counter()
         active = self._sample_ready()
         prompt_tokens = self._forward(active)
-        if prompt_tokens is not None:
-            self.step_cost.observe(len(active), prompt_tokens, time.perf_counter() - began)
+        if self.config.step_target_ms is not None:
+            self.step_cost.record(len(active), prompt_tokens, time.perf_counter() - began)
         self._flush()
         self._check_ledger()
         return True
@@ -221,7 +222,7 @@ class Worker:
             self.store.add_sequence(seq_id, job.positions)
         except KvPoolExhausted:  # the ledger said yes but the page store said no
             return KvPoolExhausted()
-        except (MemoryError, RuntimeError) as failed:  # torch's out-of-memory errors are RuntimeErrors
+        except (MemoryError, torch.OutOfMemoryError) as failed:
             log.warning("allocating KV for a request failed: %s", failed)
             return KvAllocationFailed(f"{type(failed).__name__}: {failed}")
         state = PrefillState(seq_id, job.prompt_tokens, self.config.prefill_chunk)
@@ -261,7 +262,8 @@ class Worker:
     def _forward(self, active: list[int]) -> int | None:
         """Run the tick's forward; the prompt tokens it held, or None when none ran (nothing to do, or it failed)."""
         chunks = [SeqChunk(self.rows.state[uid].seq_id, [self.rows.state[uid].generated_ids[-1]]) for uid in active]
-        tick_tokens = self.step_cost.tick_tokens(self.config.max_batch_tokens, len(active), self.config.step_target_ms)
+        tick_tokens = self.step_cost.tick_tokens(self.config.max_batch_tokens, len(active),
+                                                 self.config.step_target_ms)
         prompt_chunks = take_prefill_chunks(self.prefills, self.config, len(active), tick_tokens)
         # Off the prefill queue until they are put back or become rows: a crash meanwhile must
         # still answer them (`fail_everything`).

@@ -106,13 +106,13 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
     return args
 
 
-def resolved_dtype(dtype: str) -> tuple[str, str]:
-    """`auto` made concrete as the server makes it on this CPU (bf16 or fp32), with the reason."""
+def resolved_dtype(dtype: str, device: str = "cpu") -> tuple[str, str]:
+    """`auto` made concrete as the server makes it on `device` (bf16 or fp32), with the reason."""
     import torch
 
     from ferrox_batch.models.device import choose_dtype_reasoned
 
-    choice = choose_dtype_reasoned(dtype, torch.device("cpu"))
+    choice = choose_dtype_reasoned(dtype, torch.device(device))
     return ("bf16" if choice.dtype == torch.bfloat16 else "fp32"), choice.reason
 
 

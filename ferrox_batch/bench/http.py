@@ -83,12 +83,12 @@ def free_port() -> int:
 class Server:
     """`ferrox-batch serve` in a child process with the given flags, on a free loopback port."""
 
-    def __init__(self, model: str, dtype: str, flags: list[str], env: Mapping[str, str]) -> None:
+    def __init__(self, model: str, device: str, dtype: str, flags: list[str], env: Mapping[str, str]) -> None:
         self.port = free_port()
         # The configuration is only what its flags say: no FERROX_CB_* of the caller's leaks in.
         child_env = {k: v for k, v in env.items() if not k.startswith("FERROX_CB_")}
-        argv = [sys.executable, "-m", "ferrox_batch.cli", "serve", "--model", model, "--dtype", dtype,
-                "--port", str(self.port), "--log-level", "warning", *flags]
+        argv = [sys.executable, "-m", "ferrox_batch.cli", "serve", "--model", model, "--device", device,
+                "--dtype", dtype, "--port", str(self.port), "--log-level", "warning", *flags]
         self.proc = subprocess.Popen(argv, env=child_env, stdin=subprocess.DEVNULL)
 
     def wait_ready(self, timeout: float = 300) -> None:
@@ -170,7 +170,7 @@ def closed_loop(port: int, requests: list[Request], timeout: float) -> dict:
 
 def run_one(args: argparse.Namespace, name: str, flags: list[str], requests: list[Request],
             env: Mapping[str, str]) -> dict:
-    server = Server(args.model, args.dtype, flags, env)
+    server = Server(args.model, args.device, args.dtype, flags, env)
     try:
         server.wait_ready()
         closed_loop(server.port, [Request(r.prompt[:16], 4) for r in requests[:2]], args.timeout)  # warm-up
@@ -199,14 +199,15 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     env = os.environ if env is None else env
     args = parse_args(argv, env, prog)
     from ferrox_batch.bench.batcher import resolved_dtype
-    from ferrox_batch.models.device import cpu_description
+    from ferrox_batch.models.device import choose_device, cpu_description
     from ferrox_batch.models.tokenizer import Tokenizer
 
     configs = named_configs(args.config)
-    args.dtype, why = resolved_dtype(args.dtype)
+    args.device = str(choose_device("auto"))  # where `serve` would run; every server is told so
+    args.dtype, why = resolved_dtype(args.dtype, args.device)
     requests = build_requests(args.shape, Tokenizer.from_dir(args.model).encode, args.seed, args.quick)
-    print(f"# bench-http: {args.model}, dtype {args.dtype} ({why}), shape {args.shape}: {describe(requests)}, "
-          f"repeats {args.repeats}")
+    print(f"# bench-http: {args.model} on {args.device}, dtype {args.dtype} ({why}), shape {args.shape}: "
+          f"{describe(requests)}, repeats {args.repeats}")
     print(f"# cpu: {cpu_description()}")
     for name, flags in configs:
         print(f"# {name}: ferrox-batch serve {' '.join(flags) or '(defaults)'}")

@@ -241,7 +241,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
         config.kv_block_size, _size(kv_bytes), "unlimited" if config.unlimited_seqs else config.max_seqs,
         config.prefill_chunk, config.max_batch_tokens, config.max_prefills_per_tick,
         config.step_target_ms or "none", config.max_queue,
-        min(config.max_context or model.config.max_position_embeddings, model.config.max_position_embeddings))
+        config.context_limit(model.config.max_position_embeddings))
     serve(model, config, args.host, args.port, model_name=name, default_max_tokens=args.default_max_tokens,
           default_chat_max_tokens=args.default_chat_max_tokens,
           max_concurrent_requests=args.max_concurrent_requests, log_level=args.log_level)

@@ -165,4 +165,5 @@ def cpu_description(cpuinfo: str | None = None) -> str:
         elif key in ("flags", "Features") and flags is None:
             flags = set(value.split())
     shown = [flag for flag in REPORTED_FLAGS if flag in (flags or ())]
-    return f"{model or platform.machine()}; flags: {' '.join(shown) if shown else 'none of ' + ', '.join(REPORTED_FLAGS)}"
+    named = " ".join(shown) if shown else "none of " + ", ".join(REPORTED_FLAGS)
+    return f"{model or platform.machine()}; flags: {named}"

@@ -8,8 +8,11 @@ the batcher starts, after the model is loaded: on the CPU a quarter of what
 the kernel reports available (the pool shares RAM with the server, the
 tokenizer and everything else on the machine), on CUDA 80% of the device's
 free memory (as vLLM's `gpu_memory_utilization`, the rest left for
-activations). The pool is allocated whole at start, so a budget the device
-cannot hold fails then, with its size, not later under load.
+activations). The pool is allocated whole at start: on CUDA a budget the
+device cannot hold fails then, with its size, not later under load. On the
+CPU the kernel lends the pool's pages lazily, as blocks are first written, so
+there the fraction of *available* memory is what keeps the pool's growth
+within what the machine can give.
 """
 
 from __future__ import annotations

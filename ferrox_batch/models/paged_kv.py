@@ -174,7 +174,11 @@ class PagedKvStore:
         if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 0:
             raise ValueError(f"max_positions must be a non-negative integer, got {max_positions!r}")
         blocks = self.allocator.allocate(self.blocks_for(max_positions))
-        table = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        try:
+            table = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        except BaseException:  # the device could not hold the table: the blocks were never leased
+            self.allocator.release(blocks)
+            raise
         self._seqs[seq_id] = SeqKv(blocks, len(blocks) * self.block_size, 0, table)
         return list(blocks)
 
