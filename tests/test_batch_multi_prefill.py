@@ -6,6 +6,7 @@ With the default (1) every forward holds at most one prefill chunk (spec invaria
 from __future__ import annotations
 
 from collections import deque
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -17,6 +18,7 @@ from ferrox_batch.batch.prefill import Prefill, PrefillState, take_prefill_chunk
 from ferrox_batch.batch.step_budget import MIN_PREFILL_CHUNK, prefill_budget
 
 from batch_helpers import greedy_params, identity_decode, sequential_ids
+from worker_helpers import make_job, make_worker
 
 
 class RecordingDecoder:
@@ -110,3 +112,23 @@ def test_take_prefill_chunks_keeps_the_step_budget(prompts, decode_rows, max_bat
     # Past the first chunk (which may use the MIN_PREFILL_CHUNK floor), the tick stays in budget.
     others = sum(len(t) for _, t in taken[1:])
     assert others == 0 or decode_rows + sum(len(t) for _, t in taken) <= max_batch_tokens
+
+
+@pytest.mark.parametrize("per_tick, finishes_first", [(1, False), (4, True)])
+def test_an_unfinished_prompt_keeps_the_front_when_prompts_share_ticks(tiny_batch_model, per_tick, finishes_first):
+    """The upstream tick (one prompt a tick) is round-robin; with several a tick, first come, first finished."""
+    decoder = RecordingDecoder(tiny_batch_model.decoder)
+    config = BatcherConfig(prefill_chunk=16, max_batch_tokens=16, kv_block_size=16, kv_blocks=64,
+                           max_prefills_per_tick=per_tick)
+    worker = make_worker(SimpleNamespace(decoder=decoder), config)
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(48)] for i in range(3)]  # 3 chunks of 16 each
+    for prompt in prompts:
+        job, _ = make_job(worker, prompt, greedy_params(2, ignore_eos=True))
+        worker.jobs.put(job)
+    for _ in range(9):
+        worker.tick()
+    first_done = next(i for i, forward in enumerate(decoder.forwards) if forward[0] > 0)  # first decode
+    if finishes_first:
+        assert first_done == 3, "the first prompt ran its three chunks back to back"
+    else:
+        assert first_done > 3, "round-robin: every prompt had a chunk before the first finished"

@@ -115,7 +115,8 @@ def take_prefill_chunks(
     target lowers it). The first prompt gets `prefill_budget(...)` tokens (at least
     MIN_PREFILL_CHUNK, so a saturated batch still progresses: the V4 step budget); with
     `max_prefills_per_tick > 1` further prompts share what is left of the budget, each at most
-    its chunk ceiling. The caller puts back every prompt that is not finished (round-robin).
+    its chunk ceiling. The caller puts back every prompt that is not finished: at the back with one
+    prompt a tick (the upstream round-robin), at the front with several (first come, first finished).
     """
     taken: list[tuple[Prefill, list[int]]] = []
     if not prefills:

@@ -290,16 +290,24 @@ class Worker:
             line = self.reporter.report_decode(self._now(), len(active), self.batch_status())
             if line is not None:
                 log.info(line)
+        unfinished: list[Prefill] = []
         for row, (prefill, tokens) in enumerate(prompt_chunks, start=len(active)):
             self.counters.add_prefill(len(tokens))
+            self.in_forward.pop(0)  # handled in the order taken: this prefill
             if prefill.state.advance(len(tokens), self.store.seq_len(prefill.state.seq_id)):
                 sampler_row = self.sampler.new_row(prefill.params.sampling, prefill.params.seed, prefill.state.tokens)
-                self.in_forward.pop(0)  # handled in the order taken: this prefill
                 uid = self.rows.insert(prefill.into_slot(sampler_row))
                 self._logit_row[uid] = row
             else:
-                self.in_forward.pop(0)
-                self.prefills.append(prefill)  # round-robin: back of the line
+                unfinished.append(prefill)
+        if self.config.max_prefills_per_tick == 1:
+            self.prefills.extend(unfinished)  # the upstream tick: round-robin, back of the line
+        else:
+            # Several prompts share each tick, so none starves; the unfinished keep the front, in
+            # arrival order, and each prompt joins the decode batch as early as it can (first come,
+            # first finished). Round-robin under a step target spread every prompt over the whole
+            # burst: all finished late together, and the decode batch filled late.
+            self.prefills.extendleft(reversed(unfinished))
         return sum(len(tokens) for _, tokens in prompt_chunks)
 
     # ----------------------------------------------------------------- exits
