@@ -41,10 +41,10 @@ def cmd_fetch(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 # ------------------------------------------------------------------ bench, bench-http
 
-def _add_passthrough(subparsers: argparse._SubParsersAction, name: str, help: str, handler: Handler) -> None:
+def _add_passthrough(subparsers: argparse._SubParsersAction, name: str, summary: str, handler: Handler) -> None:
     # Every argument goes to the benchmark's own parser, `--help` included (which shows its examples):
     # no prefix characters here, so argparse takes nothing after the command for an option of its own.
-    parser = subparsers.add_parser(name, help=help, add_help=False, prefix_chars="\0")
+    parser = subparsers.add_parser(name, help=summary, add_help=False, prefix_chars="\0")
     parser.add_argument("bench_args", nargs=argparse.REMAINDER)
     parser.set_defaults(handler=handler, command=name)
 
