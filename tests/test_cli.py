@@ -133,6 +133,10 @@ def test_constants_repeated_to_keep_help_light_match_their_sources() -> None:
     assert cli.DEFAULT_CHAT_MAX_TOKENS == DEFAULT_CHAT_MAX_TOKENS
     assert cli.DEFAULT_MAX_CONCURRENT_REQUESTS == DEFAULT_MAX_CONCURRENT_REQUESTS
     assert BatcherConfig().max_seqs == UNLIMITED
+    from ferrox_batch.models.memory import CPU_KV_FRACTION, CUDA_KV_FRACTION
+
+    assert cli.DEFAULT_KV_MEMORY == (f"{CPU_KV_FRACTION:.0%} of available memory on the CPU, "
+                                     f"{CUDA_KV_FRACTION:.0%} of free GPU memory on CUDA").replace("%", " percent")
 
 
 # ---- errors: one line on stderr, a non-zero status, no traceback ----------------------------------

@@ -58,6 +58,10 @@ def assert_still_serving(base_url: str) -> None:
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 2
 
 
+#: A 3-token completion for the gated tests: the worker holds it inside its first decode.
+HELD_REQUEST = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0,
+                "extra_body": {"ignore_eos": True}}
+
 def test_a_prompt_past_the_context_is_400_context_length_exceeded(client):
     long_prompt = "The quick brown fox jumps over the lazy dog. " * 10
     for stream in (False, True):
@@ -198,8 +202,7 @@ def test_routing_errors_are_in_the_openai_shape(server):
 def test_a_full_queue_is_503_with_retry_after(tiny_batch_model):
     gate = letter_gate(permits=0)
     batcher = gated_batcher(tiny_batch_model, gate, max_seqs=1, max_queue=1)
-    request = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0,
-               "extra_body": {"ignore_eos": True}}
+    request = HELD_REQUEST
     with served(batcher) as (base_url, _app), openai_client(base_url) as client, \
             concurrent.futures.ThreadPoolExecutor(2) as pool:
         running = pool.submit(client.completions.create, **request)
@@ -220,8 +223,7 @@ def test_a_full_queue_is_503_with_retry_after(tiny_batch_model):
 def test_past_max_concurrent_requests_is_503_server_busy(tiny_batch_model):
     gate = letter_gate(permits=0)
     batcher = gated_batcher(tiny_batch_model, gate)
-    request = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0,
-               "extra_body": {"ignore_eos": True}}
+    request = HELD_REQUEST
     with served(batcher, max_concurrent_requests=2) as (base_url, app), openai_client(base_url) as client, \
             concurrent.futures.ThreadPoolExecutor(2) as pool:
         open_requests = [pool.submit(client.completions.create, **request) for _ in range(2)]
@@ -261,8 +263,7 @@ def _read_response(sock: socket.socket) -> bytes:
 def test_a_busy_server_refuses_before_reading_the_body(tiny_batch_model):
     gate = letter_gate(permits=0)
     batcher = gated_batcher(tiny_batch_model, gate)
-    request = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0,
-               "extra_body": {"ignore_eos": True}}
+    request = HELD_REQUEST
     with served(batcher, max_concurrent_requests=1) as (base_url, app), openai_client(base_url) as client, \
             concurrent.futures.ThreadPoolExecutor(1) as pool:
         running = pool.submit(client.completions.create, **request)
