@@ -18,8 +18,8 @@ def test_packed_linear_matches_f_linear_at_every_batch_size(dtype, with_bias):
     weight = torch.randn(96, 40, generator=gen).to(dtype)
     bias = torch.randn(96, generator=gen).to(dtype) if with_bias else None
     layer = Linear(weight, bias)
-    # bf16 is packed where oneDNN's op exists; fp32 always runs plain (see the module docstring).
-    assert layer.kind in (("mkldnn", "plain") if dtype == torch.bfloat16 else ("plain",))
+    # Packed where oneDNN's op exists (torch's x86-64 CPU wheels have it), plain otherwise.
+    assert layer.kind in ("mkldnn", "plain")
     for batch in (1, 3, 32, 33, 257):
         x = torch.randn(batch, 40, generator=gen).to(dtype)
         assert_same_linear(layer(x), x, weight, bias)
@@ -29,15 +29,32 @@ def test_packed_linear_matches_f_linear_at_every_batch_size(dtype, with_bias):
 
 def assert_same_linear(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     want = F.linear(x, weight, bias)
-    if got.dtype == torch.float32:
-        assert torch.equal(got, want)  # fp32 runs F.linear itself
-        return
-    # bf16: both sides sum the 40 products in float32, in their own order (gamma_41 of the magnitudes,
-    # the bias included, each), then round to bf16, at most twice (once more if the bias is added after).
+    # Both sides sum the 40 products in float32, in their own order (gamma_41 of the magnitudes, the bias
+    # included, each), then round to the output dtype, at most twice (once more if the bias is added
+    # after); in fp32 that rounding is the accumulator's own, already counted in gamma.
     magnitudes = x.float().abs() @ weight.float().abs().T + (0 if bias is None else bias.float().abs())
     exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
-    bound = 2 * gamma(41) * magnitudes.double() + steps(2, exact, torch.bfloat16) + steps(2, want.float(), torch.bfloat16)
+    rounding = 0.0
+    if got.dtype != torch.float32:
+        rounding = steps(2, exact, got.dtype) + steps(2, want.float(), got.dtype)
+    bound = 2 * gamma(41) * magnitudes.double() + rounding
     assert bool(((got.double() - want.double()).abs() <= bound).all())
+
+
+def test_fp32_cpu_weights_are_packed_where_onednn_is_built():
+    # The fast path must not silently fall back on the machines we ship for: torch's x86-64 CPU wheels
+    # have oneDNN, so a plain fp32 layer there means the probe or the op broke.
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no oneDNN")
+    assert Linear(torch.randn(64, 48)).kind == "mkldnn"
+
+
+def test_loading_a_layer_leaves_the_global_rng_alone():
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    Linear(torch.randn(8, 8, generator=torch.Generator().manual_seed(1)))
+    assert torch.equal(torch.rand(4), want)
 
 
 def test_packing_can_be_turned_off():
