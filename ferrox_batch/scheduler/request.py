@@ -1,0 +1,187 @@
+"""`Request`: one generation request, from the handle's submit to its one reply.
+
+The handle builds it (prompt, parameters, the blocks it was priced at, its
+abort id, its reply sink) and sends it to the worker; the scheduler moves it
+through its statuses and the model runner reads what it needs from it. It is
+the only per-request state the worker keeps, so a new per-request field is
+added here and nowhere else.
+
+Statuses: WAITING (queued, holds a queue slot) -> PREFILLING (admitted: holds
+its blocks and a KV lease; its prompt runs in chunks) -> DECODING (its prompt
+is through; it samples one token per forward) -> FINISHED (answered, or about
+to be by the scheduler's flush). Any state may end early: cancelled, refused
+at admission, or failed.
+
+`num_computed_tokens` counts the tokens whose KV the store holds: the prompt
+chunks that ran, then each fed generated token. The KV store's own length is
+checked against it after every forward, so the two cannot drift.
+
+An empty prompt prefills one stand-in token (`0`): a forward is still needed
+to get the logits the first token is sampled from.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ferrox_batch.batch.clock import RowClock
+from ferrox_batch.errors import DecodeError, InternalError
+from ferrox_batch.generation_types import FinishReason, GenerationParams, GenerationResult
+from ferrox_batch.policy.stop import Matched, StopMatcher
+from ferrox_batch.policy.utf8_stream import Utf8Stream
+from ferrox_batch.scheduler.sink import OnceSink
+from ferrox_batch.stop_tokens import StopTokens
+from ferrox_batch.usage import Usage
+
+log = logging.getLogger("ferrox_batch.batch")
+
+#: Detokenizes ids to raw bytes (a character may straddle tokens).
+DecodeFn = Callable[[list[int]], bytes]
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    prompt_tokens: list[int]
+    params: GenerationParams
+    stop_tokens: StopTokens
+    sink: OnceSink
+    abort: int  # the id `AbortInbox` cancels it by
+    blocks: int  # reserved from the block budget at admission
+    positions: int  # KV positions its lease holds: what `blocks` was priced from
+    status: RequestStatus = RequestStatus.WAITING
+    seq_id: int | None = None  # its KV lease, from admission on
+    num_computed_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    #: The model runner's per-request sampling state (made when it first samples); opaque here.
+    sampler_row: object | None = None
+    clock: RowClock | None = None
+    stops: StopMatcher | None = None
+    utf8: Utf8Stream = field(default_factory=Utf8Stream)
+    visible: list[str] = field(default_factory=list)
+    finish: FinishReason | None = None
+    error: DecodeError | None = None
+
+    # ------------------------------------------------------------ prompt
+
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What the prefill feeds the model: the prompt, or the stand-in `[0]` for an empty one."""
+        return self.prompt_tokens if self.prompt_tokens else [0]
+
+    def prefill_remaining(self) -> int:
+        return max(0, len(self.prefill_tokens) - self.num_computed_tokens)
+
+    def next_prompt_chunk(self, budget: int) -> list[int]:
+        start = self.num_computed_tokens
+        return self.prefill_tokens[start:start + budget]
+
+    # ------------------------------------------------------------ lifecycle
+
+    def admitted(self, seq_id: int) -> None:
+        self.seq_id = seq_id
+        self.status = RequestStatus.PREFILLING
+        self.clock = RowClock.start()
+        self.stops = StopMatcher(self.params.stop, self.params.stop_token_ids)
+
+    def prompt_done(self) -> None:
+        self.status = RequestStatus.DECODING
+        assert self.clock is not None
+        self.clock.prefill_finished()
+
+    @property
+    def going(self) -> bool:
+        """Still generating: not finished, cancelled or failed."""
+        return self.finish is None
+
+    def fail(self, error: DecodeError) -> None:
+        """Stop with an error; the request leaves through the scheduler's flush, which replies with it."""
+        self.finish = FinishReason.STOP
+        self.error = error
+
+    def cancel(self) -> None:
+        if self.finish is None:
+            self.finish = FinishReason.CANCELLED
+
+    # ------------------------------------------------------------ output
+
+    def emit(self, text: str) -> None:
+        if text:
+            self.visible.append(text)
+            if not self.sink.chunk(text):
+                self.cancel()  # nobody can read what it would generate
+
+    def _apply_stop_buffer(self, piece: str) -> bool:
+        """Feed decoded text to the stop matcher; True when a stop string matched (the request is finished)."""
+        assert self.stops is not None
+        step = self.stops.push(piece)
+        self.emit(step.text)
+        if isinstance(step, Matched):
+            self.finish = FinishReason.stop_sequence(step.stop)
+            return True
+        return False
+
+    def push_token(self, token: int, decode: DecodeFn) -> bool:
+        """Apply one sampled token; True when the request goes on (the token must be fed to the model).
+
+        A stop token ends the request and is not part of the output; a detokenizer failure fails
+        this request only (`InternalError`), never the worker.
+        """
+        assert self.stops is not None and self.clock is not None
+        if (not self.params.ignore_eos and token in self.stop_tokens) or self.stops.is_stop_token(token):
+            self.finish = FinishReason.STOP
+            return False
+        self.output_ids.append(token)
+        self.clock.token()
+        try:
+            text = decode([token])
+        except Exception as bad:  # one request's detokenizer failure is its own fault, not the worker's
+            log.exception("decode failed")
+            self.fail(InternalError(f"decoding token {token} failed: {type(bad).__name__}: {bad}"))
+            return False
+        piece = self.utf8.push(text)
+        if piece and self._apply_stop_buffer(piece):
+            return False
+        if self.finish is not None:  # its sink refused a chunk
+            return False
+        if len(self.output_ids) >= self.params.max_tokens:
+            # The last token is not fed: its logits would be discarded (the upstream feeds it anyway).
+            self.finish = FinishReason.LENGTH
+            return False
+        return True
+
+    def reply(self) -> None:
+        """Send the one final event: the error, or the result with whatever text the stream still holds."""
+        decoded = self.status is RequestStatus.DECODING
+        self.status = RequestStatus.FINISHED
+        if self.error is not None:
+            self.sink.finished(self.error)
+            return
+        if self.stops is not None and (self.finish is None or self.finish.kind != "stop_sequence"):
+            # A character left incomplete at the end is emitted as U+FFFD (through the stop matcher)
+            # instead of being dropped, unlike the upstream. After a stop string matched, whatever
+            # followed it is dropped, as the upstream does.
+            partial = self.utf8.flush()
+            if partial:
+                self.emit(self.stops.push(partial).text)
+            self.emit(self.stops.flush())
+        finish = self.finish if self.finish is not None else FinishReason.STOP
+        if decoded and self.clock is not None:
+            usage = self.clock.usage(len(self.prompt_tokens), len(self.output_ids))
+        else:  # ended before its prompt was through (cancelled): counts, no rates
+            usage = Usage.new(len(self.prompt_tokens), 0)
+        self.sink.finished(GenerationResult(finish, list(self.output_ids), "".join(self.visible), usage))
+
+    def answer(self, outcome: GenerationResult | DecodeError) -> None:
+        """Reply with `outcome` as it is (a refusal, or a result decided without running)."""
+        self.status = RequestStatus.FINISHED
+        self.sink.finished(outcome)

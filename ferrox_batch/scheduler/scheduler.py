@@ -1,0 +1,332 @@
+"""`Scheduler`: admission, the plan of each forward, and what the sampled tokens do.
+
+The worker's loop is `schedule()` -> the runner's forward and sampling ->
+`update(plan, sampled)`. Everything between is decided here, over ints and
+lists, so tests drive it with fake sampled ids and a fake KV lease table.
+
+`schedule()`:
+1. flush: every request that finished (stop, length, cancelled, failed)
+   frees its KV lease, returns its blocks to the ledger and gets its one
+   reply;
+2. admit, first come first served, while `max_seqs` allows and the block
+   ledger has room for the head request's reservation. A head that does not
+   fit holds the line (nothing smaller behind it is tried): a large request
+   is never starved by small ones. Admission leases the request's KV, so a
+   prompt token outside the vocabulary, `max_tokens = 0` or a KV store that
+   says no are answered here;
+3. plan the forward: every decoding request's next token, and prompt chunks
+   within the tick's token budget (`max_batch_tokens` after the decode rows,
+   lowered by the step target once `step_cost` knows what a prompt token
+   costs; see `step_budget` for the floor that keeps prompts advancing).
+   The first waiting prompt gets up to `prefill_chunk` tokens; with
+   `max_prefills_per_tick > 1` the prompts behind it share what is left.
+
+`update()` advances each request by what the forward computed (checked
+against the KV store's own lengths), moves prompts that are through to
+decoding, applies each sampled token (stop tokens, stop strings, length,
+streaming text to the request's sink), learns the tick's cost and flushes.
+
+Prompt order: with one prompt a tick an unfinished prompt goes to the back
+(round-robin, as the upstream tick); with several a tick the unfinished keep
+the front, so each prompt joins the decode batch as early as it can.
+
+Invariant, checked after every update when there is a block budget: the
+blocks the ledger has reserved equal the blocks the KV store leases to this
+scheduler's requests.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Iterable, Sequence
+from itertools import islice
+from typing import Protocol, Union
+
+from ferrox_batch.batch.block_budget import BlockBudget
+from ferrox_batch.batch.config import BatcherConfig, DEFAULT_DECODE_LOG_INTERVAL
+from ferrox_batch.batch.counters import Counters
+from ferrox_batch.batch.queue import QueueGate
+from ferrox_batch.batch.status import BatchStatus, PoolUsage, PrefillSnapshot, StatusReporter
+from ferrox_batch.batch.step_budget import prefill_budget
+from ferrox_batch.batch.step_cost import StepCostModel
+from ferrox_batch.errors import DecodeError, TokenOutOfVocab
+from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.scheduler.plan import PromptChunk, StepPlan
+from ferrox_batch.scheduler.request import DecodeFn, Request, RequestStatus
+from ferrox_batch.usage import Usage
+
+log = logging.getLogger("ferrox_batch.batch")
+
+#: What the runner returns for one sampling request: a token id, or the error that stops that request.
+Sampled = Union[int, DecodeError]
+
+
+class KvLeases(Protocol):
+    """The KV store as the scheduler sees it: leases by sequence id, counted in blocks and positions."""
+
+    def allocate(self, positions: int) -> int:
+        """Lease room for `positions` positions; the new sequence's id. Raises a typed `DecodeError`
+        (`KvPoolExhausted`, `KvAllocationFailed`) when the store cannot."""
+        ...
+
+    def release(self, seq_id: int) -> None: ...
+
+    def length(self, seq_id: int) -> int:
+        """Positions whose KV the store holds for this sequence."""
+        ...
+
+    def blocks_leased(self, seq_id: int) -> int: ...
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        config: BatcherConfig,
+        budget: BlockBudget,
+        queue_gate: QueueGate,
+        counters: Counters,
+        kv: KvLeases,
+        vocab_size: int,
+        decode: DecodeFn,
+        log_interval: int = DEFAULT_DECODE_LOG_INTERVAL,
+    ) -> None:
+        self.config = config
+        self.budget = budget
+        self.queue_gate = queue_gate
+        self.counters = counters
+        self.kv = kv
+        self.vocab_size = vocab_size
+        self.decode = decode
+        self.waiting: deque[Request] = deque()
+        self.prefilling: deque[Request] = deque()
+        self.decoding: list[Request] = []
+        self.carried: set[int] = set()  # abort ids kept one tick for a request not yet drained
+        self.step_cost = StepCostModel()
+        self.reporter = StatusReporter(log_interval, 0.0)
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------ intake
+
+    def add(self, request: Request) -> None:
+        """A request from the channel; its queue slot is already taken."""
+        self.waiting.append(request)
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.prefilling and not self.decoding
+
+    def admitted(self) -> list[Request]:
+        return [*self.decoding, *self.prefilling]
+
+    def abort(self, fresh: Iterable[int]) -> int:
+        """Cancel the requests with these abort ids, wherever they are; how many were stopped.
+
+        A request is on the channel before its abort id can be (the cancel hook is registered after
+        the send), but the id may be drained first: an unmatched id is carried one tick, by which
+        time its request has been drained. An id still unmatched then belongs to a request already
+        answered (a cancel that raced its answer) and is dropped, so none pile up.
+        """
+        fresh = set(fresh)
+        self.carried |= fresh
+        if not self.carried:
+            return 0
+        stopped = 0
+        for request in [r for r in self.waiting if r.abort in self.carried]:
+            self.waiting.remove(request)
+            self.carried.discard(request.abort)
+            self.queue_gate.release()
+            request.cancel()
+            request.reply()
+            stopped += 1
+        for request in self.admitted():
+            if request.abort in self.carried and request.going:
+                request.cancel()  # answered by the next flush, which frees what it holds
+                self.carried.discard(request.abort)
+                stopped += 1
+        self.carried &= fresh
+        return stopped
+
+    # ---------------------------------------------------------- schedule
+
+    def schedule(self) -> StepPlan:
+        """Flush, admit, and plan the next forward (empty when there is nothing to run)."""
+        self.flush()
+        self._admit()
+        decodes = list(self.decoding)
+        tick_tokens = self.step_cost.tick_tokens(self.config.max_batch_tokens, len(decodes),
+                                                 self.config.step_target_ms)
+        return StepPlan.build(decodes, self._prompt_chunks(len(decodes), tick_tokens))
+
+    def _admit(self) -> None:
+        new_seqs = new_tokens = 0
+        while self.waiting and len(self.decoding) + len(self.prefilling) < self.config.max_seqs:
+            request = self.waiting[0]
+            if not self.budget.try_reserve(request.blocks):
+                break  # the head holds the line
+            self.waiting.popleft()
+            self.queue_gate.release()
+            refusal = self._accept(request)
+            if refusal is not None:
+                # Blocks go back before the reply, so a caller that reads stats() after its
+                # answer sees them free.
+                self.budget.release(request.blocks)
+                request.answer(refusal)
+                continue
+            self.prefilling.append(request)
+            new_seqs += 1
+            new_tokens += len(request.prompt_tokens)
+        if new_seqs:  # blocks are reserved only here: only then can the peak rise
+            snapshot = PrefillSnapshot(new_seqs, new_tokens, 0)
+            log.info(self.reporter.report_prefill(self._now(), snapshot, self.batch_status()))
+            self.counters.record_peak(sum(r.blocks for r in self.admitted()))
+
+    def _accept(self, request: Request) -> GenerationResult | DecodeError | None:
+        """Lease the request's KV and start it; or the answer it gets at once."""
+        bad = next((t for t in request.prompt_tokens if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            return TokenOutOfVocab(bad, self.vocab_size)
+        if request.params.max_tokens == 0:
+            # The upstream never finishes such a request; here it ends at once.
+            return GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(request.prompt_tokens), 0))
+        try:
+            seq_id = self.kv.allocate(request.positions)
+        except DecodeError as refused:
+            return refused
+        request.admitted(seq_id)
+        return None
+
+    def _prompt_chunks(self, decode_rows: int, tick_tokens: int) -> list[PromptChunk]:
+        if not self.prefilling:
+            return []
+        first = self.prefilling[0]
+        budget = prefill_budget(tick_tokens, decode_rows, self.config.prefill_chunk)
+        chunks = [PromptChunk.of(first, first.next_prompt_chunk(budget))]
+        left = tick_tokens - decode_rows - len(chunks[0].tokens)
+        for request in islice(self.prefilling, 1, None):
+            if len(chunks) >= self.config.max_prefills_per_tick or left <= 0:
+                break
+            chunk = request.next_prompt_chunk(min(left, self.config.prefill_chunk))
+            chunks.append(PromptChunk.of(request, chunk))
+            left -= len(chunk)
+        return chunks
+
+    # ------------------------------------------------------------ update
+
+    def update(self, plan: StepPlan, sampled: Sequence[Sampled], seconds: float | None = None) -> None:
+        """Apply a forward that ran `plan` and the tokens sampled after it (`plan.sampling` order).
+
+        `seconds`: how long the forward and sampling took, for the step target's cost model.
+        """
+        sampling = plan.sampling
+        if len(sampled) != len(sampling):
+            raise RuntimeError(f"the runner sampled {len(sampled)} tokens for {len(sampling)} requests")
+        for request in plan.decodes:
+            self._computed(request, 1)
+        if plan.decodes:
+            self.counters.add_decode_step()
+            line = self.reporter.report_decode(self._now(), len(plan.decodes), self.batch_status())
+            if line is not None:
+                log.info(line)
+        for chunk in plan.prompts:
+            self.counters.add_prefill(len(chunk.tokens))
+            self._computed(chunk.request, len(chunk.tokens))
+        self._requeue_prompts(plan)
+        for request, token in zip(sampling, sampled):
+            if not request.going:
+                continue
+            if isinstance(token, DecodeError):
+                request.fail(token)
+            else:
+                request.push_token(token, self.decode)
+        if seconds is not None and self.config.step_target_ms is not None:
+            self.step_cost.observe(len(plan.decodes), plan.prompt_tokens, seconds)
+        self.flush()
+        self.check_ledger()
+
+    def _computed(self, request: Request, tokens: int) -> None:
+        assert request.seq_id is not None
+        request.num_computed_tokens += tokens
+        held = self.kv.length(request.seq_id)
+        if held != request.num_computed_tokens:
+            raise RuntimeError(
+                f"sequence {request.seq_id} believes {request.num_computed_tokens} tokens are cached "
+                f"but the KV store holds {held}"
+            )
+
+    def _requeue_prompts(self, plan: StepPlan) -> None:
+        """Prompts that are through start decoding; the rest are reordered (module docstring)."""
+        for chunk in plan.prompts:
+            request = chunk.request
+            if request.prefill_remaining() == 0:
+                self.prefilling.remove(request)
+                request.prompt_done()
+                self.decoding.append(request)
+            elif self.config.max_prefills_per_tick == 1:
+                self.prefilling.remove(request)
+                self.prefilling.append(request)
+
+    def fail_step(self, plan: StepPlan, error: DecodeError) -> None:
+        """The forward of `plan` failed: every request in it fails with `error`; the rest go on."""
+        for request in plan.requests:
+            request.fail(error)
+        self.flush()
+
+    # ------------------------------------------------------------- exits
+
+    def flush(self) -> int:
+        """Answer every admitted request that has finished, freeing its lease and blocks; how many left."""
+        done = [r for r in self.admitted() if not r.going]
+        if not done:
+            return 0
+        for request in done:
+            if request.status is RequestStatus.DECODING:
+                self.decoding.remove(request)
+            else:
+                self.prefilling.remove(request)
+            assert request.seq_id is not None
+            self.kv.release(request.seq_id)
+            self.budget.release(request.blocks)
+            request.reply()
+        return len(done)
+
+    def fail_all(self, error: DecodeError, safely=lambda action: action()) -> None:
+        """Answer every request this scheduler holds with `error` and return everything they hold.
+
+        `safely` runs each release (a crashed worker passes one that logs and goes on: the state may be
+        what broke, and answering callers matters more).
+        """
+        while self.waiting:
+            request = self.waiting.popleft()
+            safely(self.queue_gate.release)
+            request.answer(error)
+        for request in self.admitted():
+            seq_id = request.seq_id
+            if seq_id is not None:
+                safely(lambda: self.kv.release(seq_id))
+            safely(lambda: self.budget.release(request.blocks))
+            request.answer(error)
+        self.prefilling.clear()
+        self.decoding.clear()
+
+    def check_ledger(self) -> None:
+        """The ledger and the store agree: blocks reserved == blocks our requests lease (with a budget)."""
+        if self.budget.total is None:
+            return
+        reserved = self.budget.total - self.budget.free()
+        held = sum(self.kv.blocks_leased(r.seq_id) for r in self.admitted() if r.seq_id is not None)
+        if reserved != held:
+            raise RuntimeError(f"block ledger says {reserved} blocks are reserved but the KV store leases {held}")
+
+    # ------------------------------------------------------------ status
+
+    def _now(self) -> float:
+        return time.monotonic() - self.started
+
+    def batch_status(self) -> BatchStatus:
+        total = self.budget.total
+        pages = PoolUsage.empty() if total is None else PoolUsage.from_available(total, self.budget.free())
+        return BatchStatus(len(self.decoding) + len(self.prefilling), len(self.waiting), pages,
+                           self.budget.block_size)

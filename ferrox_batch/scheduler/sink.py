@@ -1,0 +1,111 @@
+"""Where a request's replies go: a `ReplySink` the caller chooses when it submits.
+
+The worker thread produces a request's events: zero or more `Chunk`s of
+visible text, then exactly one `Finished` carrying the result or the typed
+error. It hands each to the request's sink and never waits on it, so a sink
+must be quick and must not block:
+
+* `QueueSink` (the blocking handle's): events go on a `queue.SimpleQueue`
+  that the caller's `Ticket.wait` reads on its own thread.
+* The HTTP server's sink posts each event straight to its event loop, so no
+  thread waits per request (`server.streaming`).
+
+`OnceSink` wraps whichever sink a request has and promises the rest of the
+engine two things: `finished` reaches the sink at most once, and a sink that
+raises never reaches the worker (a chunk that cannot be delivered cancels
+only its own request; see `Request.emit`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Protocol, Union
+
+from ferrox_batch.errors import DecodeError
+from ferrox_batch.generation_types import GenerationResult
+
+log = logging.getLogger("ferrox_batch.batch")
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A piece of visible text, streamed before the request's `Finished`."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The request's one and only final event: its result or its error."""
+
+    result: GenerationResult | DecodeError
+
+
+#: What a reply carries: zero or more `Chunk`s, then exactly one `Finished`.
+BatcherEvent = Union[Chunk, Finished]
+
+
+class ReplySink(Protocol):
+    """Receives one request's events on the worker thread; must return quickly and never block."""
+
+    def chunk(self, text: str) -> None: ...
+
+    def finished(self, outcome: GenerationResult | DecodeError) -> None: ...
+
+
+class QueueSink:
+    """Events on a `queue.SimpleQueue`, for a caller that waits on its own thread (`Ticket`)."""
+
+    __slots__ = ("events",)
+
+    def __init__(self) -> None:
+        self.events: queue.SimpleQueue[BatcherEvent] = queue.SimpleQueue()
+
+    def chunk(self, text: str) -> None:
+        self.events.put(Chunk(text))
+
+    def finished(self, outcome: GenerationResult | DecodeError) -> None:
+        self.events.put(Finished(outcome))
+
+
+class OnceSink:
+    """A request's sink as the engine uses it: one final event, and a sink's failure stays its own.
+
+    `finished` may be called from two threads in one race only (a crashing worker answering
+    everyone while the handle refuses a send), hence the lock.
+    """
+
+    __slots__ = ("_sink", "_lock", "_answered")
+
+    def __init__(self, sink: ReplySink) -> None:
+        self._sink = sink
+        self._lock = threading.Lock()
+        self._answered = False
+
+    @property
+    def answered(self) -> bool:
+        return self._answered
+
+    def chunk(self, text: str) -> bool:
+        """Deliver `text`; False when the sink refused it (its request should stop: nobody reads it)."""
+        if self._answered:
+            return False
+        try:
+            self._sink.chunk(text)
+        except Exception:
+            log.exception("a reply sink refused a chunk; its request is cancelled")
+            return False
+        return True
+
+    def finished(self, outcome: GenerationResult | DecodeError) -> None:
+        with self._lock:
+            if self._answered:
+                return
+            self._answered = True
+        try:
+            self._sink.finished(outcome)
+        except Exception:
+            log.exception("a reply sink refused its final event")
