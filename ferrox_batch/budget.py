@@ -2,7 +2,7 @@
 
 One instance per loaded model, shared by the batcher and the private decode
 path, so its `refused` counter counts context refusals from both. It answers
-three questions, in the order admission asks them (spec 2.4, V3+):
+three questions, in the order admission asks them (docs/upstream.md, ContextCeiling):
 
 1. `prompt_refusal`: is the prompt alone at or past the ceiling? (refused)
 2. `overflow_refusal`: does `prompt + max_tokens` overflow the position
@@ -10,7 +10,7 @@ three questions, in the order admission asks them (spec 2.4, V3+):
 3. otherwise `fit` clamps `max_tokens` down to what the ceiling leaves. A
    clamp is not a refusal and counts nothing.
 
-`refusal(positions)` is the V2-style whole-request check the block ledger asks
+`refusal(positions)` is the older (V2) whole-request check the block ledger asks
 first in `BlockBudget.immovable_refusal`.
 
 Refusals are *returned* (as upstream returns `Err`/`Some(err)`), not raised:
@@ -106,7 +106,7 @@ class ContextCeiling:
         )
 
     def fit(self, prompt_tokens: int, max_tokens: int) -> int | DecodeError:
-        """The `max_tokens` to serve with (clamped to the ceiling), or the refusal (V3+)."""
+        """The `max_tokens` to serve with (clamped to the ceiling), or the refusal."""
         # Validate both before anything can count, so a bad argument never moves `refused`.
         check_int("prompt_tokens", prompt_tokens)
         check_int("max_tokens", max_tokens)

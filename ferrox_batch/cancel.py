@@ -5,7 +5,7 @@ A caller (an HTTP handler noticing a dropped connection, a test) calls
 one-shot hook with `on_cancel()` (the batcher's hook records an abort id in its
 inbox, and the worker acts on it between forwards).
 
-What it promises (spec 3.9):
+What it promises (docs/upstream.md, Cancellation):
 
 * `cancel()` is idempotent: the flag is set once and every hook runs exactly
   once, on the thread that cancelled first, outside the token's lock (a hook

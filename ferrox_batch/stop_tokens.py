@@ -1,4 +1,4 @@
-"""`StopTokens`: the model's end-of-generation token ids (spec 3.6).
+"""`StopTokens`: the model's end-of-generation token ids (docs/upstream.md, Stopping and text).
 
 Built from the checkpoint (generation_config / config / tokenizer EOS) by the
 tokenizer loader and handed to the batcher with every request; the batcher

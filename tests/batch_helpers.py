@@ -1,4 +1,4 @@
-"""Fixtures of the upstream batch tests (spec section 7), for the tiny models.
+"""Fixtures of the upstream batch tests (docs/upstream.md, Upstream tests), for the tiny models.
 
 `sequential_ids` is the reference every batching test compares against: the
 same request decoded alone, token by token, straight on the decoder and the

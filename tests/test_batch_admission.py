@@ -40,7 +40,7 @@ from ferrox_batch.errors import (
 from ferrox_batch.generate import UNLIMITED, FinishReason, PagedKvConfig
 from ferrox_batch.models.kv import KvElem, KvShape
 
-# The spec's worked example: 2 layers, 1 kv head, head_dim 4, f32 -> 64 bytes per position.
+# The worked example of docs/upstream.md, KV pricing: 2 layers, 1 kv head, head_dim 4, f32 -> 64 bytes per position.
 _WORKED_SHAPE = KvShape.from_config(SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4), KvElem.F32)
 
 
@@ -245,7 +245,7 @@ def test_paged_options_this_batcher_lacks_are_refused_not_ignored(tiny_batch_mod
 
 
 def test_a_page_store_that_cannot_supply_pages_refuses_with_kv_pool_exhausted(tiny_batch_model):
-    """The ledger says yes but a shared page store, partly held by someone else, says no (spec 4)."""
+    """The ledger says yes but a shared page store, partly held by someone else, says no (docs/upstream.md, Paged KV and held positions)."""
     decoder = tiny_batch_model.decoder
     store = decoder.new_store(4, num_blocks=16)
     store.add_sequence(0, 16)  # 4 of the 16 pages are someone else's, under an id the batcher might pick

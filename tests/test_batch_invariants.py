@@ -1,4 +1,4 @@
-"""The batcher's invariants (spec section 5) under concurrent, randomised load.
+"""The batcher's invariants (docs/upstream.md, Invariants) under concurrent, randomised load.
 
 What this file pins, with many threads hammering one `ContinuousBatcher`
 over a small block budget, a small queue and a small sequence cap:

@@ -1,6 +1,6 @@
 """`max_prefills_per_tick`: several prompts share one tick's token budget; answers do not change.
 
-With the default (1) every forward holds at most one prefill chunk (spec invariant 8).
+With the default (1) every forward holds at most one prefill chunk (docs/upstream.md I8).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def test_prompts_sharing_a_tick_get_their_alone_answers_within_the_budget(tiny_b
         assert len(prefill_lens) <= per_tick
         assert all(n <= 16 for n in prefill_lens)
         if prefill_lens:
-            # The first chunk follows the V4 budget; the rest only use what is left of it.
+            # The first chunk follows the step budget; the rest only use what is left of it.
             assert sum(prefill_lens) + decodes <= max(budget, decodes + MIN_PREFILL_CHUNK)
         most = max(most, len(prefill_lens))
     if per_tick > 1:
@@ -94,7 +94,7 @@ def test_the_knob_is_read_from_the_environment_and_validated():
     chunk=st.integers(1, 512),
 )
 def test_take_prefill_chunks_keeps_the_step_budget(prompts, decode_rows, max_batch_tokens, per_tick, chunk) -> None:
-    """The first prompt gets exactly the V4 budget; the others share what is left, FIFO, each within its ceiling."""
+    """The first prompt gets exactly the step budget; the others share what is left, FIFO, each within its ceiling."""
     config = BatcherConfig(max_batch_tokens=max_batch_tokens, prefill_chunk=chunk, max_prefills_per_tick=per_tick)
     line = deque(Prefill(PrefillState(i, list(range(n)), chunk), n, greedy_params(4), None, None, i, 1, None)
                  for i, n in enumerate(prompts))

@@ -5,7 +5,7 @@ never hands its state to another, and insertion order (the batch order) is
 kept; `ready` skips finished rows and `flush_finished` replies on each row's
 own channel with its own ids, text and usage (rates and time to first token
 included); a row leaving mid-batch does not shift its neighbours' output.
-Port-specific divergences (spec 6.1, 6.2): `max_tokens == 0` finishes at once
+Port-specific divergences (docs/upstream.md D1, D2): `max_tokens == 0` finishes at once
 with `Length` and no output; a character left incomplete at the end surfaces
 as exactly one U+FFFD (upstream drops it), while one split across two tokens
 is never replaced.

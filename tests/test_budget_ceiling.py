@@ -179,7 +179,7 @@ huge = st.sampled_from([UNLIMITED, UNLIMITED - 1, UNLIMITED // 2, 2**63])
 def admission(
     ceiling: ContextCeiling, budget: BlockBudget, prompt: int, max_tokens: int, window: WindowPolicy | None
 ) -> int | DecodeError:
-    """What the caller's thread does before it takes a queue slot (V3+): fit, then the immovable check."""
+    """What the caller's thread does before it takes a queue slot (docs/upstream.md, Admission): fit, then the immovable check."""
     fitted = ceiling.fit(prompt, max_tokens)
     if isinstance(fitted, DecodeError):
         return fitted

@@ -1,4 +1,4 @@
-"""`RowClock` (spec 2.11), on an injected clock so every number is exact."""
+"""`RowClock` (docs/upstream.md, Results and timing), on an injected clock so every number is exact."""
 
 from __future__ import annotations
 

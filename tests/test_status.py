@@ -1,4 +1,4 @@
-"""Operator status lines (spec 2.12): the upstream `status` unit tests, the
+"""Operator status lines (docs/upstream.md, Status lines): the upstream `status` unit tests, the
 exact line formats, and bad input."""
 
 from __future__ import annotations

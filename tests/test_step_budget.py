@@ -1,4 +1,4 @@
-"""The V4 per-tick token budget (spec 2.9): upstream unit tests and the
+"""The per-tick token budget (docs/upstream.md, Step budget): upstream unit tests and the
 per-tick work invariants for all inputs."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_the_configured_chunk_is_never_exceeded() -> None:
 
 def test_a_chunk_smaller_than_the_floor_does_not_panic() -> None:
     assert prefill_budget(DEFAULT_MAX_BATCH_TOKENS, 0, 4) == MIN_PREFILL_CHUNK
-    # The floor wins over the tests' favourite `prefill_chunk = 1` (spec 6.5).
+    # The floor wins over the tests' favourite `prefill_chunk = 1` (docs/upstream.md Q1).
     assert prefill_budget(DEFAULT_MAX_BATCH_TOKENS, 0, 1) == MIN_PREFILL_CHUNK
     assert prefill_budget(0, 0, 0) == MIN_PREFILL_CHUNK
 

@@ -1,4 +1,4 @@
-"""Stop matching (spec 3.7): the upstream `stop` tests, byte-offset helpers
+"""Stop matching (docs/upstream.md, Stopping and text): the upstream `stop` tests, byte-offset helpers
 checked against a byte-level oracle, and streaming properties."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`Utf8Stream` (spec 3.8): the upstream tests, a per-push comparison with a
+"""`Utf8Stream` (docs/upstream.md, Stopping and text): the upstream tests, a per-push comparison with a
 transcription of the upstream algorithm, and whole-stream properties."""
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ This type owns both the timestamps *and* the construction of the row's
 `Usage`, so there is no path from a finished row to a `Usage` that forgets
 the rates; `cached_tokens` is an argument for the same reason.
 
-Timing rules (spec 2.11):
+Timing rules (docs/upstream.md, Results and timing):
 
 * the clock starts when the job is *admitted* to the worker, so queue wait is
   not counted as prefill time;

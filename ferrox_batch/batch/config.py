@@ -17,7 +17,8 @@ from typing import Mapping, Union
 
 from ferrox_batch.generate import UNLIMITED, DecodeError, GenerationResult
 
-#: Prompt tokens per prefill chunk when unset (V4: the ceiling of the per-tick prefill budget).
+#: Prompt tokens per prefill chunk when unset: the ceiling of the per-tick prefill budget (docs/upstream.md,
+#: Step budget).
 DEFAULT_PREFILL_CHUNK = 128
 #: Token positions per KV block: the admission quantum.
 DEFAULT_KV_BLOCK_SIZE = 256
@@ -27,7 +28,7 @@ DEFAULT_MAX_QUEUE = 512
 DEFAULT_MAX_BATCH_TOKENS = 256
 #: Decode forwards between two decode log lines (upstream keeps it in `status`).
 DEFAULT_DECODE_LOG_INTERVAL = 40
-#: Prompts advanced per tick: 1 is the upstream V4 tick (one prefill chunk per tick).
+#: Prompts advanced per tick: 1 is the upstream tick, one prefill chunk per tick (docs/upstream.md D9).
 DEFAULT_MAX_PREFILLS_PER_TICK = 1
 
 # What a server starts from (`BatcherConfig.serving()`): the upstream defaults serve a burst of prompts

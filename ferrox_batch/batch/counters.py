@@ -4,7 +4,7 @@
 object's own lock, so readers on other threads see consistent numbers without
 relying on the GIL. `BatcherStats` is the plain snapshot `stats()` returns,
 assembled from the counters, the queue gate, the block ledger, the context
-ceiling and the abort inbox (spec 2.2).
+ceiling and the abort inbox (docs/upstream.md, Counters).
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ class Counters:
 
 @dataclass(frozen=True, slots=True)
 class BatcherStats:
-    """A serialisable snapshot of the batcher (spec 2.2, plus `max_batch_tokens` and `worker_alive`).
+    """A serialisable snapshot of the batcher: the upstream fields plus `max_batch_tokens` and `worker_alive`.
 
     `max_seqs` is 0 when unlimited (never the sentinel); `kv_blocks_total` and
     `kv_blocks_free` are 0 when there is no block budget.

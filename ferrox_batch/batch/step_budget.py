@@ -13,7 +13,7 @@ advances, and the rows that would free the budget wait on prompts that never
 run. `MIN_PREFILL_CHUNK` is the floor that makes progress unconditional, so
 the budget is a target, not a cap: a batch wider than the budget costs
 `rows + MIN_PREFILL_CHUNK`. The floor also wins over a configured chunk below
-it (upstream V4 behaviour, kept: `prefill_chunk = 1` behaves as 16).
+it (upstream behaviour, kept: `prefill_chunk = 1` behaves as 16; docs/upstream.md Q1).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The batcher benchmark (issue 4), inside the package so the installed `ferrox-batch bench` can run it.
+"""The batcher benchmark, inside the package so the installed `ferrox-batch bench` can run it.
 
 * `bench.batcher`: the program (`main`), its measured child runs and the report;
 * `bench.workloads`: the prompts and request shapes, the statistics helpers, and the transformers peers.

@@ -1,4 +1,4 @@
-"""Benchmark the continuous batcher against transformers' static and continuous batching (issue 4).
+"""Benchmark the continuous batcher against transformers' static and continuous batching.
 
 Closed-loop, all-at-once workloads on the default model (`bench.workloads` builds them):
   a: 32 requests x 64 new tokens, prompts of 20-200 tokens (3,520 in all);

@@ -44,7 +44,8 @@ are all the cut needs, and any sort gives the same ones); both give the
 `torch.sort` path's cut bit for bit. Off the CPU every row with a cut sorts
 whole with `torch.sort`, so the single sync stays the only one.
 
-Seam for grammars and reasoning budgets (out of scope here, spec 3.10): their
+Seam for grammars and reasoning budgets (out of scope here; docs/upstream.md,
+Request parameters and sampling): their
 vocab masks would apply right after the penalties, and a row masked to
 nothing becomes a further per-row outcome (`GrammarComplete`) next to
 `SamplingError`.

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP server over a `ContinuousBatcher` (issue 5).
+"""The OpenAI-compatible HTTP server over a `ContinuousBatcher`.
 
 * `create_app(batcher, model_name=...)`: the FastAPI app (`server.app`);
 * `serve(model, batcher_config, host, port, ...)`: load, start, serve until

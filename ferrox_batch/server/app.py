@@ -1,4 +1,4 @@
-"""`create_app`: the OpenAI-compatible HTTP front of one `ContinuousBatcher` (issue 5).
+"""`create_app`: the OpenAI-compatible HTTP front of one `ContinuousBatcher`.
 
 Endpoints:
 
