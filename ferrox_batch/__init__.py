@@ -13,10 +13,10 @@ _EXPORTS = {
     "CancelToken": "ferrox_batch.cancel",
     "ContinuousBatcher": "ferrox_batch.batch.handle",
     "DecodeError": "ferrox_batch.errors",
-    "FinishReason": "ferrox_batch.generate",
-    "GenerationParams": "ferrox_batch.generate",
-    "GenerationResult": "ferrox_batch.generate",
-    "SamplingParams": "ferrox_batch.generate",
+    "FinishReason": "ferrox_batch.generation_types",
+    "GenerationParams": "ferrox_batch.generation_types",
+    "GenerationResult": "ferrox_batch.generation_types",
+    "SamplingParams": "ferrox_batch.generation_types",
     "load_model": "ferrox_batch.models.loader",
 }
 __all__ = sorted(_EXPORTS)

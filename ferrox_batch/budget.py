@@ -23,13 +23,8 @@ from __future__ import annotations
 
 import threading
 
-from ferrox_batch.generate import (
-    CONTEXT_LENGTH_EXCEEDED,
-    UNLIMITED,
-    DecodeError,
-    KvBudgetExceeded,
-    check_int,
-)
+from ferrox_batch.checks import UNLIMITED, check_int
+from ferrox_batch.errors import CONTEXT_LENGTH_EXCEEDED, DecodeError, KvBudgetExceeded
 from ferrox_batch.models.kv import KvShape
 
 

@@ -103,17 +103,6 @@ class KvAllocationFailed(KvPoolExhausted):
                                    f"({detail}); retry shortly")
 
 
-class Unsupported(DecodeError):
-    http_status = 501
-    error_type = "invalid_request_error"
-    error_code = "unsupported"
-    _fields = ("detail",)
-
-    def __init__(self, detail: str) -> None:
-        self.detail = detail
-        super().__init__(detail)
-
-
 class QueueFull(DecodeError):
     retry_after_secs = 1
     http_status = 503
@@ -171,27 +160,6 @@ class KvBudgetExceeded(DecodeError):
             positions_limit=self.positions_limit,
         )
         return body
-
-
-class GrammarConstraint(DecodeError):
-    http_status = 400
-    error_type = "invalid_request_error"
-    error_code = "grammar_constraint"
-    _fields = ("detail",)
-
-    def __init__(self, detail: str) -> None:
-        self.detail = detail
-        super().__init__(f"grammar-constrained decoding stopped: {detail}")
-
-
-class ReasoningBudget(DecodeError):
-    http_status = 500
-    error_code = "reasoning_budget"
-    _fields = ("detail",)
-
-    def __init__(self, detail: str) -> None:
-        self.detail = detail
-        super().__init__(f"reasoning budget could not be enforced: {detail}")
 
 
 #: How much of an offending value an `InvalidRequest` message quotes.

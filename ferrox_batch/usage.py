@@ -1,4 +1,4 @@
-"""`Usage` (spec 3.3): token counts plus the optional timings and cache facts of one request.
+"""`Usage` (spec 3.3): token counts plus the optional timings of one request.
 
 Builders return new values (`Usage.new(p, c).with_timings(...)`), and
 `to_dict()` omits every field that is None, so a plain `Usage.new(2, 3)`
@@ -10,17 +10,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from ferrox_batch.checks import check_int, check_seconds
-
-
-@dataclass(frozen=True, slots=True)
-class CompletionTokensDetails:
-    reasoning_tokens: int
-
-    def to_dict(self) -> dict[str, int]:
-        return {"reasoning_tokens": self.reasoning_tokens}
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,18 +27,11 @@ class Usage:
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int | None = None
-    completion_tokens_details: CompletionTokensDetails | None = None
     prompt_per_second: float | None = None
     predicted_per_second: float | None = None
     prompt_eval_duration_ms: float | None = None
     generation_duration_ms: float | None = None
     time_to_first_token_ms: float | None = None
-    #: Some(0) = the prefix cache was consulted and missed; None = there is no prefix cache.
-    cached_tokens: int | None = None
-    acceptance_length: float | None = None
-    draft_tokens: int | None = None
-    accepted_draft_tokens: int | None = None
-    draft_accept_rate_per_position: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         check_int("prompt_tokens", self.prompt_tokens)
@@ -58,10 +43,6 @@ class Usage:
             raise ValueError(
                 f"total_tokens must be prompt_tokens + completion_tokens = {total}, got {self.total_tokens!r}"
             )
-        if self.cached_tokens is not None:
-            check_int("cached_tokens", self.cached_tokens)
-        if self.draft_accept_rate_per_position is not None:
-            object.__setattr__(self, "draft_accept_rate_per_position", tuple(self.draft_accept_rate_per_position))
 
     @classmethod
     def new(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -89,44 +70,12 @@ class Usage:
             return self
         return dataclasses.replace(self, time_to_first_token_ms=seconds * 1000.0)
 
-    def with_cached_tokens(self, cached: int | None) -> Usage:
-        if cached is not None:
-            check_int("cached_tokens", cached)
-        return dataclasses.replace(self, cached_tokens=cached)
-
-    def with_reasoning_tokens(self, reasoning_tokens: int) -> Usage:
-        check_int("reasoning_tokens", reasoning_tokens)
-        return dataclasses.replace(self, completion_tokens_details=CompletionTokensDetails(reasoning_tokens))
-
-    def with_speculation(
-        self,
-        draft_tokens: int,
-        accepted_draft_tokens: int,
-        acceptance_length: float | None = None,
-        per_position: Iterable[float] | None = None,
-    ) -> Usage:
-        """Speculative-decoding statistics (carried for wire compatibility; no drafter in this port)."""
-        check_int("draft_tokens", draft_tokens)
-        check_int("accepted_draft_tokens", accepted_draft_tokens, maximum=draft_tokens)
-        return dataclasses.replace(
-            self,
-            draft_tokens=draft_tokens,
-            accepted_draft_tokens=accepted_draft_tokens,
-            acceptance_length=acceptance_length,
-            draft_accept_rate_per_position=None if per_position is None else tuple(per_position),
-        )
-
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if value is None:
-                continue
-            if isinstance(value, CompletionTokensDetails):
-                value = value.to_dict()
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[f.name] = value
+            if value is not None:
+                out[f.name] = value
         return out
 
 

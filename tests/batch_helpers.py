@@ -11,7 +11,7 @@ from typing import Sequence
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.handle import ContinuousBatcher
-from ferrox_batch.generate import GenerationParams, SamplingParams
+from ferrox_batch.generation_types import GenerationParams, SamplingParams
 from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.sampler import BatchSampler
 from ferrox_batch.stop_tokens import StopTokens

@@ -30,6 +30,7 @@ from ferrox_batch.batch.block_budget import BlockBudget
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.budget import ContextCeiling
+from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     DEVICE_MEMORY_BUDGET_EXCEEDED,
@@ -37,8 +38,9 @@ from ferrox_batch.errors import (
     KvPoolExhausted,
     TokenOutOfVocab,
 )
-from ferrox_batch.generate import UNLIMITED, FinishReason, PagedKvConfig
+from ferrox_batch.generation_types import FinishReason
 from ferrox_batch.models.kv import KvElem, KvShape
+from ferrox_batch.models.paged_kv import PagedKvConfig
 
 # The worked example of docs/upstream.md, KV pricing: 2 layers, 1 kv head, head_dim 4, f32 -> 64 bytes per position.
 _WORKED_SHAPE = KvShape.from_config(SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4), KvElem.F32)
@@ -67,7 +69,7 @@ def test_blocks_cover_every_position_and_waste_less_than_a_block(positions, bloc
 
 def test_an_unconfigured_budget_admits_everything():
     budget = BlockBudget(4, None, _ceiling())
-    assert budget.immovable_refusal(UNLIMITED, UNLIMITED) is None
+    assert budget.immovable_refusal(UNLIMITED) is None
     assert budget.try_reserve(1_000_000)
     budget.release(1_000_000)
     assert budget.total is None and budget.free() == 0 and budget.rejected_too_large() == 0
@@ -232,16 +234,6 @@ def test_a_validation_refusal_through_the_worker_answers_once(tiny_batch_model):
     chunks, finished = drain_reply(bad_reply)
     assert chunks == [] and finished == [TokenOutOfVocab(worker.vocab_size, worker.vocab_size)]
     assert worker.budget.free() == 4 - good.blocks and worker.queue_gate.depth() == 0
-
-
-@pytest.mark.parametrize("option", [{"radix": object()}, {"anchor_token": 7}, {"queue_wait": 0.5},
-                                    {"slide_interval": 16}])
-def test_paged_options_this_batcher_lacks_are_refused_not_ignored(tiny_batch_model, option):
-    decoder = tiny_batch_model.decoder
-    store = decoder.new_store(4, num_blocks=16)
-    with pytest.raises(ValueError, match=f"PagedKvConfig {next(iter(option))}: not supported"):
-        ContinuousBatcher.spawn_with_config_paged(decoder, identity_decode, budget_config(4, None),
-                                                  PagedKvConfig(store, **option))
 
 
 def test_a_page_store_that_cannot_supply_pages_refuses_with_kv_pool_exhausted(tiny_batch_model):

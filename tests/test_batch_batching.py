@@ -37,12 +37,8 @@ from worker_helpers import Caller, Gate, wait_for, wait_sent
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.handle import WORKER_THREAD_NAME, ContinuousBatcher
 from ferrox_batch.batch.prefill import PrefillState
-from ferrox_batch.generate import (
-    FinishReason,
-    GenerationParams,
-    PagedKvConfig,
-    SamplingParams,
-)
+from ferrox_batch.generation_types import FinishReason, GenerationParams, SamplingParams
+from ferrox_batch.models.paged_kv import PagedKvConfig
 from ferrox_batch.stop_tokens import StopTokens
 
 

@@ -34,8 +34,9 @@ from worker_helpers import (
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.row import Rows
 from ferrox_batch.cancel import CancelToken
-from ferrox_batch.generate import FinishReason, GenerationResult, Usage
+from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.stop_tokens import StopTokens
+from ferrox_batch.usage import Usage
 
 
 def test_a_decoding_request_stops_when_it_is_cancelled(tiny_batch_model):

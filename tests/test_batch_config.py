@@ -19,7 +19,10 @@ from ferrox_batch.batch.config import (
     Finished,
     decode_log_interval_from_env,
 )
-from ferrox_batch.generate import UNLIMITED, FinishReason, GenerationResult, QueueFull, Usage
+from ferrox_batch.checks import UNLIMITED
+from ferrox_batch.errors import QueueFull
+from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.usage import Usage
 
 
 def test_the_defaults_are_upstreams():

@@ -38,7 +38,7 @@ from ferrox_batch.batch import ticket as ticket_module
 from ferrox_batch.batch import wiring as wiring_module
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.errors import InternalError, WorkerDied
-from ferrox_batch.generate import FinishReason, GenerationResult
+from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.models.sampler import BatchSampler, SamplingError
 
 JOIN_TIMEOUT = 30.0

@@ -51,12 +51,7 @@ from ferrox_batch.errors import (
     QueueFull,
     TokenOutOfVocab,
 )
-from ferrox_batch.generate import (
-    FinishReason,
-    GenerationParams,
-    GenerationResult,
-    SamplingParams,
-)
+from ferrox_batch.generation_types import FinishReason, GenerationParams, GenerationResult, SamplingParams
 from ferrox_batch.stop_tokens import StopTokens
 
 JOIN_TIMEOUT = 60.0

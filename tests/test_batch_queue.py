@@ -19,7 +19,7 @@ from batch_helpers import budget_config, greedy_params, sequential_ids, spawn
 from worker_helpers import DEADLINE, Caller, Gate, wait_for, wait_sent
 
 from ferrox_batch.errors import BatcherClosed, QueueFull
-from ferrox_batch.generate import FinishReason
+from ferrox_batch.generation_types import FinishReason
 
 
 def test_queue_gate_admits_up_to_its_cap_and_frees_slots_on_release(tiny_batch_model):

@@ -27,7 +27,7 @@ import torch
 from batch_helpers import greedy_params, spawn
 
 from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.generate import FinishReason, GenerationResult
+from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.models.loader import load_model
 from numerics import assert_decisive
 

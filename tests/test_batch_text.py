@@ -7,7 +7,7 @@ import pytest
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.generate import FinishReason
+from ferrox_batch.generation_types import FinishReason
 
 from batch_helpers import greedy_params, sequential_ids
 
@@ -58,7 +58,7 @@ def test_a_single_token_stop_string_stops_by_id_even_for_a_special_token(batcher
 
 def test_sampling_comes_whole_or_as_fields_never_both(tiny_batch_model):
     from ferrox_batch.batch.text import text_params
-    from ferrox_batch.generate import SamplingParams
+    from ferrox_batch.generation_types import SamplingParams
 
     tok = tiny_batch_model.tokenizer
     whole = SamplingParams(temperature=0.5, top_k=3, frequency_penalty=0.2)

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from ferrox_batch.errors import KvBudgetExceeded, WaitTimedOut
-from ferrox_batch.generate import FinishReason
+from ferrox_batch.generation_types import FinishReason
 
 from batch_helpers import budget_config, ceiling_config, greedy_params, sequential_ids, spawn
 from worker_helpers import DEADLINE, Caller, Gate, wait_for

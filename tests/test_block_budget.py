@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from ferrox_batch.batch.block_budget import BlockBudget
 from ferrox_batch.budget import ContextCeiling
-from ferrox_batch.generate import UNLIMITED, KvBudgetExceeded
+from ferrox_batch.checks import UNLIMITED
+from ferrox_batch.errors import KvBudgetExceeded
 from ferrox_batch.models.kv import KvElem, KvShape
 
 
@@ -31,7 +32,7 @@ def test_blocks_are_counted_in_positions_and_always_round_up():
 def test_an_unconfigured_budget_admits_everything():
     b = budget(4, None)
     assert b.total is None
-    assert b.immovable_refusal(UNLIMITED, UNLIMITED) is None
+    assert b.immovable_refusal(UNLIMITED) is None
     assert b.try_reserve(1_000_000)
     b.release(1_000_000)
     assert b.free() == 0, "no budget reports zero free, as upstream's stats do"
@@ -40,7 +41,7 @@ def test_an_unconfigured_budget_admits_everything():
 
 def test_a_request_larger_than_the_whole_budget_is_refused_rather_than_queued():
     b = budget(4, 2)
-    err = b.immovable_refusal(6 + 8, 6 + 8)
+    err = b.immovable_refusal(6 + 8)
     assert isinstance(err, KvBudgetExceeded)
     assert err.binding == "device_memory_budget_exceeded"
     assert (err.positions, err.positions_limit) == (14, 8)
@@ -53,32 +54,31 @@ def test_a_request_larger_than_the_whole_budget_is_refused_rather_than_queued():
     assert err.retry_after_secs is None
     assert b.rejected_too_large() == 1 and b.ceiling.refused() == 0
     assert b.free() == 2, "a refusal reserves nothing"
-    assert b.immovable_refusal(4 + 4, 4 + 4) is None, "a fitting request still fits"
+    assert b.immovable_refusal(4 + 4) is None, "a fitting request still fits"
     assert b.try_reserve(2) and b.free() == 0
 
 
 def test_the_context_ceiling_is_reported_before_the_device_ceiling():
     b = budget(4, 2, max_context=6)
-    err = b.immovable_refusal(20, 20)
+    err = b.immovable_refusal(20)
     assert isinstance(err, KvBudgetExceeded) and err.binding == "context_length_exceeded"
     assert b.ceiling.refused() == 1 and b.rejected_too_large() == 0
 
 
 def test_without_ceilings_nothing_is_refused_as_too_large():
     b = budget(4, None)
-    assert b.immovable_refusal(10**12, 10**12) is None
+    assert b.immovable_refusal(10**12) is None
     assert b.ceiling.refused() == 0 and b.rejected_too_large() == 0
 
 
-def test_a_windowed_row_is_priced_by_what_it_holds_not_what_it_requests():
+def test_a_row_is_priced_by_every_position_it_requests():
     b = budget(4, 48, max_context=1000)
-    assert b.immovable_refusal(403, 191) is None, "191 positions need 48 blocks"
-    assert isinstance(b.immovable_refusal(403, 403), KvBudgetExceeded), "unwindowed it needs 101"
+    assert isinstance(b.immovable_refusal(403), KvBudgetExceeded), "403 positions need 101 blocks"
 
 
 def test_a_zero_block_budget_refuses_every_request_as_too_large():
     b = budget(4, 0)
-    err = b.immovable_refusal(0, 0)
+    err = b.immovable_refusal(0)
     assert isinstance(err, KvBudgetExceeded) and "whole KV budget is 0 blocks" in err.detail
 
 
@@ -128,8 +128,8 @@ def test_the_block_size_must_be_positive():
         lambda b: b.try_reserve(1.0),
         lambda b: b.release(-1),
         lambda b: b.release(True),
-        lambda b: b.immovable_refusal(-1, 0),
-        lambda b: b.immovable_refusal(0, "1"),
+        lambda b: b.immovable_refusal(-1),
+        lambda b: b.immovable_refusal("1"),
     ],
 )
 def test_bad_input_is_an_error_never_a_wrong_number(call):

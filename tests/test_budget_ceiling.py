@@ -16,14 +16,9 @@ from hypothesis import strategies as st
 
 from ferrox_batch.batch.block_budget import BlockBudget
 from ferrox_batch.budget import ContextCeiling
-from ferrox_batch.generate import (
-    UNLIMITED,
-    DecodeError,
-    KvBudgetExceeded,
-    paged_hold_positions,
-)
+from ferrox_batch.checks import UNLIMITED
+from ferrox_batch.errors import DecodeError, KvBudgetExceeded
 from ferrox_batch.models.kv import KvElem, KvShape
-from ferrox_batch.policy.window import WindowPolicy
 
 
 def shape() -> KvShape:
@@ -176,16 +171,12 @@ counts = st.integers(0, 2000)
 huge = st.sampled_from([UNLIMITED, UNLIMITED - 1, UNLIMITED // 2, 2**63])
 
 
-def admission(
-    ceiling: ContextCeiling, budget: BlockBudget, prompt: int, max_tokens: int, window: WindowPolicy | None
-) -> int | DecodeError:
+def admission(ceiling: ContextCeiling, budget: BlockBudget, prompt: int, max_tokens: int) -> int | DecodeError:
     """What the caller's thread does before it takes a queue slot (docs/upstream.md, Admission): fit, then the immovable check."""
     fitted = ceiling.fit(prompt, max_tokens)
     if isinstance(fitted, DecodeError):
         return fitted
-    requested = prompt + fitted
-    held = paged_hold_positions(requested, prompt, budget.block_size, window)
-    refusal = budget.immovable_refusal(requested, held)
+    refusal = budget.immovable_refusal(prompt + fitted)
     return refusal if refusal is not None else fitted
 
 
@@ -196,15 +187,14 @@ def admission(
     limit=st.one_of(st.none(), st.integers(1, 2500)),
     block=st.integers(1, 64),
     total=st.one_of(st.none(), st.integers(0, 100)),
-    window=st.one_of(st.none(), st.builds(WindowPolicy, st.integers(1, 64), st.integers(1, 16), st.integers(1, 64))),
 )
 def test_admission_returns_the_refusal_the_spec_orders_and_moves_exactly_one_counter(
-    prompt, max_tokens, limit, block, total, window
+    prompt, max_tokens, limit, block, total
 ):
     ceiling = ContextCeiling(limit, shape())
     budget = BlockBudget(block, total, ceiling)
     free_before = budget.free()
-    outcome = admission(ceiling, budget, prompt, max_tokens, window)
+    outcome = admission(ceiling, budget, prompt, max_tokens)
     moved = (ceiling.refused(), budget.rejected_too_large())
 
     if limit is not None and prompt >= limit:
@@ -218,8 +208,7 @@ def test_admission_returns_the_refusal_the_spec_orders_and_moves_exactly_one_cou
         assert moved == (1, 0)
     else:
         served = max_tokens if limit is None else min(max_tokens, limit - prompt)
-        requested = prompt + served
-        held = paged_hold_positions(requested, prompt, block, window)
+        held = prompt + served
         blocks = max(1, -(-held // block))
         if total is not None and blocks > total:
             assert isinstance(outcome, KvBudgetExceeded)
@@ -234,20 +223,19 @@ def test_admission_returns_the_refusal_the_spec_orders_and_moves_exactly_one_cou
 
 @settings(max_examples=300, deadline=None)
 @given(
-    requested=st.integers(0, 5000),
-    held=st.integers(0, 5000),
+    positions=st.integers(0, 5000),
     limit=st.one_of(st.none(), st.integers(1, 5000)),
     block=st.integers(1, 64),
     total=st.one_of(st.none(), st.integers(0, 200)),
 )
-def test_the_context_ceiling_is_checked_before_the_whole_budget(requested, held, limit, block, total):
+def test_the_context_ceiling_is_checked_before_the_whole_budget(positions, limit, block, total):
     ceiling = ContextCeiling(limit, shape())
     budget = BlockBudget(block, total, ceiling)
-    err = budget.immovable_refusal(requested, held)
-    if limit is not None and requested > limit:
+    err = budget.immovable_refusal(positions)
+    if limit is not None and positions > limit:
         assert isinstance(err, KvBudgetExceeded) and err.binding == "context_length_exceeded"
         assert (ceiling.refused(), budget.rejected_too_large()) == (1, 0)
-    elif total is not None and max(1, -(-held // block)) > total:
+    elif total is not None and max(1, -(-positions // block)) > total:
         assert isinstance(err, KvBudgetExceeded) and err.binding == "device_memory_budget_exceeded"
         assert (ceiling.refused(), budget.rejected_too_large()) == (0, 1)
     else:

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from ferrox_batch.batch.clock import RowClock
-from ferrox_batch.generate import Usage
+from ferrox_batch.usage import Usage
 
 
 class FakeClock:
@@ -39,7 +39,7 @@ def test_a_finished_row_reports_both_rates() -> None:
     assert usage.prompt_eval_duration_ms == pytest.approx(2000.0)
     assert usage.generation_duration_ms == pytest.approx(4000.0)
     assert usage.time_to_first_token_ms == pytest.approx(2500.0)
-    assert usage.cached_tokens is None, "no prefix cache unless the caller says so"
+    assert "cached_tokens" not in usage.to_dict(), "no prefix cache, so nothing claims a cache hit"
 
 
 def test_a_finished_row_reports_both_rates_on_the_real_clock() -> None:
@@ -88,14 +88,6 @@ def test_queue_wait_is_not_prefill_time() -> None:
     assert clock.usage(10, 0).prompt_eval_duration_ms == pytest.approx(1000.0)
 
 
-def test_cached_tokens_distinguish_a_miss_from_no_cache() -> None:
-    now = FakeClock()
-    clock = RowClock(now)
-    assert clock.usage(4, 1, cached_tokens=0).cached_tokens == 0, "consulted and missed"
-    assert clock.usage(4, 1, cached_tokens=3).cached_tokens == 3
-    assert clock.usage(4, 1, None).cached_tokens is None, "no prefix cache"
-
-
 def test_a_clock_that_runs_backwards_yields_empty_phases_not_negative_ones() -> None:
     now = FakeClock(50.0)
     clock = RowClock(now)
@@ -124,9 +116,6 @@ def test_the_two_constructors_start_the_clock_alike() -> None:
         ((True, 0), TypeError, "prompt_tokens"),
         ((1, -1), ValueError, "completion_tokens"),
         ((1, "2"), TypeError, "completion_tokens"),
-        ((1, 2, -1), ValueError, "cached_tokens"),
-        ((1, 2, False), TypeError, "cached_tokens"),
-        ((1, 2, 0.0), TypeError, "cached_tokens"),
     ],
 )
 def test_bad_counts_are_refused_by_name(args: tuple, error: type, name: str) -> None:

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from ferrox_batch.generate import TokenOutOfVocab
+from ferrox_batch.errors import TokenOutOfVocab
 from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.loader import load_model
 from numerics import assert_decisive, assert_logits_close

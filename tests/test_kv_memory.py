@@ -12,7 +12,7 @@ from worker_helpers import wait_for
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.errors import KvAllocationFailed, KvPoolExhausted
-from ferrox_batch.generate import FinishReason
+from ferrox_batch.generation_types import FinishReason
 from ferrox_batch.models import memory
 from ferrox_batch.models.memory import (
     CPU_KV_FRACTION,

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.generate import UNLIMITED
+from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.kv import KvElem, KvShape
 
@@ -23,45 +23,15 @@ class Geometry:
 def test_element_widths_match_upstream():
     assert KvElem.F32.bytes_for(10) == 40
     assert KvElem.F16.bytes_for(10) == 20
-    assert KvElem.Q8_0.bytes_for(32) == 34
-    assert KvElem.Q8_0.bytes_for(33) == 68, "a partial block rounds up"
-    assert KvElem.Turbo4.bytes_for(32) == 18
-    assert KvElem.Turbo4.bytes_for(1) == 18
     for elem in KvElem:
         assert elem.bytes_for(0) == 0
 
 
 def test_element_widths_saturate_instead_of_growing_past_the_word():
-    for elem in (KvElem.F32, KvElem.F16, KvElem.Q8_0):
+    for elem in (KvElem.F32, KvElem.F16):
         assert elem.bytes_for(UNLIMITED) == UNLIMITED
-    # turbo4 packs 32 elements into 18 bytes, so even 2**64 - 1 elements fit the word.
-    assert KvElem.Turbo4.bytes_for(UNLIMITED) == 2**59 * 18
     assert KvElem.F16.bytes_for(UNLIMITED // 2) == UNLIMITED - 1
     assert KvElem.F16.bytes_for(UNLIMITED // 2 + 1) == UNLIMITED
-
-
-@pytest.mark.parametrize(
-    ("spelling", "elem"),
-    [
-        ("f32", KvElem.F32),
-        (" F32 ", KvElem.F32),
-        ("q8_0", KvElem.Q8_0),
-        ("TURBO8", KvElem.Q8_0),
-        ("fp8", KvElem.Q8_0),
-        ("turbo4", KvElem.Turbo4),
-        ("f16", KvElem.F16),
-        ("bf16", KvElem.F16),
-        ("", KvElem.F16),
-        ("nonsense", KvElem.F16),
-    ],
-)
-def test_cache_type_spellings_resolve_like_upstream(spelling, elem):
-    assert KvElem.from_ctk(spelling) is elem
-
-
-def test_a_cache_type_must_be_a_string():
-    with pytest.raises(TypeError):
-        KvElem.from_ctk(None)  # type: ignore[arg-type]
 
 
 def test_two_layers_one_head_of_four_in_f32_cost_64_bytes_per_token():
@@ -93,12 +63,6 @@ def test_the_default_model_costs_what_the_performance_notes_say():
     assert KvShape.from_config(Geometry(30, 3, 64), KvElem.F16).per_token_kv_bytes() == 23_040
 
 
-def test_quantised_blocks_round_per_layer_not_per_token():
-    shape = KvShape(3, 40, KvElem.Q8_0)
-    assert shape.kv_bytes_for_tokens(1) == 3 * 2 * 34
-    assert shape.kv_bytes_for_tokens(4) == 3 * 5 * 34
-
-
 def test_a_huge_but_representable_token_count_reports_saturated_bytes():
     shape = KvShape(2, 8, KvElem.F32)
     assert shape.kv_bytes_for_tokens(10 + UNLIMITED // 64) == UNLIMITED
@@ -116,12 +80,7 @@ def test_pricing_is_exact_below_the_word_and_saturated_above_it(layers, width, e
     shape = KvShape(layers, width, elem)
     got = shape.kv_bytes_for_tokens(tokens)
     elems = width * tokens
-    if elem is KvElem.F32:
-        per_layer = elems * 4
-    elif elem is KvElem.F16:
-        per_layer = elems * 2
-    else:
-        per_layer = -(-elems // 32) * (34 if elem is KvElem.Q8_0 else 18)
+    per_layer = elems * (4 if elem is KvElem.F32 else 2)
     exact = layers * per_layer
     if elems <= UNLIMITED and exact <= UNLIMITED:
         assert got == exact

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.generate import KvPoolExhausted
-from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.batch.block_budget import blocks_for
+from ferrox_batch.errors import KvPoolExhausted
+from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.paged_kv import BlockAllocator, BlockPoolExhausted, PagedKvStore
 
 CONFIG = ModelConfig(

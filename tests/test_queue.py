@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrox_batch.batch.queue import AbortInbox, QueueGate
-from ferrox_batch.generate import QueueFull
+from ferrox_batch.errors import QueueFull
 
 
 def test_queue_gate_admits_up_to_its_cap_and_frees_slots_on_release():

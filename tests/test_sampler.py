@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ferrox_batch.errors import DecodeError, TokenOutOfVocab
-from ferrox_batch.generate import SamplingParams
+from ferrox_batch.generation_types import SamplingParams
 from ferrox_batch.models import sampling_cuts as cuts_module
 from ferrox_batch.models.sampler import BatchSampler, RowSampler, SamplingError
 from numerics import TORCH_EXP_ULPS, TORCH_SOFTMAX_EXP_ULPS, gamma, softmax_error, unit_roundoff

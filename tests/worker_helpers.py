@@ -27,7 +27,7 @@ from ferrox_batch.batch.config import BatcherConfig, Chunk, Finished
 from ferrox_batch.batch.row import Job, Slot
 from ferrox_batch.batch.wiring import build_worker, config_ceiling
 from ferrox_batch.batch.worker import Worker
-from ferrox_batch.generate import GenerationParams
+from ferrox_batch.generation_types import GenerationParams
 from ferrox_batch.policy.stop import StopMatcher
 from ferrox_batch.stop_tokens import StopTokens
 

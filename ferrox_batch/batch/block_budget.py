@@ -24,12 +24,8 @@ from __future__ import annotations
 import threading
 
 from ferrox_batch.budget import ContextCeiling
-from ferrox_batch.generate import (
-    DEVICE_MEMORY_BUDGET_EXCEEDED,
-    DecodeError,
-    KvBudgetExceeded,
-    check_int,
-)
+from ferrox_batch.checks import check_int
+from ferrox_batch.errors import DEVICE_MEMORY_BUDGET_EXCEEDED, DecodeError, KvBudgetExceeded
 
 
 def blocks_for(positions: int, block_size: int) -> int:
@@ -93,23 +89,22 @@ class BlockBudget:
         with self._lock:
             return self._free
 
-    def immovable_refusal(self, requested: int, held: int) -> DecodeError | None:
+    def immovable_refusal(self, positions: int) -> DecodeError | None:
         """The refusal no amount of waiting would lift, or None.
 
-        `requested` (prompt + max_tokens) is checked against the context
-        ceiling; `held` (what the row will actually hold; smaller only for a
-        paged sliding-window row) against the whole ledger. The context
-        ceiling is reported first when both bind, and only its counter moves.
+        `positions` (prompt + max_tokens, every one of which the row holds) is
+        checked against the context ceiling, then against the whole ledger.
+        The context ceiling is reported first when both bind, and only its
+        counter moves.
         """
-        check_int("requested", requested)
-        check_int("held", held)
-        refusal = self._ceiling.refusal(requested)
+        check_int("positions", positions)
+        refusal = self._ceiling.refusal(positions)
         if refusal is not None:
             return refusal
         total = self._total
         if total is None:
             return None
-        blocks = self.blocks_for(held)
+        blocks = self.blocks_for(positions)
         if blocks <= total:
             return None
         with self._lock:
@@ -117,12 +112,12 @@ class BlockBudget:
         capacity = total * self._block_size
         return KvBudgetExceeded(
             binding=DEVICE_MEMORY_BUDGET_EXCEEDED,
-            estimated_bytes=self.bytes_for(held),
+            estimated_bytes=self.bytes_for(positions),
             limit_bytes=self.bytes_for(capacity),
-            positions=held,
+            positions=positions,
             positions_limit=capacity,
             detail=(
-                f"request needs {blocks} KV blocks ({held} token positions at {self._block_size} "
+                f"request needs {blocks} KV blocks ({positions} token positions at {self._block_size} "
                 f"per block) but this server's whole KV budget is {total} blocks; an idle server "
                 "would refuse it identically"
             ),

@@ -4,7 +4,7 @@ The upstream's batched path once answered with token counts and no rates,
 because the private decode loop set the timings and the batcher never did.
 This type owns both the timestamps *and* the construction of the row's
 `Usage`, so there is no path from a finished row to a `Usage` that forgets
-the rates; `cached_tokens` is an argument for the same reason.
+the rates.
 
 Timing rules (docs/upstream.md, Results and timing):
 
@@ -87,25 +87,19 @@ class RowClock:
         if self._first_token is None:
             self._first_token = _read(self._now)
 
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+    def usage(self, prompt_tokens: int, completion_tokens: int) -> Usage:
         """The row's `Usage`, rates included.
 
         A row that ended during prefill has no `prefill_done`: its prefill
         runs to now and its decode phase is empty, and `with_timings` leaves
-        a rate unset for an empty phase instead of inventing one.
-        `cached_tokens`: 0 means a prefix cache was consulted and missed,
-        None means there is no prefix cache."""
+        a rate unset for an empty phase instead of inventing one."""
         check_int("prompt_tokens", prompt_tokens)
         check_int("completion_tokens", completion_tokens)
-        if cached_tokens is not None:
-            check_int("cached_tokens", cached_tokens)
         ended = _read(self._now)
         prefill_end = ended if self._prefill_done is None else self._prefill_done
         prefill_secs = max(0.0, prefill_end - self._started)
         decode_secs = max(0.0, ended - prefill_end)
         usage = Usage.new(prompt_tokens, completion_tokens).with_timings(prefill_secs, decode_secs)
-        if cached_tokens is not None:
-            usage = usage.with_cached_tokens(cached_tokens)
         if self._first_token is not None:
             usage = usage.with_ttft(max(0.0, self._first_token - self._started))
         return usage

@@ -15,7 +15,9 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Union
 
-from ferrox_batch.generate import UNLIMITED, DecodeError, GenerationResult
+from ferrox_batch.checks import UNLIMITED
+from ferrox_batch.errors import DecodeError
+from ferrox_batch.generation_types import GenerationResult
 
 #: Prompt tokens per prefill chunk when unset: the ceiling of the per-tick prefill budget (docs/upstream.md,
 #: Step budget).

@@ -34,14 +34,10 @@ from ferrox_batch.batch.worker import DecodeFn, Worker
 from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.checks import check_seconds
 from ferrox_batch.errors import DecodeError, InvalidRequest, QueueFull
-from ferrox_batch.generate import (
-    GenerationParams,
-    GenerationResult,
-    PagedKvConfig,
-    paged_hold_positions,
-)
+from ferrox_batch.generation_types import GenerationParams, GenerationResult
 from ferrox_batch.models.loader import LoadedModel
 from ferrox_batch.models.openmp import release_thread_pool
+from ferrox_batch.models.paged_kv import PagedKvConfig
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.stop_tokens import StopTokens
 
@@ -62,9 +58,6 @@ class ContinuousBatcher:
         self._thread = thread
         self.store = worker.store
         self.tokenizer = tokenizer
-        # The paged store keeps every position (no window page recycling), so requests are
-        # priced at every position even for sliding-window models: no paged window policy.
-        self._paged_window = None
         self._finalizer = weakref.finalize(self, worker.lifecycle.close, worker.jobs)
 
     # ---------------------------------------------------------- constructors
@@ -203,9 +196,11 @@ class ContinuousBatcher:
         if fitted != params.max_tokens:
             params = params.with_max_tokens(fitted)
         max_seq_len = len(prompt) + params.max_tokens
-        positions = paged_hold_positions(max_seq_len, len(prompt), self._budget.block_size, self._paged_window)
+        # The paged store keeps every position (no window page recycling), so a row holds
+        # all of them, even for a sliding-window model.
+        positions = max_seq_len
         blocks = self._budget.blocks_for(positions)
-        refusal = self._budget.immovable_refusal(max_seq_len, positions)
+        refusal = self._budget.immovable_refusal(positions)
         if refusal is not None:
             raise refusal
         depth = self._queue.try_reserve()

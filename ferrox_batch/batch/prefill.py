@@ -23,7 +23,7 @@ from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.row import Slot
 from ferrox_batch.batch.step_budget import prefill_budget
 from ferrox_batch.checks import check_int
-from ferrox_batch.generate import GenerationParams
+from ferrox_batch.generation_types import GenerationParams
 from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.policy.stop import StopMatcher

@@ -18,7 +18,7 @@ from ferrox_batch.batch.block_budget import BlockBudget
 from ferrox_batch.batch.clock import RowClock
 from ferrox_batch.batch.config import Chunk, Finished
 from ferrox_batch.errors import DecodeError, InternalError
-from ferrox_batch.generate import FinishReason, GenerationParams, GenerationResult
+from ferrox_batch.generation_types import FinishReason, GenerationParams, GenerationResult
 from ferrox_batch.policy.stop import Matched, StopMatcher
 from ferrox_batch.policy.utf8_stream import Utf8Stream
 from ferrox_batch.stop_tokens import StopTokens

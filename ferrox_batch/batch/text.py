@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.generate import GenerationParams, GenerationResult, SamplingParams
+from ferrox_batch.generation_types import GenerationParams, GenerationResult, SamplingParams
 from ferrox_batch.models.tokenizer import ChatMessage, Tokenizer
 from ferrox_batch.policy.stop import resolve_stop_tokens
 

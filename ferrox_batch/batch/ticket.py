@@ -24,7 +24,7 @@ from ferrox_batch.batch.lifecycle import Lifecycle
 from ferrox_batch.batch.queue import AbortInbox
 from ferrox_batch.checks import check_seconds
 from ferrox_batch.errors import DecodeError, WaitTimedOut, WorkerDied
-from ferrox_batch.generate import GenerationResult
+from ferrox_batch.generation_types import GenerationResult
 
 #: How often a waiting caller re-checks that the worker is alive (a safety net; replies wake it at once).
 LIVENESS_POLL_SECS = 0.5

@@ -23,10 +23,9 @@ from ferrox_batch.batch.lifecycle import Lifecycle
 from ferrox_batch.batch.queue import AbortInbox, QueueGate
 from ferrox_batch.batch.worker import DecodeFn, Worker
 from ferrox_batch.budget import ContextCeiling
-from ferrox_batch.generate import PagedKvConfig
 from ferrox_batch.models.kv import KvElem, KvShape
 from ferrox_batch.models.memory import default_kv_memory
-from ferrox_batch.models.paged_kv import PagedKvStore
+from ferrox_batch.models.paged_kv import PagedKvConfig, PagedKvStore
 from ferrox_batch.models.sampler import BatchSampler
 
 log = logging.getLogger("ferrox_batch.batch")
@@ -66,15 +65,6 @@ def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> P
         store = paged.store
         if not isinstance(store, PagedKvStore):
             raise TypeError(f"PagedKvConfig.store must be a PagedKvStore, got {type(store).__name__}")
-        # Refused rather than ignored: a caller who sets these expects what they do upstream.
-        unsupported = [f.name for f in dataclasses.fields(PagedKvConfig)
-                       if f.name != "store" and getattr(paged, f.name) != f.default]
-        if unsupported:
-            raise ValueError(
-                f"PagedKvConfig {', '.join(unsupported)}: not supported by this batcher (it has no prefix "
-                "cache, no tool-call anchor, no waiting for pages and no window page recycling); leave "
-                "them at their defaults"
-            )
         if store.block_size != config.kv_block_size:
             raise ValueError(
                 f"the paged store's block size ({store.block_size}) must equal kv_block_size "

@@ -51,9 +51,10 @@ from ferrox_batch.errors import (
     TokenOutOfVocab,
     WorkerDied,
 )
-from ferrox_batch.generate import FinishReason, GenerationResult, Usage
+from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.paged_kv import PagedKvStore
+from ferrox_batch.usage import Usage
 
 log = logging.getLogger("ferrox_batch.batch")
 
@@ -188,7 +189,6 @@ class Worker:
     def _admit(self) -> PrefillSnapshot:
         new_seqs = new_tokens = 0
         while self.waiting and len(self.rows) + len(self.prefills) < self.config.max_seqs:
-            # No radix cache is configured, so the cache-aware pick is plain FIFO (index 0).
             job = self.waiting[0]
             if not self.budget.try_reserve(job.blocks):
                 break  # the head holds the line: nothing smaller behind it is tried

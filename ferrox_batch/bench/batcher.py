@@ -131,7 +131,7 @@ def sized(args: argparse.Namespace, requests: list[Request]) -> tuple[int, int]:
 def run_ours(args, requests: list[Request], kv_blocks: int) -> dict:
     from ferrox_batch.batch.handle import ContinuousBatcher
     from ferrox_batch.checks import UNLIMITED
-    from ferrox_batch.generate import GenerationParams
+    from ferrox_batch.generation_types import GenerationParams
     from ferrox_batch.models.loader import load_model
 
     model = load_model(args.model, device="cpu", dtype=args.dtype)

@@ -72,7 +72,7 @@ def _write(text: str) -> None:
 def cmd_generate(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     from ferrox_batch.cancel import CancelToken
     from ferrox_batch.errors import DecodeError, InvalidRequest
-    from ferrox_batch.generate import SamplingParams
+    from ferrox_batch.generation_types import SamplingParams
 
     sampling: dict[str, Any] = {
         "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p,

@@ -2,7 +2,7 @@
 
 These are about the checkpoint on disk (missing, corrupt, an architecture we
 do not run), not about a request; request-time errors are the `DecodeError`
-family in `ferrox_batch.generate`.
+family in `ferrox_batch.errors`.
 """
 
 from __future__ import annotations

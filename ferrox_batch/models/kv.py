@@ -18,47 +18,20 @@ from typing import Protocol
 
 from ferrox_batch.checks import UNLIMITED, check_int
 
-#: Elements per quantisation block for the block formats.
-_QBLOCK = 32
-
-
 def _saturate(value: int) -> int:
     return value if value < UNLIMITED else UNLIMITED
 
 
 class KvElem(enum.Enum):
-    """Storage format of one KV element."""
+    """Storage format of one KV element: the store holds fp32, or a 16-bit type (fp16 or bf16)."""
 
     F32 = "f32"
     F16 = "f16"
-    Q8_0 = "q8_0"
-    Turbo4 = "turbo4"
 
     def bytes_for(self, elems: int) -> int:
-        """Bytes to store `elems` elements; block formats round a partial block up; saturating."""
+        """Bytes to store `elems` elements; saturating."""
         check_int("elems", elems)
-        if self is KvElem.F32:
-            return _saturate(elems * 4)
-        if self is KvElem.F16:
-            return _saturate(elems * 2)
-        blocks = -(-elems // _QBLOCK)
-        # q8_0: one f16 scale + 32 int8; turbo4: one f16 scale + 32 nibbles.
-        per_block = 34 if self is KvElem.Q8_0 else 2 + 16
-        return _saturate(blocks * per_block)
-
-    @classmethod
-    def from_ctk(cls, ctk: str) -> KvElem:
-        """llama.cpp's `--cache-type-k` spelling; anything unrecognised is F16 (as upstream)."""
-        if not isinstance(ctk, str):
-            raise TypeError(f"cache type must be a string, got {ctk!r}")
-        name = ctk.strip().lower()
-        if name == "f32":
-            return cls.F32
-        if name in ("q8_0", "turbo8", "fp8"):
-            return cls.Q8_0
-        if name == "turbo4":
-            return cls.Turbo4
-        return cls.F16
+        return _saturate(elems * (4 if self is KvElem.F32 else 2))
 
 
 class _HasKvGeometry(Protocol):
@@ -94,7 +67,7 @@ class KvShape:
         return _saturate(self.n_layers * self.elem.bytes_for(self.elems_per_token_per_layer))
 
     def kv_bytes_for_tokens(self, tokens: int) -> int:
-        """Bytes for `tokens` positions on every layer (block formats round per layer); saturating."""
+        """Bytes for `tokens` positions on every layer; saturating."""
         check_int("tokens", tokens)
         elems = _saturate(self.elems_per_token_per_layer * tokens)
         return _saturate(self.n_layers * self.elem.bytes_for(elems))

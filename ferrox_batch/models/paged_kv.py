@@ -206,3 +206,13 @@ class PagedKvStore:
 
     def blocks_held(self) -> int:
         return sum(len(s.blocks) for s in self._seqs.values())
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKvConfig:
+    """A paged KV store a batcher is to use instead of allocating its own
+    (`ContinuousBatcher.spawn_with_config_paged`): a store shared with another
+    user, or one sized by the caller. `batch.wiring` checks it against the
+    batcher's config (same block size, at least `kv_blocks` blocks)."""
+
+    store: PagedKvStore

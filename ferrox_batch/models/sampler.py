@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import torch
 
 from ferrox_batch.errors import DecodeError, TokenOutOfVocab
-from ferrox_batch.generate import SamplingParams
+from ferrox_batch.generation_types import SamplingParams
 from ferrox_batch.models.sampling_cuts import cuts
 
 __all__ = ["MIN_TEMPERATURE", "BatchSampler", "RowSampler", "SamplingError"]

@@ -1,1 +1,1 @@
-"""Per-row text policies: stop matching, UTF-8 streaming, sliding-window arithmetic."""
+"""Per-row text policies: stop matching and UTF-8 streaming."""

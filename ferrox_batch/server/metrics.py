@@ -31,7 +31,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from ferrox_batch.batch.counters import BatcherStats
-from ferrox_batch.generate import GenerationResult
+from ferrox_batch.generation_types import GenerationResult
 
 #: The text format every Prometheus-compatible scraper reads.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4

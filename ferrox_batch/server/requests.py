@@ -36,8 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox_batch.batch.text import text_params
+from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
-from ferrox_batch.generate import UNLIMITED, GenerationParams, SamplingParams
+from ferrox_batch.generation_types import GenerationParams, SamplingParams
 from ferrox_batch.models.tokenizer import ChatMessage, Tokenizer
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS, refuse_not_honoured
 

@@ -16,7 +16,8 @@ import time
 import uuid
 from typing import Any
 
-from ferrox_batch.generate import FinishReason, GenerationResult, Usage
+from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.usage import Usage
 
 DONE = b"data: [DONE]\n\n"
 

@@ -40,7 +40,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ferrox_batch.batch.ticket import Ticket
-from ferrox_batch.generate import GenerationResult
+from ferrox_batch.generation_types import GenerationResult
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,29 +1,23 @@
-"""The request/response vocabulary shared by the batcher and the private decode path.
+"""The vocabulary a request and its answer are written in: `FinishReason`,
+`SamplingParams`, `GenerationParams` and `GenerationResult`.
 
-Upstream keeps these in one `generate` module because every serving path speaks
-them: the `DecodeError` family (whose messages clients parse, so they are kept
-verbatim), `FinishReason`, `Usage`, the request parameters, the successful
-result, and the paged-KV configuration with the hold arithmetic admission
-reserves by. Here the error family lives in `ferrox_batch.errors`, `Usage` in
-`ferrox_batch.usage` and the paged-KV arithmetic in `ferrox_batch.paged_hold`
-(one concept a file); this module re-exports them, so
-`from ferrox_batch.generate import QueueFull, Usage, paged_hold_positions`
-works as a reader of the spec expects.
+Every layer speaks these types -- the batcher's handle and worker, the HTTP
+server, the CLI and the benchmarks -- so they live in one small module that
+imports neither torch nor the scheduler, and any of those layers can import
+it without pulling in the others. The failures a request can end in are the
+`DecodeError` family in `ferrox_batch.errors`; the token counts and timings
+of an answer are `ferrox_batch.usage.Usage`.
 
-Python shape of the Rust types:
+Python shape of these values:
 
-* Errors are exceptions. Every `DecodeError` carries its variant's fields as
-  attributes, `str()` equal to the upstream Display text, class attributes
-  `retry_after_secs` (1 for the "busy" kinds, None otherwise) and
-  `http_status`, and `to_dict()` in the OpenAI error shape. Errors compare
-  equal when they are the same variant with the same fields, and pickle.
-* Rust's types made some inputs impossible (a negative `max_tokens`, a
-  non-integer seed). Here `GenerationParams` and `SamplingParams` check them on
-  construction and raise `InvalidRequest` (HTTP 400, also a `ValueError`)
-  naming the field and the value.
-* `usize` is unbounded in Python, so positions are bounded by
-  `UNLIMITED = 2**64 - 1`; a `prompt + max_tokens` above it is the upstream
-  overflow refusal (see `budget.ContextCeiling.overflow_refusal`).
+* They are frozen dataclasses and compare by value.
+* Inputs a stricter type system would make impossible (a negative
+  `max_tokens`, a non-integer seed) are checked on construction:
+  `GenerationParams` and `SamplingParams` raise `InvalidRequest` (HTTP 400,
+  also a `ValueError`) naming the field and the value.
+* Python ints are unbounded, so positions are bounded by
+  `checks.UNLIMITED = 2**64 - 1`; a `prompt + max_tokens` above it is refused
+  as an overflow (see `budget.ContextCeiling.overflow_refusal`).
 """
 
 from __future__ import annotations
@@ -34,38 +28,11 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterable, Iterator
 
 from ferrox_batch.cancel import CancelToken
-from ferrox_batch.checks import UNLIMITED, check_int
-from ferrox_batch.errors import (
-    CONTEXT_LENGTH_EXCEEDED,
-    DEVICE_MEMORY_BUDGET_EXCEEDED,
-    BatcherClosed,
-    DecodeError,
-    GrammarConstraint,
-    InternalError,
-    InvalidRequest,
-    KvBudgetExceeded,
-    KvPoolExhausted,
-    QueueFull,
-    ReasoningBudget,
-    TokenOutOfVocab,
-    Unsupported,
-    WorkerDied,
-)
-from ferrox_batch.paged_hold import (
-    PagedKvConfig,
-    paged_hold_positions,
-    paged_window_policy,
-)
-from ferrox_batch.usage import CompletionTokensDetails, Usage
+from ferrox_batch.checks import UNLIMITED
+from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.usage import Usage
 
-__all__ = [
-    "UNLIMITED", "check_int", "CONTEXT_LENGTH_EXCEEDED", "DEVICE_MEMORY_BUDGET_EXCEEDED",
-    "DecodeError", "TokenOutOfVocab", "KvPoolExhausted", "Unsupported", "QueueFull",
-    "KvBudgetExceeded", "GrammarConstraint", "ReasoningBudget", "InvalidRequest",
-    "BatcherClosed", "WorkerDied", "InternalError", "FinishReason", "CompletionTokensDetails", "Usage",
-    "SamplingParams", "GenerationParams", "GenerationResult", "PagedKvConfig",
-    "paged_hold_positions", "paged_window_policy",
-]
+__all__ = ["FinishReason", "SamplingParams", "GenerationParams", "GenerationResult"]
 
 # ---------------------------------------------------------------------------
 # FinishReason (spec 3.2)
@@ -123,10 +90,6 @@ FinishReason.STOP = FinishReason("stop")
 FinishReason.LENGTH = FinishReason("length")
 FinishReason.CANCELLED = FinishReason("cancelled")
 
-
-# ---------------------------------------------------------------------------
-# Usage (spec 3.3)
-# ---------------------------------------------------------------------------
 
 # ---------------------------------------------------------------------------
 # Request parameters (spec 3.4)

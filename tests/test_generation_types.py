@@ -1,4 +1,4 @@
-"""The shared request/response types: the DecodeError family, FinishReason, Usage, params, results."""
+"""The request/response vocabulary: the DecodeError family, FinishReason, Usage, params, results."""
 
 from __future__ import annotations
 
@@ -10,27 +10,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrox_batch.cancel import CancelToken
-from ferrox_batch.generate import (
-    UNLIMITED,
+from ferrox_batch.checks import UNLIMITED, check_int
+from ferrox_batch.errors import (
     BatcherClosed,
     DecodeError,
-    FinishReason,
-    GenerationParams,
-    GenerationResult,
-    GrammarConstraint,
     InvalidRequest,
     KvBudgetExceeded,
     KvPoolExhausted,
-    PagedKvConfig,
     QueueFull,
-    ReasoningBudget,
-    SamplingParams,
     TokenOutOfVocab,
-    Unsupported,
-    Usage,
     WorkerDied,
-    check_int,
 )
+from ferrox_batch.generation_types import FinishReason, GenerationParams, GenerationResult, SamplingParams
+from ferrox_batch.usage import Usage
 
 # --- DecodeError: messages are behaviour, kept verbatim -------------------------------------
 
@@ -44,7 +36,6 @@ def test_every_error_message_is_the_upstream_wording():
         "server is at capacity: the shared KV cache block pool has no free blocks for a new "
         "request; retry shortly"
     )
-    assert str(Unsupported("logprobs are not supported")) == "logprobs are not supported"
     assert str(QueueFull(3, 4)) == (
         "server is at capacity: 3 requests are already queued for the batch scheduler "
         "(limit 4); retry shortly"
@@ -52,8 +43,6 @@ def test_every_error_message_is_the_upstream_wording():
     assert str(KvBudgetExceeded("context_length_exceeded", 1, 2, 3, 4, "prompt is too long")) == (
         "context_length_exceeded: prompt is too long"
     )
-    assert str(GrammarConstraint("no token allowed")) == "grammar-constrained decoding stopped: no token allowed"
-    assert str(ReasoningBudget("markers")) == "reasoning budget could not be enforced: markers"
     assert str(BatcherClosed()) == "the batch scheduler has been closed; no new requests are accepted"
     assert str(WorkerDied("RuntimeError: boom")) == "the batch scheduler's worker stopped: RuntimeError: boom"
 
@@ -61,11 +50,8 @@ def test_every_error_message_is_the_upstream_wording():
 ALL_ERRORS: list[DecodeError] = [
     TokenOutOfVocab(5, 4),
     KvPoolExhausted(),
-    Unsupported("nope"),
     QueueFull(0, 0),
     KvBudgetExceeded("device_memory_budget_exceeded", 10, 20, 30, 40, "detail"),
-    GrammarConstraint("g"),
-    ReasoningBudget("r"),
     InvalidRequest("top_p", 2.0, "must be a number in (0, 1]"),
     BatcherClosed(),
     WorkerDied("cause"),
@@ -77,11 +63,8 @@ ALL_ERRORS: list[DecodeError] = [
     [
         (TokenOutOfVocab(5, 4), 400, None),
         (KvPoolExhausted(), 503, 1),
-        (Unsupported("x"), 501, None),
         (QueueFull(1, 1), 503, 1),
         (KvBudgetExceeded("context_length_exceeded", 0, 0, 0, 0, "d"), 400, None),
-        (GrammarConstraint("d"), 400, None),
-        (ReasoningBudget("d"), 500, None),
         (InvalidRequest("max_tokens", -1, "must be a non-negative integer"), 400, None),
         (BatcherClosed(), 503, None),
         (WorkerDied("c"), 500, None),
@@ -129,7 +112,6 @@ def test_errors_compare_by_variant_and_fields():
     assert QueueFull(0, 0) == QueueFull(0, 0)
     assert QueueFull(0, 0) != QueueFull(0, 1)
     assert KvPoolExhausted() == KvPoolExhausted()
-    assert GrammarConstraint("x") != ReasoningBudget("x")
     assert len({QueueFull(1, 2), QueueFull(1, 2)}) == 1
 
 
@@ -221,29 +203,12 @@ def test_ttft_is_unset_when_nothing_was_generated():
     assert Usage.new(4, 1).with_ttft(0.25).time_to_first_token_ms == pytest.approx(250.0)
 
 
-def test_a_cache_miss_is_zero_and_no_cache_is_absent():
-    assert Usage.new(1, 1).with_cached_tokens(0).to_dict()["cached_tokens"] == 0
-    assert "cached_tokens" not in Usage.new(1, 1).with_cached_tokens(None).to_dict()
-    assert "cached_tokens" not in Usage.new(1, 1).to_dict()
-
-
 def test_usage_builders_return_a_new_value_and_leave_the_old_one_alone():
     base = Usage.new(3, 4)
     timed = base.with_timings(1.0, 1.0)
     assert timed is not base and base.prompt_per_second is None
     with pytest.raises(AttributeError):
         base.prompt_tokens = 9  # type: ignore[misc]
-
-
-def test_speculation_and_reasoning_fields_serialise_only_when_set():
-    usage = Usage.new(5, 8).with_speculation(6, 4, 2.5, [0.9, 0.5]).with_reasoning_tokens(3)
-    body = usage.to_dict()
-    assert body["draft_tokens"] == 6 and body["accepted_draft_tokens"] == 4
-    assert body["acceptance_length"] == 2.5
-    assert body["draft_accept_rate_per_position"] == [0.9, 0.5]
-    assert body["completion_tokens_details"] == {"reasoning_tokens": 3}
-    with pytest.raises(ValueError):
-        Usage.new(1, 1).with_speculation(2, 3)
 
 
 @pytest.mark.parametrize("bad", [-1, 1.5, True, "3", None])
@@ -412,19 +377,7 @@ def test_a_result_refuses_the_wrong_types():
         GenerationResult(FinishReason.STOP, [], "", (0, 0))  # type: ignore[arg-type]
 
 
-# --- PagedKvConfig and check_int -------------------------------------------------------------
-
-
-def test_paged_config_defaults_and_validation():
-    cfg = PagedKvConfig(store=object())
-    assert (cfg.queue_wait, cfg.radix, cfg.anchor_token, cfg.slide_interval) == (0.0, None, None, 128)
-    assert PagedKvConfig(None, queue_wait=2).queue_wait == 2.0
-    with pytest.raises(ValueError, match="queue_wait"):
-        PagedKvConfig(None, queue_wait=-1.0)
-    with pytest.raises(TypeError, match="slide_interval"):
-        PagedKvConfig(None, slide_interval=1.5)
-    with pytest.raises(ValueError, match="anchor_token"):
-        PagedKvConfig(None, anchor_token=-3)
+# --- check_int -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("bad", [True, False, 1.0, "1", None])
