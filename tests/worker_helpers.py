@@ -1,10 +1,11 @@
 """Helpers for the scheduler tests that drive the worker by hand or hold it at a known point.
 
 * `make_worker` builds a `Worker` exactly as `ContinuousBatcher.spawn_with_ceiling`
-  does, without a thread, so a test can call `_admit`, `_apply_aborts` or `tick`
-  itself (a `tick` with work in hand never blocks).
-* `make_job` prices and queues a `Job` as the handle would (queue slot taken,
-  abort id allocated) and returns it with its reply channel.
+  does, without a thread, so a test can call `tick` itself (a `tick` with work
+  in hand never blocks) or drive `worker.scheduler` directly.
+* `make_request` prices a `Request` as the handle would (queue slot taken,
+  abort id allocated, a `QueueSink`) and returns it with its reply channel;
+  `worker.jobs.put(request)` sends it.
 * `Gate` is a detokenizer that can hold the worker inside a decode call. The
   worker calls it once per sampled token, mid-tick, so while it is held the
   scheduler's state (and `stats()`) cannot move: tests step the worker one
@@ -22,13 +23,12 @@ from collections.abc import Callable, Sequence
 
 from batch_helpers import identity_decode
 
-from ferrox_batch.batch.clock import RowClock
-from ferrox_batch.batch.config import BatcherConfig, Chunk, Finished
-from ferrox_batch.batch.row import Job, Slot
+from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.wiring import build_worker, config_ceiling
 from ferrox_batch.batch.worker import Worker
 from ferrox_batch.generation_types import GenerationParams
-from ferrox_batch.policy.stop import StopMatcher
+from ferrox_batch.scheduler.request import Request
+from ferrox_batch.scheduler.sink import Chunk, Finished, OnceSink, QueueSink
 from ferrox_batch.stop_tokens import StopTokens
 
 #: How long any test waits for the scheduler to reach a state before failing.
@@ -40,35 +40,18 @@ def make_worker(model, config: BatcherConfig, decode=identity_decode) -> Worker:
     return build_worker(model.decoder, decode, config, config_ceiling(model.decoder, config), log_interval=40)
 
 
-def make_job(
+def make_request(
     worker: Worker, prompt: Sequence[int], params: GenerationParams, *, abort: int | None = None,
     stop_tokens: StopTokens | None = None,
-) -> tuple[Job, queue.SimpleQueue]:
-    """A job priced and queued as `generate_streaming` would (its queue slot is taken)."""
-    assert worker.queue_gate.try_reserve() is None, "the test's queue is full"
+) -> tuple[Request, queue.SimpleQueue]:
+    """A request priced as `generate_streaming` prices it (its queue slot is taken), with its reply channel."""
+    assert worker.scheduler.queue_gate.try_reserve() is None, "the test's queue is full"
     positions = len(prompt) + params.max_tokens
-    reply: queue.SimpleQueue = queue.SimpleQueue()
-    job = Job(list(prompt), params, stop_tokens or StopTokens.default(), reply,
-              worker.aborts.next_id() if abort is None else abort, worker.budget.blocks_for(positions), positions)
-    return job, reply
-
-
-def make_slot(seq_id: int, abort: int, blocks: int, max_tokens: int = 8, stop: tuple[str, ...] = ()) -> Slot:
-    """A decoding row as `Prefill.into_slot` builds it (2-token prompt, greedy, no sampler state needed)."""
-    params = GenerationParams(max_tokens=max_tokens, stop=stop)
-    return Slot(seq_id=seq_id, sampler=None, prompt_tokens=2, max_tokens=max_tokens,
-                stop_tokens=StopTokens.default(), params=params, reply=queue.SimpleQueue(), abort=abort,
-                blocks=blocks, clock=RowClock.start(), stops=StopMatcher(params.stop, params.stop_token_ids))
-
-
-def decode_into(slot: Slot, ids: Sequence[int], decode=identity_decode) -> None:
-    """Apply generated tokens to a row as the worker does (ids, clock, UTF-8 stream, stop buffer)."""
-    for token in ids:
-        slot.generated_ids.append(token)
-        slot.clock.token()
-        piece = slot.utf8.push(decode([token]))
-        if piece and slot.apply_stop_buffer(piece):
-            return
+    sink = QueueSink()
+    request = Request(list(prompt), params, stop_tokens or StopTokens.default(), OnceSink(sink),
+                      worker.aborts.next_id() if abort is None else abort,
+                      worker.scheduler.budget.blocks_for(positions), positions)
+    return request, sink.events
 
 
 def drain_reply(reply: queue.SimpleQueue) -> tuple[list[str], list[object]]:

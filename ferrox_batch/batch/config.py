@@ -13,11 +13,9 @@ import dataclasses
 import os
 import re
 from dataclasses import dataclass
-from typing import Mapping, Union
+from typing import Mapping
 
 from ferrox_batch.checks import UNLIMITED
-from ferrox_batch.errors import DecodeError
-from ferrox_batch.generation_types import GenerationResult
 
 #: Prompt tokens per prefill chunk when unset: the ceiling of the per-tick prefill budget (docs/upstream.md,
 #: Step budget).
@@ -197,21 +195,3 @@ def decode_log_interval_from_env(env: Mapping[str, str] | None = None) -> int:
         return DEFAULT_DECODE_LOG_INTERVAL
     value = _parse_usize(raw)
     return DEFAULT_DECODE_LOG_INTERVAL if value is None else value
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """A piece of visible text, streamed before the job's `Finished`."""
-
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """The job's one and only final event: its result or its error."""
-
-    result: GenerationResult | DecodeError
-
-
-#: What a job's reply channel carries: zero or more `Chunk`s, then exactly one `Finished`.
-BatcherEvent = Union[Chunk, Finished]

@@ -26,11 +26,10 @@ from typing import Any, Callable, Sequence
 
 from ferrox_batch.batch.config import BatcherConfig, decode_log_interval_from_env
 from ferrox_batch.batch.counters import BatcherStats
-from ferrox_batch.batch.row import Job
 from ferrox_batch.batch.text import Messages, generate_text
 from ferrox_batch.batch.ticket import Ticket
 from ferrox_batch.batch.wiring import build_worker, config_ceiling
-from ferrox_batch.batch.worker import DecodeFn, Worker
+from ferrox_batch.batch.worker import Worker
 from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.checks import check_seconds
 from ferrox_batch.errors import DecodeError, InvalidRequest, QueueFull
@@ -39,6 +38,8 @@ from ferrox_batch.models.loader import LoadedModel
 from ferrox_batch.models.openmp import release_thread_pool
 from ferrox_batch.models.paged_kv import PagedKvConfig
 from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.scheduler.request import DecodeFn, Request
+from ferrox_batch.scheduler.sink import OnceSink, QueueSink, ReplySink
 from ferrox_batch.stop_tokens import StopTokens
 
 WORKER_THREAD_NAME = "ferrox-continuous-batch"
@@ -50,13 +51,13 @@ class ContinuousBatcher:
         counters, queue gate, block budget, abort inbox and store (built by `wiring.build_worker`)."""
         self._jobs = worker.jobs
         self._lifecycle = worker.lifecycle
-        self._counters = worker.counters
-        self._queue = worker.queue_gate
-        self._budget = worker.budget
+        self._counters = worker.scheduler.counters
+        self._queue = worker.scheduler.queue_gate
+        self._budget = worker.scheduler.budget
         self._aborts = worker.aborts
-        self._config = worker.config
+        self._config = worker.scheduler.config
         self._thread = thread
-        self.store = worker.store
+        self.store = worker.runner.store
         self.tokenizer = tokenizer
         self._finalizer = weakref.finalize(self, worker.lifecycle.close, worker.jobs)
 
@@ -80,7 +81,7 @@ class ContinuousBatcher:
         worker = build_worker(decoder, decode, config, ceiling, paged, log_interval=decode_log_interval_from_env())
         thread = threading.Thread(target=worker.run, name=WORKER_THREAD_NAME, daemon=True)
         thread.start()
-        if worker.store.device.type == "cpu":
+        if worker.runner.store.device.type == "cpu":
             release_thread_pool()  # this thread most likely built the model: see models.openmp
         return cls(worker, thread)
 
@@ -178,11 +179,14 @@ class ContinuousBatcher:
         return self.submit(prompt_tokens, params, stop_tokens).wait(on_chunk, timeout)
 
     def submit(
-        self, prompt_tokens: Sequence[int], params: GenerationParams, stop_tokens: StopTokens | None = None
+        self, prompt_tokens: Sequence[int], params: GenerationParams, stop_tokens: StopTokens | None = None,
+        *, sink: ReplySink | None = None,
     ) -> Ticket:
         """Run every refusal and queue the request without waiting; raise the typed refusal if any.
 
         `stop_tokens=None` means the model's stop tokens when the batcher has a tokenizer, else none.
+        `sink`: where the worker sends the request's text and its one final event (called on the
+        worker's thread; it must not block). None: a queue the returned ticket's `wait` reads.
         """
         prompt = _prompt_list(prompt_tokens)
         if not isinstance(params, GenerationParams):
@@ -206,18 +210,19 @@ class ContinuousBatcher:
         depth = self._queue.try_reserve()
         if depth is not None:
             raise QueueFull(depth, self._queue.cap)
-        reply: queue.SimpleQueue = queue.SimpleQueue()
         abort = self._aborts.next_id()
         if stop_tokens is None:
             stop_tokens = self.tokenizer.stop_tokens if self.tokenizer is not None else StopTokens.default()
-        job = Job(prompt, params, stop_tokens, reply, abort, blocks, positions)
+        replies = QueueSink() if sink is None else None
+        request = Request(prompt, params, stop_tokens, OnceSink(replies if sink is None else sink), abort, blocks,
+                          positions)
         try:
-            self._lifecycle.send(self._jobs, job)
+            self._lifecycle.send(self._jobs, request)
         except DecodeError:
             self._queue.release()
             raise
-        ticket = Ticket(prompt_tokens=len(prompt), max_tokens=params.max_tokens, reply=reply, abort=abort,
-                        aborts=self._aborts, worker=self._thread, lifecycle=self._lifecycle)
+        ticket = Ticket(prompt_tokens=len(prompt), max_tokens=params.max_tokens,
+                        reply=None if replies is None else replies.events, abort=abort, aborts=self._aborts)
         if params.cancel is not None:
             # Registered only after a successful send; hooks are never unregistered, and once
             # the ticket is answered a late cancel does nothing.

@@ -84,27 +84,10 @@ class StepCostModel:
     equations are sums of positive terms, so the fit stays exact however long it runs.
     """
 
-    #: True on a device whose forward returns before it ran (CUDA): see `record`.
-    asynchronous: bool = False
     coef: list[float] = field(default_factory=lambda: [0.0, 0.0, 0.0])
     _prompt: _Equations = field(default_factory=_Equations)
     _decode: _Equations = field(default_factory=_Equations)
     prompt_ticks: int = 0
-    _launched: tuple[int, int] | None = None
-
-    def record(self, rows: int, prompt_tokens: int | None, seconds: float) -> None:
-        """One tick's sampling plus forward took `seconds`; its forward held `rows` decoding rows and
-        `prompt_tokens` prompt tokens (None: no forward ran).
-
-        On the CPU the forward ran inside that time. On an asynchronous device it was only launched, and
-        its time shows in the next tick's sampling, which waits for its logits: there the time is paired
-        with the previous tick's work.
-        """
-        work = None if prompt_tokens is None else (rows, prompt_tokens)
-        timed = self._launched if self.asynchronous else work
-        self._launched = work
-        if timed is not None:
-            self.observe(*timed, seconds)
 
     def observe(self, rows: int, prompt_tokens: int, seconds: float) -> None:
         """Fold one tick's measured time into the fit."""

@@ -2,9 +2,14 @@
 
 `ContinuousBatcher.submit` returns one once the request is queued, so a
 server can refuse a request with a proper status *before* it starts a
-response stream, then wait for the answer on any thread. `wait` delivers
-chunks to `on_chunk` on the waiting thread and returns the result (or
-raises its typed error); `cancel` stops the request wherever it is.
+response stream. `cancel` stops the request wherever it is. A request
+submitted with the default sink (`QueueSink`) is waited on with `wait`,
+on any thread: it delivers chunks to `on_chunk` on the waiting thread and
+returns the result (or raises its typed error). A request submitted with a
+sink of the caller's own gets its events there, and its ticket only cancels.
+
+Nothing polls: a worker that dies answers every request it holds through its
+sink (`WorkerDied`), so a waiter always hears the end from its own queue.
 
 A wait that ends without the answer (its timeout passed, or anything was
 raised into it: a `KeyboardInterrupt`, a thread's async exception) cancels
@@ -19,39 +24,31 @@ import threading
 import time
 from typing import Callable
 
-from ferrox_batch.batch.config import Chunk
-from ferrox_batch.batch.lifecycle import Lifecycle
 from ferrox_batch.batch.queue import AbortInbox
 from ferrox_batch.checks import check_seconds
-from ferrox_batch.errors import DecodeError, WaitTimedOut, WorkerDied
+from ferrox_batch.errors import DecodeError, WaitTimedOut
 from ferrox_batch.generation_types import GenerationResult
-
-#: How often a waiting caller re-checks that the worker is alive (a safety net; replies wake it at once).
-LIVENESS_POLL_SECS = 0.5
+from ferrox_batch.scheduler.sink import BatcherEvent, Chunk
 
 
 class Ticket:
-    __slots__ = ("prompt_tokens", "max_tokens", "_reply", "_abort", "_aborts", "_worker", "_lifecycle", "_done",
-                 "_claimed", "_answered")
+    __slots__ = ("prompt_tokens", "max_tokens", "_reply", "_abort", "_aborts", "_done", "_claimed", "_answered")
 
     def __init__(
         self,
         *,
         prompt_tokens: int,
         max_tokens: int,
-        reply: queue.SimpleQueue,
+        reply: queue.SimpleQueue[BatcherEvent] | None,
         abort: int,
         aborts: AbortInbox,
-        worker: threading.Thread,
-        lifecycle: Lifecycle,
     ) -> None:
+        """`reply`: the `QueueSink`'s queue the worker answers on, or None for a sink of the caller's own."""
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens  # after the context-ceiling clamp
         self._reply = reply
         self._abort = abort
         self._aborts = aborts
-        self._worker = worker
-        self._lifecycle = lifecycle
         self._done = threading.Event()
         self._claimed = threading.Lock()  # held by the one `wait`: its events go to one waiter only
         self._answered = False  # the waiter took the worker's final event
@@ -76,6 +73,8 @@ class Ticket:
         waiting for events that were already taken.
         """
         deadline = None if timeout is None else time.monotonic() + check_seconds("timeout", timeout)
+        if self._reply is None:
+            raise RuntimeError("this request answers through the sink it was submitted with, not through wait()")
         if not self._claimed.acquire(blocking=False):
             raise RuntimeError("this ticket is already waited on: a ticket has one answer, for one waiter")
         try:
@@ -90,19 +89,15 @@ class Ticket:
     def _wait(self, on_chunk: Callable[[str], None] | None, deadline: float | None,
               timeout: float | None) -> GenerationResult:
         callback_error: BaseException | None = None
+        reply = self._reply
+        assert reply is not None
         while True:
-            poll = LIVENESS_POLL_SECS if deadline is None else min(LIVENESS_POLL_SECS, deadline - time.monotonic())
+            # A callback that failed has cancelled the request and drains until the answer, however long.
+            timed = deadline is not None and callback_error is None
             try:
-                event = self._reply.get(timeout=max(poll, 0.0))
+                event = reply.get(timeout=max(deadline - time.monotonic(), 0.0) if timed else None)
             except queue.Empty:
-                if deadline is not None and time.monotonic() >= deadline and callback_error is None:
-                    raise WaitTimedOut(timeout) from None
-                if self._worker.is_alive():
-                    continue
-                try:
-                    event = self._reply.get_nowait()
-                except queue.Empty:
-                    raise WorkerDied(self._lifecycle.dead or "the worker thread is gone") from None
+                raise WaitTimedOut(timeout) from None
             if isinstance(event, Chunk):
                 # An `on_chunk` slower than the worker never lets the queue run empty, so the
                 # deadline is checked on every chunk too, not only when the queue is empty; a

@@ -4,8 +4,9 @@
 tests that drive a worker tick by tick, so both run exactly the production
 wiring: one `BlockBudget` priced like the store leases, one store (the
 caller's paged store, checked against the config, or one of the config's
-size), and the channel, lifecycle, counters, queue gate and abort inbox that
-the handle and the worker share.
+size) inside the `ModelRunner`, the `Scheduler` over them, and the channel,
+lifecycle, counters, queue gate and abort inbox that the handle and the
+worker share.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.counters import Counters
 from ferrox_batch.batch.lifecycle import Lifecycle
 from ferrox_batch.batch.queue import AbortInbox, QueueGate
-from ferrox_batch.batch.worker import DecodeFn, Worker
+from ferrox_batch.batch.worker import Worker
 from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.models.kv import KvElem, KvShape
 from ferrox_batch.models.memory import default_kv_memory
 from ferrox_batch.models.paged_kv import PagedKvConfig, PagedKvStore
+from ferrox_batch.models.runner import ModelRunner
 from ferrox_batch.models.sampler import BatchSampler
+from ferrox_batch.scheduler.request import DecodeFn
+from ferrox_batch.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("ferrox_batch.batch")
 
@@ -52,12 +56,13 @@ def build_worker(
         config = dataclasses.replace(config, kv_blocks=default_kv_blocks(decoder, config.kv_block_size))
     store = _store_for(decoder, config, paged)
     total = config.kv_blocks if config.kv_blocks is not None else store.num_blocks
-    return Worker(
-        decoder=decoder, decode=decode, config=config, jobs=queue.SimpleQueue(), lifecycle=Lifecycle(),
-        counters=Counters(), queue_gate=QueueGate(config.max_queue),
-        budget=BlockBudget(config.kv_block_size, total, ceiling), aborts=AbortInbox(), store=store,
-        sampler=BatchSampler(decoder.vocab_size, store.device), log_interval=log_interval,
+    runner = ModelRunner(decoder, store, BatchSampler(decoder.vocab_size, store.device))
+    scheduler = Scheduler(
+        config=config, budget=BlockBudget(config.kv_block_size, total, ceiling), queue_gate=QueueGate(config.max_queue),
+        counters=Counters(), kv=runner, vocab_size=decoder.vocab_size, decode=decode, log_interval=log_interval,
     )
+    return Worker(scheduler=scheduler, runner=runner, jobs=queue.SimpleQueue(), lifecycle=Lifecycle(),
+                  aborts=AbortInbox())
 
 
 def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> PagedKvStore:
