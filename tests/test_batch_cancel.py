@@ -1,13 +1,15 @@
-"""Cancellation and stops (upstream tests/cancel.rs): how a batched row ends early, and that nothing else moves.
+"""Cancellation and stops: how a request ends early, and that nothing else moves.
 
-Pins: a cancel is applied by the worker between forwards, at the top of the
-next tick, wherever the request is (waiting, prefilling, decoding); a cancel
-that overtakes its own job is kept until the job arrives; a cancelled row
-leaves through the same flush every row uses (one release, one reply, with
-its partial ids and text); cancelling one request never changes another's
-output; token-level stops and stop strings end a row with the right ids and
-text, and a stop that never matches loses nothing. Port-specific: an
-`on_chunk` that raises cancels its request and the error reaches the caller.
+See docs/upstream.md "Cancellation", I11 and D12. Pins: a cancel is applied
+by the worker between forwards, at the top of the next tick, wherever the
+request is (waiting, prefilling, decoding); a cancel that overtakes its own
+request is kept until the request arrives, and one that raced its answer is
+dropped after one more tick; a cancelled request leaves through the same flush
+every request uses (one release, one reply, with its partial ids and text);
+cancelling one request never changes another's output; token-level stops and
+stop strings end a request with the right ids and text, and a stop that never
+matches loses nothing. Port-specific: an `on_chunk` that raises cancels its
+request and the error reaches the caller.
 """
 
 from __future__ import annotations
@@ -22,19 +24,17 @@ from batch_helpers import (
 from worker_helpers import (
     Caller,
     Gate,
-    decode_into,
     drain_reply,
-    make_job,
-    make_slot,
+    make_request,
     make_worker,
     wait_for,
     wait_sent,
 )
 
 from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.row import Rows
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.scheduler.request import RequestStatus
 from ferrox_batch.stop_tokens import StopTokens
 from ferrox_batch.usage import Usage
 
@@ -63,85 +63,103 @@ def test_a_decoding_request_stops_when_it_is_cancelled(tiny_batch_model):
     assert result.text == identity_text(result.token_ids)
 
 
-def test_a_cancelled_row_leaves_through_the_one_exit_every_row_uses(tiny_batch_model):
+def test_a_cancelled_request_leaves_through_the_one_exit_every_request_uses(tiny_batch_model):
     worker = make_worker(tiny_batch_model, budget_config(4, 8))
-    rows: Rows = worker.rows
+    scheduler, store = worker.scheduler, worker.runner.store
     released: list[int] = []
-    victim, neighbour = make_slot(10, abort=7, blocks=2), make_slot(11, abort=8, blocks=3)
-    for slot in (victim, neighbour):
-        assert worker.budget.try_reserve(slot.blocks)
-    victim_uid, neighbour_uid = rows.insert(victim), rows.insert(neighbour)
-    decode_into(victim, [0, 1, 2])
-    decode_into(neighbour, [5])
-    for slot in (victim, neighbour):
-        drain_reply(slot.reply)  # the streamed chunks
+    release = worker.runner.release
 
-    assert rows.mark_cancelled({7, 99}) == [7]
+    def record_release(seq_id: int) -> None:
+        released.append(seq_id)
+        release(seq_id)
+
+    worker.runner.release = record_release  # the scheduler's KV leases are the runner
+    victim, victim_reply = make_request(worker, [1, 2], greedy_params(8), abort=7)
+    neighbour, neighbour_reply = make_request(worker, [3, 4], greedy_params(8), abort=8)
+    assert (victim.blocks, neighbour.blocks) == (3, 3)
+    worker.jobs.put(victim)
+    worker.jobs.put(neighbour)
+    while len(scheduler.decoding) < 2 or len(victim.output_ids) < 3:
+        worker.tick()
+    for reply in (victim_reply, neighbour_reply):
+        drain_reply(reply)  # the streamed chunks
+    ids, neighbour_ids = list(victim.output_ids), list(neighbour.output_ids)
+
+    assert scheduler.abort({7, 99}) == 1
     assert victim.finish == FinishReason.CANCELLED
-    # Marking only marks: nothing released, nothing replied, the row is still there.
-    assert rows.get(victim_uid) is victim and worker.budget.free() == 3
-    assert drain_reply(victim.reply) == ([], [])
-    assert rows.mark_cancelled({7}) == [], "a row that already finished is not cancelled twice"
+    # Cancelling only marks: nothing released, nothing replied, the request is still in the batch.
+    assert scheduler.decoding == [victim, neighbour] and store.has_sequence(victim.seq_id)
+    assert scheduler.budget.free() == 2 and released == []
+    assert drain_reply(victim_reply) == ([], [])
+    assert scheduler.abort({7}) == 0, "a request that already finished is not cancelled twice"
 
-    assert rows.flush_finished(worker.budget, lambda slot: released.append(slot.seq_id)) == 1
-    assert released == [10] and worker.budget.free() == 5
-    assert rows.get(victim_uid) is None and rows.order == [neighbour_uid]
-    chunks, finished = drain_reply(victim.reply)
+    assert scheduler.flush() == 1
+    assert released == [victim.seq_id] and scheduler.budget.free() == 5
+    assert victim.status is RequestStatus.FINISHED and scheduler.decoding == [neighbour]
+    chunks, finished = drain_reply(victim_reply)
     assert chunks == [] and len(finished) == 1
     result = finished[0]
     assert isinstance(result, GenerationResult)
     assert result.finish_reason == FinishReason.CANCELLED
-    assert result.token_ids == (0, 1, 2) and result.text == "ABC"
-    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (2, 3)
+    assert list(result.token_ids) == ids and result.text == identity_text(ids)
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (2, len(ids))
 
     # The neighbour is untouched, and a second flush has nothing to do.
-    assert neighbour.finish is None and neighbour.generated_ids == [5] and drain_reply(neighbour.reply) == ([], [])
-    assert rows.flush_finished(worker.budget, lambda slot: released.append(slot.seq_id)) == 0
-    assert released == [10]
+    assert neighbour.finish is None and neighbour.output_ids == neighbour_ids
+    assert drain_reply(neighbour_reply) == ([], [])
+    assert scheduler.flush() == 0
+    assert released == [victim.seq_id]
+    scheduler.check_ledger()
 
 
-def test_a_cancel_that_arrives_before_its_job_is_not_lost(tiny_batch_model):
+def test_a_cancel_that_arrives_before_its_request_is_not_lost(tiny_batch_model):
     worker = make_worker(tiny_batch_model, budget_config(4, 8))
+    scheduler = worker.scheduler
     abort = worker.aborts.next_id()
     worker.aborts.enqueue(abort)
-    worker._apply_aborts()  # nothing matches yet: the id is carried, nothing counted
-    assert worker.carried == {abort} and worker.aborts.aborted() == 0
+    # The worker drains the inbox before the channel has the request: nothing matches, the id is carried.
+    assert scheduler.abort(worker.aborts.drain()) == 0
+    assert scheduler.carried == {abort} and worker.aborts.aborted() == 0
 
-    job, reply = make_job(worker, [1, 2], greedy_params(4), abort=abort)
-    worker.jobs.put(job)
+    request, reply = make_request(worker, [1, 2], greedy_params(4), abort=abort)
+    worker.jobs.put(request)
     worker.tick()
     chunks, finished = drain_reply(reply)
     assert chunks == [] and finished == [GenerationResult(FinishReason.CANCELLED, [], "", Usage.new(2, 0))]
-    assert worker.queue_gate.depth() == 0 and worker.aborts.aborted() == 1
-    assert worker.carried == set() and not worker.waiting and not worker.prefills and worker.rows.is_empty()
-    assert worker.budget.free() == 8 and worker.store.blocks_held() == 0
+    assert scheduler.queue_gate.depth() == 0 and worker.aborts.aborted() == 1
+    assert scheduler.carried == set() and scheduler.idle
+    assert scheduler.budget.free() == 8 and worker.runner.store.blocks_held() == 0
 
 
 def test_a_cancel_that_raced_its_answer_is_dropped_after_one_more_tick(tiny_batch_model):
     worker = make_worker(tiny_batch_model, budget_config(4, 8))
-    job, reply = make_job(worker, [1, 2], greedy_params(2))
-    worker.jobs.put(job)
-    while worker.waiting or worker.prefills or not worker.rows.is_empty() or not drain_reply(reply)[1]:
+    scheduler = worker.scheduler
+    request, reply = make_request(worker, [1, 2], greedy_params(2))
+    worker.jobs.put(request)
+    finished: list[object] = []
+    while not scheduler.idle or not finished:
         worker.tick()
-    worker.aborts.enqueue(job.abort)  # the caller cancelled just after its answer was sent
-    worker._apply_aborts()
-    assert worker.carried == {job.abort}, "carried once: its job might still be on the channel"
-    worker._apply_aborts()
-    assert worker.carried == set() and worker.aborts.aborted() == 0
+        finished += drain_reply(reply)[1]
+    worker.aborts.enqueue(request.abort)  # the caller cancelled just after its answer was sent
+    assert scheduler.abort(worker.aborts.drain()) == 0
+    assert scheduler.carried == {request.abort}, "carried once: its request might still be on the channel"
+    assert scheduler.abort(worker.aborts.drain()) == 0
+    assert scheduler.carried == set() and worker.aborts.aborted() == 0
 
 
 def test_a_cancelled_prefill_is_abandoned_and_gives_its_blocks_back(tiny_batch_model):
     worker = make_worker(tiny_batch_model, BatcherConfig(prefill_chunk=16, kv_block_size=16, kv_blocks=4))
-    job, reply = make_job(worker, list(range(1, 41)), greedy_params(4))  # 44 positions: 3 blocks of 16
-    worker.jobs.put(job)
+    scheduler, store = worker.scheduler, worker.runner.store
+    request, reply = make_request(worker, list(range(1, 41)), greedy_params(4))  # 44 positions: 3 blocks of 16
+    worker.jobs.put(request)
     worker.tick()  # admitted, first chunk of 16 run
-    assert len(worker.prefills) == 1 and worker.prefills[0].state.tokens_processed() == 16
-    assert worker.budget.free() == 1 and worker.store.blocks_held() == 3
+    assert list(scheduler.prefilling) == [request] and request.num_computed_tokens == 16
+    assert scheduler.budget.free() == 1 and store.blocks_held() == 3
 
-    worker.aborts.enqueue(job.abort)
+    worker.aborts.enqueue(request.abort)
     worker.tick()
-    assert not worker.prefills and worker.rows.is_empty()
-    assert worker.budget.free() == 4 and worker.store.blocks_held() == 0
+    assert not scheduler.prefilling and not scheduler.decoding
+    assert scheduler.budget.free() == 4 and store.blocks_held() == 0
     assert worker.aborts.aborted() == 1 and worker.counters.prefill_tokens() == 16
     chunks, finished = drain_reply(reply)
     assert chunks == [] and finished == [GenerationResult(FinishReason.CANCELLED, [], "", Usage.new(40, 0))]

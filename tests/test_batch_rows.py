@@ -1,10 +1,12 @@
-"""Rows (upstream tests/rows.rs): the keyed table of decoding requests and the one exit every row takes.
+"""Requests in the batch and the one exit every request takes (docs/upstream.md "Rows and the one exit", I5).
 
-Pins: rows are keyed by uids that are never reused, so removing one row
-never hands its state to another, and insertion order (the batch order) is
-kept; `ready` skips finished rows and `flush_finished` replies on each row's
-own channel with its own ids, text and usage (rates and time to first token
-included); a row leaving mid-batch does not shift its neighbours' output.
+Pins: the scheduler keeps each request's own record and the batch order (the
+order prompts finished prefilling): flushing one finished request never
+touches another's output, sink, KV lease or blocks, newcomers join at the end,
+and a KV sequence id is never handed to a newcomer; a finished request is
+never sampled again, and the flush replies on each request's own channel with
+its own ids, text and usage (rates and time to first token included); a
+request leaving mid-batch does not shift its neighbours' output.
 Port-specific divergences (docs/upstream.md D1, D2): `max_tokens == 0` finishes at once
 with `Length` and no output; a character left incomplete at the end surfaces
 as exactly one U+FFFD (upstream drops it), while one split across two tokens
@@ -27,78 +29,147 @@ from hypothesis import strategies as st
 from worker_helpers import (
     Caller,
     Gate,
-    decode_into,
     drain_reply,
-    make_slot,
+    make_request,
     make_worker,
     wait_for,
     wait_sent,
 )
 
-from ferrox_batch.batch.row import Rows
 from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.scheduler.request import RequestStatus
 
 
-def test_removing_a_row_never_reassigns_another_rows_state():
-    rows = Rows()
-    slots = [make_slot(i, abort=i, blocks=1) for i in range(3)]
-    uids = [rows.insert(slot) for slot in slots]
-    assert rows.remove(uids[1]) is slots[1]
-    assert rows.get(uids[1]) is None and rows.remove(uids[1]) is None, "a stale uid finds nothing"
-    assert rows.get(uids[0]) is slots[0] and rows.get(uids[2]) is slots[2]
-    assert rows.order == [uids[0], uids[2]] and len(rows) == 2
-    late = make_slot(3, abort=3, blocks=1)
-    new_uid = rows.insert(late)
-    assert new_uid not in uids and rows.get(uids[1]) is None, "the freed uid is not handed to the newcomer"
-    assert rows.order == [uids[0], uids[2], new_uid] and rows.blocks_held() == 3
+def _tick_until(worker, done, what: str, limit: int = 200) -> None:
+    """Tick the worker (never idle while this runs) until `done()`."""
+    for _ in range(limit):
+        if done():
+            return
+        worker.tick()
+    raise AssertionError(f"{what} did not happen within {limit} ticks")
+
+
+def test_flushing_one_request_never_touches_another_requests_state(tiny_batch_model):
+    worker = make_worker(tiny_batch_model, budget_config(4, 16))
+    scheduler, store = worker.scheduler, worker.runner.store
+    sent = [make_request(worker, prompt, greedy_params(8)) for prompt in ([1, 2], [3, 4], [5, 6])]
+    for request, _ in sent:
+        assert request.blocks == 3  # 10 positions of 4
+        worker.jobs.put(request)
+    _tick_until(worker, lambda: len(scheduler.decoding) == 3, "all three decoding")
+    replies = {id(request): reply for request, reply in sent}
+    order = list(scheduler.decoding)
+    first, middle, last = order
+    before = {id(r): (list(r.output_ids), r.seq_id, r.blocks, store.seq_len(r.seq_id), r.num_computed_tokens)
+              for r in order}
+    for request in order:
+        assert request.output_ids and request.going
+        drain_reply(replies[id(request)])  # the streamed chunks
+    assert scheduler.budget.free() == 16 - 9
+
+    middle.cancel()
+    assert scheduler.flush() == 1
+    assert scheduler.decoding == [first, last], "the batch order is kept"
+    assert middle.status is RequestStatus.FINISHED and not store.has_sequence(middle.seq_id)
+    assert scheduler.budget.free() == 16 - 6
+    scheduler.check_ledger()
+    for neighbour in (first, last):
+        now = (list(neighbour.output_ids), neighbour.seq_id, neighbour.blocks, store.seq_len(neighbour.seq_id),
+               neighbour.num_computed_tokens)
+        assert now == before[id(neighbour)] and neighbour.going
+        assert drain_reply(replies[id(neighbour)]) == ([], []), "the flush sent nothing on another's channel"
+    chunks, finished = drain_reply(replies[id(middle)])
+    assert chunks == [] and len(finished) == 1
+    assert finished[0].finish_reason == FinishReason.CANCELLED
+    assert finished[0].token_ids == tuple(before[id(middle)][0])
+    assert scheduler.flush() == 0, "a second flush has nothing to do"
+
+    late, late_reply = make_request(worker, [7, 8], greedy_params(8))
+    worker.jobs.put(late)
+    _tick_until(worker, lambda: late.status is RequestStatus.DECODING, "the newcomer decoding")
+    assert scheduler.decoding == [first, last, late], "a newcomer joins at the end"
+    assert late.seq_id not in (first.seq_id, middle.seq_id, last.seq_id), "the freed sequence id is not reused"
+    assert not store.has_sequence(middle.seq_id)
+    for request in (first, last, late):
+        assert request.going and store.seq_len(request.seq_id) == request.num_computed_tokens
+    assert drain_reply(replies[id(middle)]) == ([], []), "nothing more reaches a request that left"
+    scheduler.check_ledger()
 
 
 @settings(max_examples=60, deadline=None)
-@given(ops=st.lists(st.one_of(st.just("insert"), st.integers(0, 30)), max_size=40))
-def test_uids_are_unique_and_insertion_does_not_disturb_existing_rows(ops):
-    rows = Rows()
-    model: dict[int, object] = {}  # uid -> slot, in insertion order
-    issued: list[int] = []
+@given(ops=st.lists(st.one_of(st.tuples(st.integers(1, 3), st.integers(1, 12)), st.integers(0, 20)), max_size=30))
+def test_sequence_ids_are_unique_and_newcomers_do_not_disturb_the_batch(tiny_batch_model, ops):
+    """Random submits (prompt length, max_tokens) and cancels (index of a submitted request), a tick after each."""
+    worker = make_worker(tiny_batch_model, budget_config(4, 256, max_prefills_per_tick=2))
+    scheduler, store = worker.scheduler, worker.runner.store
+    submitted: list[tuple[object, object]] = []
+    leased: dict[int, object] = {}  # seq id -> the request it was issued to
     for n, op in enumerate(ops):
-        if op == "insert":
-            slot = make_slot(n, abort=n, blocks=1)
-            uid = rows.insert(slot)
-            assert uid not in issued, "a uid was reused"
-            issued.append(uid)
-            model[uid] = slot
-        else:
-            uid = issued[op] if op < len(issued) else op + 1000  # sometimes one that was never issued
-            assert rows.remove(uid) is model.pop(uid, None)
-        assert rows.order == list(model)
-        assert all(rows.get(uid) is slot for uid, slot in model.items())
-        assert len(rows) == len(model) and rows.is_empty() == (not model)
-    assert issued == sorted(issued)
+        if isinstance(op, tuple):
+            length, max_tokens = op
+            request, reply = make_request(worker, [(n + i) % 50 + 1 for i in range(length)], greedy_params(max_tokens))
+            worker.jobs.put(request)
+            submitted.append((request, reply))
+        elif op < len(submitted):
+            worker.aborts.enqueue(submitted[op][0].abort)  # perhaps one already answered
+        if scheduler.idle and worker.jobs.empty():
+            continue  # a tick with nothing to do would block on the channel
+        before = list(scheduler.decoding)
+        worker.tick()
+        after = scheduler.decoding
+        stayed = [r for r in before if r in after]
+        assert after[:len(stayed)] == stayed, "requests already decoding keep their order"
+        assert all(r.status is RequestStatus.DECODING for r in after)
+        for request in scheduler.admitted():
+            assert leased.setdefault(request.seq_id, request) is request, "a sequence id was issued twice"
+            assert store.seq_len(request.seq_id) == request.num_computed_tokens, "a request's KV moved"
+        assert sorted(store.seq_ids()) == sorted(r.seq_id for r in scheduler.admitted())
+        scheduler.check_ledger()
+    while not (scheduler.idle and worker.jobs.empty()):
+        worker.tick()
+    for request, reply in submitted:
+        chunks, finished = drain_reply(reply)
+        assert len(finished) == 1, "one reply per request, on its own channel"
+        result = finished[0]
+        assert isinstance(result, GenerationResult)
+        assert result.token_ids == tuple(request.output_ids) and "".join(chunks) == result.text
+        assert result.text == identity_text(result.token_ids)
+    assert store.seq_ids() == [] and scheduler.budget.free() == 256 and scheduler.queue_gate.depth() == 0
 
 
-def test_flush_replies_on_each_rows_own_channel(tiny_batch_model):
+def test_flush_replies_on_each_requests_own_channel(tiny_batch_model):
     worker = make_worker(tiny_batch_model, budget_config(4, 8))
-    done, running = make_slot(1, abort=1, blocks=2, max_tokens=3), make_slot(2, abort=2, blocks=2)
-    for slot in (done, running):
-        assert worker.budget.try_reserve(slot.blocks)
-    done_uid, running_uid = worker.rows.insert(done), worker.rows.insert(running)
-    decode_into(done, [0, 1, 2])
-    decode_into(running, [3])
-    done.finish = FinishReason.LENGTH
-    assert worker.rows.ready() == [running_uid], "a finished row is never sampled again"
+    scheduler, store = worker.scheduler, worker.runner.store
+    done, done_reply = make_request(worker, [1, 2], greedy_params(3))
+    running, running_reply = make_request(worker, [3, 4], greedy_params(8))
+    assert (done.blocks, running.blocks) == (2, 3)
+    worker.jobs.put(done)
+    worker.jobs.put(running)
+    _tick_until(worker, lambda: done.status is RequestStatus.DECODING and running.status is RequestStatus.DECODING,
+                "both decoding")
+    assert scheduler.budget.free() == 3
+    seq_id = done.seq_id
+    _tick_until(worker, lambda: not done.going, "the short request at its length")
+    # It finished in the update of the tick that sampled its last token, and left through that tick's flush.
+    assert done.status is RequestStatus.FINISHED and scheduler.decoding == [running]
+    assert not store.has_sequence(seq_id) and store.has_sequence(running.seq_id)
+    assert scheduler.budget.free() == 5
+    plan = scheduler.schedule()
+    assert done not in plan.sampling and plan.sampling == (running,), "a finished request is never sampled again"
 
-    released = []
-    assert worker.rows.flush_finished(worker.budget, released.append) == 1
-    assert released == [done] and worker.budget.free() == 6
-    assert worker.rows.order == [running_uid] and worker.rows.get(done_uid) is None
-    chunks, finished = drain_reply(done.reply)
-    assert chunks == ["A", "B", "C"] and len(finished) == 1
+    ids = sequential_ids(tiny_batch_model, [1, 2], greedy_params(3))
+    chunks, finished = drain_reply(done_reply)
+    assert chunks == list(identity_text(ids)) and len(finished) == 1
     result = finished[0]
     assert isinstance(result, GenerationResult)
-    assert (result.finish_reason, result.token_ids, result.text) == (FinishReason.LENGTH, (0, 1, 2), "ABC")
+    assert (result.finish_reason, result.token_ids, result.text) == (FinishReason.LENGTH, tuple(ids),
+                                                                     identity_text(ids))
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (2, 3)
     assert result.usage.time_to_first_token_ms is not None
-    chunks, finished = drain_reply(running.reply)
-    assert chunks == ["D"] and finished == [], "the other row's channel got nothing but its own chunk"
+    chunks, finished = drain_reply(running_reply)
+    assert running.going and 0 < len(running.output_ids) < 8
+    assert chunks == list(identity_text(running.output_ids)) and finished == [], \
+        "the other request's channel got nothing but its own chunks"
 
 
 def test_a_finished_batched_row_reports_its_rates(tiny_batch_model):
