@@ -1,4 +1,4 @@
-"""Admission (upstream tests/admission.rs): the block ledger, the two ceilings, and the admit pass.
+"""Admission (upstream admission.rs; docs/upstream.md, Upstream tests): the block ledger, the two ceilings, and the admit pass.
 
 Pins: blocks are counted in positions and round up; no budget admits
 everything; a request that can never fit is refused on the caller's thread
@@ -11,6 +11,7 @@ holds the line) and the sequence cap and the block cap compose.
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -24,7 +25,7 @@ from batch_helpers import (
 )
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from worker_helpers import Caller, drain_reply, make_job, make_worker, wait_for
+from worker_helpers import Caller, drain_reply, make_request, make_worker, wait_for
 
 from ferrox_batch.batch.block_budget import BlockBudget
 from ferrox_batch.batch.config import BatcherConfig
@@ -187,53 +188,65 @@ def test_a_job_rejected_at_validation_gives_its_blocks_back(tiny_batch_model):
         assert list(result.token_ids) == sequential_ids(tiny_batch_model, [1, 2], params)
 
 
-def test_a_head_job_that_does_not_fit_holds_the_line(tiny_batch_model):
+def _prefill_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch")]
+
+
+def test_a_head_job_that_does_not_fit_holds_the_line(tiny_batch_model, caplog):
+    caplog.set_level(logging.INFO, logger="ferrox_batch.batch")
     worker = make_worker(tiny_batch_model, budget_config(4, 4))
-    head, _ = make_job(worker, [1, 2, 3, 4], greedy_params(8))  # 12 positions: 3 blocks
-    small, _ = make_job(worker, [5, 6], greedy_params(2))  # 4 positions: 1 block
+    scheduler = worker.scheduler
+    head, _ = make_request(worker, [1, 2, 3, 4], greedy_params(8))  # 12 positions: 3 blocks
+    small, _ = make_request(worker, [5, 6], greedy_params(2))  # 4 positions: 1 block
     assert (head.blocks, small.blocks) == (3, 1)
-    worker.waiting.extend([head, small])
-    assert worker.budget.try_reserve(2)  # someone else holds 2: only 2 free
+    scheduler.add(head)
+    scheduler.add(small)
+    assert scheduler.budget.try_reserve(2)  # someone else holds 2: only 2 free
 
-    snapshot = worker._admit()
-    assert snapshot.new_seqs == 0 and not worker.prefills
-    assert list(worker.waiting) == [head, small], "the 1-block job behind must not jump the head"
-    assert worker.queue_gate.depth() == 2 and worker.budget.free() == 2
+    plan = scheduler.schedule()
+    assert plan.empty and not scheduler.prefilling and _prefill_lines(caplog) == []
+    assert list(scheduler.waiting) == [head, small], "the 1-block job behind must not jump the head"
+    assert scheduler.queue_gate.depth() == 2 and scheduler.budget.free() == 2
 
-    worker.budget.release(2)
-    snapshot = worker._admit()
-    assert snapshot.new_seqs == 2
-    assert [p.abort for p in worker.prefills] == [head.abort, small.abort]
-    assert not worker.waiting and worker.queue_gate.depth() == 0 and worker.budget.free() == 0
+    scheduler.budget.release(2)
+    scheduler.schedule()
+    [line] = _prefill_lines(caplog)
+    assert line.startswith("Prefill batch, #new-seq: 2, ")
+    assert [r.abort for r in scheduler.prefilling] == [head.abort, small.abort]
+    assert not scheduler.waiting and scheduler.queue_gate.depth() == 0 and scheduler.budget.free() == 0
 
 
 def test_the_sequence_cap_and_the_block_cap_compose(tiny_batch_model):
     worker = make_worker(tiny_batch_model, budget_config(4, 8, max_seqs=1))
-    jobs = [make_job(worker, [i + 1, i + 2], greedy_params(2))[0] for i in range(3)]
-    worker.waiting.extend(jobs)
-    snapshot = worker._admit()
-    assert snapshot.new_seqs == 1 and len(worker.prefills) == 1
-    assert worker.prefills[0].abort == jobs[0].abort
-    assert worker.budget.free() == 7 and worker.queue_gate.depth() == 2 and len(worker.waiting) == 2
+    scheduler = worker.scheduler
+    requests = [make_request(worker, [i + 1, i + 2], greedy_params(2))[0] for i in range(3)]
+    scheduler.waiting.extend(requests)
+    scheduler.schedule()
+    assert [r.abort for r in scheduler.prefilling] == [requests[0].abort] and not scheduler.decoding
+    assert scheduler.budget.free() == 7 and scheduler.queue_gate.depth() == 2 and len(scheduler.waiting) == 2
 
     # The block cap alone blocks too: with room for sequences but not blocks, nothing more enters.
     worker = make_worker(tiny_batch_model, budget_config(4, 2))
-    jobs = [make_job(worker, [i + 1, i + 2], greedy_params(2))[0] for i in range(3)]
-    worker.waiting.extend(jobs)
-    assert worker._admit().new_seqs == 2 and worker.budget.free() == 0 and len(worker.waiting) == 1
+    scheduler = worker.scheduler
+    requests = [make_request(worker, [i + 1, i + 2], greedy_params(2))[0] for i in range(3)]
+    scheduler.waiting.extend(requests)
+    scheduler.schedule()
+    assert len(scheduler.prefilling) == 2 and scheduler.budget.free() == 0 and len(scheduler.waiting) == 1
 
 
 def test_a_validation_refusal_through_the_worker_answers_once(tiny_batch_model):
-    """The admit pass itself: the refused job is answered, its blocks come back, the next job still enters."""
+    """The admit pass itself: the refused request is answered, its blocks come back, the next one still enters."""
     worker = make_worker(tiny_batch_model, budget_config(4, 4))
-    bad, bad_reply = make_job(worker, [worker.vocab_size], greedy_params(2))
-    good, _ = make_job(worker, [1], greedy_params(2))
-    worker.waiting.extend([bad, good])
-    snapshot = worker._admit()
-    assert snapshot.new_seqs == 1 and [p.abort for p in worker.prefills] == [good.abort]
+    scheduler = worker.scheduler
+    vocab = scheduler.vocab_size
+    bad, bad_reply = make_request(worker, [vocab], greedy_params(2))
+    good, _ = make_request(worker, [1], greedy_params(2))
+    scheduler.waiting.extend([bad, good])
+    scheduler.schedule()
+    assert [r.abort for r in scheduler.prefilling] == [good.abort]
     chunks, finished = drain_reply(bad_reply)
-    assert chunks == [] and finished == [TokenOutOfVocab(worker.vocab_size, worker.vocab_size)]
-    assert worker.budget.free() == 4 - good.blocks and worker.queue_gate.depth() == 0
+    assert chunks == [] and finished == [TokenOutOfVocab(vocab, vocab)]
+    assert scheduler.budget.free() == 4 - good.blocks and scheduler.queue_gate.depth() == 0
 
 
 def test_a_page_store_that_cannot_supply_pages_refuses_with_kv_pool_exhausted(tiny_batch_model):

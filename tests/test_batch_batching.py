@@ -1,11 +1,12 @@
-"""Batching (upstream tests/batching.rs): batching never changes an answer, and prefill is chunked and fair.
+"""Batching (upstream batching.rs; docs/upstream.md, Upstream tests): batching never changes an answer, and prefill is chunked and fair.
 
 Pins: every request's ids equal the same request decoded alone
 (`sequential_ids`), whatever else is in flight, whatever the chunk and tick
 budget, over the paged store and for a sliding-window model; stop strings and
 stop-token sets end a batched row as they end a private one; streamed chunks
 are non-empty, arrive on the caller's thread and add up to the final text;
-`PrefillState` chunks are bounded and resumable and do not change the logits;
+a request's prompt chunks (`Request.next_prompt_chunk`, advanced by
+`num_computed_tokens`) are bounded and resumable and do not change the logits;
 a long prompt prefills while a neighbour keeps decoding; `max_seqs` counts
 prompts still prefilling.
 
@@ -36,9 +37,12 @@ from worker_helpers import Caller, Gate, wait_for, wait_sent
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.handle import WORKER_THREAD_NAME, ContinuousBatcher
-from ferrox_batch.batch.prefill import PrefillState
 from ferrox_batch.generation_types import FinishReason, GenerationParams, SamplingParams
+from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.paged_kv import PagedKvConfig
+from ferrox_batch.scheduler.plan import PromptChunk, StepPlan
+from ferrox_batch.scheduler.request import Request
+from ferrox_batch.scheduler.sink import OnceSink, QueueSink
 from ferrox_batch.stop_tokens import StopTokens
 
 
@@ -165,30 +169,52 @@ def test_on_chunk_runs_on_the_callers_thread(tiny_batch_model):
     assert all(t.name != WORKER_THREAD_NAME for t in threads)
 
 
-def test_prefill_step_chunk_is_bounded_and_resumable(tiny_batch_model):
+def _prompt_request(prompt: list[int], seq_id: int) -> Request:
+    """An admitted request of `prompt` leasing KV sequence `seq_id`, nothing of its prompt run yet."""
+    positions = len(prompt) + 1
+    request = Request(list(prompt), greedy_params(1), StopTokens.default(), OnceSink(QueueSink()), 0, 1, positions)
+    request.admitted(seq_id)
+    return request
+
+
+def _run_prompt_chunk(request: Request, budget: int, decoder, store) -> tuple[bool, torch.Tensor]:
+    """One forward of the request's next prompt chunk (at most `budget` tokens), fed as the runner feeds a plan,
+    then the request advanced by it as the scheduler's update does; (the chunk was its last, its last logits)."""
+    chunk = PromptChunk.of(request, request.next_prompt_chunk(budget))
+    plan = StepPlan.build([], [chunk])
+    logits = decoder.forward([SeqChunk(seq_id, tokens) for seq_id, tokens in plan.inputs], store)
+    request.num_computed_tokens += len(chunk.tokens)
+    assert store.seq_len(request.seq_id) == request.num_computed_tokens, "the KV holds what the request counts"
+    assert chunk.last == (request.prefill_remaining() == 0)
+    return chunk.last, logits[0]
+
+
+def test_prompt_chunks_are_bounded_and_resumable(tiny_batch_model):
     decoder = tiny_batch_model.decoder
     store = decoder.new_store(4, num_blocks=8)
     store.add_sequence(0, 16)
-    state = PrefillState(0, list(range(1, 8)), 3)
+    request = _prompt_request(list(range(1, 8)), 0)
     seen = []
     for _ in range(3):
-        done, logits = state.step_chunk(decoder, store)
-        seen.append((done, state.tokens_processed(), store.seq_len(0)))
-        assert logits is not None and logits.shape == (decoder.vocab_size,)
+        done, logits = _run_prompt_chunk(request, 3, decoder, store)
+        seen.append((done, request.num_computed_tokens, store.seq_len(0)))
+        assert logits.shape == (decoder.vocab_size,)
     assert seen == [(False, 3, 3), (False, 6, 6), (True, 7, 7)]
-    assert state.step_chunk(decoder, store) == (True, None)  # done: a no-op
-    assert state.tokens_processed() == 7 and state.tokens_remaining() == 0 and store.seq_len(0) == 7
+    assert request.next_prompt_chunk(3) == []  # through: nothing more to run
+    assert request.num_computed_tokens == 7 and request.prefill_remaining() == 0 and store.seq_len(0) == 7
 
 
 def test_empty_prompt_prefills_one_stand_in_token(tiny_batch_model):
     decoder = tiny_batch_model.decoder
     store = decoder.new_store(4, num_blocks=2)
     store.add_sequence(0, 4)
-    state = PrefillState(0, [], 8)
-    assert state.tokens_remaining() == 1 and state.tokens == [0]
-    done, logits = state.step_chunk(decoder, store)
-    assert done and state.tokens_processed() == 1 and store.seq_len(0) == 1
+    request = _prompt_request([], 0)
+    assert request.prefill_remaining() == 1 and request.prefill_tokens == [0]
+    assert request.next_prompt_chunk(8) == [0]
+    done, logits = _run_prompt_chunk(request, 8, decoder, store)
+    assert done and request.num_computed_tokens == 1 and store.seq_len(0) == 1
     assert logits.shape == (decoder.vocab_size,)
+    assert request.prompt_tokens == [], "the stand-in is fed, never counted as prompt"
 
 
 def test_prefill_chunking_does_not_change_logits(tiny_batch_model):
@@ -198,10 +224,10 @@ def test_prefill_chunking_does_not_change_logits(tiny_batch_model):
     def prefill(chunk: int) -> torch.Tensor:
         store = decoder.new_store(4, num_blocks=8)
         store.add_sequence(0, len(prompt))
-        state = PrefillState(0, prompt, chunk)
+        request = _prompt_request(prompt, 0)
         last = None
-        while not state.is_done():
-            _, last = state.step_chunk(decoder, store)
+        while request.prefill_remaining() > 0:
+            _, last = _run_prompt_chunk(request, chunk, decoder, store)
         assert store.seq_len(0) == len(prompt)
         return last
 

@@ -5,7 +5,7 @@ With the default (1) every forward holds at most one prefill chunk (docs/upstrea
 
 from __future__ import annotations
 
-from collections import deque
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.handle import ContinuousBatcher
-from ferrox_batch.batch.prefill import Prefill, PrefillState, take_prefill_chunks
 from ferrox_batch.batch.step_budget import MIN_PREFILL_CHUNK, prefill_budget
 
 from batch_helpers import greedy_params, identity_decode, sequential_ids
-from worker_helpers import make_job, make_worker
+from scheduler.scheduler_fakes import VOCAB, Bench
+from worker_helpers import make_request, make_worker
 
 
 class RecordingDecoder:
@@ -85,6 +85,20 @@ def test_the_knob_is_read_from_the_environment_and_validated():
         BatcherConfig(max_prefills_per_tick=0)
 
 
+def decoding_bench(config: BatcherConfig, rows: int, kv_blocks: int) -> Bench:
+    """A scheduler under `config` with `rows` requests decoding (one-token prompts, prefilled in one wide tick)."""
+    wide = dataclasses.replace(config, max_batch_tokens=rows + MIN_PREFILL_CHUNK, prefill_chunk=MIN_PREFILL_CHUNK,
+                               max_prefills_per_tick=max(rows, 1))
+    bench = Bench(wide, kv_blocks=kv_blocks)
+    for i in range(rows):
+        bench.submit([i % VOCAB], max_tokens=4)
+    if rows:
+        bench.step()
+    assert len(bench.scheduler.decoding) == rows and not bench.scheduler.prefilling
+    bench.scheduler.config = config  # from here on the scheduler plans under the tested config
+    return bench
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     prompts=st.lists(st.integers(1, 700), min_size=0, max_size=12),
@@ -93,25 +107,31 @@ def test_the_knob_is_read_from_the_environment_and_validated():
     per_tick=st.integers(1, 8),
     chunk=st.integers(1, 512),
 )
-def test_take_prefill_chunks_keeps_the_step_budget(prompts, decode_rows, max_batch_tokens, per_tick, chunk) -> None:
+def test_a_ticks_prompt_chunks_keep_the_step_budget(prompts, decode_rows, max_batch_tokens, per_tick, chunk) -> None:
     """The first prompt gets exactly the step budget; the others share what is left, FIFO, each within its ceiling."""
-    config = BatcherConfig(max_batch_tokens=max_batch_tokens, prefill_chunk=chunk, max_prefills_per_tick=per_tick)
-    line = deque(Prefill(PrefillState(i, list(range(n)), chunk), n, greedy_params(4), None, None, i, 1, None)
-                 for i, n in enumerate(prompts))
-    taken = take_prefill_chunks(line, config, decode_rows)
+    config = BatcherConfig(max_batch_tokens=max_batch_tokens, prefill_chunk=chunk, max_prefills_per_tick=per_tick,
+                           max_queue=1024, kv_block_size=16)
+    bench = decoding_bench(config, decode_rows, kv_blocks=4096)
+    waiting = [bench.submit([(7 * i + j) % VOCAB for j in range(n)], max_tokens=4) for i, n in enumerate(prompts)]
+    plan = bench.scheduler.schedule()
+    assert len(plan.decodes) == decode_rows
+    taken = plan.prompts
     if not prompts:
-        assert taken == []
+        assert taken == ()
         return
-    assert [p.abort for p, _ in taken] == list(range(len(taken)))  # FIFO off the front
-    assert [p.abort for p in line] == list(range(len(taken), len(prompts)))  # the rest wait, in order
+    assert [c.request for c in taken] == waiting[:len(taken)]  # FIFO off the front
+    assert list(bench.scheduler.prefilling) == waiting, "the rest wait, in order"
     assert 1 <= len(taken) <= per_tick
     first_budget = prefill_budget(max_batch_tokens, decode_rows, chunk)
-    assert len(taken[0][1]) == min(prompts[0], first_budget)
-    for prefill, tokens in taken[1:]:
-        assert 1 <= len(tokens) <= min(chunk, prompts[prefill.abort])
+    assert len(taken[0].tokens) == min(prompts[0], first_budget)
+    for i, c in enumerate(taken):
+        assert c.tokens == c.request.prompt_tokens[:len(c.tokens)], "a prompt's chunk starts where it stands"
+        assert c.last == (len(c.tokens) == prompts[i])
+    for i, c in enumerate(taken[1:], start=1):
+        assert 1 <= len(c.tokens) <= min(chunk, prompts[i])
     # Past the first chunk (which may use the MIN_PREFILL_CHUNK floor), the tick stays in budget.
-    others = sum(len(t) for _, t in taken[1:])
-    assert others == 0 or decode_rows + sum(len(t) for _, t in taken) <= max_batch_tokens
+    others = sum(len(c.tokens) for c in taken[1:])
+    assert others == 0 or decode_rows + plan.prompt_tokens <= max_batch_tokens
 
 
 @pytest.mark.parametrize("per_tick, finishes_first", [(1, False), (4, True)])
@@ -123,8 +143,8 @@ def test_an_unfinished_prompt_keeps_the_front_when_prompts_share_ticks(tiny_batc
     worker = make_worker(SimpleNamespace(decoder=decoder), config)
     prompts = [[(7 * i + j) % 300 + 3 for j in range(48)] for i in range(3)]  # 3 chunks of 16 each
     for prompt in prompts:
-        job, _ = make_job(worker, prompt, greedy_params(2, ignore_eos=True))
-        worker.jobs.put(job)
+        request, _ = make_request(worker, prompt, greedy_params(2, ignore_eos=True))
+        worker.jobs.put(request)
     for _ in range(9):
         worker.tick()
     first_done = next(i for i, forward in enumerate(decoder.forwards) if forward[0] > 0)  # first decode

@@ -1,9 +1,9 @@
-"""The worker's side of the status lines (upstream tests/status.rs, the two tests that need `admit` and `batch_status`).
+"""The scheduler's side of the status lines (upstream status.rs, the two tests that need admission and the batch status; docs/upstream.md, Upstream tests).
 
-Pins: the prefill snapshot is what admission scheduled this tick (new
+Pins: the prefill line is what admission scheduled this tick (new
 sequences and their real prompt tokens; nothing cached in the batcher), and
-an idle admit pass returns the empty snapshot; the worker's `BatchStatus`
-counts prefilling and decoding requests as running and waiting jobs as
+an idle admission pass logs no prefill line; the scheduler's `BatchStatus`
+counts prefilling and decoding requests as running and waiting requests as
 queued, reports KV pages from the block ledger (an empty pool without a
 budget), and never claims a window or recurrent pool the model does not have.
 (`tests/test_status.py` pins the line formats themselves.)
@@ -11,42 +11,53 @@ budget), and never claims a window or recurrent pool the model does not have.
 
 from __future__ import annotations
 
+import logging
+
 from batch_helpers import budget_config, greedy_params
-from worker_helpers import make_job, make_worker
+from worker_helpers import make_request, make_worker
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.status import PoolUsage, PrefillSnapshot
 
 
-def test_a_prefill_line_counts_the_tokens_the_batch_is_about_to_compute(tiny_batch_model):
+def _prefill_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("Prefill batch")]
+
+
+def test_a_prefill_line_counts_the_tokens_the_batch_is_about_to_compute(tiny_batch_model, caplog):
+    caplog.set_level(logging.INFO, logger="ferrox_batch.batch")
     worker = make_worker(tiny_batch_model, budget_config(4, 64))
-    worker.waiting.extend(make_job(worker, prompt, greedy_params(2))[0] for prompt in ([1, 2, 3, 4], [5, 6]))
-    snapshot = worker._admit()
-    assert snapshot == PrefillSnapshot(new_seqs=2, new_tokens=6, cached_tokens=0)
-    line = worker.reporter.report_prefill(1.0, snapshot, worker.batch_status())
+    scheduler = worker.scheduler
+    for prompt in ([1, 2, 3, 4], [5, 6]):
+        scheduler.add(make_request(worker, prompt, greedy_params(2))[0])
+    scheduler.schedule()
+    [line] = _prefill_lines(caplog)
     assert line.startswith("Prefill batch, #new-seq: 2, #new-token: 6, #cached-token: 0, ")
     assert "#running-req: 2, #queue-req: 0" in line
-    assert worker._admit() == PrefillSnapshot.empty(), "an idle admit pass schedules nothing"
+    caplog.clear()
+    scheduler.schedule()
+    assert _prefill_lines(caplog) == [], "an idle admission pass schedules nothing"
 
 
 def test_a_status_line_omits_the_pools_this_model_does_not_have(tiny_batch_model):
     worker = make_worker(tiny_batch_model, budget_config(4, 64))
-    status = worker.batch_status()
+    status = worker.scheduler.batch_status()
     assert status.window is None and status.recurrent is None
     assert status.kv_pages == PoolUsage(used=0, total=64) and status.page_size == 4
     assert (status.running_reqs, status.queue_reqs) == (0, 0)
-    line = worker.reporter.report_prefill(1.0, PrefillSnapshot(1, 3, 0), status)
+    line = worker.scheduler.reporter.report_prefill(1.0, PrefillSnapshot(1, 3, 0), status)
     assert "#swa" not in line and "#mamba" not in line
 
-    # Admitted work shows as used pages and running requests; a job behind the cap is queued.
+    # Admitted work shows as used pages and running requests; a request behind the cap is queued.
     worker = make_worker(tiny_batch_model, budget_config(4, 64, max_seqs=1))
-    worker.waiting.extend(make_job(worker, [1, 2], greedy_params(6))[0] for _ in range(2))
-    worker._admit()
-    status = worker.batch_status()
+    worker.scheduler.waiting.extend(make_request(worker, [1, 2], greedy_params(6))[0] for _ in range(2))
+    worker.scheduler.schedule()
+    status = worker.scheduler.batch_status()
     assert status.kv_pages == PoolUsage(used=2, total=64)
     assert (status.running_reqs, status.queue_reqs) == (1, 1)
 
     worker = make_worker(tiny_batch_model, BatcherConfig(kv_block_size=4))  # a budget sized from memory
-    status = worker.batch_status()
-    assert status.kv_pages == PoolUsage(used=0, total=worker.budget.total) and worker.budget.total > 0
+    budget = worker.scheduler.budget
+    status = worker.scheduler.batch_status()
+    assert status.kv_pages == PoolUsage(used=0, total=budget.total) and budget.total > 0
     assert status.window is None and status.recurrent is None

@@ -12,7 +12,7 @@ from batch_helpers import greedy_params, sequential_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_batch_multi_prefill import RecordingDecoder
-from worker_helpers import drain_reply, make_job, make_worker
+from worker_helpers import drain_reply, make_request, make_worker
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.step_budget import MIN_PREFILL_CHUNK
@@ -135,17 +135,17 @@ def test_the_worker_caps_prompt_tokens_while_rows_decode_and_answers_do_not_chan
     config = BatcherConfig(prefill_chunk=256, max_batch_tokens=1024, kv_block_size=16, kv_blocks=256,
                            max_prefills_per_tick=8, step_target_ms=40)  # 30 prompt tokens fit, past the 10 ms
     worker = make_worker(SimpleNamespace(decoder=decoder), config)
-    worker.step_cost = cost = KnownCost()
+    worker.scheduler.step_cost = cost = KnownCost()
     prompts = [[(5 * i + j) % 200 + 3 for j in range(40 + 30 * i)] for i in range(6)]
     params = greedy_params(8, ignore_eos=True)
     replies = []
     for prompt in prompts:
-        job, reply = make_job(worker, prompt, params)
-        worker.jobs.put(job)
+        request, reply = make_request(worker, prompt, params)
+        worker.jobs.put(request)
         replies.append(reply)
         worker.tick()  # each prompt arrives while the earlier ones prefill or decode
     for _ in range(200):
-        if not (worker.rows.order or worker.prefills or worker.waiting):
+        if worker.scheduler.idle:
             break
         worker.tick()
     results = [drain_reply(reply)[1][-1] for reply in replies]
@@ -175,25 +175,6 @@ def test_a_long_run_of_decode_only_ticks_keeps_the_fit_and_its_precision():
     assert model.seconds_per_prompt_token() == pytest.approx(2 * per_token, rel=1e-2)
 
 
-def test_an_asynchronous_device_pairs_a_ticks_time_with_the_work_it_waited_for():
-    class Seen(StepCostModel):
-        def __init__(self, asynchronous: bool) -> None:
-            super().__init__(asynchronous=asynchronous)
-            self.ticks: list[tuple] = []
-
-        def observe(self, rows: int, prompt_tokens: int, seconds: float) -> None:
-            self.ticks.append((rows, prompt_tokens, seconds))
-
-    cpu, cuda = Seen(False), Seen(True)
-    for model in (cpu, cuda):
-        model.record(0, 512, 0.1)  # a prompt's forward
-        model.record(4, 0, 0.9)  # on CUDA this tick's sampling waited for the prompt's forward
-        model.record(4, None, 0.2)  # no forward ran
-        model.record(4, 0, 0.3)
-    assert cpu.ticks == [(0, 512, 0.1), (4, 0, 0.9), (4, 0, 0.3)]
-    assert cuda.ticks == [(0, 512, 0.9), (4, 0, 0.2)]
-
-
 def test_the_worker_teaches_the_model_from_its_own_ticks_only_with_a_target(tiny_batch_model):
     prompts = [[(3 * i + j) % 200 + 3 for j in range(20 + 10 * i)] for i in range(4)]
     for target, learns in ((None, False), (400, True)):
@@ -201,11 +182,12 @@ def test_the_worker_teaches_the_model_from_its_own_ticks_only_with_a_target(tiny
                                step_target_ms=target)
         worker = make_worker(tiny_batch_model, config)
         for prompt in prompts:
-            job, _ = make_job(worker, prompt, greedy_params(4, ignore_eos=True))
-            worker.jobs.put(job)
+            request, _ = make_request(worker, prompt, greedy_params(4, ignore_eos=True))
+            worker.jobs.put(request)
         for _ in range(100):
             worker.tick()
-            if not (worker.rows.order or worker.prefills or worker.waiting):
+            if worker.scheduler.idle:
                 break
-        assert (worker.step_cost.prompt_ticks >= MIN_PROMPT_TICKS) is learns
-        assert (worker.step_cost.coef != [0.0, 0.0, 0.0]) is learns
+        assert worker.scheduler.idle
+        assert (worker.scheduler.step_cost.prompt_ticks >= MIN_PROMPT_TICKS) is learns
+        assert (worker.scheduler.step_cost.coef != [0.0, 0.0, 0.0]) is learns
