@@ -344,15 +344,17 @@ def test_a_dead_worker_is_500_and_health_says_503(tiny_batch_model):
 
 
 def test_a_failure_outside_the_decode_errors_is_a_500_logged_once(tiny_batch_model, monkeypatch, caplog):
-    from ferrox_batch.batch.ticket import Ticket
+    from ferrox_batch.server.streaming import Failed, ReplyBridge
 
-    def broken_wait(self, on_chunk=None):
-        self.cancel()
-        raise RuntimeError("a bug between the batcher and the server")
+    def broken_finished(self, outcome):
+        # A bug at the seam: no text gets through, and the request's final event reaches the loop as
+        # something outside the DecodeError family.
+        self._post(self._finish, Failed(RuntimeError("a bug between the batcher and the server")))
 
     batcher = tiny_batcher(tiny_batch_model)
     with served(batcher) as (base_url, _app):
-        monkeypatch.setattr(Ticket, "wait", broken_wait)
+        monkeypatch.setattr(ReplyBridge, "chunk", lambda self, text: None)
+        monkeypatch.setattr(ReplyBridge, "finished", broken_finished)
         for stream in (False, True):
             response = post(base_url, "/v1/completions", json={**OK_BODY, "stream": stream})
             assert response.status_code == 500

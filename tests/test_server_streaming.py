@@ -145,3 +145,53 @@ def test_a_client_leaving_a_plain_request_frees_its_blocks(tiny_batch_model):
         gate.open()
         poll(lambda: stats(base_url)["kv_blocks_free"] == before["kv_blocks_total"], "the blocks to come back")
         assert stats(base_url)["aborted"] == before["aborted"] + 1
+
+
+def test_two_hundred_concurrent_streams_run_on_a_bounded_number_of_threads(tiny_batch_model):
+    # The worker is held inside its first detokenizer call until all 200 streams are in flight, so the
+    # thread count is read while every one of them is open; then each must finish whole.
+    import asyncio
+    import threading
+
+    from ferrox_batch.server.app import DEFAULT_PREPARE_THREADS
+
+    streams = 200
+    gate = letter_gate(permits=0)
+    batcher = gated_batcher(tiny_batch_model, gate, kv_blocks=1024, max_batch_tokens=8192,
+                            max_prefills_per_tick=256, prefill_chunk=64)
+    with served(batcher) as (base_url, app):
+        generations = app.state.ferrox.generations
+        before = threading.active_count()
+        bodies: dict[int, str] = {}
+
+        async def one(client: httpx.AsyncClient, i: int) -> None:
+            body = {"model": MODEL_NAME, "prompt": f"request {i}", "max_tokens": 3, "temperature": 0,
+                    "ignore_eos": True, "stream": True}
+            async with client.stream("POST", f"{base_url}/v1/completions", json=body) as response:
+                assert response.status_code == 200
+                bodies[i] = (await response.aread()).decode()
+
+        async def load() -> int:
+            limits = httpx.Limits(max_connections=streams + 8, max_keepalive_connections=streams + 8)
+            async with httpx.AsyncClient(timeout=6 * DEADLINE, limits=limits) as client:
+                tasks = [asyncio.create_task(one(client, i)) for i in range(streams)]
+                deadline = asyncio.get_running_loop().time() + 3 * DEADLINE
+                while len(generations.in_flight) < streams:
+                    assert asyncio.get_running_loop().time() < deadline, "the streams never all got in flight"
+                    await asyncio.sleep(0.02)
+                peak = threading.active_count()
+                gate.open()
+                await asyncio.gather(*tasks)
+                return peak
+
+        peak = asyncio.run(load())
+        # No thread per request: the prepare pool, and a few that neither depends on the load (the
+        # client's own resolver threads included).
+        assert peak - before <= DEFAULT_PREPARE_THREADS + 8, (before, peak)
+        assert sorted(bodies) == list(range(streams))
+        for text in bodies.values():
+            events = [block[len("data: "):] for block in text.split("\n\n") if block]
+            assert events[-1] == "[DONE]"
+            texts = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+            assert len("".join(texts)) == 3  # one letter a token, three tokens
+        poll(lambda: stats(base_url)["kv_blocks_free"] == 1024, "every block back")

@@ -43,7 +43,7 @@ log = logging.getLogger("ferrox_batch.server")
 #: refused by the context ceiling with a 400 that names the numbers.
 DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 #: Generation requests open at once (in flight or being prepared); one more is refused with
-#: 503 `server_busy`. Also the size of the pool of threads that wait on tickets (started lazily).
+#: 503 `server_busy`. A request in flight holds no thread: the worker posts its events to the loop.
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
 #: Threads that parse, tokenize and submit.
 DEFAULT_PREPARE_THREADS = 4

@@ -11,14 +11,12 @@ The pipeline of one request, and why each step is where it is:
    templating, and `batcher.submit`, which raises every refusal before
    anything is queued. A 1 MB prompt is tokenized there, never on the loop.
    A refusal is a JSON error with the error's own status (and `Retry-After`).
-3. The ticket's blocking `wait` runs on a large *wait* pool (one thread per
-   request in flight; the default anyio limit of 40 would cap concurrency),
-   bridged to the loop by `TicketBridge`. A request that would make more than
+3. The request is submitted with a `ReplyBridge` as its reply sink: the
+   worker posts its text and its final event straight to the loop, so no
+   thread waits per request in flight. A request that would make more than
    `max_concurrent_requests` open (in flight, being prepared, or sending its
-   body) is refused with 503 `server_busy` before its body is read, so the
-   pool never backs up and a busy server never waits on an upload to say so.
-   Keeping the pools apart means busy waits never delay a refusal and a burst
-   of long prompts never delays the streams.
+   body) is refused with 503 `server_busy` before its body is read, so a
+   busy server never waits on an upload to say so.
 4. Headers go out only once the first event arrives, so a failure the worker
    reports before any text (a prompt token outside the vocabulary, a KV page
    store that said no) is still a plain JSON error with its status, never a
@@ -45,7 +43,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from ferrox_batch.batch.handle import ContinuousBatcher
-from ferrox_batch.batch.ticket import Ticket
 from ferrox_batch.errors import BatcherClosed, DecodeError, InvalidRequest
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.server.errors import ModelNotFound, RequestTooLarge, ServerBusy, error_body, error_response
@@ -63,8 +60,8 @@ from ferrox_batch.server.streaming import (
     EventStreamResponse,
     Failed,
     Final,
+    ReplyBridge,
     Text,
-    TicketBridge,
     next_or_disconnect,
     wait_for_disconnect,
 )
@@ -109,7 +106,7 @@ class Limits:
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     request: CompletionRequest | ChatRequest
-    ticket: Ticket
+    bridge: ReplyBridge
 
 
 class Generations:
@@ -120,15 +117,13 @@ class Generations:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.limits = limits
-        self.in_flight: set[TicketBridge] = set()  # touched on the loop thread only
+        self.in_flight: set[ReplyBridge] = set()  # touched on the loop thread only
         self._preparing = 0  # requests reading their body or on the prepare pool, not yet in flight (loop thread)
         self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), model_name)
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"
         self._prepare_pool = concurrent.futures.ThreadPoolExecutor(limits.prepare_threads,
                                                                    f"{self.thread_prefix}-prepare")
-        self._wait_pool = concurrent.futures.ThreadPoolExecutor(limits.max_concurrent_requests,
-                                                                f"{self.thread_prefix}-wait")
 
     async def serve(self, request: Request, *, chat: bool) -> Response:
         arrival = time.monotonic()
@@ -141,7 +136,7 @@ class Generations:
             self._preparing += 1
             try:
                 raw = await _read_body(request, self.limits.max_body_bytes, self.limits.body_read_timeout)
-                prepared = await self._prepare(raw, chat)
+                prepared = await self._prepare(raw, chat, arrival)
             finally:
                 self._preparing -= 1
         except DecodeError as refusal:
@@ -155,15 +150,9 @@ class Generations:
         except ClientDisconnect:  # gone while sending the body: nothing was submitted
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         stream = prepared.request.stream
-        bridge = TicketBridge(prepared.ticket, asyncio.get_running_loop(), self._wait_pool, forward_text=stream,
-                              on_final=lambda b, final: self._answered(b, final, arrival))
-        self.in_flight.add(bridge)
-        try:
-            bridge.start()
-        except RuntimeError:  # the wait pool is shut down: the server is stopping
-            prepared.ticket.cancel()
-            self._answered(bridge, Failed(BatcherClosed()), arrival)
-            return error_response(BatcherClosed())
+        bridge = prepared.bridge
+        if bridge.final is None:  # the worker may have answered already (a refusal at admission)
+            self.in_flight.add(bridge)
         disconnected = asyncio.ensure_future(wait_for_disconnect(request.receive))
         handed_off = False
         try:
@@ -185,11 +174,11 @@ class Generations:
             if not handed_off:
                 bridge.abandon()  # a no-op once answered; cancels if this handler itself was cancelled
 
-    async def _prepare(self, raw: bytes, chat: bool) -> _Prepared:
-        """Parse, tokenize and submit on the prepare pool; a ticket whose handler was cancelled is cancelled."""
+    async def _prepare(self, raw: bytes, chat: bool, arrival: float) -> _Prepared:
+        """Parse, tokenize and submit on the prepare pool; a request whose handler was cancelled is cancelled."""
         loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(self._prepare_pool, self._prepare_sync, raw, chat)
+            future = loop.run_in_executor(self._prepare_pool, self._prepare_sync, raw, chat, loop, arrival)
         except RuntimeError:  # the pool is shut down: the server is stopping
             raise BatcherClosed() from None
         try:
@@ -198,7 +187,7 @@ class Generations:
             future.add_done_callback(_cancel_orphan)
             raise
 
-    def _prepare_sync(self, raw: bytes, chat: bool) -> _Prepared:
+    def _prepare_sync(self, raw: bytes, chat: bool, loop: asyncio.AbstractEventLoop, arrival: float) -> _Prepared:
         body = parse_json_object(raw)
         request: CompletionRequest | ChatRequest
         if chat:
@@ -214,11 +203,13 @@ class Generations:
         else:
             ids = list(request.prompt)
         params = request.options.generation_params(self.tokenizer, request.max_tokens)
-        ticket = self.batcher.submit(ids, params, self.tokenizer.stop_tokens)
-        return _Prepared(request, ticket)
+        bridge = ReplyBridge(loop, forward_text=request.stream,
+                             on_final=lambda b, final: self._answered(b, final, arrival))
+        bridge.ticket = self.batcher.submit(ids, params, self.tokenizer.stop_tokens, sink=bridge)
+        return _Prepared(request, bridge)
 
     @staticmethod
-    async def _events(first: Text | Done, bridge: TicketBridge, fmt: WireFormat,
+    async def _events(first: Text | Done, bridge: ReplyBridge, fmt: WireFormat,
                       include_usage: bool) -> AsyncIterator[bytes]:
         """The SSE body from the first event on (the response cancels the request if it ends early)."""
         for chunk in fmt.opening_chunks():
@@ -240,12 +231,12 @@ class Generations:
                 return
             event = await bridge.next_event()
 
-    def _abandon(self, bridge: TicketBridge) -> None:
+    def _abandon(self, bridge: ReplyBridge) -> None:
         """The client is gone: cancel its request if the batcher has not answered it yet."""
         if bridge.abandon():
             self.metrics.client_disconnected()
 
-    def _answered(self, bridge: TicketBridge, final: Final, arrival: float) -> None:
+    def _answered(self, bridge: ReplyBridge, final: Final, arrival: float) -> None:
         """The batcher answered (on the loop thread): the request leaves the in-flight set and is counted."""
         self.in_flight.discard(bridge)
         if isinstance(final, Done):
@@ -258,19 +249,17 @@ class Generations:
             log.error("a request failed outside the DecodeError family", exc_info=final.error)
 
     async def shutdown(self) -> None:
-        """Cancel what is still in flight (its clients are gone by now) and join both pools."""
+        """Cancel what is still in flight (its clients are gone by now) and join the prepare pool."""
         for bridge in list(self.in_flight):
             bridge.abandon()
 
         def join() -> None:
             self._prepare_pool.shutdown(wait=True, cancel_futures=True)
-            self._wait_pool.shutdown(wait=True)
 
         try:
             await asyncio.wait_for(asyncio.to_thread(join), SHUTDOWN_JOIN_SECS)
         except asyncio.TimeoutError:
-            log.warning("shutdown: %d requests were still waiting on the batcher after %.0f s",
-                        len(self.in_flight), SHUTDOWN_JOIN_SECS)
+            log.warning("shutdown: the prepare pool was still busy after %.0f s", SHUTDOWN_JOIN_SECS)
 
 
 def _chat_ids(tokenizer: Tokenizer, request: ChatRequest) -> list[int]:
@@ -292,7 +281,7 @@ def _failure_response(error: BaseException) -> Response:
 
 def _cancel_orphan(future: asyncio.Future) -> None:
     if not future.cancelled() and future.exception() is None:
-        future.result().ticket.cancel()
+        future.result().bridge.abandon()
 
 
 async def _read_body(request: Request, limit: int, timeout: float) -> bytes:

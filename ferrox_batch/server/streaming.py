@@ -1,10 +1,12 @@
-"""The bridge between a `Ticket` (blocking, thread-side) and the event loop (async, response-side).
+"""The bridge between the worker thread (which produces a request's events) and the event loop (which sends them).
 
-Why it exists: `Ticket.wait` blocks until its request finishes and calls
-`on_chunk` on the waiting thread; the event loop must never block. So
-`TicketBridge` runs `wait` on a pool thread and hands every chunk, and then
-the one final event, to the loop with `loop.call_soon_threadsafe` into an
-`asyncio.Queue`. The loop side awaits `next_event()`.
+Why it exists: the worker hands each request's events to the request's
+reply sink on its own thread, and the event loop must never block. So
+`ReplyBridge` *is* the request's sink: it posts every chunk, and then the one
+final event, to the loop with `loop.call_soon_threadsafe` into an
+`asyncio.Queue`, and the loop side awaits `next_event()`. No thread waits per
+request: a thousand open streams cost a thousand queues, not a thousand
+threads.
 
 What it promises:
 
@@ -13,10 +15,12 @@ What it promises:
   anyone is still reading (so metrics and the in-flight count see requests
   whose client left).
 * `abandon()` (the client left) cancels the request at once through
-  `Ticket.cancel`, from the loop thread, even while no pool thread has
-  picked the wait up yet; the worker then frees its blocks.
-* Chunk arrival times are stamped on the waiting thread (`chunk_times`),
-  which is what time-to-first-token and inter-token latency are measured on.
+  `Ticket.cancel`, from the loop thread; the worker then frees its blocks.
+* Chunk arrival times are stamped on the worker thread as each chunk is
+  handed over (`chunk_times`), which is what time-to-first-token and
+  inter-token latency are measured on.
+* A loop that has closed (the server is gone) never reaches the worker: the
+  post is dropped.
 
 `EventStreamResponse` is the SSE response: it always watches the connection
 for `http.disconnect` while streaming (whatever ASGI spec version the server
@@ -30,7 +34,6 @@ never at garbage collection and never only when the answer is complete.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -40,6 +43,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from ferrox_batch.batch.ticket import Ticket
+from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import GenerationResult
 
 
@@ -58,7 +62,7 @@ class Done:
 
 @dataclass(frozen=True, slots=True)
 class Failed:
-    """The request's typed `DecodeError`, or (a bug) anything else `wait` raised."""
+    """The request's typed `DecodeError` (or, from the server itself, any other error that ended it)."""
 
     error: BaseException
 
@@ -67,8 +71,8 @@ Event = Text | Done | Failed
 Final = Done | Failed
 
 
-class TicketBridge:
-    """Runs `ticket.wait` on `pool` and delivers its events to the loop (see the module docstring).
+class ReplyBridge:
+    """One request's reply sink, delivering to the event loop (see the module docstring).
 
     `forward_text=False` (a non-streaming request) stamps chunk times but queues no `Text`:
     the answer's text comes whole from the result.
@@ -76,27 +80,21 @@ class TicketBridge:
 
     def __init__(
         self,
-        ticket: Ticket,
         loop: asyncio.AbstractEventLoop,
-        pool: concurrent.futures.Executor,
         *,
         forward_text: bool,
-        on_final: Callable[[TicketBridge, Final], None],
+        on_final: Callable[[ReplyBridge, Final], None],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.ticket = ticket
+        self.ticket: Ticket | None = None  # set once `submit` queued the request
         self.chunk_times: list[float] = []
         self.final: Final | None = None
         self._loop = loop
-        self._pool = pool
         self._forward = forward_text
         self._on_final = on_final
         self._clock = clock
         self._queue: asyncio.Queue[Event] = asyncio.Queue()
-        self._abandoned = False  # written on the loop, read on the pool thread: a plain flag is enough
-
-    def start(self) -> None:
-        self._pool.submit(self._run)
+        self._abandoned = False  # written on the loop, read on the worker thread: a plain flag is enough
 
     async def next_event(self) -> Event:
         return await self._queue.get()
@@ -108,22 +106,20 @@ class TicketBridge:
         self._abandoned = True
         if self.final is not None:
             return False
-        self.ticket.cancel()
+        if self.ticket is not None:
+            self.ticket.cancel()
         return True
 
-    # ------------------------------------------------------------ pool side
+    # ------------------------------------------------- the worker's side (ReplySink)
 
-    def _run(self) -> None:
-        try:
-            final: Final = Done(self.ticket.wait(self._on_chunk), self._clock())
-        except BaseException as error:  # noqa: BLE001 - delivered to the loop, which decides
-            final = Failed(error)
-        self._post(self._finish, final)
-
-    def _on_chunk(self, text: str) -> None:
+    def chunk(self, text: str) -> None:
         self.chunk_times.append(self._clock())
         if self._forward and not self._abandoned:
             self._post(self._queue.put_nowait, Text(text))
+
+    def finished(self, outcome: GenerationResult | DecodeError) -> None:
+        final: Final = Failed(outcome) if isinstance(outcome, DecodeError) else Done(outcome, self._clock())
+        self._post(self._finish, final)
 
     def _post(self, fn: Callable[[Event], None], event: Event) -> None:
         try:
@@ -131,7 +127,7 @@ class TicketBridge:
         except RuntimeError:  # the loop is closed: the server is gone, nobody can be answered
             pass
 
-    # ------------------------------------------------------------ loop side
+    # ---------------------------------------------------------------- the loop's side
 
     def _finish(self, final: Final) -> None:
         self.final = final
@@ -149,7 +145,7 @@ async def wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def next_or_disconnect(bridge: TicketBridge, disconnected: asyncio.Future) -> Event | None:
+async def next_or_disconnect(bridge: ReplyBridge, disconnected: asyncio.Future) -> Event | None:
     """The bridge's next event, or None if the client disconnects first."""
     nxt = asyncio.ensure_future(bridge.next_event())
     try:
