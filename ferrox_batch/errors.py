@@ -1,4 +1,4 @@
-"""The `DecodeError` family (spec 3.1): every request-level failure, typed.
+"""The `DecodeError` family (docs/upstream.md, Errors and HTTP statuses): every request-level failure, typed.
 
 Messages are the upstream Display text verbatim (clients parse them). Each
 error carries its variant's fields as attributes, class attributes
@@ -93,7 +93,7 @@ class KvPoolExhausted(DecodeError):
 
 class KvAllocationFailed(KvPoolExhausted):
     """The KV store could not allocate what the ledger granted (the device ran out of memory); the
-    request is refused as busy and the worker keeps serving (port-only)."""
+    request is refused as busy and the worker keeps serving (port-only: docs/upstream.md D11, D15)."""
 
     _fields = ("detail",)
 
@@ -179,7 +179,7 @@ def shown(value: Any) -> str:
 
 
 class InvalidRequest(DecodeError, ValueError):
-    """A request parameter Rust's types would have made impossible (port-only variant).
+    """A request parameter Rust's types would have made impossible (port-only variant: docs/upstream.md D15).
 
     The message quotes the value shortened (`shown`); the `value` field keeps it whole.
     """
@@ -206,7 +206,7 @@ class InvalidRequest(DecodeError, ValueError):
 
 
 class BatcherClosed(DecodeError):
-    """The scheduler was shut down on purpose; retrying this process will not help (port-only)."""
+    """The scheduler was shut down on purpose; retrying this process will not help (port-only: docs/upstream.md D6)."""
 
     http_status = 503
     error_code = "batcher_closed"
@@ -216,7 +216,7 @@ class BatcherClosed(DecodeError):
 
 
 class WorkerDied(DecodeError):
-    """The scheduler's worker thread crashed; the cause is named (port-only, spec 6.4)."""
+    """The scheduler's worker thread crashed; the cause is named (port-only: docs/upstream.md D5)."""
 
     http_status = 500
     error_code = "worker_died"
@@ -240,7 +240,7 @@ class InternalError(DecodeError):
 
 
 class WaitTimedOut(DecodeError):
-    """The caller's wait timeout passed before the answer came; the request was cancelled (port-only).
+    """The caller's wait timeout passed before the answer came; the request was cancelled (port-only: docs/upstream.md D16).
 
     A server that passed its own deadline this way would answer 504: the request was fine, the
     answer did not come in time, and a retry may do better.

@@ -35,7 +35,7 @@ from ferrox_batch.usage import Usage
 __all__ = ["FinishReason", "SamplingParams", "GenerationParams", "GenerationResult"]
 
 # ---------------------------------------------------------------------------
-# FinishReason (spec 3.2)
+# FinishReason (docs/upstream.md, Results and timing)
 # ---------------------------------------------------------------------------
 
 _FINISH_KINDS = ("stop", "stop_sequence", "length", "cancelled")
@@ -92,7 +92,7 @@ FinishReason.CANCELLED = FinishReason("cancelled")
 
 
 # ---------------------------------------------------------------------------
-# Request parameters (spec 3.4)
+# Request parameters (docs/upstream.md, Request parameters and sampling)
 # ---------------------------------------------------------------------------
 
 
@@ -201,7 +201,7 @@ class GenerationParams:
         return self.cancel is not None and self.cancel.is_cancelled()
 
     def with_max_tokens(self, max_tokens: int) -> GenerationParams:
-        """A copy with another generation budget (the V3 clamp); the cancel token is shared, not copied."""
+        """A copy with another generation budget (the context ceiling's clamp: docs/upstream.md, ContextCeiling); the cancel token is shared, not copied."""
         return dataclasses.replace(self, max_tokens=max_tokens)
 
 

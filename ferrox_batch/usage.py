@@ -1,4 +1,4 @@
-"""`Usage` (spec 3.3): token counts plus the optional timings of one request.
+"""`Usage` (docs/upstream.md, Results and timing): token counts plus the optional timings of one request.
 
 Builders return new values (`Usage.new(p, c).with_timings(...)`), and
 `to_dict()` omits every field that is None, so a plain `Usage.new(2, 3)`

@@ -1,4 +1,4 @@
-"""`ContinuousBatcher`: the handle any number of threads share to generate through one worker (spec 2.14).
+"""`ContinuousBatcher`: the handle any number of threads share to generate through one worker (docs/upstream.md, The handle).
 
 A caller's `generate*` does every refusal that needs no worker state on its
 own thread, in the upstream order: fit (clamp `max_tokens` to the context
@@ -8,7 +8,7 @@ then the whole block budget) -> queue reservation -> send -> cancel hook
 Nothing is queued for a request that can never fit. Chunks are delivered to
 `on_chunk` on the caller's thread.
 
-Lifetime (a port-only choice): Python cannot observe "the last clone was
+Lifetime (a port-only choice, docs/upstream.md D6): Python cannot observe "the last clone was
 dropped", so the handle has `close()` (also `with ContinuousBatcher...:` and a
 finalizer as a safety net). Closing refuses new requests at once with
 `BatcherClosed`; the worker finishes everything already submitted, answers
@@ -109,7 +109,7 @@ class ContinuousBatcher:
     ) -> "ContinuousBatcher":
         """Ceiling from `config.max_context`, priced with the model's f32 `KvShape`, as upstream.
 
-        Divergence: with no `max_context`, the ceiling is the model's trained context
+        Divergence (docs/upstream.md D7): with no `max_context`, the ceiling is the model's trained context
         (`max_position_embeddings`) rather than none, since positions past it cannot be computed.
         """
         return cls.spawn_with_ceiling(decoder, decode, config, config_ceiling(decoder, config), paged)
