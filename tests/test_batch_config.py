@@ -15,13 +15,12 @@ from ferrox_batch.batch.config import (
     DEFAULT_PREFILL_CHUNK,
     PREFILL_CHUNK_ENV_KEYS,
     BatcherConfig,
-    Chunk,
-    Finished,
     decode_log_interval_from_env,
 )
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import QueueFull
 from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.scheduler.sink import Chunk, Finished
 from ferrox_batch.usage import Usage
 
 

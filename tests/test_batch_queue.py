@@ -1,4 +1,4 @@
-"""The admission queue through the batcher (upstream tests/queue.rs), and the batcher's lifetime.
+"""The admission queue through the batcher (docs/upstream.md, QueueGate), and the batcher's lifetime.
 
 Pins: a job holds a queue slot from submission until admission, so jobs the
 held worker has not admitted yet count; past `max_queue` a submission is

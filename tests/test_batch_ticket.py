@@ -1,7 +1,7 @@
 """`submit` refuses before queueing and returns a `Ticket`; the ticket waits, streams and cancels.
 
-A wait that ends without its answer (a timeout, an exception raised into the
-waiting thread) cancels the request: the worker frees its blocks, counts it
+A wait that ends without its answer (a timeout, Ctrl-C, an exception raised
+into the waiting thread) cancels the request: the worker frees its blocks, counts it
 aborted, and keeps serving everyone else.
 """
 
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import pickle
+import signal
 import threading
 import time
 
@@ -127,9 +128,40 @@ def test_a_wait_timeout_fires_while_a_slow_on_chunk_keeps_the_queue_full(tiny_ba
 
 
 def test_an_interrupted_wait_cancels_its_request(tiny_batch_model):
+    # Ctrl-C as the main thread sees it: SIGINT while it waits on its reply queue.
+    if threading.current_thread() is not threading.main_thread():
+        pytest.skip("signals are delivered to the main thread only")
     gate, batcher = _held_batcher(tiny_batch_model)
     with batcher:
         ticket = batcher.submit([1, 2, 3], greedy_params(100, ignore_eos=True))
+        gate.wait_calls(1)
+        other = Caller(batcher, [9, 10, 11], greedy_params(6, ignore_eos=True))
+        main = threading.main_thread().ident
+
+        def interrupt() -> None:
+            wait_for(lambda: ticket._claimed.locked(), "the main thread to be inside wait")
+            time.sleep(0.05)  # blocked on the reply queue, not on its way in
+            signal.pthread_kill(main, signal.SIGINT)
+
+        interrupter = threading.Thread(target=interrupt, name="test-interrupter", daemon=True)
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            interrupter.start()
+            with pytest.raises(KeyboardInterrupt):
+                ticket.wait()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        interrupter.join(DEADLINE)
+        assert not interrupter.is_alive() and ticket.done
+        _assert_cancelled_and_still_serving(batcher, gate, other, tiny_batch_model, abandoned=1)
+
+
+def test_an_exception_raised_into_a_waiting_thread_cancels_its_request(tiny_batch_model):
+    # A thread's async exception runs only once the thread runs Python again: the wait does not
+    # poll, so it lands when the next event wakes the waiter, and still cancels the request.
+    gate, batcher = _held_batcher(tiny_batch_model)
+    with batcher:
+        ticket = batcher.submit([1, 2, 3], greedy_params(200, ignore_eos=True))
         gate.wait_calls(1)
         other = Caller(batcher, [9, 10, 11], greedy_params(6, ignore_eos=True))
         raised: list[BaseException] = []
@@ -144,13 +176,19 @@ def test_an_interrupted_wait_cancels_its_request(tiny_batch_model):
         waiter.start()
         wait_for(lambda: ticket._claimed.locked(), "the waiter to be inside wait")
         time.sleep(0.05)  # blocked on the reply queue, not on its way in
-        # Ctrl-C as a thread sees it: KeyboardInterrupt raised into it while it waits.
         assert ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(waiter.ident),
                                                           ctypes.py_object(KeyboardInterrupt)) == 1
+        assert batcher.stats().aborted == 0  # cancels are applied by the worker, which is still held
+        gate.open()
         waiter.join(DEADLINE)
         assert not waiter.is_alive() and len(raised) == 1 and isinstance(raised[0], KeyboardInterrupt)
         assert ticket.done
-        _assert_cancelled_and_still_serving(batcher, gate, other, tiny_batch_model, abandoned=1)
+        wait_for(lambda: batcher.stats().aborted == 1, "the abandoned request to be cancelled")
+        wait_for(lambda: batcher.stats().kv_blocks_free == 64, "the abandoned request's blocks back")
+        params = greedy_params(6, ignore_eos=True)
+        assert list(other.join().token_ids) == sequential_ids(tiny_batch_model, [9, 10, 11], params)
+        assert list(batcher.generate([4, 5], params).token_ids) == sequential_ids(tiny_batch_model, [4, 5], params)
+        assert batcher.stats().aborted == 1 and batcher.stats().worker_alive
 
 
 def test_a_bad_timeout_is_refused_before_anything_is_queued(tiny_batch_model):

@@ -1,7 +1,10 @@
-"""The package surface: lazy top-level exports, and arithmetic that imports without torch."""
+"""The package surface: lazy top-level exports, the engine's core modules, and what imports without torch."""
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import pkgutil
 import re
 import subprocess
 import sys
@@ -21,6 +24,8 @@ def test_the_admission_arithmetic_imports_without_torch():
         "import ferrox_batch.usage, ferrox_batch.errors\n"
         "import ferrox_batch.cancel, ferrox_batch.policy.stop, ferrox_batch.policy.utf8_stream\n"
         "import ferrox_batch.models.kv\n"
+        "import ferrox_batch.scheduler.scheduler, ferrox_batch.scheduler.request, ferrox_batch.scheduler.plan\n"
+        "import ferrox_batch.scheduler.sink\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
@@ -30,6 +35,33 @@ def test_the_top_level_exports_resolve():
     for name in ferrox_batch.__all__:
         assert getattr(ferrox_batch, name) is not None
     assert ferrox_batch.ContinuousBatcher.__name__ == "ContinuousBatcher"
+
+
+#: The engine's core: the scheduler (pure Python), the model runner, and the worker and handle over them.
+CORE_MODULES = [
+    "ferrox_batch.scheduler",
+    "ferrox_batch.scheduler.plan",
+    "ferrox_batch.scheduler.request",
+    "ferrox_batch.scheduler.scheduler",
+    "ferrox_batch.scheduler.sink",
+    "ferrox_batch.models.runner",
+    "ferrox_batch.batch.worker",
+    "ferrox_batch.batch.wiring",
+    "ferrox_batch.batch.handle",
+    "ferrox_batch.batch.ticket",
+]
+
+#: Replaced by the scheduler: a request's state lives in one `Request`, its prompt progress included.
+REMOVED_MODULES = ["ferrox_batch.batch.row", "ferrox_batch.batch.prefill"]
+
+
+def test_the_core_modules_import_and_the_replaced_ones_are_gone():
+    for name in CORE_MODULES:
+        importlib.import_module(name)
+    present = {module.name for module in pkgutil.walk_packages(ferrox_batch.__path__, "ferrox_batch.")}
+    assert set(CORE_MODULES) <= present
+    for name in REMOVED_MODULES:
+        assert name not in present and importlib.util.find_spec(name) is None, name
 
 
 #: The torch release that brought each torch API the code relies on.
