@@ -10,6 +10,9 @@ sink of the caller's own gets its events there, and its ticket only cancels.
 
 Nothing polls: a worker that dies answers every request it holds through its
 sink (`WorkerDied`), so a waiter always hears the end from its own queue.
+Ctrl-C interrupts a wait on the main thread at once. An exception raised into
+another waiting thread (`PyThreadState_SetAsyncExc`) lands only when that
+thread runs again, that is when the next event or the wait's timeout wakes it.
 
 A wait that ends without the answer (its timeout passed, or anything was
 raised into it: a `KeyboardInterrupt`, a thread's async exception) cancels
