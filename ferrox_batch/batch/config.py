@@ -1,4 +1,4 @@
-"""`BatcherConfig` and the scheduler's defaults, plus the events a job's reply channel carries.
+"""`BatcherConfig` and the scheduler's defaults (the upstream's, and the ones a server starts from).
 
 This is the only module that reads the environment (`BatcherConfig.from_env`,
 `decode_log_interval_from_env`); everything else takes a config value. A
