@@ -32,10 +32,10 @@ DEFAULT_DECODE_LOG_INTERVAL = 40
 DEFAULT_MAX_PREFILLS_PER_TICK = 1
 
 # What a server starts from (`BatcherConfig.serving()`): the upstream defaults serve a burst of prompts
-# one 128-token chunk per forward; these trade some of the best throughput found for a bound on
-# inter-token latency (the HTTP benchmark in docs/benchmarks.md, AVX2 CPU: 1.07-1.15x the upstream tick's
-# throughput, ITL p99 3.7x lower than the same flags without the step target, which cost 13% of a burst's
-# throughput). Port-only, like the server.
+# one 128-token chunk per forward; these trade a little of the best throughput found for a bound on
+# inter-token latency (the HTTP benchmark in docs/benchmarks.md, AVX2 CPU in fp32: 0.96x the best flags
+# found, ITL p99 3.0x lower than the same flags without the step target; a 400 ms target cost 13% of a
+# burst's throughput, 500 ms about 4-9%). Port-only, like the server.
 SERVING_PREFILL_CHUNK = 256
 SERVING_MAX_BATCH_TOKENS = 1024
 SERVING_KV_BLOCK_SIZE = 16
