@@ -58,8 +58,9 @@ test: deps fetch
 # machine already at default), so every machine also checks the paths older CPUs run. The C kernels
 # need no rerun: test_cpu_kernels builds and checks every flag set. About 45 s per capability on a
 # 2-core AVX2 machine.
-NUMERIC_TESTS := tests/test_cpu_kernels.py tests/test_decoder.py tests/test_sampler.py tests/test_linear.py \
-	tests/test_gguf_convert.py tests/test_real_model.py tests/test_batch_batching.py
+NUMERIC_TESTS := tests/models/test_cpu_kernels.py tests/models/test_decoder.py tests/models/test_sampler.py \
+	tests/models/test_linear.py tests/models/test_gguf_convert.py tests/models/test_real_model.py \
+	tests/scheduler/test_batching.py
 LOWER_CPU_CAPABILITIES := import torch; order = ["avx512", "avx2", "default"]; \
 	native = torch.backends.cpu.get_cpu_capability().lower(); \
 	print(*(order[order.index(native) + 1:] if native in order else ["default"]))

@@ -25,8 +25,9 @@ PY
 
 # Model and batcher tests that need no fetched checkpoint (tiny random models made by the fixtures).
 timeout 330 "$PY" -m pytest -q -p no:cacheprovider -m "not real_model" \
-  tests/test_decoder.py tests/test_paged_kv.py tests/test_linear.py tests/test_sampler.py \
-  tests/test_loader.py tests/test_tokenizer.py tests/test_batch_*.py 2>&1 | tee "$OUT/tests.log"
+  tests/models/test_decoder.py tests/models/test_paged_kv.py tests/models/test_linear.py \
+  tests/models/test_sampler.py tests/models/test_loader.py tests/models/test_tokenizer.py tests/scheduler \
+  tests/e2e/test_from_model.py tests/e2e/test_generate_text.py 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 
 # The model benchmark, ours vs transformers, on random weights of SmolLM2-135M's shape.

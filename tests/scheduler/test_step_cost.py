@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from batch_helpers import greedy_params, sequential_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_batch_multi_prefill import RecordingDecoder
+from test_prefills_per_tick import RecordingDecoder
 from worker_helpers import drain_reply, make_request, make_worker
 
 from ferrox_batch.batch.config import BatcherConfig

@@ -16,7 +16,7 @@ import openai
 import pytest
 from process_helpers import free_port, server_process, wait_healthy, wait_port_free
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 #: Loading the default model takes seconds here; a cold CI machine gets far more room.
 STARTUP_SECS = 180.0
 

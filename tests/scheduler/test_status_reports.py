@@ -6,7 +6,7 @@ an idle admission pass logs no prefill line; the scheduler's `BatchStatus`
 counts prefilling and decoding requests as running and waiting requests as
 queued, reports KV pages from the block ledger (an empty pool without a
 budget), and never claims a window or recurrent pool the model does not have.
-(`tests/test_status.py` pins the line formats themselves.)
+(`tests/admission/test_status_lines.py` pins the line formats themselves.)
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Pins: a job holds a queue slot from submission until admission, so jobs the
 held worker has not admitted yet count; past `max_queue` a submission is
 refused at once on the caller's thread with `QueueFull{queued, cap}` (retry
 after 1 s) and counted once; racing submitters never get more than `cap`
-slots; a served request gives its slot back. (`tests/test_queue.py` pins the
-`QueueGate` itself.) Port-specific: `close()` lets submitted requests finish,
+slots; a served request gives its slot back. (`tests/admission/test_queue_gate.py`
+pins the `QueueGate` itself.) Port-specific: `close()` lets submitted requests finish,
 refuses new ones at once with `BatcherClosed`, and the worker thread exits.
 """
 

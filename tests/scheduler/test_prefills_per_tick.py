@@ -17,7 +17,7 @@ from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.batch.step_budget import MIN_PREFILL_CHUNK, prefill_budget
 
 from batch_helpers import greedy_params, identity_decode, sequential_ids
-from scheduler.scheduler_fakes import VOCAB, Bench
+from scheduler_fakes import VOCAB, Bench
 from worker_helpers import make_request, make_worker
 
 
