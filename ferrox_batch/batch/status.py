@@ -73,9 +73,9 @@ def throughput(tokens: int, seconds: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class PoolUsage:
-    """One pool's occupancy in its own unit (KV pages, window tokens, recurrent
-    slots). `total` excludes any reserved sentinel; `used` excludes free and
-    evictable units alike. `PoolUsage()` is the empty pool (no budget)."""
+    """A pool's occupancy in its own unit (here, KV pages). `total` excludes any
+    reserved sentinel; `used` excludes free and evictable units alike.
+    `PoolUsage()` is the empty pool (no budget)."""
 
     used: int = 0
     total: int = 0
@@ -113,8 +113,6 @@ class BatchStatus:
     queue_reqs: int
     kv_pages: PoolUsage
     page_size: int
-    window: PoolUsage | None = None
-    recurrent: PoolUsage | None = None
 
     def __post_init__(self) -> None:
         check_int("running_reqs", self.running_reqs)
@@ -122,10 +120,6 @@ class BatchStatus:
         check_int("page_size", self.page_size)
         if not isinstance(self.kv_pages, PoolUsage):
             raise TypeError(f"kv_pages must be a PoolUsage, got {type(self.kv_pages).__name__}")
-        for name in ("window", "recurrent"):
-            pool = getattr(self, name)
-            if pool is not None and not isinstance(pool, PoolUsage):
-                raise TypeError(f"{name} must be a PoolUsage or None, got {type(pool).__name__}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,12 +141,6 @@ class PrefillSnapshot:
     @classmethod
     def empty(cls) -> PrefillSnapshot:
         return cls(0, 0, 0)
-
-
-def _pool_field(name: str, unit: str, usage: PoolUsage | None) -> str:
-    if usage is None:
-        return ""
-    return f"#{name}-{unit}: {usage.used}/{usage.total}, {name} usage: {usage.ratio():.2f}, "
 
 
 class StatusReporter:
@@ -188,7 +176,6 @@ class StatusReporter:
         return (
             f"Prefill batch, #new-seq: {snapshot.new_seqs}, #new-token: {snapshot.new_tokens}, "
             f"#cached-token: {snapshot.cached_tokens}, token usage: {status.kv_pages.ratio():.2f}, "
-            f"{_pool_field('swa', 'token', status.window)}{_pool_field('mamba', 'slot', status.recurrent)}"
             f"#running-req: {status.running_reqs}, #queue-req: {status.queue_reqs}, "
             f"input throughput (token/s): {tput:.2f}"
         )
@@ -214,6 +201,5 @@ class StatusReporter:
             f"Decode batch, #running-req: {status.running_reqs}, "
             f"#token: {status.kv_pages.used * status.page_size}, "
             f"token usage: {status.kv_pages.ratio():.2f}, "
-            f"{_pool_field('swa', 'token', status.window)}{_pool_field('mamba', 'slot', status.recurrent)}"
             f"gen throughput (token/s): {tput:.2f}, #queue-req: {status.queue_reqs}"
         )

@@ -61,21 +61,13 @@ def test_the_empty_values() -> None:
     assert PrefillSnapshot.empty() == PrefillSnapshot() == PrefillSnapshot(0, 0, 0)
 
 
-def test_a_pool_the_model_does_not_have_is_omitted_from_the_line() -> None:
+def test_only_the_kv_pool_is_on_the_line() -> None:
+    # The upstream also prints sliding-window and recurrent pools for models that have them; ours only
+    # ever has the paged KV pool, and a pool it does not have is never shown as `0/0`.
     reporter = StatusReporter(1, 0.0)
-    dense = batch_status()
-    line = reporter.report_prefill(1.0, PrefillSnapshot.empty(), dense)
+    line = reporter.report_prefill(1.0, PrefillSnapshot.empty(), batch_status())
     assert "swa" not in line and "mamba" not in line and "0/0" not in line, line
-
-    hybrid = dataclasses.replace(dense, window=PoolUsage(8448, 76800), recurrent=PoolUsage(37, 256))
-    line = reporter.report_prefill(2.0, PrefillSnapshot.empty(), hybrid)
-    assert "#swa-token: 8448/76800, swa usage: 0.11, " in line, line
-    assert "#mamba-slot: 37/256, mamba usage: 0.14, " in line, line
-
-    line = reporter.report_decode(3.0, 1, hybrid)
-    assert line is not None
-    assert "#swa-token: 8448/76800" in line and "#mamba-slot: 37/256" in line, line
-    line = reporter.report_decode(4.0, 1, dense)
+    line = reporter.report_decode(2.0, 1, batch_status())
     assert line is not None
     assert "swa" not in line and "mamba" not in line, line
 
@@ -139,20 +131,15 @@ def test_a_prefill_line_reports_the_schedule_time_snapshot_verbatim() -> None:
     assert line.endswith("input throughput (token/s): 3.00")
 
 
-def test_full_lines_with_every_pool_are_verbatim() -> None:
-    status = BatchStatus(
-        running_reqs=3, queue_reqs=5, kv_pages=PoolUsage(10, 40), page_size=4,
-        window=PoolUsage(1, 3), recurrent=PoolUsage(2, 8),
-    )
+def test_full_lines_are_verbatim() -> None:
+    status = BatchStatus(running_reqs=3, queue_reqs=5, kv_pages=PoolUsage(10, 40), page_size=4)
     reporter = StatusReporter(1, 10.0)
     assert reporter.report_prefill(12.0, PrefillSnapshot(2, 6, 1), status) == (
         "Prefill batch, #new-seq: 2, #new-token: 6, #cached-token: 1, token usage: 0.25, "
-        "#swa-token: 1/3, swa usage: 0.33, #mamba-slot: 2/8, mamba usage: 0.25, "
         "#running-req: 3, #queue-req: 5, input throughput (token/s): 3.00"
     )
     assert reporter.report_decode(14.0, 3, status) == (
         "Decode batch, #running-req: 3, #token: 40, token usage: 0.25, "
-        "#swa-token: 1/3, swa usage: 0.33, #mamba-slot: 2/8, mamba usage: 0.25, "
         "gen throughput (token/s): 0.75, #queue-req: 5"
     )
 
@@ -210,8 +197,6 @@ def test_decode_lines_come_every_interval_and_account_for_every_token(
         (lambda: BatchStatus(0, 0.5, PoolUsage(), 16), TypeError, "queue_reqs"),
         (lambda: BatchStatus(0, 0, (0, 0), 16), TypeError, "kv_pages"),
         (lambda: BatchStatus(0, 0, PoolUsage(), True), TypeError, "page_size"),
-        (lambda: BatchStatus(0, 0, PoolUsage(), 16, window=(1, 2)), TypeError, "window"),
-        (lambda: BatchStatus(0, 0, PoolUsage(), 16, recurrent=3), TypeError, "recurrent"),
         (lambda: StatusReporter(-1, 0.0), ValueError, "interval"),
         (lambda: StatusReporter(2.0, 0.0), TypeError, "interval"),
         (lambda: StatusReporter(2, None), TypeError, "now"),

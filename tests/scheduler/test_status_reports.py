@@ -42,7 +42,6 @@ def test_a_prefill_line_counts_the_tokens_the_batch_is_about_to_compute(tiny_bat
 def test_a_status_line_omits_the_pools_this_model_does_not_have(tiny_batch_model):
     worker = make_worker(tiny_batch_model, budget_config(4, 64))
     status = worker.scheduler.batch_status()
-    assert status.window is None and status.recurrent is None
     assert status.kv_pages == PoolUsage(used=0, total=64) and status.page_size == 4
     assert (status.running_reqs, status.queue_reqs) == (0, 0)
     line = worker.scheduler.reporter.report_prefill(1.0, PrefillSnapshot(1, 3, 0), status)
@@ -60,4 +59,3 @@ def test_a_status_line_omits_the_pools_this_model_does_not_have(tiny_batch_model
     budget = worker.scheduler.budget
     status = worker.scheduler.batch_status()
     assert status.kv_pages == PoolUsage(used=0, total=budget.total) and budget.total > 0
-    assert status.window is None and status.recurrent is None
