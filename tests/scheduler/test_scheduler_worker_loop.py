@@ -1,0 +1,103 @@
+"""The worker's loop with no model: a fake runner answers plans with fake sampled ids, so the loop's own
+promises are pinned alone: a forward that raises fails only the requests in it and the loop goes on; a
+scheduler bug (anything else escaping the loop) answers every request, the ones still on the channel too,
+through their sinks, and later sends are refused with the cause."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+from scheduler_fakes import Bench
+
+from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.batch.lifecycle import CLOSE, Lifecycle
+from ferrox_batch.batch.worker import Worker
+from ferrox_batch.errors import InternalError, WorkerDied
+from ferrox_batch.generation_types import FinishReason
+from ferrox_batch.scheduler.plan import StepPlan
+
+
+class FakeRunner:
+    """Samples token 1 for every request; runs `fault` instead on the forward numbered `fail_at`."""
+
+    def __init__(self, bench: Bench, fail_at: int | None = None, fault: BaseException | None = None,
+                 before_fault=lambda: None) -> None:
+        self.bench = bench
+        self.fail_at = fail_at
+        self.fault = fault
+        self.before_fault = before_fault
+        self.forwards = 0
+
+    def execute(self, plan: StepPlan):
+        self.forwards += 1
+        if self.forwards == self.fail_at:
+            assert self.fault is not None
+            self.before_fault()
+            raise self.fault
+        self.bench.kv.run(plan)
+        return [1] * len(plan.sampling)
+
+
+def make_loop(bench: Bench, runner: FakeRunner) -> Worker:
+    return Worker(scheduler=bench.scheduler, runner=runner, jobs=queue.SimpleQueue(), lifecycle=Lifecycle(),
+                  aborts=bench.aborts)
+
+
+def test_the_loop_runs_requests_to_their_answers_and_exits_once_closed_and_idle():
+    bench = Bench(BatcherConfig(max_prefills_per_tick=4))
+    worker = make_loop(bench, FakeRunner(bench))
+    requests = [bench.submit([i + 1], 3, drained=False) for i in range(3)]
+    for request in requests:
+        worker.jobs.put(request)
+    worker.lifecycle.close(worker.jobs)
+    worker.run()  # returns: closed, and everything answered
+    assert all(bench.sink(r).result.token_ids == (1, 1, 1) for r in requests)
+    bench.assert_nothing_held()
+
+
+def test_a_forward_that_raises_fails_only_its_requests_and_the_loop_goes_on():
+    bench = Bench(BatcherConfig(max_prefills_per_tick=1))
+    runner = FakeRunner(bench, fail_at=2, fault=RuntimeError("device lost"))
+    worker = make_loop(bench, runner)
+    first = bench.submit([1], 5, drained=False)
+    worker.jobs.put(first)
+    worker.tick()  # forward 1: first's prompt
+    second = bench.submit([2], 2, drained=False)
+    worker.jobs.put(second)
+    worker.tick()  # forward 2 raises: first's decode and second's prompt were in it
+    assert isinstance(bench.sink(first).result, InternalError)
+    assert isinstance(bench.sink(second).result, InternalError)
+    assert "device lost" in str(bench.sink(first).result)
+    third = bench.submit([3], 2, drained=False)
+    worker.jobs.put(third)
+    worker.jobs.put(CLOSE)
+    worker.run()
+    assert bench.sink(third).result.finish_reason == FinishReason.LENGTH
+    bench.assert_nothing_held()
+
+
+class SchedulerBug(BaseException):
+    """Not an `Exception`: nothing on the per-request fault paths catches it."""
+
+
+def test_a_scheduler_bug_answers_everyone_through_their_sinks_and_refuses_later_sends():
+    bench = Bench(BatcherConfig(max_prefills_per_tick=1, kv_block_size=4), kv_blocks=8)
+    on_channel = bench.submit([3], 2, drained=False)
+    runner = FakeRunner(bench, fail_at=3, fault=SchedulerBug("broken invariant"))
+    worker = make_loop(bench, runner)
+    runner.before_fault = lambda: worker.jobs.put(on_channel)  # sent while the failing forward runs
+    decoding = bench.submit([1], 10, drained=False)
+    worker.jobs.put(decoding)
+    worker.tick()
+    worker.tick()
+    waiting = bench.submit([2] * 8, 20, drained=False)  # 7 blocks: does not fit beside `decoding`
+    worker.jobs.put(waiting)
+    worker.run()  # forward 3 raises the bug: the loop answers everyone and returns
+    died = WorkerDied("SchedulerBug: broken invariant")
+    for request in (decoding, waiting, on_channel):
+        assert bench.sink(request).finals == [died]
+    assert bench.scheduler.idle and bench.scheduler.budget.free() == 8 and bench.kv.seqs == {}
+    assert bench.scheduler.queue_gate.depth() == 0
+    with pytest.raises(WorkerDied):
+        worker.lifecycle.send(worker.jobs, bench.submit([4], 1, drained=False))
