@@ -2,7 +2,10 @@
 
 Closed-loop, all-at-once workloads on the default model (`bench.workloads` builds them):
   a: 32 requests x 64 new tokens, prompts of 20-200 tokens (3,520 in all);
-  b: 128 requests, prompt and output lengths uniform in 16-256 (seeded).
+  b: 128 requests, prompt and output lengths uniform in 16-256 (seeded);
+  c: a multi-turn chat (`bench.conversations`), 16 conversations x 4 turns sharing a ~300-token system
+     prompt, each turn sent once the previous reply is in; ours and cb only (static cannot run a closed
+     loop), with the prefix cache's hit rate from `stats()` where the batcher counts it.
 Greedy, EOS ignored, the same prompt ids and token counts for every method:
   ours    one thread per request calling `ContinuousBatcher.generate_streaming`, started behind a barrier;
   static  transformers `generate`, every request in one left-padded batch, max_new_tokens = the largest asked
@@ -21,6 +24,7 @@ extra (transformers); `--methods ours` runs without it.
     ferrox-batch bench --quick                  # 4 requests x 8 tokens, 1 repeat: does it work
     ferrox-batch bench --shapes a --methods ours,static --dtype fp32 --json /tmp/bench.json
     ferrox-batch bench --shapes b --max-batch-tokens 1024 --kv-block-size 32
+    ferrox-batch bench --shapes c --methods ours,cb      # the chat; --quick: 2 conversations x 2 turns
 (`python scripts/bench.py ...` and `python -m ferrox_batch.bench.batcher ...` are the same program.)
 """
 
@@ -36,13 +40,14 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.bench.report import CHECKED, check_ids, report
+from ferrox_batch.bench.conversations import chat_shape, chat_state
+from ferrox_batch.bench.report import CHAT_SHAPES, CHECKED, check_ids, report
+from ferrox_batch.bench.runs import child_chat, run_ours
 from ferrox_batch.bench.workloads import (
     Request,
     build_requests,
@@ -70,12 +75,13 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=default_model(os.environ if env is None else env),
                    help="checkpoint folder (default: the fetched SmolLM2-135M-Instruct)")
-    p.add_argument("--shapes", default="a,b")
+    p.add_argument("--shapes", default="a,b", help="a, b and/or c (the chat; static skips it)")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="auto: what `ferrox-batch serve` would pick on this machine (default)")
-    p.add_argument("--quick", action="store_true", help="4 requests x 8 tokens, 1 repeat")
+    p.add_argument("--quick", action="store_true",
+                   help="4 requests x 8 tokens (c: 2 conversations x 2 turns x 8 tokens), 1 repeat")
     p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
@@ -126,70 +132,6 @@ def sized(args: argparse.Namespace, requests: list[Request]) -> tuple[int, int]:
     return kv, cb
 
 
-# ------------------------------------------------------------------ the three methods (child side)
-
-def run_ours(args, requests: list[Request], kv_blocks: int) -> dict:
-    from ferrox_batch.batch.handle import ContinuousBatcher
-    from ferrox_batch.checks import UNLIMITED
-    from ferrox_batch.generation_types import GenerationParams
-    from ferrox_batch.models.loader import load_model
-
-    model = load_model(args.model, device="cpu", dtype=args.dtype)
-    loaded = peak_rss_mb()
-    config = BatcherConfig(max_seqs=args.max_seqs or UNLIMITED, prefill_chunk=args.prefill_chunk,
-                           max_batch_tokens=args.max_batch_tokens, kv_block_size=args.kv_block_size,
-                           kv_blocks=kv_blocks, max_prefills_per_tick=args.max_prefills_per_tick,
-                           step_target_ms=args.step_target_ms or None)
-    batcher = ContinuousBatcher.from_model(model, config)  # as the server builds it
-    stop = model.tokenizer.stop_tokens
-
-    def closed_loop(reqs: list[Request]) -> dict:
-        n = len(reqs)
-        barrier = threading.Barrier(n)
-        submit, done = [0.0] * n, [0.0] * n
-        chunks: list[list[float]] = [[] for _ in range(n)]
-        results: list = [None] * n
-        errors: list[str] = []
-
-        def one(i: int) -> None:
-            params = GenerationParams(max_tokens=reqs[i].max_tokens, ignore_eos=True)
-            times, clock = chunks[i], time.perf_counter
-            barrier.wait()
-            submit[i] = clock()
-            try:
-                results[i] = batcher.generate_streaming(reqs[i].prompt, params, stop, lambda _t: times.append(clock()))
-            except BaseException as error:  # noqa: BLE001 - reported, not raised
-                errors.append(f"request {i}: {type(error).__name__}: {error}")
-            done[i] = clock()
-
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(n)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + args.timeout
-        for t in threads:
-            t.join(max(0.0, deadline - time.monotonic()))
-        if any(t.is_alive() for t in threads):
-            raise RuntimeError(f"ours: {sum(t.is_alive() for t in threads)} requests still waiting after "
-                               f"{args.timeout:.0f} s; stats {batcher.stats()}")
-        ids = [list(r.token_ids) if r is not None else [] for r in results]
-        return {"start": min(submit), "end": max(done), "ids": ids, "errors": errors,
-                "ttfts": [c[0] - s for c, s in zip(chunks, submit) if c], "times": chunks,
-                "chunks": sum(len(c) for c in chunks)}
-
-    closed_loop([Request(r.prompt[:16], 4) for r in requests[:2]])  # warm-up, untimed
-    out = closed_loop(requests)
-    stats = batcher.stats()
-    closed = batcher.close(timeout=60)
-    out["extra"] = {"config": {"max_seqs": args.max_seqs or "unlimited", "prefill_chunk": args.prefill_chunk,
-                               "max_batch_tokens": args.max_batch_tokens, "kv_block_size": args.kv_block_size,
-                               "kv_blocks": kv_blocks, "max_prefills_per_tick": args.max_prefills_per_tick,
-                               "step_target_ms": args.step_target_ms or None},
-                    "stats": {k: getattr(stats, k) for k in stats.__dataclass_fields__}, "closed": closed,
-                    "chunks_per_token": out.pop("chunks") / max(1, sum(len(i) for i in out["ids"]))}
-    out["rss_after_load_mb"] = loaded
-    return out
-
-
 def child_main(args: argparse.Namespace) -> int:
     import torch
 
@@ -198,10 +140,15 @@ def child_main(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     method, shape = args.child.split(":")
-    requests = build_requests(shape, Tokenizer.from_dir(args.model).encode, args.seed, args.quick)
-    kv_blocks, cb_blocks = sized(args, requests)
-    run = {"ours": run_ours, "static": run_static, "cb": run_cb}[method]
-    raw = run(args, requests, kv_blocks if method == "ours" else cb_blocks)
+    tokenizer = Tokenizer.from_dir(args.model)
+    if shape in CHAT_SHAPES:
+        raw = child_chat(args, method, tokenizer, sized)
+        requests = raw.pop("requests")  # one per turn, as sent
+    else:
+        requests = build_requests(shape, tokenizer.encode, args.seed, args.quick)
+        kv_blocks, cb_blocks = sized(args, requests)
+        run = {"ours": run_ours, "static": run_static, "cb": run_cb}[method]
+        raw = run(args, requests, kv_blocks if method == "ours" else cb_blocks)
     useful = sum(min(len(ids), r.max_tokens) for ids, r in zip(raw["ids"], requests))
     short = [i for i, (ids, r) in enumerate(zip(raw["ids"], requests)) if len(ids) != r.max_tokens]
     wall = raw["end"] - raw["start"]
@@ -276,9 +223,13 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
           f"{', quick' if args.quick else ''}")
     print(f"# cpu: {cpu_description()}")
     for shape in shapes:
-        requests = build_requests(shape, tokenizer.encode, args.seed, args.quick)
+        if shape in CHAT_SHAPES:
+            requests, what = chat_shape(tokenizer, args.seed, args.quick, skip_static="static" in methods)
+        else:
+            requests = build_requests(shape, tokenizer.encode, args.seed, args.quick)
+            what = describe(requests)
         sizes[shape] = sized(args, requests)
-        print(f"# shape {shape}: {describe(requests)}; ours kv_blocks {sizes[shape][0]} x {args.kv_block_size}, "
+        print(f"# shape {shape}: {what}; ours kv_blocks {sizes[shape][0]} x {args.kv_block_size}, "
               f"cb num_blocks {sizes[shape][1]} x {args.cb_page_size}")
     print(f"# ours: max_seqs {args.max_seqs or 'unlimited'}, prefill_chunk {args.prefill_chunk}, "
           f"max_batch_tokens {args.max_batch_tokens}, max_prefills_per_tick {args.max_prefills_per_tick}, "
@@ -290,10 +241,13 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     for shape in shapes:
         for rep in range(args.repeats):
             for method in methods:
+                if method == "static" and shape in CHAT_SHAPES:
+                    continue  # said in the shape's line above
                 r = spawn(args, method, shape, *sizes[shape])
                 runs.append(r)
                 state = r.get("failed") or (f"{r['tok_s']:.1f} tok/s in {r['wall_s']:.1f} s, "
-                                            f"{len(r['errors'])} errors, {len(r['wrong_length'])} wrong lengths")
+                                            f"{len(r['errors'])} errors, {len(r['wrong_length'])} wrong lengths"
+                                            f"{chat_state(r) if 'chat' in r else ''}")
                 print(f"# [{rep + 1}/{args.repeats}] {method} {shape}: {state} ({r['process_s']:.0f} s process)",
                       file=sys.stderr, flush=True)
     lines, summary = report(shapes, methods, runs)

@@ -9,9 +9,15 @@ medians and each configuration's throughput over the first one's. tok/s = comple
 stream's usage) / (first submit -> last finish). TTFT: submit -> first streamed text. ITL: gaps between
 a request's consecutive streamed chunks, pooled.
 
+Shape c is a multi-turn chat (`bench.conversations`): 16 conversations x 4 turns sharing a system prompt,
+each turn's prompt the chat so far (our tokenizer's chat template, earlier replies as the server streamed
+them), sent as token ids once the previous reply is in; per run it adds the prefix cache's hit rate, from
+`GET /stats` before and after (n/a while the stats have no `prefix_cache_queries`/`prefix_cache_hits`).
+
     ferrox-batch bench-http                                   # defaults vs the upstream tick, shape a, 3 repeats
     ferrox-batch bench-http --config "fast=--max-batch-tokens 2048" --config "defaults=" --repeats 5
     ferrox-batch bench-http --shape b --dtype fp32 --json /tmp/http.json
+    ferrox-batch bench-http --shape c --config "cache=" --config "nocache=--no-prefix-cache"
 (`python -m ferrox_batch.bench.http ...` is the same program.)
 """
 
@@ -31,7 +37,8 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ferrox_batch.bench.report import fmt, median_of
+from ferrox_batch.bench import conversations
+from ferrox_batch.bench.report import CHAT_SHAPES, fmt, hit_cell, median_of
 from ferrox_batch.bench.workloads import Request, build_requests, describe, latency_summary
 
 #: The configurations compared when none are named: the server's defaults, and the upstream tick.
@@ -49,11 +56,12 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str], prog: str | N
     p.add_argument("--model", default=default_model(env), help="checkpoint (default: the fetched SmolLM2)")
     p.add_argument("--config", action="append", metavar="NAME=FLAGS",
                    help=f"a named list of serve flags, repeatable (default: {' and '.join(DEFAULT_CONFIGS)})")
-    p.add_argument("--shape", default="a", choices=("a", "b"))
+    p.add_argument("--shape", default="a", choices=("a", "b", "c"), help="c: the multi-turn chat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quick", action="store_true", help="4 requests x 8 tokens, 1 repeat")
+    p.add_argument("--quick", action="store_true",
+                   help="4 requests x 8 tokens (c: 2 conversations x 2 turns x 8 tokens), 1 repeat")
     p.add_argument("--timeout", type=float, default=900, help="seconds one run's requests may take")
     p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
     args = p.parse_args(argv)
@@ -116,8 +124,8 @@ class Server:
                 self.proc.wait()
 
 
-def stream_completion(port: int, request: Request, timeout: float) -> tuple[list[float], int]:
-    """One streamed completion: the arrival time of each chunk that carried text, and the completion tokens."""
+def stream_completion(port: int, request: Request, timeout: float) -> tuple[list[float], int, str]:
+    """One streamed completion: the arrival time of each chunk that carried text, the completion tokens, the text."""
     body = json.dumps({"prompt": request.prompt, "max_tokens": request.max_tokens, "temperature": 0,
                        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
@@ -126,18 +134,20 @@ def stream_completion(port: int, request: Request, timeout: float) -> tuple[list
     if response.status != 200:
         raise RuntimeError(f"HTTP {response.status}: {response.read()[:200]!r}")
     times: list[float] = []
+    texts: list[str] = []
     tokens = 0
     for raw in response:
         line = raw.strip()
         if not line.startswith(b"data:") or line == b"data: [DONE]":
             continue
         event = json.loads(line[5:])
-        if any(choice.get("text") for choice in event.get("choices", ())):
+        if text := "".join(choice.get("text") or "" for choice in event.get("choices", ())):
             times.append(time.perf_counter())
+            texts.append(text)
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
     conn.close()
-    return times, tokens
+    return times, tokens, "".join(texts)
 
 
 def closed_loop(port: int, requests: list[Request], timeout: float) -> dict:
@@ -151,7 +161,7 @@ def closed_loop(port: int, requests: list[Request], timeout: float) -> dict:
         barrier.wait()
         submit[i] = time.perf_counter()
         try:
-            chunks[i], tokens[i] = stream_completion(port, requests[i], timeout)
+            chunks[i], tokens[i], _ = stream_completion(port, requests[i], timeout)
         except Exception as error:  # noqa: BLE001 - reported, not raised
             errors.append(f"request {i}: {type(error).__name__}: {error}")
         done[i] = time.perf_counter()
@@ -168,13 +178,44 @@ def closed_loop(port: int, requests: list[Request], timeout: float) -> dict:
             **latency_summary(ttfts, chunks)}
 
 
+def get_stats(port: int) -> dict | None:
+    """`GET /stats` (the batcher's `BatcherStats.to_dict()`), or None if it cannot be read."""
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/stats")
+        response = conn.getresponse()
+        body = response.read()
+        conn.close()
+        return json.loads(body) if response.status == 200 else None
+    except (OSError, ValueError):
+        return None
+
+
+def chat_loop(port: int, tokenizer, plan: conversations.Plan, timeout: float) -> dict:
+    """Shape c: the conversations' turns as streamed completions, and the prefix cache's hits over the run."""
+    def send(prompt: list[int], max_tokens: int) -> conversations.Reply:
+        times, tokens, text = stream_completion(port, Request(prompt, max_tokens), timeout)
+        return conversations.Reply(text, tokens, times)
+
+    before = get_stats(port)
+    raw = conversations.flatten(tokenizer, plan, conversations.run_chats(tokenizer, plan, send, timeout))
+    after = get_stats(port)
+    wall, tokens = raw["end"] - raw["start"], sum(raw["tokens"])
+    return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall if wall > 0 else 0.0, "errors": raw["errors"][:10],
+            "short": [i for i, (t, r) in enumerate(zip(raw["tokens"], raw["requests"])) if t != r.max_tokens][:20],
+            **latency_summary(raw["ttfts"], raw["times"]), **conversations.chat_extra(raw, before, after)}
+
+
 def run_one(args: argparse.Namespace, name: str, flags: list[str], requests: list[Request],
-            env: Mapping[str, str]) -> dict:
+            env: Mapping[str, str], chat: tuple | None = None) -> dict:
+    """One server, one measured run; `chat` (tokenizer, plan) runs shape c (`requests` then only warm it up)."""
     server = Server(args.model, args.device, args.dtype, flags, env)
     try:
         server.wait_ready()
         closed_loop(server.port, [Request(r.prompt[:16], 4) for r in requests[:2]], args.timeout)  # warm-up
-        return {"config": name, **closed_loop(server.port, requests, args.timeout)}
+        measured = closed_loop(server.port, requests, args.timeout) if chat is None else \
+            chat_loop(server.port, *chat, args.timeout)
+        return {"config": name, **measured}
     except Exception as error:  # noqa: BLE001 - a failed run is reported in the table, not raised
         return {"config": name, "failed": f"{type(error).__name__}: {error}"}
     finally:
@@ -182,16 +223,20 @@ def run_one(args: argparse.Namespace, name: str, flags: list[str], requests: lis
 
 
 def report(names: list[str], runs: list[dict]) -> list[str]:
-    lines = ["| config | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | tok/s over the first |",
-             "|---|---|---|---|---|"]
+    chat = any("chat" in r for r in runs)  # shape c: a column for the prefix cache's hit rate
+    lines = [f"| config | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms |{' prefix hits |' if chat else ''} "
+             "tok/s over the first |", "|---|---|---|---|---|" + "---|" * chat]
     first = None
     for name in names:
         good = [r for r in runs if r["config"] == name and "failed" not in r]
-        med = {k: median_of(good, k) for k in ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")}
+        keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "prefix_hit_rate")
+        med = {k: median_of(good, k) for k in keys}
         first = med["tok_s"] if first is None else first
         ratio = None if not first or med["tok_s"] is None else med["tok_s"] / first
+        hits = f" {hit_cell('c', med['prefix_hit_rate'], good)} |" if chat else ""
         lines.append(f"| {name} | {fmt(med['tok_s'], '.1f')} | {fmt(med['ttft_p50_ms'])} / {fmt(med['ttft_p99_ms'])} "
-                     f"| {fmt(med['itl_p50_ms'], '.0f')} / {fmt(med['itl_p99_ms'], '.0f')} | {fmt(ratio, '.2f')} |")
+                     f"| {fmt(med['itl_p50_ms'], '.0f')} / {fmt(med['itl_p99_ms'], '.0f')} |{hits} "
+                     f"{fmt(ratio, '.2f')} |")
     return lines
 
 
@@ -205,19 +250,26 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     configs = named_configs(args.config)
     args.device = str(choose_device("auto"))  # where `serve` would run; every server is told so
     args.dtype, why = resolved_dtype(args.dtype, args.device)
-    requests = build_requests(args.shape, Tokenizer.from_dir(args.model).encode, args.seed, args.quick)
+    tokenizer, chat = Tokenizer.from_dir(args.model), None
+    if args.shape in CHAT_SHAPES:
+        chat = (tokenizer, conversations.build_plan(tokenizer, args.seed, args.quick))
+        requests, what = conversations.sizing_requests(*chat), conversations.describe_plan(*chat)
+    else:
+        requests = build_requests(args.shape, tokenizer.encode, args.seed, args.quick)
+        what = describe(requests)
     print(f"# bench-http: {args.model} on {args.device}, dtype {args.dtype} ({why}), shape {args.shape}: "
-          f"{describe(requests)}, repeats {args.repeats}")
+          f"{what}, repeats {args.repeats}")
     print(f"# cpu: {cpu_description()}")
     for name, flags in configs:
         print(f"# {name}: ferrox-batch serve {' '.join(flags) or '(defaults)'}")
     runs = []
     for rep in range(args.repeats):
         for name, flags in configs:
-            run = run_one(args, name, flags, requests, env)
+            run = run_one(args, name, flags, requests, env, chat)
             runs.append(run)
-            state = run.get("failed") or (f"{run['tok_s']:.1f} tok/s, ITL p99 {run['itl_p99_ms']:.0f} ms, "
-                                          f"{len(run['errors'])} errors, {len(run['short'])} short")
+            state = run.get("failed") or (f"{run['tok_s']:.1f} tok/s, ITL p99 {fmt(run['itl_p99_ms'])} ms, "
+                                          f"{len(run['errors'])} errors, {len(run['short'])} short"
+                                          f"{conversations.chat_state(run) if 'chat' in run else ''}")
             print(f"# [{rep + 1}/{args.repeats}] {name}: {state}", file=sys.stderr, flush=True)
     print("\n".join(report([name for name, _ in configs], runs)))
     if args.json:

@@ -6,6 +6,8 @@ import statistics
 
 #: Requests whose greedy ids each child returns, to compare with static's.
 CHECKED = 4
+#: The closed-loop chat shapes (`bench.conversations`): no static peer, and a prefix-cache column.
+CHAT_SHAPES = ("c",)
 
 
 def fmt(value, spec: str = ".0f") -> str:
@@ -19,21 +21,33 @@ def median_of(runs: list[dict], key: str):
 
 def report(shapes: list[str], methods: list[str], runs: list[dict]) -> tuple[list[str], dict]:
     """The markdown table of medians per method and shape, and the same numbers as a summary dict."""
-    lines = ["| method | shape | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | peak RSS MB | ours/peer |",
-             "|---|---|---|---|---|---|---|"]
+    chat = any(s in CHAT_SHAPES for s in shapes)
+    lines = ["| method | shape | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms | peak RSS MB |"
+             f"{' prefix hits |' if chat else ''} ours/peer |", "|---|---|---|---|---|---|" + "---|" * (1 + chat)]
     summary: dict = {}
     for shape in shapes:
         good = {m: [r for r in runs if r["shape"] == shape and r["method"] == m and "failed" not in r] for m in methods}
         ours_tok = median_of(good.get("ours", []), "tok_s")
         for m in methods:
-            keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "peak_rss_mb", "wall_s")
+            if m == "static" and shape in CHAT_SHAPES:
+                continue  # never run: it cannot run a closed loop
+            keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "peak_rss_mb", "wall_s",
+                    "prefix_hit_rate")
             med = {k: median_of(good[m], k) for k in keys}
             ratio = None if m == "ours" or ours_tok is None or not med["tok_s"] else ours_tok / med["tok_s"]
             summary[f"{m}:{shape}"] = {**med, "ours_over_peer": ratio, "runs": len(good[m])}
+            hits = "" if not chat else f" {hit_cell(shape, med['prefix_hit_rate'], good[m])} |"
             lines.append(f"| {m} | {shape} | {fmt(med['tok_s'], '.1f')} | {fmt(med['ttft_p50_ms'])} / "
                          f"{fmt(med['ttft_p99_ms'])} | {fmt(med['itl_p50_ms'], '.1f')} / "
-                         f"{fmt(med['itl_p99_ms'], '.1f')} | {fmt(med['peak_rss_mb'])} | {fmt(ratio, '.2f')} |")
+                         f"{fmt(med['itl_p99_ms'], '.1f')} | {fmt(med['peak_rss_mb'])} |{hits} {fmt(ratio, '.2f')} |")
     return lines, summary
+
+
+def hit_cell(shape: str, rate, good: list[dict]) -> str:
+    """The median prefix-cache hit rate of a chat shape's runs: n/a where the stats have no counters."""
+    if shape not in CHAT_SHAPES or not good:
+        return "-"
+    return "n/a" if rate is None else f"{100 * rate:.1f}%"
 
 
 def check_ids(dtype: str, shapes: list[str], runs: list[dict]) -> tuple[list[str], bool]:

@@ -5,7 +5,9 @@ Every method in a run gets exactly the same requests: the same prompt token ids
 token stream, the 40 texts below in order; request i starts at text i % 40 and,
 for every further lap through the texts, a few tokens later, so no two
 requests share a prefix (a prefix cache, such as transformers' block sharing,
-gets no free hits) and the stream wraps round when a request needs more.
+gets no free hits) and the stream wraps round when a request needs more. Shape (c) is the opposite: a
+multi-turn chat whose prompts share a system prompt and extend each other; its texts are below, its plan,
+prompts and closed-loop driver in `bench.conversations`.
 """
 
 from __future__ import annotations
@@ -61,6 +63,57 @@ PROMPTS = [
 ]
 
 
+# Shape (c), multi-turn chat (`bench.conversations` builds and drives it): every conversation shares this
+# system prompt (297 tokens with the default model's tokenizer), opens with its own OPENERS entry and follows
+# up with FOLLOW_UPS, each user turn padded to its drawn length with background from PROMPTS.
+SYSTEM_PROMPT = (
+    "You are Ferrox, a careful and friendly assistant in the internal help chat of a small software company. "
+    "You help employees and customers with programming questions, writing, planning and everyday problems. "
+    "Follow these guidelines in every conversation.\n\n"
+    "1. Be accurate. If you are not sure of a fact, say so plainly instead of guessing, and suggest how the user "
+    "could check it. Never invent citations, file names, commands or numbers.\n"
+    "2. Be concise. Answer the question that was asked first, in a few sentences, then add detail only where it "
+    "helps. Prefer short paragraphs and simple lists to long blocks of text.\n"
+    "3. Be practical. When the user asks how to do something, give concrete steps they can follow, with a short "
+    "example where it helps. For code, use the language the user is working in, keep examples small and "
+    "runnable, and explain any line that is not obvious.\n"
+    "4. Be safe. Do not help with anything that could hurt people, damage systems or break the law. Politely "
+    "refuse such requests and, where you can, offer a safer alternative.\n"
+    "5. Keep context. Remember what the user told you earlier in the conversation, refer back to it when it "
+    "matters, and ask one short clarifying question when a request is ambiguous.\n"
+    "6. Stay polite and calm, even when the user is frustrated. Use plain English, avoid jargon unless the user "
+    "uses it first, and never make fun of a question."
+)
+OPENERS = [
+    "How do I read a large CSV file in Python without running out of memory?",
+    "Can you help me plan a three-day trip to Lisbon on a small budget?",
+    "What is the difference between a process and a thread?",
+    "My sourdough bread comes out flat. What am I doing wrong?",
+    "How should I prepare for an interview for a junior data analyst role?",
+    "Explain how HTTPS keeps my connection private.",
+    "What are good habits for writing clear commit messages?",
+    "I want to start running. How should I build up over the first month?",
+    "How does a hash table handle two keys that land in the same bucket?",
+    "Can you suggest a simple weekly meal plan for two people?",
+    "Why does my SQL query get slower as the table grows?",
+    "What should I check before buying a used bicycle?",
+    "How do I write a polite email asking my manager for a raise?",
+    "What is a good way to learn the basics of music theory?",
+    "How can I make our team's weekly meeting shorter and more useful?",
+    "What causes the seasons on Earth?",
+]
+FOLLOW_UPS = [
+    "Can you give me a concrete example?", "What is the most common mistake people make here?",
+    "How would you explain that to a complete beginner?", "Could you turn that into a short checklist?",
+    "What would change if I only had half the time?", "Which of those steps matters most, and why?",
+    "Is there a simpler way to do this?", "What should I read next to learn more?",
+    "How can I tell whether it is working?", "Can you say that again in three sentences?",
+    "What are the trade-offs of that approach?", "How would this work for a larger group?",
+    "What could go wrong, and how do I recover?", "How does that compare with the alternative?",
+    "Please sum up what we have covered so far.", "Thanks. What would you do differently yourself?",
+]
+
+
 @dataclass(frozen=True, slots=True)
 class Request:
     prompt: list[int]
@@ -90,7 +143,7 @@ def shape_lengths(shape: str, seed: int) -> list[tuple[int, int]]:
     if shape == "b":
         rng = random.Random(seed + 1)
         return [(rng.randint(16, 256), rng.randint(16, 256)) for _ in range(128)]
-    raise ValueError(f"unknown shape {shape!r}; use a or b")
+    raise ValueError(f"unknown shape {shape!r}; use a or b (shape c is a chat: bench.conversations.build_plan)")
 
 
 def build_requests(shape: str, encode: Callable[[str], list[int]], seed: int = 0, quick: bool = False) -> list[Request]:
