@@ -51,6 +51,7 @@ ENV_KV_BLOCKS = "FERROX_CB_KV_BLOCKS"
 ENV_MAX_CONTEXT = "FERROX_CB_MAX_CONTEXT"
 ENV_MAX_PREFILLS_PER_TICK = "FERROX_CB_MAX_PREFILLS_PER_TICK"
 ENV_STEP_TARGET_MS = "FERROX_CB_STEP_TARGET_MS"
+ENV_PREFIX_CACHE = "FERROX_CB_PREFIX_CACHE"
 ENV_DECODE_LOG_INTERVAL = "FERROX_DECODE_LOG_INTERVAL"
 
 #: Upstream `prefill_batch::PREFILL_CHUNK_ENV_KEYS`, ported to the FERROX_ prefix:
@@ -82,6 +83,16 @@ def env_positive(env: Mapping[str, str], name: str) -> int | None:
     return value
 
 
+def env_switch(env: Mapping[str, str], name: str) -> bool | None:
+    """None when `name` is unset; True for 1, false for 0; else ValueError."""
+    raw = env.get(name)
+    if raw is None:
+        return None
+    if raw.strip() not in ("0", "1"):
+        raise ValueError(f"{name} must be 0 or 1")
+    return raw.strip() == "1"
+
+
 def _check_field(name: str, value: object, *, minimum: int, optional: bool = False) -> None:
     if optional and value is None:
         return
@@ -106,6 +117,11 @@ class BatcherConfig:
     lets a burst of prompts prefill together instead of one per forward
     (measured in docs/benchmarks.md).
 
+    `prefix_cache` (port-only here; the upstream's radix cache is configured
+    on its paged store): requests adopt the cached KV blocks of their
+    prompt's longest cached prefix instead of computing them, and publish
+    their own full blocks when they finish (`models.block_pool`).
+
     `step_target_ms` (port-only): a latency target for a tick that has rows
     decoding. The worker learns what a prompt token costs (`step_cost`) and
     caps the tick's prompt tokens so the tick stays under it; None is no time
@@ -124,6 +140,7 @@ class BatcherConfig:
     max_context: int | None = None
     max_prefills_per_tick: int = DEFAULT_MAX_PREFILLS_PER_TICK
     step_target_ms: int | None = None
+    prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         _check_field("max_seqs", self.max_seqs, minimum=1)
@@ -135,6 +152,8 @@ class BatcherConfig:
         _check_field("max_context", self.max_context, minimum=1, optional=True)
         _check_field("max_prefills_per_tick", self.max_prefills_per_tick, minimum=1)
         _check_field("step_target_ms", self.step_target_ms, minimum=1, optional=True)
+        if not isinstance(self.prefix_cache, bool):
+            raise TypeError(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
 
     @classmethod
     def default(cls) -> BatcherConfig:
@@ -145,7 +164,7 @@ class BatcherConfig:
         """The defaults a server starts from: fast settings with a latency bound (docs/benchmarks.md)."""
         return cls(prefill_chunk=SERVING_PREFILL_CHUNK, max_batch_tokens=SERVING_MAX_BATCH_TOKENS,
                    kv_block_size=SERVING_KV_BLOCK_SIZE, max_prefills_per_tick=SERVING_MAX_PREFILLS_PER_TICK,
-                   step_target_ms=SERVING_STEP_TARGET_MS)
+                   step_target_ms=SERVING_STEP_TARGET_MS, prefix_cache=True)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, defaults: BatcherConfig | None = None) -> BatcherConfig:
@@ -173,6 +192,7 @@ class BatcherConfig:
             "max_context": env_positive(env, ENV_MAX_CONTEXT),
             "max_prefills_per_tick": env_positive(env, ENV_MAX_PREFILLS_PER_TICK),
             "step_target_ms": env_positive(env, ENV_STEP_TARGET_MS),
+            "prefix_cache": env_switch(env, ENV_PREFIX_CACHE),
         }
         return dataclasses.replace(base, **{name: value for name, value in found.items() if value is not None})
 

@@ -82,7 +82,7 @@ def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> P
         return store
     assert config.kv_blocks is not None  # build_worker resolved it
     try:
-        return decoder.new_store(config.kv_block_size, num_blocks=config.kv_blocks)
+        return decoder.new_store(config.kv_block_size, num_blocks=config.kv_blocks, prefix_cache=config.prefix_cache)
     except (MemoryError, torch.OutOfMemoryError) as failed:
         size = config.kv_blocks * PagedKvStore.bytes_per_block(decoder.config, config.kv_block_size, decoder.dtype)
         raise MemoryError(f"could not allocate the KV pool of {config.kv_blocks} blocks x {config.kv_block_size} "

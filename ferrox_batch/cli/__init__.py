@@ -39,6 +39,7 @@ from ferrox_batch.cli.common import (
 from ferrox_batch.cli.generate import _add_generate, _unescape
 from ferrox_batch.cli.serve import (
     BATCHER_FLAGS,
+    BATCHER_SWITCHES,
     _add_serve,
     batcher_config,
     kv_blocks_for_memory,
@@ -49,7 +50,7 @@ from ferrox_batch.cli.tools import _add_bench, _add_bench_http, _add_fetch
 
 #: The CLI's public surface (tests and scripts use these through `ferrox_batch.cli`).
 __all__ = [
-    "BATCHER_FLAGS", "DEFAULT_CHAT_MAX_TOKENS", "DEFAULT_COMPLETION_MAX_TOKENS", "DEFAULT_KV_MEMORY",
+    "BATCHER_FLAGS", "BATCHER_SWITCHES", "DEFAULT_CHAT_MAX_TOKENS", "DEFAULT_COMPLETION_MAX_TOKENS", "DEFAULT_KV_MEMORY",
     "DEFAULT_MAX_CONCURRENT_REQUESTS", "DTYPE_CHOICES", "CliError", "Handler", "_unescape", "batcher_config",
     "build_parser", "kv_blocks_for_memory", "kv_memory", "main", "parse_memory_size", "with_kv_budget",
 ]

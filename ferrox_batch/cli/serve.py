@@ -24,6 +24,7 @@ from ferrox_batch.batch.config import (
     ENV_MAX_QUEUE,
     ENV_MAX_SEQS,
     ENV_PREFILL_CHUNK,
+    ENV_PREFIX_CACHE,
     ENV_STEP_TARGET_MS,
     PREFILL_CHUNK_ENV_KEYS,
     PRIVATE_PATH_KEY,
@@ -83,6 +84,12 @@ BATCHER_FLAGS: dict[str, tuple[str, str, str, str]] = {
                        "while rows decode, a forward holds only the prompt tokens that keep it under this "
                        "many milliseconds (learnt as it runs); 0: no time target"),
 }
+#: BatcherConfig field -> (flag, environment variable (0 or 1), default shown in --help, meaning), for the
+#: on/off settings: each gets `--flag` and `--no-flag`.
+BATCHER_SWITCHES: dict[str, tuple[str, str, str, str]] = {
+    "prefix_cache": ("--prefix-cache", ENV_PREFIX_CACHE, "on",
+                     "reuse the KV of cached prompt prefixes (full blocks) instead of computing them again"),
+}
 #: Flags whose 0 means "none" (the variable, like every FERROX_CB_* one, must still be positive).
 _ZERO_IS_NONE = ("step_target_ms",)
 
@@ -124,6 +131,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         also = f", else ${PREFILL_CHUNK_ENV_KEYS[PRIVATE_PATH_KEY]}" if field == "prefill_chunk" else ""
         batcher.add_argument(flag, dest=field, type=non_negative_int if field in _ZERO_IS_NONE else positive_int,
                              default=None, metavar="N", help=f"{meaning} (${env_name}{also}; default: {default})")
+    for field, (flag, env_name, default, meaning) in BATCHER_SWITCHES.items():
+        batcher.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None,
+                             help=f"{meaning} (${env_name}=0 or 1; default: {default})")
     budget = batcher.add_mutually_exclusive_group()
     flag, env_name, _, meaning = BATCHER_FLAGS["kv_blocks"]
     budget.add_argument(flag, dest="kv_blocks", type=positive_int, default=None, metavar="N",
@@ -141,7 +151,8 @@ def batcher_config(args: argparse.Namespace, env: Mapping[str, str]) -> BatcherC
     `kv_blocks` may still be None here: the memory budget becomes blocks once the model is loaded.
     """
     config = env_config(env)
-    given = {field: getattr(args, field) for field in BATCHER_FLAGS if getattr(args, field, None) is not None}
+    fields = [*BATCHER_FLAGS, *BATCHER_SWITCHES]
+    given = {field: getattr(args, field) for field in fields if getattr(args, field, None) is not None}
     given.update({field: None for field in _ZERO_IS_NONE if given.get(field) == 0})
     if getattr(args, "kv_memory", None) is not None:
         given["kv_blocks"] = None  # an explicit --kv-memory wins over $FERROX_CB_KV_BLOCKS

@@ -112,15 +112,18 @@ class Decoder:
         return self.config.vocab_size
 
     def new_store(
-        self, block_size: int, *, num_blocks: int | None = None, memory_bytes: int | None = None
+        self, block_size: int, *, num_blocks: int | None = None, memory_bytes: int | None = None,
+        prefix_cache: bool = False,
     ) -> PagedKvStore:
         """A paged KV store for this model, sized by a block count or a memory budget (exactly one)."""
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and memory_bytes")
         if num_blocks is not None:
-            return PagedKvStore(self.config, num_blocks, block_size, device=self.device, dtype=self.dtype)
+            return PagedKvStore(self.config, num_blocks, block_size, device=self.device, dtype=self.dtype,
+                                prefix_cache=prefix_cache)
         return PagedKvStore.from_memory_budget(
-            self.config, int(memory_bytes), block_size, device=self.device, dtype=self.dtype
+            self.config, int(memory_bytes), block_size, device=self.device, dtype=self.dtype,
+            prefix_cache=prefix_cache,
         )
 
     @torch.inference_mode()

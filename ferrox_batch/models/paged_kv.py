@@ -18,6 +18,10 @@ The pool is allocated whole, at its bounded size, when the store is made:
 there is no growing store (see `models.memory` for the size a batcher gets
 when nobody chose one).
 
+With `prefix_cache=True` a sequence adopts the cached blocks of its prompt's
+longest cached prefix instead of computing them, and publishes its own full
+blocks when it is freed (`models.block_pool` keeps which block holds what).
+
 The store is not thread-safe: only the worker thread (or a single test
 thread) drives it.
 """
@@ -25,80 +29,27 @@ thread) drives it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable
+from typing import Hashable, Sequence
 
 import torch
 
 from ferrox_batch.batch.block_budget import blocks_for
-from ferrox_batch.errors import KvPoolExhausted
+from ferrox_batch.models.block_pool import BlockAllocator, BlockPool, BlockPoolExhausted, block_keys
 from ferrox_batch.models.config import ModelConfig
 
 
-class BlockPoolExhausted(KvPoolExhausted):
-    """The store has fewer free blocks than a sequence needs (a 503-like, retryable refusal)."""
-
-    _fields = ("requested", "free")
-
-    def __init__(self, requested: int, free: int) -> None:
-        super().__init__()
-        self.requested = requested
-        self.free = free
-
-    def __str__(self) -> str:  # keep the upstream wording, then the numbers
-        return f"{super().__str__()} (needed {self.requested} blocks, {self.free} free)"
-
-
-class BlockAllocator:
-    """Hands out block ids; never the same block twice until it is returned.
-
-    Returned blocks are leased again first, most recently returned first, and a
-    block never leased before is taken only when none are waiting. A large,
-    uninitialised CPU pool therefore only becomes resident as far as the peak
-    use reaches, and the allocator costs nothing per block it has never seen.
-    """
-
-    def __init__(self, num_blocks: int) -> None:
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        self.num_blocks = num_blocks
-        self._returned: list[int] = []
-        self._fresh = 0  # blocks [_fresh, num_blocks) were never leased
-        self._used: set[int] = set()
-
-    @property
-    def num_free(self) -> int:
-        return len(self._returned) + self.num_blocks - self._fresh
-
-    def allocate(self, count: int) -> list[int]:
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
-            raise ValueError(f"block count must be a non-negative integer, got {count!r}")
-        if count > self.num_free:
-            raise BlockPoolExhausted(count, self.num_free)
-        reused = min(count, len(self._returned))
-        blocks = [self._returned.pop() for _ in range(reused)]
-        blocks += range(self._fresh, self._fresh + count - reused)
-        self._fresh += count - reused
-        self._used.update(blocks)
-        return blocks
-
-    def release(self, blocks: Iterable[int]) -> None:
-        blocks = list(blocks)
-        for block in blocks:
-            if block not in self._used:
-                raise ValueError(f"block {block} is not allocated (double free or foreign block)")
-        for block in blocks:
-            self._used.remove(block)
-        self._returned.extend(reversed(blocks))
+__all__ = ["BlockAllocator", "BlockPoolExhausted", "PagedKvConfig", "PagedKvStore", "SeqKv"]
 
 
 @dataclass(slots=True)
 class SeqKv:
-    """One sequence's block table and how many positions it has written."""
+    """One sequence's block table and how many positions it has written (adopted ones included)."""
 
     blocks: list[int]
     capacity: int
     length: int = 0
     table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
+    salt: str | None = None  # the prefix-cache namespace it adopts from and publishes to
 
 
 class PagedKvStore:
@@ -110,12 +61,13 @@ class PagedKvStore:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        prefix_cache: bool = False,
     ) -> None:
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size <= 0:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.config = config
         self.block_size = block_size
-        self.allocator = BlockAllocator(num_blocks)
+        self.pool = BlockPool(num_blocks, caching=prefix_cache)
         self.device = torch.device(device)
         self.dtype = dtype
         shape = (config.num_layers, num_blocks * block_size, 2, config.num_kv_heads, config.head_dim)
@@ -146,6 +98,7 @@ class PagedKvStore:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        prefix_cache: bool = False,
     ) -> "PagedKvStore":
         """As many whole blocks as fit in `memory_bytes` (at least one, else a clear error)."""
         num_blocks = cls.blocks_in_memory(config, memory_bytes, block_size, dtype)
@@ -154,39 +107,77 @@ class PagedKvStore:
                 f"a KV memory budget of {memory_bytes} bytes holds no block of {block_size} "
                 f"positions ({cls.bytes_per_block(config, block_size, dtype)} bytes each)"
             )
-        return cls(config, num_blocks, block_size, device=device, dtype=dtype)
+        return cls(config, num_blocks, block_size, device=device, dtype=dtype, prefix_cache=prefix_cache)
+
+    @property
+    def allocator(self) -> BlockAllocator:
+        return self.pool.allocator
+
+    @property
+    def prefix_cache(self) -> bool:
+        return self.pool.caching
 
     @property
     def num_blocks(self) -> int:
-        return self.allocator.num_blocks
+        return self.pool.num_blocks
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free
+        """Blocks a new lease can take: free ones and cached ones nobody references."""
+        return self.pool.num_free
 
     def blocks_for(self, positions: int) -> int:
         return blocks_for(positions, self.block_size)
 
-    def add_sequence(self, seq_id: Hashable, max_positions: int) -> list[int]:
-        """Lease `blocks_for(max_positions)` blocks to a new sequence; raises `BlockPoolExhausted`."""
+    def _adoptable_keys(self, prefix: Sequence[int], salt: str | None) -> list[bytes]:
+        # At most the blocks before the prompt's last token: that token is always computed here, so a
+        # fully cached prompt still gets the logits its first sampled token comes from.
+        return block_keys(prefix, self.block_size, salt, limit=max(0, len(prefix) - 1) // self.block_size)
+
+    def peek(self, prefix: Sequence[int], salt: str | None = None) -> tuple[int, int]:
+        """`(blocks add_sequence would adopt for this prefix, how many of them nobody references now)`."""
+        if not self.pool.caching:
+            return 0, 0
+        adopted = self.pool.match(self._adoptable_keys(prefix, salt))
+        return len(adopted), self.pool.unreferenced(adopted)
+
+    def add_sequence(self, seq_id: Hashable, max_positions: int, prefix: Sequence[int] = (),
+                     salt: str | None = None) -> list[int]:
+        """Lease `blocks_for(max_positions)` blocks to a new sequence; raises `BlockPoolExhausted`.
+
+        With the prefix cache, the leading blocks of `prefix` that are cached (in the namespace `salt`)
+        are adopted instead of leased fresh: the sequence starts with them written (`length`).
+        """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
         if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 0:
             raise ValueError(f"max_positions must be a non-negative integer, got {max_positions!r}")
-        blocks = self.allocator.allocate(self.blocks_for(max_positions))
+        adopted = self.pool.match(self._adoptable_keys(prefix, salt)) if self.pool.caching else []
+        needed = self.blocks_for(max_positions)
+        blocks = self.pool.acquire(adopted, max(0, needed - len(adopted)))
         try:
             table = torch.tensor(blocks, dtype=torch.long, device=self.device)
         except BaseException:  # the device could not hold the table: the blocks were never leased
-            self.allocator.release(blocks)
+            self.pool.release(blocks)
             raise
-        self._seqs[seq_id] = SeqKv(blocks, len(blocks) * self.block_size, 0, table)
+        self._seqs[seq_id] = SeqKv(blocks, len(blocks) * self.block_size, len(adopted) * self.block_size, table,
+                                   salt)
         return list(blocks)
 
-    def free_sequence(self, seq_id: Hashable) -> None:
+    def publish(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
+        """Cache the full blocks of `tokens` (the sequence's tokens from position 0) that its KV holds."""
+        seq = self.seq(seq_id)
+        if not self.pool.caching:
+            return 0
+        keys = block_keys(tokens, self.block_size, seq.salt, limit=seq.length // self.block_size)
+        return self.pool.publish(seq.blocks, keys)
+
+    def free_sequence(self, seq_id: Hashable) -> int:
+        """Drop the sequence; how many of its blocks nobody references any more (what the ledger gets back)."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"sequence {seq_id!r} holds no KV blocks")
-        self.allocator.release(seq.blocks)
+        return self.pool.release(seq.blocks)
 
     def has_sequence(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs
@@ -205,7 +196,8 @@ class PagedKvStore:
         return list(self._seqs)
 
     def blocks_held(self) -> int:
-        return sum(len(s.blocks) for s in self._seqs.values())
+        """Distinct blocks the live sequences reference (a shared prefix block counts once)."""
+        return self.pool.num_referenced
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,13 +47,16 @@ class ModelRunner:
 
     # ------------------------------------------------------------ KvLeases
 
-    def allocate(self, positions: int) -> int:
+    def peek(self, tokens: Sequence[int], salt: str | None) -> tuple[int, int]:
+        return self.store.peek(tokens, salt)
+
+    def allocate(self, positions: int, tokens: Sequence[int] = (), salt: str | None = None) -> int:
         seq_id = self._next_seq
         while self.store.has_sequence(seq_id):  # a shared store may hold others' sequences
             seq_id += 1
         self._next_seq = seq_id + 1
         try:
-            self.store.add_sequence(seq_id, positions)
+            self.store.add_sequence(seq_id, positions, tokens, salt)
         except KvPoolExhausted:  # the ledger said yes but the page store said no: the upstream's wording
             raise KvPoolExhausted() from None
         except (MemoryError, torch.OutOfMemoryError) as failed:
@@ -61,14 +64,17 @@ class ModelRunner:
             raise KvAllocationFailed(f"{type(failed).__name__}: {failed}") from None
         return seq_id
 
-    def release(self, seq_id: int) -> None:
-        self.store.free_sequence(seq_id)
+    def publish(self, seq_id: int, tokens: Sequence[int]) -> None:
+        self.store.publish(seq_id, tokens)
+
+    def release(self, seq_id: int) -> int:
+        return self.store.free_sequence(seq_id)
 
     def length(self, seq_id: int) -> int:
         return self.store.seq_len(seq_id)
 
-    def blocks_leased(self, seq_id: int) -> int:
-        return len(self.store.seq(seq_id).blocks)
+    def blocks_of(self, seq_id: int) -> Sequence[int]:
+        return self.store.seq(seq_id).blocks
 
     # ------------------------------------------------------------- execute
 

@@ -56,11 +56,13 @@ class Request:
     stop_tokens: StopTokens
     sink: OnceSink
     abort: int  # the id `AbortInbox` cancels it by
-    blocks: int  # reserved from the block budget at admission
+    blocks: int  # what its lease costs in blocks: what admission would reserve with nothing cached
     positions: int  # KV positions its lease holds: what `blocks` was priced from
     status: RequestStatus = RequestStatus.WAITING
     seq_id: int | None = None  # its KV lease, from admission on
+    reserved: int = 0  # blocks admission reserved: `blocks` less the cached ones it adopted that others use
     num_computed_tokens: int = 0
+    cached_tokens: int = 0  # prompt positions adopted from the prefix cache, not computed
     output_ids: list[int] = field(default_factory=list)
     #: The model runner's per-request sampling state (made when it first samples); opaque here.
     sampler_row: object | None = None
@@ -80,6 +82,10 @@ class Request:
 
     def prefill_remaining(self) -> int:
         return max(0, len(self.prefill_tokens) - self.num_computed_tokens)
+
+    def computed_tokens(self) -> list[int]:
+        """The tokens whose KV the store holds, from position 0 (the last sampled token is never fed)."""
+        return (self.prefill_tokens + self.output_ids)[:self.num_computed_tokens]
 
     def next_prompt_chunk(self, budget: int) -> list[int]:
         start = self.num_computed_tokens

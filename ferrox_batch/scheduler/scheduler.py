@@ -64,20 +64,35 @@ Sampled = Union[int, DecodeError]
 
 
 class KvLeases(Protocol):
-    """The KV store as the scheduler sees it: leases by sequence id, counted in blocks and positions."""
+    """The KV store as the scheduler sees it: leases by sequence id, counted in blocks and positions.
 
-    def allocate(self, positions: int) -> int:
-        """Lease room for `positions` positions; the new sequence's id. Raises a typed `DecodeError`
-        (`KvPoolExhausted`, `KvAllocationFailed`) when the store cannot."""
+    With a prefix cache, a lease may start with cached blocks adopted from the longest cached prefix of
+    its tokens (read only, shared with other leases); without one, `peek` is `(0, 0)` and `publish`
+    does nothing.
+    """
+
+    def peek(self, tokens: Sequence[int], salt: str | None) -> tuple[int, int]:
+        """`(blocks allocate would adopt for these tokens, how many of them no lease references now)`."""
         ...
 
-    def release(self, seq_id: int) -> None: ...
+    def allocate(self, positions: int, tokens: Sequence[int], salt: str | None) -> int:
+        """Lease room for `positions` positions, adopting what `peek` said; the new sequence's id. Raises a
+        typed `DecodeError` (`KvPoolExhausted`, `KvAllocationFailed`) when the store cannot."""
+        ...
+
+    def publish(self, seq_id: int, tokens: Sequence[int]) -> None:
+        """Offer the sequence's full computed blocks (`tokens` from position 0) to the prefix cache."""
+        ...
+
+    def release(self, seq_id: int) -> int:
+        """End the lease; how many blocks no lease references any more (what the ledger gets back)."""
+        ...
 
     def length(self, seq_id: int) -> int:
-        """Positions whose KV the store holds for this sequence."""
+        """Positions whose KV the store holds for this sequence (adopted ones included)."""
         ...
 
-    def blocks_leased(self, seq_id: int) -> int: ...
+    def blocks_of(self, seq_id: int) -> Sequence[int]: ...
 
 
 class Scheduler:
@@ -164,15 +179,22 @@ class Scheduler:
         new_seqs = new_tokens = 0
         while self.waiting and len(self.decoding) + len(self.prefilling) < self.config.max_seqs:
             request = self.waiting[0]
-            if not self.budget.try_reserve(request.blocks):
+            # Adopted blocks cost the ledger nothing when another lease already references them, and
+            # one each when they sit unreferenced in the cache (reclaimable, so counted as free).
+            adopted, unreferenced = self.kv.peek(request.prefill_tokens, request.params.cache_salt)
+            reserve = request.blocks - adopted + unreferenced
+            if not self.budget.try_reserve(reserve):
                 break  # the head holds the line
+            request.reserved = reserve
+            # Accepted while still in `waiting`: if accepting it raises (a bug), a dying worker still
+            # finds it there and answers it.
+            refusal = self._accept(request)
             self.waiting.popleft()
             self.queue_gate.release()
-            refusal = self._accept(request)
             if refusal is not None:
                 # Blocks go back before the reply, so a caller that reads stats() after its
                 # answer sees them free.
-                self.budget.release(request.blocks)
+                self.budget.release(reserve)
                 request.answer(refusal)
                 continue
             self.prefilling.append(request)
@@ -181,7 +203,8 @@ class Scheduler:
         if new_seqs:  # blocks are reserved only here: only then can the peak rise
             snapshot = PrefillSnapshot(new_seqs, new_tokens, 0)
             log.info(self.reporter.report_prefill(self._now(), snapshot, self.batch_status()))
-            self.counters.record_peak(sum(r.blocks for r in self.admitted()))
+            self.counters.record_peak(self.budget.total - self.budget.free() if self.budget.total is not None
+                                      else sum(r.reserved for r in self.admitted()))
 
     def _accept(self, request: Request) -> GenerationResult | DecodeError | None:
         """Lease the request's KV and start it; or the answer it gets at once."""
@@ -192,10 +215,11 @@ class Scheduler:
             # The upstream never finishes such a request; here it ends at once.
             return GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(request.prompt_tokens), 0))
         try:
-            seq_id = self.kv.allocate(request.positions)
+            seq_id = self.kv.allocate(request.positions, request.prefill_tokens, request.params.cache_salt)
         except DecodeError as refused:
             return refused
         request.admitted(seq_id)
+        request.num_computed_tokens = request.cached_tokens = self.kv.length(seq_id)
         return None
 
     def _prompt_chunks(self, decode_rows: int, tick_tokens: int) -> list[PromptChunk]:
@@ -282,13 +306,16 @@ class Scheduler:
         if not done:
             return 0
         for request in done:
+            assert request.seq_id is not None
+            # Released while still listed: if releasing raises (a bug), a dying worker still finds the
+            # request and answers it.
+            if request.error is None:  # a failed request's KV may be partial: never offered to the cache
+                self.kv.publish(request.seq_id, request.computed_tokens())
+            self.budget.release(self.kv.release(request.seq_id))
             if request.status is RequestStatus.DECODING:
                 self.decoding.remove(request)
             else:
                 self.prefilling.remove(request)
-            assert request.seq_id is not None
-            self.kv.release(request.seq_id)
-            self.budget.release(request.blocks)
             request.reply()
         return len(done)
 
@@ -304,9 +331,16 @@ class Scheduler:
             request.answer(error)
         for request in self.admitted():
             seq_id = request.seq_id
+            # What its lease gives back; what it reserved if the store cannot say (the store may be
+            # what broke), so the ledger still comes back whole.
+            returned = [request.reserved]
+
+            def release_lease() -> None:
+                returned[0] = self.kv.release(seq_id)
+
             if seq_id is not None:
-                safely(lambda: self.kv.release(seq_id))
-            safely(lambda: self.budget.release(request.blocks))
+                safely(release_lease)
+            safely(lambda: self.budget.release(returned[0]))
             request.answer(error)
         self.prefilling.clear()
         self.decoding.clear()
@@ -316,7 +350,8 @@ class Scheduler:
         if self.budget.total is None:
             return
         reserved = self.budget.total - self.budget.free()
-        held = sum(self.kv.blocks_leased(r.seq_id) for r in self.admitted() if r.seq_id is not None)
+        # Distinct blocks: a cached prefix block shared by several requests is reserved once.
+        held = len({block for r in self.admitted() if r.seq_id is not None for block in self.kv.blocks_of(r.seq_id)})
         if reserved != held:
             raise RuntimeError(f"block ledger says {reserved} blocks are reserved but the KV store leases {held}")
 

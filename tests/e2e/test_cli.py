@@ -68,8 +68,18 @@ def test_every_batcher_field_has_a_flag_that_wins() -> None:
     for flag, _env, _default, _meaning in cli.BATCHER_FLAGS.values():
         flags += [flag, "3"]
     config = cli.batcher_config(serve_args(*flags), {name: "7" for _f, name, _d, _m in cli.BATCHER_FLAGS.values()})
-    assert {f.name for f in dataclasses.fields(BatcherConfig)} == set(cli.BATCHER_FLAGS)
+    assert {f.name for f in dataclasses.fields(BatcherConfig)} == set(cli.BATCHER_FLAGS) | set(cli.BATCHER_SWITCHES)
     assert all(getattr(config, field) == 3 for field in cli.BATCHER_FLAGS)
+
+
+def test_the_prefix_cache_is_on_by_default_and_its_switch_wins_over_the_variable() -> None:
+    assert BatcherConfig.serving().prefix_cache and not BatcherConfig().prefix_cache
+    assert cli.batcher_config(serve_args(), {}).prefix_cache is True
+    assert cli.batcher_config(serve_args(), {"FERROX_CB_PREFIX_CACHE": "0"}).prefix_cache is False
+    assert cli.batcher_config(serve_args("--prefix-cache"), {"FERROX_CB_PREFIX_CACHE": "0"}).prefix_cache is True
+    assert cli.batcher_config(serve_args("--no-prefix-cache"), {"FERROX_CB_PREFIX_CACHE": "1"}).prefix_cache is False
+    with pytest.raises(cli.CliError, match="FERROX_CB_PREFIX_CACHE must be 0 or 1"):
+        cli.batcher_config(serve_args(), {"FERROX_CB_PREFIX_CACHE": "yes"})
 
 
 def test_block_budget_precedence() -> None:
@@ -228,8 +238,9 @@ def test_serve_help_names_every_flag_and_variable(capsys) -> None:
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"], {})
     out = " ".join(capsys.readouterr().out.split())
-    for flag, env_name, _default, _meaning in cli.BATCHER_FLAGS.values():
+    for flag, env_name, _default, _meaning in [*cli.BATCHER_FLAGS.values(), *cli.BATCHER_SWITCHES.values()]:
         assert flag in out and env_name in out
+    assert "--no-prefix-cache" in out
     for flag in ("--model", "--host", "--port", "--device", "--dtype", "--model-name", "--kv-memory",
                  "--default-max-tokens", "--log-level", "FERROX_CB_KV_MEMORY", "default: 25 percent of available memory"):
         assert flag in out

@@ -35,17 +35,24 @@ def letters(ids: Sequence[int]) -> bytes:
 
 
 class FakeKv:
-    """KV leases out of `num_blocks` blocks of `block_size`; `fail_next` makes the next allocation fail."""
+    """KV leases out of `num_blocks` blocks of `block_size`, with no prefix cache; `fail_next` makes the
+    next allocation fail. Each lease gets its own block ids, so the scheduler's distinct-block count is
+    the plain sum."""
 
     def __init__(self, block_size: int, num_blocks: int) -> None:
         self.block_size = block_size
         self.free = num_blocks
-        self.seqs: dict[int, list[int]] = {}  # seq_id -> [blocks, length]
+        self.seqs: dict[int, list] = {}  # seq_id -> [block ids, length]
         self.next_id = 0
+        self.next_block = 0
         self.fail_next: DecodeError | None = None
         self.released: list[int] = []
+        self.published: dict[int, list[int]] = {}
 
-    def allocate(self, positions: int) -> int:
+    def peek(self, tokens: Sequence[int], salt: str | None) -> tuple[int, int]:
+        return 0, 0
+
+    def allocate(self, positions: int, tokens: Sequence[int] = (), salt: str | None = None) -> int:
         if self.fail_next is not None:
             error, self.fail_next = self.fail_next, None
             raise error
@@ -54,18 +61,23 @@ class FakeKv:
             raise KvPoolExhausted()
         self.free -= blocks
         seq_id, self.next_id = self.next_id, self.next_id + 1
-        self.seqs[seq_id] = [blocks, 0]
+        self.seqs[seq_id] = [list(range(self.next_block, self.next_block + blocks)), 0]
+        self.next_block += blocks
         return seq_id
 
-    def release(self, seq_id: int) -> None:
+    def publish(self, seq_id: int, tokens: Sequence[int]) -> None:
+        self.published[seq_id] = list(tokens)
+
+    def release(self, seq_id: int) -> int:
         blocks, _ = self.seqs.pop(seq_id)
-        self.free += blocks
+        self.free += len(blocks)
         self.released.append(seq_id)
+        return len(blocks)
 
     def length(self, seq_id: int) -> int:
         return self.seqs[seq_id][1]
 
-    def blocks_leased(self, seq_id: int) -> int:
+    def blocks_of(self, seq_id: int) -> list[int]:
         return self.seqs[seq_id][0]
 
     def run(self, plan: StepPlan) -> None:

@@ -69,9 +69,9 @@ def test_a_cancelled_request_leaves_through_the_one_exit_every_request_uses(tiny
     released: list[int] = []
     release = worker.runner.release
 
-    def record_release(seq_id: int) -> None:
+    def record_release(seq_id: int) -> int:
         released.append(seq_id)
-        release(seq_id)
+        return release(seq_id)
 
     worker.runner.release = record_release  # the scheduler's KV leases are the runner
     victim, victim_reply = make_request(worker, [1, 2], greedy_params(8), abort=7)

@@ -101,3 +101,27 @@ def test_a_scheduler_bug_answers_everyone_through_their_sinks_and_refuses_later_
     assert bench.scheduler.queue_gate.depth() == 0
     with pytest.raises(WorkerDied):
         worker.lifecycle.send(worker.jobs, bench.submit([4], 1, drained=False))
+
+
+@pytest.mark.parametrize("broken", ["allocate", "release"])
+def test_a_request_inside_a_kv_call_that_raises_is_still_answered_when_the_worker_dies(broken):
+    # A bug inside admission or inside the flush must not lose the request it was handling: the dying
+    # worker answers it with the others (no one polls for it).
+    bench = Bench(BatcherConfig(max_prefills_per_tick=4))
+    worker = make_loop(bench, FakeRunner(bench))
+
+    def bug(*args):
+        raise TypeError(f"a bug in {broken}")
+
+    victim = bench.submit([1], 2, drained=False)
+    other = bench.submit([2], 2, drained=False)
+    if broken == "allocate":
+        setattr(bench.kv, "allocate", bug)
+    worker.jobs.put(victim)
+    worker.jobs.put(other)
+    if broken == "release":
+        worker.tick()
+        setattr(bench.kv, "release", bug)
+    worker.run()
+    died = WorkerDied(f"TypeError: a bug in {broken}")
+    assert bench.sink(victim).finals == [died] and bench.sink(other).finals == [died]
