@@ -20,14 +20,31 @@ from ferrox_batch.checks import check_int
 class Counters:
     """Prefill chunks and tokens, decode forwards, and the peak blocks held by in-flight work."""
 
-    __slots__ = ("_prefill_chunks", "_prefill_tokens", "_decode_steps", "_peak_blocks", "_lock")
+    __slots__ = ("_prefill_chunks", "_prefill_tokens", "_decode_steps", "_peak_blocks", "_prefix_queries",
+                 "_prefix_hits", "_lock")
 
     def __init__(self) -> None:
         self._prefill_chunks = 0
         self._prefill_tokens = 0
         self._decode_steps = 0
         self._peak_blocks = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
         self._lock = threading.Lock()
+
+    def add_prefix_lookup(self, queried: int, hits: int) -> None:
+        """One admitted prompt looked up in the prefix cache (port-only): `queried` prompt tokens, of which
+        `hits` were adopted instead of computed (vLLM's `prefix_cache_queries` / `prefix_cache_hits`)."""
+        check_int("queried", queried)
+        check_int("hits", hits, maximum=queried)
+        with self._lock:
+            self._prefix_queries += queried
+            self._prefix_hits += hits
+
+    def prefix_cache(self) -> tuple[int, int]:
+        """`(queried tokens, hit tokens)` since start."""
+        with self._lock:
+            return self._prefix_queries, self._prefix_hits
 
     def add_prefill(self, tokens: int) -> None:
         """One `step_chunk` call that advanced `tokens` prompt tokens (adopted prefix positions excluded)."""
@@ -98,6 +115,10 @@ class BatcherStats:
     prefill_chunk: int
     max_batch_tokens: int
     worker_alive: bool
+    #: Port-only: the prefix cache's lookups and hits, in prompt tokens, and the blocks it holds now.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_cached: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

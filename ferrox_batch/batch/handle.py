@@ -118,6 +118,7 @@ class ContinuousBatcher:
 
     def stats(self) -> BatcherStats:
         prefill_chunks, prefill_tokens, decode_steps, peak = self._counters.snapshot()
+        prefix_queries, prefix_hits = self._counters.prefix_cache()
         total = self._budget.total
         return BatcherStats(
             prefill_chunks=prefill_chunks,
@@ -136,6 +137,9 @@ class ContinuousBatcher:
             prefill_chunk=self._config.prefill_chunk,
             max_batch_tokens=self._config.max_batch_tokens,
             worker_alive=self._thread.is_alive() and self._lifecycle.dead is None,
+            prefix_cache_queries=prefix_queries,
+            prefix_cache_hits=prefix_hits,
+            kv_blocks_cached=self.store.pool.num_cached,
         )
 
     @property

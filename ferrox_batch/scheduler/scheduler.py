@@ -115,6 +115,7 @@ class Scheduler:
         self.kv = kv
         self.vocab_size = vocab_size
         self.decode = decode
+        self.prefix_cache = config.prefix_cache
         self.waiting: deque[Request] = deque()
         self.prefilling: deque[Request] = deque()
         self.decoding: list[Request] = []
@@ -220,6 +221,9 @@ class Scheduler:
             return refused
         request.admitted(seq_id)
         request.num_computed_tokens = request.cached_tokens = self.kv.length(seq_id)
+        if self.prefix_cache:
+            self.counters.add_prefix_lookup(len(request.prompt_tokens), min(request.cached_tokens,
+                                                                            len(request.prompt_tokens)))
         return None
 
     def _prompt_chunks(self, decode_rows: int, tick_tokens: int) -> list[PromptChunk]:

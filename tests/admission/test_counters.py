@@ -82,14 +82,23 @@ def stats(**overrides: object) -> BatcherStats:
     return BatcherStats(**values)  # type: ignore[arg-type]
 
 
-def test_stats_carry_every_upstream_field_plus_the_ports_two():
+def test_stats_carry_every_upstream_field_plus_the_ports_own():
     names = {f.name for f in dataclasses.fields(BatcherStats)}
     assert names == {
         "prefill_chunks", "prefill_tokens", "decode_steps", "queue_depth", "queue_rejected",
         "kv_blocks_total", "kv_blocks_free", "kv_block_size", "kv_rejected_too_large",
         "kv_rejected_context_length", "kv_blocks_peak", "aborted", "max_seqs", "prefill_chunk",
-        "max_batch_tokens", "worker_alive",
+        "max_batch_tokens", "worker_alive", "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_cached",
     }
+
+
+def test_prefix_lookups_add_up_and_hits_never_exceed_queries():
+    counters = Counters()
+    counters.add_prefix_lookup(40, 32)
+    counters.add_prefix_lookup(10, 0)
+    assert counters.prefix_cache() == (50, 32)
+    with pytest.raises(ValueError, match="hits"):
+        counters.add_prefix_lookup(5, 6)
 
 
 def test_stats_serialise_to_a_flat_json_object():

@@ -121,9 +121,12 @@ def expect(model, req: Request) -> None:
     req.expected = (tuple(kept), text, finish)
 
 
-def random_request(rng: random.Random, model, *, oversize: bool = False, bad_token: bool = False) -> Request:
+def random_request(rng: random.Random, model, *, oversize: bool = False, bad_token: bool = False,
+                   shared: list[int] | None = None) -> Request:
     vocab = model.decoder.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 40))]
+    if shared is not None and rng.random() < 0.6:  # many prompts open alike: the prefix cache gets hits
+        prompt = shared[:rng.randint(4, len(shared))] + prompt[:rng.randint(0, 20)]
     max_tokens = rng.randint(0, 24)
     if oversize:
         max_tokens = rng.randint(100, 140)  # prompt + max > the whole 96-position budget
@@ -285,12 +288,13 @@ def check(batcher, requests: list[Request], outcomes: list[Outcome], *, queue_ca
 # --------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize("seed", [20240611, 7, 99])
-def test_sixty_four_concurrent_random_callers_keep_every_invariant(tiny_batch_model, seed):
+@pytest.mark.parametrize(("seed", "prefix_cache"), [(20240611, False), (7, True), (99, True)])
+def test_sixty_four_concurrent_random_callers_keep_every_invariant(tiny_batch_model, seed, prefix_cache):
     rng = random.Random(seed)
     model = tiny_batch_model
+    shared = [rng.randrange(model.decoder.vocab_size) for _ in range(16)] if prefix_cache else None
     requests = [
-        random_request(rng, model, oversize=i in (7, 41), bad_token=i in (13, 50))
+        random_request(rng, model, oversize=i in (7, 41), bad_token=i in (13, 50), shared=shared)
         for i in range(64)
     ]
     for req in requests:
@@ -302,7 +306,8 @@ def test_sixty_four_concurrent_random_callers_keep_every_invariant(tiny_batch_mo
     stragglers = [cancelling(random_request(rng, model), kind) for kind in ("before", "chunk")]
     for req in stragglers:
         expect(model, req)
-    config = budget_config(4, 24, max_seqs=6, max_queue=16, max_prefills_per_tick=1 + seed % 3)
+    config = budget_config(4, 24, max_seqs=6, max_queue=16, max_prefills_per_tick=1 + seed % 3,
+                           prefix_cache=prefix_cache)
     with spawn(model, config) as batcher:
         outcomes = run_all(batcher, requests)
         outcomes += run_all(batcher, stragglers)
@@ -316,6 +321,8 @@ def test_sixty_four_concurrent_random_callers_keep_every_invariant(tiny_batch_mo
         assert tally["too_large"] == 2 and tally["out_of_vocab"] + tally["queue_full"] >= 1, tally
         stats = batcher.stats()
         assert stats.decode_steps > 0 and stats.prefill_tokens > 0 and stats.kv_blocks_peak > 0
+        if prefix_cache:
+            assert stats.prefix_cache_hits > 0, stats  # the storm really ran on adopted blocks
         # The server still serves after the storm.
         req = random_request(random.Random(1), model)
         req.params = greedy_params(12)
