@@ -32,6 +32,8 @@ class Usage:
     prompt_eval_duration_ms: float | None = None
     generation_duration_ms: float | None = None
     time_to_first_token_ms: float | None = None
+    #: Prompt tokens adopted from the prefix cache instead of computed; None when no cache was consulted.
+    cached_tokens: int | None = None
 
     def __post_init__(self) -> None:
         check_int("prompt_tokens", self.prompt_tokens)
@@ -43,6 +45,8 @@ class Usage:
             raise ValueError(
                 f"total_tokens must be prompt_tokens + completion_tokens = {total}, got {self.total_tokens!r}"
             )
+        if self.cached_tokens is not None:
+            check_int("cached_tokens", self.cached_tokens, maximum=self.prompt_tokens)
 
     @classmethod
     def new(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
@@ -62,6 +66,10 @@ class Usage:
             prompt_per_second=prompt_rate,
             predicted_per_second=decode_rate,
         )
+
+    def with_cached_tokens(self, cached: int | None) -> Usage:
+        """The prompt tokens the prefix cache supplied (None: no cache was consulted)."""
+        return dataclasses.replace(self, cached_tokens=cached)
 
     def with_ttft(self, seconds: float) -> Usage:
         """Time to first token; left unset when nothing was generated."""

@@ -43,6 +43,7 @@ def text_params(
     ignore_eos: bool = False,
     cancel: CancelToken | None = None,
     sampling: SamplingParams | None = None,
+    cache_salt: str | None = None,
     **sampling_fields: Any,
 ) -> GenerationParams:
     """`GenerationParams` for text: stop strings that are one token also stop by id.
@@ -66,6 +67,7 @@ def text_params(
         stop_token_ids=tuple(ids),
         cancel=cancel,
         ignore_eos=ignore_eos,
+        cache_salt=cache_salt,
     )
 
 

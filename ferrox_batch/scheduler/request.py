@@ -62,7 +62,8 @@ class Request:
     seq_id: int | None = None  # its KV lease, from admission on
     reserved: int = 0  # blocks admission reserved: `blocks` less the cached ones it adopted that others use
     num_computed_tokens: int = 0
-    cached_tokens: int = 0  # prompt positions adopted from the prefix cache, not computed
+    #: Prompt tokens adopted from the prefix cache, not computed; None when the batcher has no cache.
+    cached_tokens: int | None = None
     output_ids: list[int] = field(default_factory=list)
     #: The model runner's per-request sampling state (made when it first samples); opaque here.
     sampler_row: object | None = None
@@ -185,6 +186,8 @@ class Request:
             usage = self.clock.usage(len(self.prompt_tokens), len(self.output_ids))
         else:  # ended before its prompt was through (cancelled): counts, no rates
             usage = Usage.new(len(self.prompt_tokens), 0)
+        if self.cached_tokens is not None:
+            usage = usage.with_cached_tokens(min(self.cached_tokens, len(self.prompt_tokens)))
         self.sink.finished(GenerationResult(finish, list(self.output_ids), "".join(self.visible), usage))
 
     def answer(self, outcome: GenerationResult | DecodeError) -> None:

@@ -220,10 +220,10 @@ class Scheduler:
         except DecodeError as refused:
             return refused
         request.admitted(seq_id)
-        request.num_computed_tokens = request.cached_tokens = self.kv.length(seq_id)
+        request.num_computed_tokens = adopted = self.kv.length(seq_id)
         if self.prefix_cache:
-            self.counters.add_prefix_lookup(len(request.prompt_tokens), min(request.cached_tokens,
-                                                                            len(request.prompt_tokens)))
+            request.cached_tokens = min(adopted, len(request.prompt_tokens))
+            self.counters.add_prefix_lookup(len(request.prompt_tokens), request.cached_tokens)
         return None
 
     def _prompt_chunks(self, decode_rows: int, tick_tokens: int) -> list[PromptChunk]:

@@ -27,7 +27,7 @@ import itertools
 from collections.abc import Callable, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from ferrox_batch.batch.counters import BatcherStats
@@ -54,6 +54,9 @@ _STATS_HELP = {
     "prefill_chunk": "Prompt tokens per prefill chunk at most.",
     "max_batch_tokens": "Tokens per forward at most.",
     "worker_alive": "1 while the scheduler's worker thread is running.",
+    "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (cumulative).",
+    "prefix_cache_hits": "Prompt tokens adopted from the prefix cache instead of computed (cumulative).",
+    "kv_blocks_cached": "KV blocks holding published prefixes (referenced or not).",
 }
 
 # Buckets close to vLLM's, so dashboards built for it read the same ranges.
@@ -87,6 +90,14 @@ class _BatcherCollector:
                          max(0, in_flight - stats.queue_depth))
         yield self._vllm("vllm:kv_cache_usage_perc", "KV cache usage as a fraction (1 = every block reserved).",
                          kv_cache_usage(stats))
+        # vLLM's prefix-cache counters, in tokens: the hit rate is hits / queries over any window.
+        for name, doc, value in (
+            ("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens.", stats.prefix_cache_queries),
+            ("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens.", stats.prefix_cache_hits),
+        ):
+            counter = CounterMetricFamily(name, doc, labels=["model_name"])
+            counter.add_metric([self._model], value)
+            yield counter
 
     def _vllm(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         gauge = GaugeMetricFamily(name, doc, labels=["model_name"])

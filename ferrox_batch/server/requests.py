@@ -82,11 +82,13 @@ class SamplingOptions:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    #: The prefix cache's namespace (vLLM's field): requests share cached prompt blocks only within one.
+    cache_salt: str | None = None
 
     def generation_params(self, tokenizer: Tokenizer, max_tokens: int) -> GenerationParams:
         """Params for the batcher; stop strings that are one token are also stopped on by id."""
         return text_params(tokenizer, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
-                           ignore_eos=self.ignore_eos, sampling=self.sampling)
+                           ignore_eos=self.ignore_eos, sampling=self.sampling, cache_salt=self.cache_salt)
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,8 +224,11 @@ def _options(fields: _Fields) -> SamplingOptions:
     seed = fields.integer("seed", None)
     if seed is not None and not 0 <= seed <= UNLIMITED:
         raise InvalidRequest("seed", seed, "must be an integer in [0, 2**64 - 1]")
+    salt = fields.raw("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequest("cache_salt", salt, "must be a non-empty string")
     return SamplingOptions(sampling=sampling, seed=seed, stop=_stop(fields.raw("stop")),
-                           ignore_eos=fields.boolean("ignore_eos", False))
+                           ignore_eos=fields.boolean("ignore_eos", False), cache_salt=salt)
 
 
 def _stop(value: Any) -> tuple[str, ...]:

@@ -33,13 +33,17 @@ def finish_reason(reason: FinishReason) -> str:
     return "stop" if reason.kind == "cancelled" else reason.as_str()
 
 
-def usage_dict(usage: Usage) -> dict[str, int]:
-    """The OpenAI usage object: the three counts only (timings stay in `/metrics`)."""
-    return {
+def usage_dict(usage: Usage) -> dict[str, Any]:
+    """The OpenAI usage object: the three counts (timings stay in `/metrics`), and with the prefix cache on,
+    `prompt_tokens_details.cached_tokens` as OpenAI and vLLM report it."""
+    body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.prompt_tokens + usage.completion_tokens,
     }
+    if usage.cached_tokens is not None:
+        body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    return body
 
 
 class WireFormat:

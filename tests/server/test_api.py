@@ -217,3 +217,35 @@ def test_real_model_answers_a_chat(real_model_dir):
     assert isinstance(choice.message.content, str) and choice.message.content.strip()
     assert choice.finish_reason in ("stop", "length")
     assert reply.usage.prompt_tokens > 5 and 0 < reply.usage.completion_tokens <= 24
+
+
+def test_the_prefix_cache_reports_cached_tokens_and_honours_cache_salt(tiny_batch_model):
+    # A repeated prompt is served from the prefix cache: the second answer says how many prompt tokens
+    # it did not compute (OpenAI's `usage.prompt_tokens_details.cached_tokens`), /metrics carries vLLM's
+    # counters, and another `cache_salt` shares nothing.
+    import httpx
+    from server_helpers import served
+
+    from ferrox_batch.batch.config import BatcherConfig
+    from ferrox_batch.batch.handle import ContinuousBatcher
+
+    batcher = ContinuousBatcher.from_model(
+        tiny_batch_model, BatcherConfig(kv_block_size=16, kv_blocks=256, prefix_cache=True))
+    prompt = list(range(5, 45))  # 40 token ids: two full blocks can be adopted
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    with served(batcher) as (base_url, _app):
+        def usage(extra: dict) -> dict:
+            response = httpx.post(f"{base_url}/v1/completions", json={**body, **extra}, timeout=30)
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]
+
+        assert usage({})["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert usage({})["prompt_tokens_details"] == {"cached_tokens": 32}
+        assert usage({"cache_salt": "tenant-b"})["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert usage({"cache_salt": "tenant-b"})["prompt_tokens_details"] == {"cached_tokens": 32}
+        refused = httpx.post(f"{base_url}/v1/completions", json={**body, "cache_salt": 7}, timeout=30)
+        assert refused.status_code == 400 and "cache_salt" in refused.text
+        metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
+        assert 'vllm:prefix_cache_queries_total{model_name="tiny"} 160.0' in metrics
+        assert 'vllm:prefix_cache_hits_total{model_name="tiny"} 64.0' in metrics
+        assert "ferrox_batch_kv_blocks_cached" in metrics
