@@ -60,6 +60,7 @@ class Request:
     positions: int  # KV positions its lease holds: what `blocks` was priced from
     status: RequestStatus = RequestStatus.WAITING
     seq_id: int | None = None  # its KV lease, from admission on
+    skips: int = 0  # times the cache-aware pick admitted a later request first (bounded)
     reserved: int = 0  # blocks admission reserved: `blocks` less the cached ones it adopted that others use
     num_computed_tokens: int = 0
     #: Prompt tokens adopted from the prefix cache, not computed; None when the batcher has no cache.

@@ -9,9 +9,13 @@ lists, so tests drive it with fake sampled ids and a fake KV lease table.
    frees its KV lease, returns its blocks to the ledger and gets its one
    reply;
 2. admit, first come first served, while `max_seqs` allows and the block
-   ledger has room for the head request's reservation. A head that does not
-   fit holds the line (nothing smaller behind it is tried): a large request
-   is never starved by small ones. Admission leases the request's KV, so a
+   ledger has room for the chosen request's reservation. The chosen request
+   is the head, except with the prefix cache: then the one with the deepest
+   cached prefix among the first 8 waiting (`cache_aware.choose`: a request
+   is overtaken at most 4 times, only by a strictly deeper hit, so a cold
+   cache is exactly FIFO). A chosen request that does not fit holds the line
+   (nothing smaller behind it is tried): a large request is never starved
+   by small ones. Admission leases the request's KV, so a
    prompt token outside the vocabulary, `max_tokens = 0` or a KV store that
    says no are answered here;
 3. plan the forward: every decoding request's next token, and prompt chunks
@@ -45,6 +49,7 @@ from itertools import islice
 from typing import Protocol, Union
 
 from ferrox_batch.batch.block_budget import BlockBudget
+from ferrox_batch.batch.cache_aware import MAX_SKIPS, WINDOW, choose
 from ferrox_batch.batch.config import BatcherConfig, DEFAULT_DECODE_LOG_INTERVAL
 from ferrox_batch.batch.counters import Counters
 from ferrox_batch.batch.queue import QueueGate
@@ -179,18 +184,21 @@ class Scheduler:
     def _admit(self) -> None:
         new_seqs = new_tokens = 0
         while self.waiting and len(self.decoding) + len(self.prefilling) < self.config.max_seqs:
-            request = self.waiting[0]
+            pick, window = self._pick()
+            request = self.waiting[pick]
             # Adopted blocks cost the ledger nothing when another lease already references them, and
             # one each when they sit unreferenced in the cache (reclaimable, so counted as free).
             adopted, unreferenced = self.kv.peek(request.prefill_tokens, request.params.cache_salt)
             reserve = request.blocks - adopted + unreferenced
             if not self.budget.try_reserve(reserve):
-                break  # the head holds the line
+                break  # the chosen request holds the line: nothing smaller is tried
+            for passed in window[:pick]:
+                passed.skips = min(passed.skips + 1, MAX_SKIPS)
             request.reserved = reserve
             # Accepted while still in `waiting`: if accepting it raises (a bug), a dying worker still
             # finds it there and answers it.
             refusal = self._accept(request)
-            self.waiting.popleft()
+            del self.waiting[pick]
             self.queue_gate.release()
             if refusal is not None:
                 # Blocks go back before the reply, so a caller that reads stats() after its
@@ -206,6 +214,15 @@ class Scheduler:
             log.info(self.reporter.report_prefill(self._now(), snapshot, self.batch_status()))
             self.counters.record_peak(self.budget.total - self.budget.free() if self.budget.total is not None
                                       else sum(r.reserved for r in self.admitted()))
+
+    def _pick(self) -> tuple[int, list[Request]]:
+        """Which waiting request to admit: with the prefix cache, the one with the deepest cached prefix
+        among the first `WINDOW`, within `cache_aware.choose`'s starvation bounds; else the head."""
+        if not self.prefix_cache or len(self.waiting) < 2:
+            return 0, []
+        window = list(islice(self.waiting, WINDOW))
+        depths = [self.kv.peek(r.prefill_tokens, r.params.cache_salt)[0] for r in window]
+        return choose(depths, [r.skips for r in window]), window
 
     def _accept(self, request: Request) -> GenerationResult | DecodeError | None:
         """Lease the request's KV and start it; or the answer it gets at once."""

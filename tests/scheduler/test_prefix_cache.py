@@ -159,3 +159,51 @@ def test_seeded_sampling_gives_the_same_tokens_warm_or_cold(tiny_batch_model):
         warm = batcher.generate(tokens, params)
         assert batcher.stats().prefix_cache_hits == 32
         assert cold.token_ids == warm.token_ids
+
+
+def test_an_already_cached_prompt_is_admitted_ahead_of_a_cold_one(tiny_batch_model):
+    from worker_helpers import drain_reply, make_request, make_worker
+
+    worker = make_worker(tiny_batch_model, cached_config(max_seqs=1))
+    scheduler = worker.scheduler
+    warm_prompt = prompt(40)
+    first, _ = make_request(worker, warm_prompt, greedy_params(2))
+    worker.jobs.put(first)
+    worker.tick()
+    while not scheduler.idle:
+        worker.tick()
+    cold, cold_reply = make_request(worker, prompt(40, start=101), greedy_params(2))
+    warm, warm_reply = make_request(worker, warm_prompt, greedy_params(2))
+    worker.jobs.put(cold)
+    worker.jobs.put(warm)
+    worker.tick()
+    assert list(scheduler.prefilling) + scheduler.decoding == [warm]  # the cached one goes first
+    assert cold.skips == 1 and list(scheduler.waiting) == [cold]
+    while not scheduler.idle:
+        worker.tick()
+    assert drain_reply(warm_reply)[1][0].usage.cached_tokens == 32
+    assert drain_reply(cold_reply)[1][0].usage.cached_tokens == 0
+
+
+def test_a_request_passed_over_four_times_is_admitted_next(tiny_batch_model):
+    from worker_helpers import make_request, make_worker
+
+    worker = make_worker(tiny_batch_model, cached_config(max_seqs=1))
+    scheduler = worker.scheduler
+    warm_prompt = prompt(40)
+    seed, _ = make_request(worker, warm_prompt, greedy_params(1))
+    worker.jobs.put(seed)
+    worker.tick()
+    while not scheduler.idle:
+        worker.tick()
+    cold, _ = make_request(worker, prompt(40, start=101), greedy_params(1))
+    worker.jobs.put(cold)
+    order = []
+    for _ in range(5):  # a warm request keeps arriving behind the cold one
+        warm, _ = make_request(worker, warm_prompt, greedy_params(1))
+        worker.jobs.put(warm)
+        worker.tick()
+        order.append("cold" if cold in scheduler.admitted() or cold.seq_id is not None else "warm")
+        while scheduler.admitted():
+            worker.tick()
+    assert order == ["warm", "warm", "warm", "warm", "cold"]
