@@ -161,17 +161,25 @@ def test_seeded_sampling_gives_the_same_tokens_warm_or_cold(tiny_batch_model):
         assert cold.token_ids == warm.token_ids
 
 
-def test_an_already_cached_prompt_is_admitted_ahead_of_a_cold_one(tiny_batch_model):
-    from worker_helpers import drain_reply, make_request, make_worker
+def warmed_worker(model, tokens: list[int]):
+    """A worker (one request at a time, driven by hand) whose prefix cache holds `tokens`' full blocks."""
+    from worker_helpers import make_request, make_worker
 
-    worker = make_worker(tiny_batch_model, cached_config(max_seqs=1))
-    scheduler = worker.scheduler
-    warm_prompt = prompt(40)
-    first, _ = make_request(worker, warm_prompt, greedy_params(2))
+    worker = make_worker(model, cached_config(max_seqs=1))
+    first, _ = make_request(worker, tokens, greedy_params(1))
     worker.jobs.put(first)
     worker.tick()
-    while not scheduler.idle:
+    while not worker.scheduler.idle:
         worker.tick()
+    return worker
+
+
+def test_an_already_cached_prompt_is_admitted_ahead_of_a_cold_one(tiny_batch_model):
+    from worker_helpers import drain_reply, make_request
+
+    warm_prompt = prompt(40)
+    worker = warmed_worker(tiny_batch_model, warm_prompt)
+    scheduler = worker.scheduler
     cold, cold_reply = make_request(worker, prompt(40, start=101), greedy_params(2))
     warm, warm_reply = make_request(worker, warm_prompt, greedy_params(2))
     worker.jobs.put(cold)
@@ -186,16 +194,11 @@ def test_an_already_cached_prompt_is_admitted_ahead_of_a_cold_one(tiny_batch_mod
 
 
 def test_a_request_passed_over_four_times_is_admitted_next(tiny_batch_model):
-    from worker_helpers import make_request, make_worker
+    from worker_helpers import make_request
 
-    worker = make_worker(tiny_batch_model, cached_config(max_seqs=1))
-    scheduler = worker.scheduler
     warm_prompt = prompt(40)
-    seed, _ = make_request(worker, warm_prompt, greedy_params(1))
-    worker.jobs.put(seed)
-    worker.tick()
-    while not scheduler.idle:
-        worker.tick()
+    worker = warmed_worker(tiny_batch_model, warm_prompt)
+    scheduler = worker.scheduler
     cold, _ = make_request(worker, prompt(40, start=101), greedy_params(1))
     worker.jobs.put(cold)
     order = []
