@@ -194,8 +194,10 @@ class GenerationParams:
             raise InvalidRequest("cancel", self.cancel, "must be a CancelToken or None")
         if not isinstance(self.ignore_eos, bool):
             raise InvalidRequest("ignore_eos", self.ignore_eos, "must be a bool")
-        if self.cache_salt is not None and not isinstance(self.cache_salt, str):
-            raise InvalidRequest("cache_salt", self.cache_salt, "must be a string or None")
+        # An empty salt would be a namespace of its own that reads as "no salt"; refusing it keeps
+        # the two spellings of "shared with every unsalted request" down to one (None).
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise InvalidRequest("cache_salt", self.cache_salt, "must be a non-empty string or None")
 
     def is_cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_cancelled()

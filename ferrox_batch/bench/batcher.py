@@ -7,7 +7,9 @@ Closed-loop, all-at-once workloads on the default model (`bench.workloads` build
      prompt, each turn sent once the previous reply is in; ours and cb only (static cannot run a closed
      loop), with the prefix cache's hit rate from `stats()` where the batcher counts it.
 Greedy, EOS ignored, the same prompt ids and token counts for every method:
-  ours    one thread per request calling `ContinuousBatcher.generate_streaming`, started behind a barrier;
+  ours    one thread per request calling `ContinuousBatcher.generate_streaming`, started behind a barrier,
+          configured as the server is (prefix cache on);
+  ours-nocache  the same with the prefix cache off (its ratio column is then what the cache buys);
   static  transformers `generate`, every request in one left-padded batch, max_new_tokens = the largest asked
           (only each request's own tokens count as output);
   cb      transformers continuous batching (`continuous_batching_context_manager`, sdpa, page 64,
@@ -24,7 +26,7 @@ extra (transformers); `--methods ours` runs without it.
     ferrox-batch bench --quick                  # 4 requests x 8 tokens, 1 repeat: does it work
     ferrox-batch bench --shapes a --methods ours,static --dtype fp32 --json /tmp/bench.json
     ferrox-batch bench --shapes b --max-batch-tokens 1024 --kv-block-size 32
-    ferrox-batch bench --shapes c --methods ours,cb      # the chat; --quick: 2 conversations x 2 turns
+    ferrox-batch bench --shapes c --methods ours,ours-nocache,cb   # the chat; --quick: 2 conversations x 2 turns
 (`python scripts/bench.py ...` and `python -m ferrox_batch.bench.batcher ...` are the same program.)
 """
 
@@ -47,7 +49,7 @@ from pathlib import Path
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.bench.conversations import chat_shape, chat_state
 from ferrox_batch.bench.report import CHAT_SHAPES, CHECKED, check_ids, report
-from ferrox_batch.bench.runs import child_chat, run_ours
+from ferrox_batch.bench.runs import OURS, child_chat, run_ours
 from ferrox_batch.bench.workloads import (
     Request,
     build_requests,
@@ -59,7 +61,9 @@ from ferrox_batch.bench.workloads import (
     run_static,
 )
 
-METHODS = ("ours", "static", "cb")
+METHODS = ("ours", "ours-nocache", "static", "cb")
+#: The methods run by default (`ours-nocache` is asked for by name).
+DEFAULT_METHODS = ("ours", "static", "cb")
 CHILD_MODULE = "ferrox_batch.bench.batcher"
 
 
@@ -76,7 +80,7 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
     p.add_argument("--model", default=default_model(os.environ if env is None else env),
                    help="checkpoint folder (default: the fetched SmolLM2-135M-Instruct)")
     p.add_argument("--shapes", default="a,b", help="a, b and/or c (the chat; static skips it)")
-    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"any of {','.join(METHODS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
                    help="auto: what `ferrox-batch serve` would pick on this machine (default)")
@@ -147,8 +151,10 @@ def child_main(args: argparse.Namespace) -> int:
     else:
         requests = build_requests(shape, tokenizer.encode, args.seed, args.quick)
         kv_blocks, cb_blocks = sized(args, requests)
-        run = {"ours": run_ours, "static": run_static, "cb": run_cb}[method]
-        raw = run(args, requests, kv_blocks if method == "ours" else cb_blocks)
+        if method in OURS:
+            raw = run_ours(args, requests, kv_blocks, prefix_cache=OURS[method])
+        else:
+            raw = {"static": run_static, "cb": run_cb}[method](args, requests, cb_blocks)
     useful = sum(min(len(ids), r.max_tokens) for ids, r in zip(raw["ids"], requests))
     short = [i for i, (ids, r) in enumerate(zip(raw["ids"], requests)) if len(ids) != r.max_tokens]
     wall = raw["end"] - raw["start"]

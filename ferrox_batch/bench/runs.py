@@ -29,7 +29,11 @@ from ferrox_batch.bench.conversations import (
 from ferrox_batch.bench.workloads import Request, load_hf, peak_rss_mb
 
 
-def run_ours(args, requests: list[Request], kv_blocks: int, chat=None) -> dict:
+#: Our batcher's methods, and whether each runs with the prefix cache.
+OURS = {"ours": True, "ours-nocache": False}
+
+
+def run_ours(args, requests: list[Request], kv_blocks: int, chat=None, *, prefix_cache: bool = True) -> dict:
     """`chat`: (tokenizer, plan) of shape c, run instead of `requests` (then only the warm-up's source)."""
     from ferrox_batch.batch.handle import ContinuousBatcher
     from ferrox_batch.checks import UNLIMITED
@@ -41,7 +45,7 @@ def run_ours(args, requests: list[Request], kv_blocks: int, chat=None) -> dict:
     config = BatcherConfig(max_seqs=args.max_seqs or UNLIMITED, prefill_chunk=args.prefill_chunk,
                            max_batch_tokens=args.max_batch_tokens, kv_block_size=args.kv_block_size,
                            kv_blocks=kv_blocks, max_prefills_per_tick=args.max_prefills_per_tick,
-                           step_target_ms=args.step_target_ms or None)
+                           step_target_ms=args.step_target_ms or None, prefix_cache=prefix_cache)
     batcher = ContinuousBatcher.from_model(model, config)  # as the server builds it
     stop = model.tokenizer.stop_tokens
 
@@ -86,7 +90,7 @@ def run_ours(args, requests: list[Request], kv_blocks: int, chat=None) -> dict:
     out["extra"] = {"config": {"max_seqs": args.max_seqs or "unlimited", "prefill_chunk": args.prefill_chunk,
                                "max_batch_tokens": args.max_batch_tokens, "kv_block_size": args.kv_block_size,
                                "kv_blocks": kv_blocks, "max_prefills_per_tick": args.max_prefills_per_tick,
-                               "step_target_ms": args.step_target_ms or None},
+                               "step_target_ms": args.step_target_ms or None, "prefix_cache": prefix_cache},
                     "stats": {k: getattr(stats, k) for k in stats.__dataclass_fields__}, "closed": closed,
                     "chunks_per_token": out.pop("chunks") / max(1, sum(len(i) for i in out["ids"])),
                     **(chat_extra(out, before, stats) if chat else {})}
@@ -171,6 +175,6 @@ def child_chat(args, method: str, tokenizer, sized: Callable) -> dict:
     plan = build_plan(tokenizer, args.seed, args.quick)
     requests = sizing_requests(tokenizer, plan)
     kv_blocks, cb_blocks = sized(args, requests)
-    if method == "ours":
-        return run_ours(args, requests, kv_blocks, chat=(tokenizer, plan))
+    if method in OURS:
+        return run_ours(args, requests, kv_blocks, chat=(tokenizer, plan), prefix_cache=OURS[method])
     return run_cb_chat(args, tokenizer, plan, cb_blocks)

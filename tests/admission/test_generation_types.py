@@ -321,6 +321,7 @@ def test_generation_params_normalise_lists_to_tuples_and_a_bare_stop_string_to_o
         ({"max_tokens": 1, "cancel": object()}, "cancel"),
         ({"max_tokens": 1, "ignore_eos": 1}, "ignore_eos"),
         ({"max_tokens": 1, "cache_salt": 7}, "cache_salt"),
+        ({"max_tokens": 1, "cache_salt": ""}, "cache_salt"),
         ({"max_tokens": 1, "sampling": {"temperature": 1.0}}, "sampling"),
     ],
 )

@@ -174,15 +174,20 @@ def test_a_quick_http_run_of_the_chat_serves_every_turn(tiny_long_dir, tmp_path,
 
 
 @pytest.mark.slow
-def test_a_quick_in_process_run_of_the_chat_skips_static_and_runs_ours(tiny_long_dir, tmp_path, capsys) -> None:
+def test_a_quick_in_process_run_of_the_chat_skips_static_and_runs_ours_with_and_without_the_cache(
+        tiny_long_dir, tmp_path, capsys) -> None:
     from ferrox_batch.bench.batcher import main as bench_main
 
     out = tmp_path / "bench.json"
-    code = bench_main(["--model", str(tiny_long_dir), "--quick", "--shapes", "c", "--methods", "ours,static",
-                       "--dtype", "fp32", "--json", str(out)], {})
+    code = bench_main(["--model", str(tiny_long_dir), "--quick", "--shapes", "c", "--methods",
+                       "ours,ours-nocache,static", "--dtype", "fp32", "--json", str(out)], {})
     assert code == 0, capsys.readouterr()
-    (run,) = json.loads(out.read_text())["runs"]
-    assert run["method"] == "ours" and run["useful_tokens"] == 2 * 2 * 8 and not run["errors"]
-    assert run["chat"]["turns_done"] == 4 and run["prefix_hit_rate"] is None
+    cached, plain = json.loads(out.read_text())["runs"]
+    for run in (cached, plain):
+        assert run["useful_tokens"] == 2 * 2 * 8 and not run["errors"] and run["chat"]["turns_done"] == 4
+    assert cached["method"] == "ours" and cached["config"]["prefix_cache"] and cached["prefix_hit_rate"] > 0
+    assert plain["method"] == "ours-nocache" and not plain["config"]["prefix_cache"]
+    assert plain["prefix_hit_rate"] is None
     printed = capsys.readouterr().out
-    assert "static skipped: the static peer" in printed and "| ours | c |" in printed and "| n/a |" in printed
+    assert "static skipped: the static peer" in printed and "| ours | c |" in printed
+    assert "| ours-nocache | c |" in printed and "| n/a |" in printed

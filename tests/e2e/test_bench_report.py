@@ -33,3 +33,5 @@ def test_an_fp32_mismatch_of_ours_fails_and_any_other_only_warns() -> None:
     notes, failed = check_ids("fp32", ["a"], [run("static", 1, static), run("ours", 1, static)])
     assert not failed and notes == ["ids check, shape a: ours == static on the first 4 requests"]
     assert check_ids("fp32", ["a"], [run("ours", 1, other)]) == ([], False)  # nothing to compare with
+    notes, failed = check_ids("fp32", ["a"], [run("static", 1, static), run("ours-nocache", 1, other)])
+    assert failed and any("FAILED" in n and "ours-nocache" in n for n in notes)

@@ -243,8 +243,9 @@ def test_the_prefix_cache_reports_cached_tokens_and_honours_cache_salt(tiny_batc
         assert usage({})["prompt_tokens_details"] == {"cached_tokens": 32}
         assert usage({"cache_salt": "tenant-b"})["prompt_tokens_details"] == {"cached_tokens": 0}
         assert usage({"cache_salt": "tenant-b"})["prompt_tokens_details"] == {"cached_tokens": 32}
-        refused = httpx.post(f"{base_url}/v1/completions", json={**body, "cache_salt": 7}, timeout=30)
-        assert refused.status_code == 400 and "cache_salt" in refused.text
+        for bad in (7, ""):
+            refused = httpx.post(f"{base_url}/v1/completions", json={**body, "cache_salt": bad}, timeout=30)
+            assert refused.status_code == 400 and "cache_salt" in refused.text
         metrics = httpx.get(f"{base_url}/metrics", timeout=30).text
         assert 'vllm:prefix_cache_queries_total{model_name="tiny"} 160.0' in metrics
         assert 'vllm:prefix_cache_hits_total{model_name="tiny"} 64.0' in metrics
