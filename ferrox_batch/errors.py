@@ -118,6 +118,25 @@ class QueueFull(DecodeError):
         )
 
 
+class QueueTimeout(DecodeError):
+    """The request waited for admission past its queue deadline and was refused, never admitted (port-only).
+
+    A 503 with `Retry-After`, as SGLang's queued-request timeout: the request was fine, the server was
+    too busy to start it in time.
+    """
+
+    retry_after_secs = 1
+    http_status = 503
+    error_code = "queue_timeout"
+    _fields = ("waited_ms", "limit_ms")
+
+    def __init__(self, waited_ms: int, limit_ms: int) -> None:
+        self.waited_ms = waited_ms
+        self.limit_ms = limit_ms
+        super().__init__(f"server is at capacity: this request waited {waited_ms} ms for admission, past "
+                         f"its queue limit of {limit_ms} ms; retry shortly")
+
+
 #: The two ceilings a `KvBudgetExceeded` can name (upstream `Ceiling.code()`).
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 DEVICE_MEMORY_BUDGET_EXCEEDED = "device_memory_budget_exceeded"

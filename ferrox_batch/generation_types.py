@@ -30,6 +30,7 @@ from typing import Any, ClassVar, Iterable, Iterator
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ferrox_batch.usage import Usage
 
 __all__ = ["FinishReason", "SamplingParams", "GenerationParams", "GenerationResult"]
@@ -104,6 +105,10 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+#: The priorities a request may ask for: a 32-bit range, as wide as any client sends.
+PRIORITY_LIMIT = 2**31 - 1
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """Sampler settings; the defaults are greedy with every filter off (upstream `SamplingParams::default()`)."""
@@ -160,6 +165,14 @@ class GenerationParams:
     cancel: CancelToken | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
+    #: Admission order (vLLM's field): a lower value is admitted first; equal values keep arrival order.
+    priority: int = 0
+    #: Log-probabilities of each generated token with this many most likely alternatives (0 to
+    #: `MAX_TOP_LOGPROBS`); None: none are computed, and the request costs nothing extra.
+    logprobs: int | None = None
+    #: Milliseconds this request may wait for admission before it is refused with `QueueTimeout`
+    #: (None: the batcher's `max_queue_wait_ms`, which may itself be None: no limit).
+    max_queue_wait_ms: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -198,6 +211,17 @@ class GenerationParams:
         # the two spellings of "shared with every unsalted request" down to one (None).
         if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
             raise InvalidRequest("cache_salt", self.cache_salt, "must be a non-empty string or None")
+        if not _is_int(self.priority) or not -PRIORITY_LIMIT <= self.priority <= PRIORITY_LIMIT:
+            raise InvalidRequest("priority", self.priority,
+                                 f"must be an integer in [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}]")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest("logprobs", self.logprobs,
+                                 f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)")
+        if self.max_queue_wait_ms is not None and (not _is_int(self.max_queue_wait_ms)
+                                                   or not 1 <= self.max_queue_wait_ms <= UNLIMITED):
+            raise InvalidRequest("max_queue_wait_ms", self.max_queue_wait_ms,
+                                 "must be None or a positive integer number of milliseconds")
 
     def is_cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_cancelled()
@@ -223,6 +247,8 @@ class GenerationResult:
     token_ids: tuple[int, ...]
     text: str
     usage: Usage
+    #: One entry per id of `token_ids` when the request asked for log-probabilities; else None.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.finish_reason, FinishReason):
@@ -232,6 +258,11 @@ class GenerationResult:
             raise TypeError(f"text must be a string, got {self.text!r}")
         if not isinstance(self.usage, Usage):
             raise TypeError(f"usage must be a Usage, got {self.usage!r}")
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", tuple(self.logprobs))
+            if len(self.logprobs) != len(self.token_ids):
+                raise ValueError(f"logprobs must have one entry per token id: {len(self.logprobs)} for "
+                                 f"{len(self.token_ids)} ids")
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.finish_reason, self.token_ids, self.text, self.usage))

@@ -34,6 +34,8 @@ class Usage:
     time_to_first_token_ms: float | None = None
     #: Prompt tokens adopted from the prefix cache instead of computed; None when no cache was consulted.
     cached_tokens: int | None = None
+    #: From submit to admission: the time spent waiting for a row and KV blocks (port-only).
+    queue_duration_ms: float | None = None
 
     def __post_init__(self) -> None:
         check_int("prompt_tokens", self.prompt_tokens)
@@ -70,6 +72,10 @@ class Usage:
     def with_cached_tokens(self, cached: int | None) -> Usage:
         """The prompt tokens the prefix cache supplied (None: no cache was consulted)."""
         return dataclasses.replace(self, cached_tokens=cached)
+
+    def with_queue_time(self, seconds: float) -> Usage:
+        """How long the request waited for admission."""
+        return dataclasses.replace(self, queue_duration_ms=check_seconds("queue_s", seconds) * 1000.0)
 
     def with_ttft(self, seconds: float) -> Usage:
         """Time to first token; left unset when nothing was generated."""

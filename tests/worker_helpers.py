@@ -51,6 +51,7 @@ def make_request(
     request = Request(list(prompt), params, stop_tokens or StopTokens.default(), OnceSink(sink),
                       worker.aborts.next_id() if abort is None else abort,
                       worker.scheduler.budget.blocks_for(positions), positions)
+    request.queued(worker.scheduler.clock(), worker.scheduler.config.max_queue_wait_ms)
     return request, sink.events
 
 

@@ -52,6 +52,7 @@ ENV_MAX_CONTEXT = "FERROX_CB_MAX_CONTEXT"
 ENV_MAX_PREFILLS_PER_TICK = "FERROX_CB_MAX_PREFILLS_PER_TICK"
 ENV_STEP_TARGET_MS = "FERROX_CB_STEP_TARGET_MS"
 ENV_PREFIX_CACHE = "FERROX_CB_PREFIX_CACHE"
+ENV_MAX_QUEUE_WAIT_MS = "FERROX_CB_MAX_QUEUE_WAIT_MS"
 ENV_DECODE_LOG_INTERVAL = "FERROX_DECODE_LOG_INTERVAL"
 
 #: Upstream `prefill_batch::PREFILL_CHUNK_ENV_KEYS`, ported to the FERROX_ prefix:
@@ -127,6 +128,11 @@ class BatcherConfig:
     caps the tick's prompt tokens so the tick stays under it; None is no time
     cap (the upstream tick, bounded by `max_batch_tokens` alone).
 
+    `max_queue_wait_ms` (port-only): how long a request may wait for
+    admission before it is refused with `QueueTimeout` (a 503 with
+    Retry-After) instead of being admitted late; a request's own
+    `GenerationParams.max_queue_wait_ms` wins. None: no limit.
+
     The field defaults are the upstream's; `serving()` holds the defaults
     the server, the CLI and `ContinuousBatcher.from_model` start from.
     """
@@ -141,6 +147,7 @@ class BatcherConfig:
     max_prefills_per_tick: int = DEFAULT_MAX_PREFILLS_PER_TICK
     step_target_ms: int | None = None
     prefix_cache: bool = False
+    max_queue_wait_ms: int | None = None
 
     def __post_init__(self) -> None:
         _check_field("max_seqs", self.max_seqs, minimum=1)
@@ -154,6 +161,7 @@ class BatcherConfig:
         _check_field("step_target_ms", self.step_target_ms, minimum=1, optional=True)
         if not isinstance(self.prefix_cache, bool):
             raise TypeError(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
+        _check_field("max_queue_wait_ms", self.max_queue_wait_ms, minimum=1, optional=True)
 
     @classmethod
     def default(cls) -> BatcherConfig:
@@ -193,6 +201,7 @@ class BatcherConfig:
             "max_prefills_per_tick": env_positive(env, ENV_MAX_PREFILLS_PER_TICK),
             "step_target_ms": env_positive(env, ENV_STEP_TARGET_MS),
             "prefix_cache": env_switch(env, ENV_PREFIX_CACHE),
+            "max_queue_wait_ms": env_positive(env, ENV_MAX_QUEUE_WAIT_MS),
         }
         return dataclasses.replace(base, **{name: value for name, value in found.items() if value is not None})
 

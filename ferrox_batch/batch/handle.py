@@ -56,6 +56,7 @@ class ContinuousBatcher:
         self._budget = worker.scheduler.budget
         self._aborts = worker.aborts
         self._config = worker.scheduler.config
+        self._clock = worker.scheduler.clock  # queue deadlines are read on the scheduler's clock
         self._thread = thread
         self.store = worker.runner.store
         self.tokenizer = tokenizer
@@ -220,6 +221,7 @@ class ContinuousBatcher:
         replies = QueueSink() if sink is None else None
         request = Request(prompt, params, stop_tokens, OnceSink(replies if sink is None else sink), abort, blocks,
                           positions)
+        request.queued(self._clock(), self._config.max_queue_wait_ms)
         try:
             self._lifecycle.send(self._jobs, request)
         except DecodeError:

@@ -44,6 +44,8 @@ def text_params(
     cancel: CancelToken | None = None,
     sampling: SamplingParams | None = None,
     cache_salt: str | None = None,
+    priority: int = 0,
+    max_queue_wait_ms: int | None = None,
     **sampling_fields: Any,
 ) -> GenerationParams:
     """`GenerationParams` for text: stop strings that are one token also stop by id.
@@ -68,6 +70,8 @@ def text_params(
         cancel=cancel,
         ignore_eos=ignore_eos,
         cache_salt=cache_salt,
+        priority=priority,
+        max_queue_wait_ms=max_queue_wait_ms,
     )
 
 

@@ -124,7 +124,7 @@ class Worker:
         error = WorkerDied(cause)
         for item in self.lifecycle.mark_dead(cause, self.jobs):
             if isinstance(item, Request):
-                self.scheduler.waiting.append(item)
+                self.scheduler.waiting.add(item)
         self.scheduler.fail_all(error, self._safely)
 
     @staticmethod

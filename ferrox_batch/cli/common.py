@@ -28,6 +28,8 @@ Handler = Callable[[argparse.Namespace, Mapping[str, str]], int]
 DEFAULT_KV_MEMORY = "25 percent of available memory on the CPU, 80 percent of free GPU memory on CUDA"
 #: Read by the CLI only: `BatcherConfig` counts blocks, and bytes per block depend on the loaded model.
 ENV_KV_MEMORY = "FERROX_CB_KV_MEMORY"
+#: The bearer token `serve` requires when `--api-key` is not given (vLLM reads VLLM_API_KEY the same way).
+ENV_API_KEY = "FERROX_API_KEY"
 ENV_HOME = "FERROX_HOME"
 #: `--dtype` values: `models.device.DTYPES` plus auto (spelled out so that `--help` needs no torch;
 #: a test keeps the two equal).

@@ -22,6 +22,7 @@ from ferrox_batch.batch.config import (
     ENV_MAX_CONTEXT,
     ENV_MAX_PREFILLS_PER_TICK,
     ENV_MAX_QUEUE,
+    ENV_MAX_QUEUE_WAIT_MS,
     ENV_MAX_SEQS,
     ENV_PREFILL_CHUNK,
     ENV_PREFIX_CACHE,
@@ -41,6 +42,7 @@ from ferrox_batch.cli.common import (
     DEFAULT_COMPLETION_MAX_TOKENS,
     DEFAULT_KV_MEMORY,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
+    ENV_API_KEY,
     ENV_KV_MEMORY,
     LOG_LEVELS,
     CliError,
@@ -83,6 +85,9 @@ BATCHER_FLAGS: dict[str, tuple[str, str, str, str]] = {
     "step_target_ms": ("--step-target-ms", ENV_STEP_TARGET_MS, str(SERVING_STEP_TARGET_MS),
                        "while rows decode, a forward holds only the prompt tokens that keep it under this "
                        "many milliseconds (learnt as it runs); 0: no time target"),
+    "max_queue_wait_ms": ("--max-queue-wait-ms", ENV_MAX_QUEUE_WAIT_MS, "none",
+                          "a request still waiting for admission this many milliseconds after it arrived is "
+                          "refused with 503 queue_timeout (a request's max_queue_wait_ms wins); 0: no limit"),
 }
 #: BatcherConfig field -> (flag, environment variable (0 or 1), default shown in --help, meaning), for the
 #: on/off settings: each gets `--flag` and `--no-flag`.
@@ -91,7 +96,7 @@ BATCHER_SWITCHES: dict[str, tuple[str, str, str, str]] = {
                      "reuse the KV of cached prompt prefixes (full blocks) instead of computing them again"),
 }
 #: Flags whose 0 means "none" (the variable, like every FERROX_CB_* one, must still be positive).
-_ZERO_IS_NONE = ("step_target_ms",)
+_ZERO_IS_NONE = ("step_target_ms", "max_queue_wait_ms")
 
 
 def _add_serve(subparsers: argparse._SubParsersAction) -> None:
@@ -122,6 +127,12 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument("--max-concurrent-requests", type=positive_int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                       metavar="N", help="generation requests open at once before new ones get 503 server_busy "
                                         f"(default: {DEFAULT_MAX_CONCURRENT_REQUESTS})")
+    http.add_argument("--api-key", metavar="KEY", default=None,
+                      help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
+                           f"(${ENV_API_KEY}; default: none, the API is open)")
+    http.add_argument("--allowed-origins", metavar="ORIGINS", type=_origins, default=(),
+                      help="comma-separated browser origins allowed to call the API (CORS), or '*' for any "
+                           "(default: none, CORS off)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
     batcher = parser.add_argument_group(
         "batcher", "Each flag wins over its FERROX_CB_* variable; a malformed variable stops start-up.")
@@ -143,6 +154,22 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                              f"model's KV dtype; used when no block count is set (${ENV_KV_MEMORY}; "
                              f"default: {DEFAULT_KV_MEMORY})")
     parser.set_defaults(handler=cmd_serve)
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    origins = tuple(o.strip() for o in text.split(",") if o.strip())
+    if not origins:
+        raise argparse.ArgumentTypeError("give at least one origin (e.g. https://app.example.com) or '*'")
+    return origins
+
+
+def api_key(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:
+    """`--api-key`, else `$FERROX_API_KEY`, else None; an empty key is a mistake, not "no key"."""
+    key = args.api_key if args.api_key is not None else env.get(ENV_API_KEY)
+    if key is not None and not key.strip():
+        raise CliError(f"the API key (--api-key or ${ENV_API_KEY}) is empty: leave it unset for an open API",
+                       status=2)
+    return None if key is None else key.strip()
 
 
 def batcher_config(args: argparse.Namespace, env: Mapping[str, str]) -> BatcherConfig:
@@ -215,10 +242,11 @@ def cmd_serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     # Every setting is checked before the (slow) load: a typo fails in a second.
     config = batcher_config(args, env)
     memory = kv_memory(args, env) if config.kv_blocks is None else None
+    key = api_key(args, env)
     _setup_logging(args.log_level)
     _signals_unwind()
     try:
-        _serve(args, env, config, memory)
+        _serve(args, env, config, memory, key)
     except (KeyboardInterrupt, _Terminated):
         # Being told to stop is how a server ends: a clean stop is a success, as for gunicorn or nginx
         # (and `make serve` reports no error for a Ctrl-C).
@@ -226,7 +254,8 @@ def cmd_serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None) -> None:
+def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,
+           key: str | None) -> None:
     started = time.monotonic()
     model = load(args, env)
     from ferrox_batch.models.memory import default_kv_memory
@@ -255,7 +284,8 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
         config.context_limit(model.config.max_position_embeddings))
     serve(model, config, args.host, args.port, model_name=name, default_max_tokens=args.default_max_tokens,
           default_chat_max_tokens=args.default_chat_max_tokens,
-          max_concurrent_requests=args.max_concurrent_requests, log_level=args.log_level)
+          max_concurrent_requests=args.max_concurrent_requests, log_level=args.log_level, api_key=key,
+          allowed_origins=args.allowed_origins)
 
 
 class _Terminated(BaseException):

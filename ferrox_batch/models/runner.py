@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 
 from ferrox_batch.errors import DecodeError, InternalError, KvAllocationFailed, KvPoolExhausted
+from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.sampler import BatchSampler
@@ -78,19 +79,19 @@ class ModelRunner:
 
     # ------------------------------------------------------------- execute
 
-    def execute(self, plan: StepPlan) -> list[int | DecodeError]:
+    def execute(self, plan: StepPlan) -> list[int | TokenLogprob | DecodeError]:
         """Run `plan`'s forward, then sample every request in `plan.sampling`; one outcome each."""
         logits = self.decoder.forward([SeqChunk(seq_id, tokens) for seq_id, tokens in plan.inputs], self.store)
         sampling = plan.sampling
         if not sampling:
             return []
-        outcomes: list[int | DecodeError] = []
+        outcomes: list[int | TokenLogprob | DecodeError] = []
         ready: list[int] = []  # indices into `sampling` of the requests that have a sampler row
         for i, request in enumerate(sampling):
             if request.sampler_row is None:
                 try:
                     request.sampler_row = self.sampler.new_row(request.params.sampling, request.params.seed,
-                                                               request.prefill_tokens)
+                                                               request.prefill_tokens, request.params.logprobs)
                 except DecodeError as bad:
                     outcomes.append(bad)
                     continue
@@ -100,7 +101,7 @@ class ModelRunner:
         if picked != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
         try:
-            tokens: Sequence[int | DecodeError] = self.sampler.sample(logits, [sampling[i].sampler_row for i in ready])
+            tokens: Sequence[int | TokenLogprob | DecodeError] = self.sampler.sample(logits, [sampling[i].sampler_row for i in ready])
         except Exception as bad:  # the sampler itself failed: fail the requests it was sampling
             log.exception("sampler failed")
             tokens = [InternalError(f"sampling failed: {type(bad).__name__}: {bad}")] * len(ready)

@@ -61,6 +61,7 @@ import torch
 
 from ferrox_batch.errors import DecodeError, TokenOutOfVocab
 from ferrox_batch.generation_types import SamplingParams
+from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.models.sampling_cuts import cuts
 
 __all__ = ["MIN_TEMPERATURE", "BatchSampler", "RowSampler", "SamplingError"]
@@ -104,6 +105,7 @@ class RowSampler:
     generator: torch.Generator | None
     counts: torch.Tensor | None
     seed: int | None
+    logprobs: int | None = None  # alternatives per token when the request asked for log-probabilities
 
     @property
     def greedy(self) -> bool:
@@ -130,8 +132,10 @@ class BatchSampler:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
 
-    def new_row(self, params: SamplingParams, seed: int | None, prompt_ids: Sequence[int]) -> RowSampler:
-        """The state for one admitted request; `prompt_ids` opens its penalty window."""
+    def new_row(self, params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
+                logprobs: int | None = None) -> RowSampler:
+        """The state for one admitted request; `prompt_ids` opens its penalty window; `logprobs`: how many
+        alternatives its tokens' log-probabilities carry (None: it gets none)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {params!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
@@ -155,10 +159,11 @@ class BatchSampler:
                 # index_add_, not bincount: bincount on CUDA syncs to size its output.
                 index = torch.tensor(ids, dtype=torch.long, device=self.device)
                 counts.index_add_(0, index, torch.ones(len(ids), dtype=torch.float32, device=self.device))
-        return RowSampler(params, generator, counts, seed)
+        return RowSampler(params, generator, counts, seed, logprobs)
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[RowSampler]) -> list[int | SamplingError]:
-        """One token id per row, or a `SamplingError` for a row that cannot be sampled.
+    def sample(self, logits: torch.Tensor, rows: Sequence[RowSampler]) -> list[int | TokenLogprob | SamplingError]:
+        """One token id per row (a `TokenLogprob` for a row that asked for log-probabilities), or a
+        `SamplingError` for a row that cannot be sampled.
 
         Returned tokens are also counted into their rows' penalty windows; an
         erroring row's state is left as it was. Raises ValueError for a
@@ -173,13 +178,34 @@ class BatchSampler:
         top = x.amax(dim=-1)
         status = torch.where(top.isnan(), 1, torch.where(top == float("inf"), 2, torch.where(top == float("-inf"), 3, 0)))
         tokens = self._choose(self._penalise(x, rows), rows)
-        out: list[int | SamplingError] = []
+        scored = [i for i, row in enumerate(rows) if row.logprobs is not None]
+        logprobs = self._logprobs(x, tokens, rows, scored) if scored else {}
+        out: list[int | TokenLogprob | SamplingError] = []
         for i, (token, row) in enumerate(zip(torch.where(status == 0, tokens, -status).tolist(), rows)):
             if token < 0:
                 out.append(SamplingError(i, _PROBLEMS[-token]))
             else:
                 row.record(token)
-                out.append(token)
+                out.append(logprobs.get(i, token))
+        return out
+
+    def _logprobs(self, x: torch.Tensor, tokens: torch.Tensor, rows: Sequence[RowSampler],
+                  scored: list[int]) -> dict[int, TokenLogprob]:
+        """The model's log-probabilities (of the raw logits `x`: before penalties and every sampling
+        transform) of each scored row's token, with its top alternatives; computed for those rows only."""
+        index = torch.tensor(scored, device=x.device)
+        lp = x.index_select(0, index).log_softmax(dim=-1)
+        chosen = lp.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1).tolist()
+        k = max(rows[i].logprobs or 0 for i in scored)
+        top_v: list[list[float]] = [[] for _ in scored]
+        top_i: list[list[int]] = [[] for _ in scored]
+        if k:
+            values, ids = lp.topk(k, dim=-1)
+            top_v, top_i = values.tolist(), ids.tolist()
+        out = {}
+        for n, i in enumerate(scored):
+            want = rows[i].logprobs or 0
+            out[i] = TokenLogprob(int(tokens[i]), chosen[n], tuple(zip(top_i[n][:want], top_v[n][:want])))
         return out
 
     def distribution(self, logits: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from ferrox_batch.batch.clock import RowClock
 from ferrox_batch.errors import DecodeError, InternalError
 from ferrox_batch.generation_types import FinishReason, GenerationParams, GenerationResult
+from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.policy.stop import Matched, StopMatcher
 from ferrox_batch.policy.utf8_stream import Utf8Stream
 from ferrox_batch.scheduler.sink import OnceSink
@@ -59,6 +60,8 @@ class Request:
     blocks: int  # what its lease costs in blocks: what admission would reserve with nothing cached
     positions: int  # KV positions its lease holds: what `blocks` was priced from
     status: RequestStatus = RequestStatus.WAITING
+    queued_at: float = 0.0  # when it was submitted (the scheduler's clock, monotonic seconds)
+    deadline: float | None = None  # admission after this time is refused (`QueueTimeout`); None: never
     seq_id: int | None = None  # its KV lease, from admission on
     skips: int = 0  # times the cache-aware pick admitted a later request first (bounded)
     reserved: int = 0  # blocks admission reserved: `blocks` less the cached ones it adopted that others use
@@ -66,6 +69,10 @@ class Request:
     #: Prompt tokens adopted from the prefix cache, not computed; None when the batcher has no cache.
     cached_tokens: int | None = None
     output_ids: list[int] = field(default_factory=list)
+    #: One entry per output id when the request asked for log-probabilities (else None); `logprobs_sent`
+    #: of them went out with chunks already.
+    logprobs: list[TokenLogprob] | None = None
+    logprobs_sent: int = 0
     #: The model runner's per-request sampling state (made when it first samples); opaque here.
     sampler_row: object | None = None
     clock: RowClock | None = None
@@ -74,6 +81,17 @@ class Request:
     visible: list[str] = field(default_factory=list)
     finish: FinishReason | None = None
     error: DecodeError | None = None
+
+    @property
+    def priority(self) -> int:
+        """Admission order: lower first (`GenerationParams.priority`)."""
+        return self.params.priority
+
+    def queued(self, now: float, default_wait_ms: int | None) -> None:
+        """Stamp its arrival at `now` and its queue deadline: its own `max_queue_wait_ms`, else the batcher's."""
+        self.queued_at = now
+        wait_ms = self.params.max_queue_wait_ms if self.params.max_queue_wait_ms is not None else default_wait_ms
+        self.deadline = None if wait_ms is None else now + wait_ms / 1000
 
     # ------------------------------------------------------------ prompt
 
@@ -95,10 +113,11 @@ class Request:
 
     # ------------------------------------------------------------ lifecycle
 
-    def admitted(self, seq_id: int) -> None:
+    def admitted(self, seq_id: int, now: Callable[[], float]) -> None:
+        """Admitted with a KV lease; its row is timed on `now`, the clock its queue time was stamped on."""
         self.seq_id = seq_id
         self.status = RequestStatus.PREFILLING
-        self.clock = RowClock.start()
+        self.clock = RowClock.start(now)
         self.stops = StopMatcher(self.params.stop, self.params.stop_token_ids)
 
     def prompt_done(self) -> None:
@@ -123,9 +142,14 @@ class Request:
     # ------------------------------------------------------------ output
 
     def emit(self, text: str) -> None:
+        """Stream visible text, with the log-probabilities of the tokens generated since the last chunk."""
         if text:
             self.visible.append(text)
-            if not self.sink.chunk(text):
+            fresh: tuple[TokenLogprob, ...] = ()
+            if self.logprobs is not None:
+                fresh = tuple(self.logprobs[self.logprobs_sent:])
+                self.logprobs_sent = len(self.logprobs)
+            if not self.sink.chunk(text, fresh):
                 self.cancel()  # nobody can read what it would generate
 
     def _apply_stop_buffer(self, piece: str) -> bool:
@@ -138,7 +162,7 @@ class Request:
             return True
         return False
 
-    def push_token(self, token: int, decode: DecodeFn) -> bool:
+    def push_token(self, token: int, decode: DecodeFn, logprob: TokenLogprob | None = None) -> bool:
         """Apply one sampled token; True when the request goes on (the token must be fed to the model).
 
         A stop token ends the request and is not part of the output; a detokenizer failure fails
@@ -149,6 +173,10 @@ class Request:
             self.finish = FinishReason.STOP
             return False
         self.output_ids.append(token)
+        if logprob is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.append(logprob)
         self.clock.token()
         try:
             text = decode([token])
@@ -189,7 +217,12 @@ class Request:
             usage = Usage.new(len(self.prompt_tokens), 0)
         if self.cached_tokens is not None:
             usage = usage.with_cached_tokens(min(self.cached_tokens, len(self.prompt_tokens)))
-        self.sink.finished(GenerationResult(finish, list(self.output_ids), "".join(self.visible), usage))
+        if self.clock is not None:
+            usage = usage.with_queue_time(max(0.0, self.clock.started - self.queued_at))
+        logprobs = None
+        if self.params.logprobs is not None:
+            logprobs = tuple(self.logprobs or ())
+        self.sink.finished(GenerationResult(finish, list(self.output_ids), "".join(self.visible), usage, logprobs))
 
     def answer(self, outcome: GenerationResult | DecodeError) -> None:
         """Reply with `outcome` as it is (a refusal, or a result decided without running)."""

@@ -8,12 +8,15 @@ lists, so tests drive it with fake sampled ids and a fake KV lease table.
 1. flush: every request that finished (stop, length, cancelled, failed)
    frees its KV lease, returns its blocks to the ledger and gets its one
    reply;
-2. admit, first come first served, while `max_seqs` allows and the block
-   ledger has room for the chosen request's reservation. The chosen request
-   is the head, except with the prefix cache: then the one with the deepest
-   cached prefix among the first 8 waiting (`cache_aware.choose`: a request
+2. refuse every waiting request whose queue deadline has passed
+   (`QueueTimeout`: it is never admitted late), then admit by (priority,
+   arrival) -- lower priority values first, first come first served within
+   one -- while `max_seqs` allows and the block ledger has room for the
+   chosen request's reservation. The chosen request is the head, except with
+   the prefix cache: then the one with the deepest cached prefix among the
+   first 8 waiting of the head's priority (`cache_aware.choose`: a request
    is overtaken at most 4 times, only by a strictly deeper hit, so a cold
-   cache is exactly FIFO). A chosen request that does not fit holds the line
+   cache is exactly FIFO, and never by a less urgent request). A chosen request that does not fit holds the line
    (nothing smaller behind it is tried): a large request is never starved
    by small ones. Admission leases the request's KV, so a
    prompt token outside the vocabulary, `max_tokens = 0` or a KV store that
@@ -44,7 +47,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from typing import Protocol, Union
 
@@ -56,16 +59,19 @@ from ferrox_batch.batch.queue import QueueGate
 from ferrox_batch.batch.status import BatchStatus, PoolUsage, PrefillSnapshot, StatusReporter
 from ferrox_batch.batch.step_budget import prefill_budget
 from ferrox_batch.batch.step_cost import StepCostModel
-from ferrox_batch.errors import DecodeError, TokenOutOfVocab
+from ferrox_batch.errors import DecodeError, QueueTimeout, TokenOutOfVocab
 from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.scheduler.plan import PromptChunk, StepPlan
 from ferrox_batch.scheduler.request import DecodeFn, Request, RequestStatus
+from ferrox_batch.scheduler.waiting import WaitingQueue
 from ferrox_batch.usage import Usage
 
 log = logging.getLogger("ferrox_batch.batch")
 
-#: What the runner returns for one sampling request: a token id, or the error that stops that request.
-Sampled = Union[int, DecodeError]
+#: What the runner returns for one sampling request: a token id (with its log-probabilities, as a
+#: `TokenLogprob`, when the request asked for them), or the error that stops that request.
+Sampled = Union[int, TokenLogprob, DecodeError]
 
 
 class KvLeases(Protocol):
@@ -112,6 +118,7 @@ class Scheduler:
         vocab_size: int,
         decode: DecodeFn,
         log_interval: int = DEFAULT_DECODE_LOG_INTERVAL,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.budget = budget
@@ -121,7 +128,9 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.decode = decode
         self.prefix_cache = config.prefix_cache
-        self.waiting: deque[Request] = deque()
+        #: What `Request.queued_at` and `Request.deadline` are read on (tests pass a fake one).
+        self.clock = clock
+        self.waiting = WaitingQueue()
         self.prefilling: deque[Request] = deque()
         self.decoding: list[Request] = []
         self.carried: set[int] = set()  # abort ids kept one tick for a request not yet drained
@@ -132,8 +141,8 @@ class Scheduler:
     # ------------------------------------------------------------ intake
 
     def add(self, request: Request) -> None:
-        """A request from the channel; its queue slot is already taken."""
-        self.waiting.append(request)
+        """A request from the channel (its queue slot is already taken), queued by priority, then arrival."""
+        self.waiting.add(request)
 
     @property
     def idle(self) -> bool:
@@ -173,13 +182,22 @@ class Scheduler:
     # ---------------------------------------------------------- schedule
 
     def schedule(self) -> StepPlan:
-        """Flush, admit, and plan the next forward (empty when there is nothing to run)."""
+        """Flush, refuse what waited too long, admit, and plan the next forward (empty when there is nothing to run)."""
         self.flush()
+        self._expire(self.clock())
         self._admit()
         decodes = list(self.decoding)
         tick_tokens = self.step_cost.tick_tokens(self.config.max_batch_tokens, len(decodes),
                                                  self.config.step_target_ms)
         return StepPlan.build(decodes, self._prompt_chunks(len(decodes), tick_tokens))
+
+    def _expire(self, now: float) -> None:
+        """Refuse every waiting request whose deadline is `now` or earlier (`QueueTimeout`)."""
+        for request in self.waiting.expired(now):
+            self.queue_gate.release()
+            assert request.deadline is not None
+            limit = request.deadline - request.queued_at
+            request.answer(QueueTimeout(round((now - request.queued_at) * 1000), round(limit * 1000)))
 
     def _admit(self) -> None:
         new_seqs = new_tokens = 0
@@ -198,7 +216,7 @@ class Scheduler:
             # Accepted while still in `waiting`: if accepting it raises (a bug), a dying worker still
             # finds it there and answers it.
             refusal = self._accept(request)
-            del self.waiting[pick]
+            self.waiting.remove(request)
             self.queue_gate.release()
             if refusal is not None:
                 # Blocks go back before the reply, so a caller that reads stats() after its
@@ -220,7 +238,7 @@ class Scheduler:
         among the first `WINDOW`, within `cache_aware.choose`'s starvation bounds; else the head."""
         if not self.prefix_cache or len(self.waiting) < 2:
             return 0, []
-        window = list(islice(self.waiting, WINDOW))
+        window = self.waiting.window(WINDOW)  # only requests as urgent as the head may overtake it
         depths = [self.kv.peek(r.prefill_tokens, r.params.cache_salt)[0] for r in window]
         return choose(depths, [r.skips for r in window]), window
 
@@ -231,12 +249,13 @@ class Scheduler:
             return TokenOutOfVocab(bad, self.vocab_size)
         if request.params.max_tokens == 0:
             # The upstream never finishes such a request; here it ends at once.
-            return GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(request.prompt_tokens), 0))
+            return GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(request.prompt_tokens), 0),
+                                    None if request.params.logprobs is None else ())
         try:
             seq_id = self.kv.allocate(request.positions, request.prefill_tokens, request.params.cache_salt)
         except DecodeError as refused:
             return refused
-        request.admitted(seq_id)
+        request.admitted(seq_id, self.clock)
         request.num_computed_tokens = adopted = self.kv.length(seq_id)
         if self.prefix_cache:
             request.cached_tokens = min(adopted, len(request.prompt_tokens))
@@ -284,6 +303,8 @@ class Scheduler:
                 continue
             if isinstance(token, DecodeError):
                 request.fail(token)
+            elif isinstance(token, TokenLogprob):
+                request.push_token(token.token, self.decode, token)
             else:
                 request.push_token(token, self.decode)
         if seconds is not None and self.config.step_target_ms is not None:

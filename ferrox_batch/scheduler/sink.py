@@ -26,15 +26,18 @@ from typing import Protocol, Union
 
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import GenerationResult
+from ferrox_batch.logprobs import TokenLogprob
 
 log = logging.getLogger("ferrox_batch.batch")
 
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """A piece of visible text, streamed before the request's `Finished`."""
+    """A piece of visible text, streamed before the request's `Finished`, with the log-probabilities of the
+    tokens generated since the last chunk (when the request asked for them)."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +54,7 @@ BatcherEvent = Union[Chunk, Finished]
 class ReplySink(Protocol):
     """Receives one request's events on the worker thread; must return quickly and never block."""
 
-    def chunk(self, text: str) -> None: ...
+    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None: ...
 
     def finished(self, outcome: GenerationResult | DecodeError) -> None: ...
 
@@ -64,8 +67,8 @@ class QueueSink:
     def __init__(self) -> None:
         self.events: queue.SimpleQueue[BatcherEvent] = queue.SimpleQueue()
 
-    def chunk(self, text: str) -> None:
-        self.events.put(Chunk(text))
+    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+        self.events.put(Chunk(text, logprobs))
 
     def finished(self, outcome: GenerationResult | DecodeError) -> None:
         self.events.put(Finished(outcome))
@@ -89,12 +92,15 @@ class OnceSink:
     def answered(self) -> bool:
         return self._answered
 
-    def chunk(self, text: str) -> bool:
+    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> bool:
         """Deliver `text`; False when the sink refused it (its request should stop: nobody reads it)."""
         if self._answered:
             return False
         try:
-            self._sink.chunk(text)
+            if logprobs:
+                self._sink.chunk(text, logprobs)
+            else:  # sinks that never asked for log-probabilities need not take them
+                self._sink.chunk(text)
         except Exception:
             log.exception("a reply sink refused a chunk; its request is cancelled")
             return False

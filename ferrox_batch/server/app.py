@@ -8,9 +8,14 @@ Endpoints:
 * `GET /v1/models`: the one served model, in OpenAI's list shape;
 * `GET /health`: 200 `{"status": "ok"}`, 503 once the worker is dead;
 * `GET /metrics`: Prometheus text (see `metrics`);
-* `GET /stats`: `BatcherStats` as JSON.
+* `GET /stats`: `BatcherStats` as JSON;
+* `POST /tokenize`, `POST /detokenize`: vLLM's shapes (see `tokenization`).
 
 Every error, routing ones included, is a JSON body in the OpenAI error shape.
+Every response carries `X-Request-Id`; with `api_key` set, every route but
+`/health` and `/metrics` needs it as a bearer token (see `access`). With
+`allowed_origins`, browsers on those origins may call the API (CORS,
+Starlette's middleware, outermost so preflights never need the key).
 Nothing is global: each app has its own pools, metrics registry and state
 (`app.state.ferrox`), so several apps can live in one process. The app does
 not own the batcher: closing it is the caller's job (`serve` does); on
@@ -19,23 +24,35 @@ shutdown the app cancels whatever is still in flight and joins its pools.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from ferrox_batch.batch.handle import ContinuousBatcher
-from ferrox_batch.server.errors import error_body
-from ferrox_batch.server.generation import DEFAULT_BODY_READ_TIMEOUT_SECS, Generations, Limits
+from ferrox_batch.errors import DecodeError
+from ferrox_batch.server.access import REQUEST_ID_HEADER, AccessMiddleware
+from ferrox_batch.server.errors import error_body, error_response
+from ferrox_batch.server.generation import (
+    CLIENT_CLOSED_REQUEST,
+    DEFAULT_BODY_READ_TIMEOUT_SECS,
+    Generations,
+    Limits,
+    read_body,
+)
 from ferrox_batch.server.metrics import CONTENT_TYPE
-from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS
+from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
+from ferrox_batch.server.tokenization import detokenize, tokenize
 
 log = logging.getLogger("ferrox_batch.server")
 
@@ -59,6 +76,8 @@ def create_app(
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     prepare_threads: int = DEFAULT_PREPARE_THREADS,
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_SECS,
+    api_key: str | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """An app serving `batcher` under the name `model_name`.
 
@@ -67,6 +86,8 @@ def create_app(
     (1024); the batcher clamps any budget to the context ceiling. A generation request whose
     body has not arrived `body_read_timeout` seconds after it was accepted gets 408 and gives
     its open-request slot back. The batcher must have a tokenizer (`ContinuousBatcher.from_model`).
+    `api_key`: the bearer token every route but `/health` and `/metrics` needs (None: open).
+    `allowed_origins`: the browser origins CORS allows (`"*"` for any; empty: CORS off).
     """
     tokenizer = batcher.tokenizer
     if tokenizer is None:
@@ -99,8 +120,18 @@ def create_app(
     app.add_api_route("/health", state.health, methods=["GET"])
     app.add_api_route("/metrics", state.metrics, methods=["GET"])
     app.add_api_route("/stats", state.stats, methods=["GET"])
+    app.add_api_route("/tokenize", state.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", state.detokenize, methods=["POST"])
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
+    app.add_middleware(AccessMiddleware, api_key=api_key)  # type: ignore[arg-type]
+    origins = list(allowed_origins)
+    if any(not isinstance(o, str) or not o for o in origins):
+        raise ValueError(f"allowed_origins must be non-empty strings, got {origins!r}")
+    if origins:  # added last: the outermost layer, so a preflight is answered before any key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],  # type: ignore[arg-type]
+                           allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
+                           expose_headers=[REQUEST_ID_HEADER])
     return app
 
 
@@ -134,6 +165,27 @@ class ServerState:
 
     async def stats(self) -> dict[str, Any]:
         return self.batcher.stats().to_dict()
+
+    async def tokenize(self, request: Request) -> Response:
+        tokenizer, limit = self.generations.tokenizer, self.batcher.ceiling.limit()
+        return await self._off_loop(request, lambda body: tokenize(body, tokenizer, limit))
+
+    async def detokenize(self, request: Request) -> Response:
+        tokenizer = self.generations.tokenizer
+        return await self._off_loop(request, lambda body: detokenize(body, tokenizer))
+
+    async def _off_loop(self, request: Request, answer: Callable[[dict[str, Any]], dict[str, Any]]) -> Response:
+        """Read the body under the generation endpoints' limits, then parse and answer it on the prepare pool."""
+        limits = self.generations.limits
+        try:
+            raw = await read_body(request, limits.max_body_bytes, limits.body_read_timeout)
+            loop = asyncio.get_running_loop()
+            return JSONResponse(await loop.run_in_executor(self.generations.prepare_pool,
+                                                           lambda: answer(parse_json_object(raw))))
+        except DecodeError as refusal:
+            return error_response(refusal)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def _http_error(_request: Request, exc: Exception) -> Response:

@@ -45,6 +45,7 @@ from starlette.responses import JSONResponse, Response
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.errors import BatcherClosed, DecodeError, InvalidRequest
 from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.server.access import request_id
 from ferrox_batch.server.errors import ModelNotFound, RequestTooLarge, ServerBusy, error_body, error_response
 from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.requests import (
@@ -122,11 +123,13 @@ class Generations:
         self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), model_name)
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"
-        self._prepare_pool = concurrent.futures.ThreadPoolExecutor(limits.prepare_threads,
-                                                                   f"{self.thread_prefix}-prepare")
+        #: Where parsing, tokenizing and submitting run (and the tokenization endpoints' work): never the loop.
+        self.prepare_pool = concurrent.futures.ThreadPoolExecutor(limits.prepare_threads,
+                                                                  f"{self.thread_prefix}-prepare")
 
     async def serve(self, request: Request, *, chat: bool) -> Response:
         arrival = time.monotonic()
+        rid = request_id(request)
         try:
             # Counted before the body is read: a body that arrives slowly (or never) must not
             # keep a busy server from answering, nor hold a buffer past the limit.
@@ -135,12 +138,13 @@ class Generations:
                 raise ServerBusy(open_now, self.limits.max_concurrent_requests)
             self._preparing += 1
             try:
-                raw = await _read_body(request, self.limits.max_body_bytes, self.limits.body_read_timeout)
-                prepared = await self._prepare(raw, chat, arrival)
+                raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_read_timeout)
+                prepared = await self._prepare(raw, chat, arrival, rid)
             finally:
                 self._preparing -= 1
         except DecodeError as refusal:
             self.metrics.refused(refusal.code)
+            log.info("request %s: refused, %s (%s)", rid, refusal.http_status, refusal.code)
             response = error_response(refusal)
             if isinstance(refusal, BodyReadTimedOut):
                 # The rest of the body may still be on its way: the connection cannot carry
@@ -162,7 +166,7 @@ class Generations:
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
             if isinstance(first, Failed):
                 return _failure_response(first.error)
-            fmt: WireFormat = ChatFormat(self.model_name) if chat else CompletionFormat(self.model_name)
+            fmt: WireFormat = (ChatFormat if chat else CompletionFormat)(self.model_name, rid)
             if not stream:
                 assert isinstance(first, Done)
                 return JSONResponse(fmt.full(first.result))
@@ -174,11 +178,11 @@ class Generations:
             if not handed_off:
                 bridge.abandon()  # a no-op once answered; cancels if this handler itself was cancelled
 
-    async def _prepare(self, raw: bytes, chat: bool, arrival: float) -> _Prepared:
+    async def _prepare(self, raw: bytes, chat: bool, arrival: float, rid: str) -> _Prepared:
         """Parse, tokenize and submit on the prepare pool; a request whose handler was cancelled is cancelled."""
         loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(self._prepare_pool, self._prepare_sync, raw, chat, loop, arrival)
+            future = loop.run_in_executor(self.prepare_pool, self._prepare_sync, raw, chat, loop, arrival, rid)
         except RuntimeError:  # the pool is shut down: the server is stopping
             raise BatcherClosed() from None
         try:
@@ -187,7 +191,8 @@ class Generations:
             future.add_done_callback(_cancel_orphan)
             raise
 
-    def _prepare_sync(self, raw: bytes, chat: bool, loop: asyncio.AbstractEventLoop, arrival: float) -> _Prepared:
+    def _prepare_sync(self, raw: bytes, chat: bool, loop: asyncio.AbstractEventLoop, arrival: float,
+                      rid: str) -> _Prepared:
         body = parse_json_object(raw)
         request: CompletionRequest | ChatRequest
         if chat:
@@ -204,7 +209,7 @@ class Generations:
             ids = list(request.prompt)
         params = request.options.generation_params(self.tokenizer, request.max_tokens)
         bridge = ReplyBridge(loop, forward_text=request.stream,
-                             on_final=lambda b, final: self._answered(b, final, arrival))
+                             on_final=lambda b, final: self._answered(b, final, arrival, rid))
         bridge.ticket = self.batcher.submit(ids, params, self.tokenizer.stop_tokens, sink=bridge)
         return _Prepared(request, bridge)
 
@@ -236,13 +241,18 @@ class Generations:
         if bridge.abandon():
             self.metrics.client_disconnected()
 
-    def _answered(self, bridge: ReplyBridge, final: Final, arrival: float) -> None:
-        """The batcher answered (on the loop thread): the request leaves the in-flight set and is counted."""
+    def _answered(self, bridge: ReplyBridge, final: Final, arrival: float, rid: str) -> None:
+        """The batcher answered (on the loop thread): the request leaves the in-flight set, is counted and logged."""
         self.in_flight.discard(bridge)
         if isinstance(final, Done):
+            usage = final.result.usage
+            log.info("request %s: %s, %d prompt (%s cached) + %d completion tokens in %.2f s", rid,
+                     finish_reason(final.result.finish_reason), usage.prompt_tokens, usage.cached_tokens,
+                     usage.completion_tokens, final.finished_at - arrival)
             self.metrics.request_finished(final.result, arrival=arrival, finished_at=final.finished_at,
                                           chunk_times=bridge.chunk_times)
         elif isinstance(final.error, DecodeError):
+            log.info("request %s: refused, %s (%s)", rid, final.error.http_status, final.error.code)
             self.metrics.refused(final.error.code)
         else:
             self.metrics.refused("internal_error")
@@ -254,7 +264,7 @@ class Generations:
             bridge.abandon()
 
         def join() -> None:
-            self._prepare_pool.shutdown(wait=True, cancel_futures=True)
+            self.prepare_pool.shutdown(wait=True, cancel_futures=True)
 
         try:
             await asyncio.wait_for(asyncio.to_thread(join), SHUTDOWN_JOIN_SECS)
@@ -284,7 +294,7 @@ def _cancel_orphan(future: asyncio.Future) -> None:
         future.result().bridge.abandon()
 
 
-async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
+async def read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The whole body, or `RequestTooLarge` once it passes `limit` (the rest is read and dropped).
 
     `BodyReadTimedOut` if the whole body (the dropped rest of a too-large one included) has

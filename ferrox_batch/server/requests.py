@@ -84,11 +84,17 @@ class SamplingOptions:
     ignore_eos: bool = False
     #: The prefix cache's namespace (vLLM's field): requests share cached prompt blocks only within one.
     cache_salt: str | None = None
+    #: Admission order (vLLM's field): lower first, arrival order within one.
+    priority: int = 0
+    #: Refused with 503 queue_timeout if still waiting for admission after this long (the server's default
+    #: when None).
+    max_queue_wait_ms: int | None = None
 
     def generation_params(self, tokenizer: Tokenizer, max_tokens: int) -> GenerationParams:
         """Params for the batcher; stop strings that are one token are also stopped on by id."""
         return text_params(tokenizer, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
-                           ignore_eos=self.ignore_eos, sampling=self.sampling, cache_salt=self.cache_salt)
+                           ignore_eos=self.ignore_eos, sampling=self.sampling, cache_salt=self.cache_salt,
+                           priority=self.priority, max_queue_wait_ms=self.max_queue_wait_ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,16 +123,16 @@ class ChatRequest:
 
 def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int) -> CompletionRequest:
     refuse_not_honoured(body, COMPLETIONS)
-    fields = _Fields(body)
+    fields = Fields(body)
     common = _common(fields, default_max_tokens)
-    return CompletionRequest(prompt=_prompt(body.get("prompt")), **common)
+    return CompletionRequest(prompt=read_prompt(body.get("prompt")), **common)
 
 
 def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> ChatRequest:
     refuse_not_honoured(body, CHAT)
-    fields = _Fields(body)
+    fields = Fields(body)
     common = _common(fields, default_max_tokens)
-    return ChatRequest(messages=_messages(body.get("messages")), **common)
+    return ChatRequest(messages=read_messages(body.get("messages")), **common)
 
 
 # ---------------------------------------------------------------------------
@@ -142,7 +148,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-class _Fields:
+class Fields:
     """Typed reads of optional top-level fields; absent and null both give the default."""
 
     __slots__ = ("_body",)
@@ -178,7 +184,7 @@ class _Fields:
         return value
 
 
-def _common(fields: _Fields, default_max_tokens: int) -> dict[str, Any]:
+def _common(fields: Fields, default_max_tokens: int) -> dict[str, Any]:
     """The fields both endpoints share, as keyword arguments of the request dataclasses."""
     model = fields.raw("model")
     if model is not None and not isinstance(model, str):
@@ -196,7 +202,7 @@ def _common(fields: _Fields, default_max_tokens: int) -> dict[str, Any]:
     }
 
 
-def _max_tokens(fields: _Fields, default: int) -> int:
+def _max_tokens(fields: Fields, default: int) -> int:
     # `max_completion_tokens` is OpenAI's newer name; it wins when both are sent.
     for name in ("max_completion_tokens", "max_tokens"):
         value = fields.integer(name, None)
@@ -208,7 +214,7 @@ def _max_tokens(fields: _Fields, default: int) -> int:
     return default
 
 
-def _options(fields: _Fields) -> SamplingOptions:
+def _options(fields: Fields) -> SamplingOptions:
     top_k = fields.integer("top_k", 0)
     if top_k == -1:  # vLLM's spelling of "disabled"; clients written for it send it
         top_k = 0
@@ -227,8 +233,11 @@ def _options(fields: _Fields) -> SamplingOptions:
     salt = fields.raw("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not salt):
         raise InvalidRequest("cache_salt", salt, "must be a non-empty string")
+    # Ranges are GenerationParams' to check, as for every other field.
     return SamplingOptions(sampling=sampling, seed=seed, stop=_stop(fields.raw("stop")),
-                           ignore_eos=fields.boolean("ignore_eos", False), cache_salt=salt)
+                           ignore_eos=fields.boolean("ignore_eos", False), cache_salt=salt,
+                           priority=fields.integer("priority", 0),
+                           max_queue_wait_ms=fields.integer("max_queue_wait_ms", None))
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -254,7 +263,7 @@ def _include_usage(value: Any) -> bool:
     return include
 
 
-def _prompt(value: Any) -> str | tuple[int, ...]:
+def read_prompt(value: Any) -> str | tuple[int, ...]:
     """A string, a list of token ids, or a one-element list holding a string."""
     if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
         value = value[0]
@@ -277,7 +286,7 @@ def _prompt(value: Any) -> str | tuple[int, ...]:
     raise InvalidRequest("prompt", value, "must be a string, a list of token ids, or a list of one string")
 
 
-def _messages(value: Any) -> tuple[ChatMessage, ...]:
+def read_messages(value: Any) -> tuple[ChatMessage, ...]:
     if value is None:
         raise InvalidRequest("messages", value, "is required")
     if not isinstance(value, list):

@@ -33,9 +33,15 @@ def finish_reason(reason: FinishReason) -> str:
     return "stop" if reason.kind == "cancelled" else reason.as_str()
 
 
+#: Usage's timings -> the names the usage object carries them under (milliseconds; fields OpenAI does not
+#: define, which its clients keep as extras): where the request's time went.
+TIMINGS = {"queue_duration_ms": "queue_time_ms", "prompt_eval_duration_ms": "prefill_time_ms",
+           "generation_duration_ms": "decode_time_ms", "time_to_first_token_ms": "time_to_first_token_ms"}
+
+
 def usage_dict(usage: Usage) -> dict[str, Any]:
-    """The OpenAI usage object: the three counts (timings stay in `/metrics`), and with the prefix cache on,
-    `prompt_tokens_details.cached_tokens` as OpenAI and vLLM report it."""
+    """The OpenAI usage object: the three counts; with the prefix cache on, `prompt_tokens_details.cached_tokens`
+    as OpenAI and vLLM report it; and the timings the request has (`TIMINGS`), rounded to microseconds."""
     body: dict[str, Any] = {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
@@ -43,6 +49,10 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
     }
     if usage.cached_tokens is not None:
         body["prompt_tokens_details"] = {"cached_tokens": usage.cached_tokens}
+    for field, name in TIMINGS.items():
+        value = getattr(usage, field)
+        if value is not None:
+            body[name] = round(value, 3)
     return body
 
 
@@ -53,8 +63,9 @@ class WireFormat:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, model: str) -> None:
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+    def __init__(self, model: str, request_id: str | None = None) -> None:
+        """`request_id`: the exchange's `X-Request-Id` (a random one when None), after OpenAI's prefix."""
+        self.id = f"{self.id_prefix}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import uvicorn
@@ -57,6 +58,8 @@ def serve(
     log_level: str = "info",
     graceful_shutdown_secs: float = DEFAULT_GRACEFUL_SHUTDOWN_SECS,
     stop: threading.Event | None = None,
+    api_key: str | None = None,
+    allowed_origins: Sequence[str] = (),
 ) -> None:
     """Serve `model` (a checkpoint folder, a `.gguf` file, or a loaded model) on `host:port`; block until stopped.
 
@@ -71,7 +74,8 @@ def serve(
     try:
         app = create_app(batcher, model_name=name, default_max_tokens=default_max_tokens,
                          default_chat_max_tokens=default_chat_max_tokens, max_body_bytes=max_body_bytes,
-                         max_concurrent_requests=max_concurrent_requests)
+                         max_concurrent_requests=max_concurrent_requests, api_key=api_key,
+                         allowed_origins=allowed_origins)
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
                                 timeout_graceful_shutdown=graceful_shutdown_secs)
         server = uvicorn.Server(config)

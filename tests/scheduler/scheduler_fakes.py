@@ -121,6 +121,7 @@ class Bench:
     aborts: AbortInbox = field(default_factory=AbortInbox)
     sinks: dict[int, RecordingSink] = field(default_factory=dict)  # by abort id
     plans: list[StepPlan] = field(default_factory=list)
+    now: float = 0.0  # the scheduler's clock (seconds): tests move it
 
     def __post_init__(self) -> None:
         self.kv = FakeKv(self.config.kv_block_size, self.kv_blocks)
@@ -128,7 +129,7 @@ class Bench:
         self.scheduler = Scheduler(
             config=self.config, budget=BlockBudget(self.config.kv_block_size, self.kv_blocks, ceiling),
             queue_gate=QueueGate(self.config.max_queue), counters=Counters(), kv=self.kv, vocab_size=VOCAB,
-            decode=letters)
+            decode=letters, clock=lambda: self.now)
 
     def submit(self, prompt: Sequence[int], max_tokens: int = 4, *, stop_tokens: Sequence[int] = (),
                drained: bool = True, **params) -> Request:
@@ -140,6 +141,7 @@ class Bench:
         request = Request(list(prompt), GenerationParams(max_tokens=max_tokens, **params),
                           StopTokens(frozenset(stop_tokens)), OnceSink(sink), self.aborts.next_id(),
                           self.scheduler.budget.blocks_for(positions), positions)
+        request.queued(self.now, self.config.max_queue_wait_ms)
         self.sinks[request.abort] = sink
         if drained:
             self.scheduler.add(request)

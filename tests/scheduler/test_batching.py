@@ -19,6 +19,7 @@ instead checked against its sequential ids.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -173,7 +174,7 @@ def _prompt_request(prompt: list[int], seq_id: int) -> Request:
     """An admitted request of `prompt` leasing KV sequence `seq_id`, nothing of its prompt run yet."""
     positions = len(prompt) + 1
     request = Request(list(prompt), greedy_params(1), StopTokens.default(), OnceSink(QueueSink()), 0, 1, positions)
-    request.admitted(seq_id)
+    request.admitted(seq_id, time.monotonic)
     return request
 
 

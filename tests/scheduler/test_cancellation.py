@@ -14,6 +14,8 @@ request and the error reaches the caller.
 
 from __future__ import annotations
 
+import dataclasses
+
 from batch_helpers import (
     budget_config,
     greedy_params,
@@ -162,7 +164,10 @@ def test_a_cancelled_prefill_is_abandoned_and_gives_its_blocks_back(tiny_batch_m
     assert scheduler.budget.free() == 4 and store.blocks_held() == 0
     assert worker.aborts.aborted() == 1 and worker.counters.prefill_tokens() == 16
     chunks, finished = drain_reply(reply)
-    assert chunks == [] and finished == [GenerationResult(FinishReason.CANCELLED, [], "", Usage.new(40, 0))]
+    (result,) = finished
+    assert result.usage.queue_duration_ms >= 0  # it was admitted: its wait is known, and nothing else is
+    unqueued = dataclasses.replace(result, usage=dataclasses.replace(result.usage, queue_duration_ms=None))
+    assert chunks == [] and unqueued == GenerationResult(FinishReason.CANCELLED, [], "", Usage.new(40, 0))
 
 
 def test_cancelling_one_request_leaves_its_neighbours_running(tiny_batch_model):

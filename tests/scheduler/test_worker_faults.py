@@ -206,8 +206,8 @@ class FlakySampler(BatchSampler):
         self.failed_prompts: list[tuple[int, ...]] | None = None
         FlakySampler.instances.append(self)
 
-    def new_row(self, params, seed, prompt_ids):
-        row = super().new_row(params, seed, prompt_ids)
+    def new_row(self, params, seed, prompt_ids, logprobs=None):
+        row = super().new_row(params, seed, prompt_ids, logprobs)
         self.prompt_of[id(row)] = tuple(prompt_ids)
         return row
 

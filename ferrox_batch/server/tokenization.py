@@ -1,0 +1,55 @@
+"""`POST /tokenize` and `POST /detokenize`, in vLLM's shapes: what the server would feed the model, and back.
+
+Clients use them to count tokens before sending (budgets, truncation) and to read ids back as text. They
+promise the ids the generation endpoints would submit: `/tokenize` with `messages` and its defaults gives
+exactly the ids `/v1/chat/completions` queues for those messages, and with `prompt` exactly those of
+`/v1/completions`. `max_model_len` is the longest prompt + output a request may hold here (the context
+ceiling), which is what a client sizes against. Bad input is a 400 naming the field, as everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.server.requests import Fields, read_messages
+
+
+def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, max_model_len: int | None) -> dict[str, Any]:
+    """`{"prompt": text}` or `{"messages": [...]}` -> `{"count", "max_model_len", "tokens", "token_strs"}`."""
+    fields = Fields(body)
+    return_strs = fields.boolean("return_token_strs", False)
+    if ("prompt" in body) == ("messages" in body):
+        raise InvalidRequest("prompt", body.get("prompt"), "send exactly one of prompt and messages")
+    if "messages" in body:
+        if fields.boolean("continue_final_message", False):
+            raise InvalidRequest("continue_final_message", True, "is not supported by this server")
+        messages = read_messages(body["messages"])
+        add_generation_prompt = fields.boolean("add_generation_prompt", True)
+        try:
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        except ValueError as bad:
+            raise InvalidRequest("messages", list(messages), f"could not be rendered by the checkpoint's chat "
+                                                              f"template ({bad})") from None
+        # The template writes any BOS itself, as for the chat endpoint.
+        ids = tokenizer.encode(text, add_special_tokens=fields.boolean("add_special_tokens", False))
+    else:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise InvalidRequest("prompt", prompt, "must be a string")
+        ids = tokenizer.encode(prompt, add_special_tokens=fields.boolean("add_special_tokens", True))
+    strs = [tokenizer.decode_text([i]) for i in ids] if return_strs else None
+    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+
+
+def detokenize(body: Mapping[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
+    """`{"tokens": [ids]}` -> `{"prompt": text}`; an id outside the vocabulary is a 400."""
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        raise InvalidRequest("tokens", tokens, "must be a list of token ids")
+    try:
+        return {"prompt": tokenizer.decode_text(tokens)}
+    except ValueError as bad:
+        raise InvalidRequest("tokens", tokens, str(bad)) from None

@@ -1,0 +1,139 @@
+"""Priorities and queue deadlines in admission, with no model (a fake clock, fake KV and fake sampled ids).
+
+Pins:
+* admission goes by (priority, arrival): a more urgent request (lower value) that arrives later is admitted
+  first; with one priority the order is arrival order, as before;
+* a waiting request whose queue deadline passed is refused with `QueueTimeout` (503, Retry-After), gives its
+  queue slot back and is never admitted; a request's own `max_queue_wait_ms` wins over the batcher's;
+* the cache-aware pick never lets a less urgent request overtake the head;
+* property (hypothesis): under random arrivals, priorities, deadlines, cancels and clock steps, after every
+  tick nothing waits past its deadline and nothing was admitted at or past it, no request was admitted while
+  a more urgent one still waits, none while an earlier one of its priority still waits, and at the end every
+  request got exactly one answer and nothing is held.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scheduler_fakes import Bench
+
+from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.errors import QueueTimeout
+from ferrox_batch.generation_types import GenerationResult
+from ferrox_batch.scheduler.request import RequestStatus
+from ferrox_batch.scheduler.sink import Finished
+
+
+def admitted_order(bench: Bench, requests) -> list:
+    order, seen = [], set()
+    while not bench.scheduler.idle:
+        bench.step()
+        for r in requests:
+            if r.seq_id is not None and r.abort not in seen:
+                seen.add(r.abort)
+                order.append(r)
+    return order
+
+
+def test_a_more_urgent_request_is_admitted_first_and_one_priority_is_fifo():
+    bench = Bench(BatcherConfig(max_seqs=1, kv_block_size=4))
+    busy = bench.submit([1, 2], 3)
+    bench.step()  # `busy` holds the one row
+    late = [bench.submit([3], 2, priority=p) for p in (5, 5, 0, 5, -1, 0)]
+    assert [r.priority for r in bench.scheduler.waiting] == [-1, 0, 0, 5, 5, 5]
+    order = admitted_order(bench, late)
+    assert order == [late[4], late[2], late[5], late[0], late[1], late[3]]
+    assert busy.status is RequestStatus.FINISHED
+    bench.assert_nothing_held()
+
+
+def test_a_request_past_its_queue_deadline_is_refused_and_never_admitted():
+    bench = Bench(BatcherConfig(max_seqs=1, kv_block_size=4, max_queue_wait_ms=100))
+    busy = bench.submit([1, 2], 50)
+    bench.step()
+    default = bench.submit([3], 2)  # the batcher's 100 ms
+    longer = bench.submit([4], 2, max_queue_wait_ms=10_000)  # its own limit wins
+    shorter = bench.submit([5], 2, max_queue_wait_ms=20)
+    bench.now = 0.05
+    bench.step()
+    assert isinstance(bench.sink(shorter).result, QueueTimeout) and shorter.seq_id is None
+    assert bench.scheduler.queue_gate.depth() == 2
+    bench.now = 0.1
+    bench.step()
+    refused = bench.sink(default).result
+    assert isinstance(refused, QueueTimeout) and default.seq_id is None
+    assert (refused.waited_ms, refused.limit_ms, refused.http_status, refused.retry_after_secs) == (100, 100, 503, 1)
+    bench.aborts.enqueue(busy.abort)  # free the row: `longer` is admitted well within its 10 s
+    bench.run_until_idle()
+    assert isinstance(bench.sink(longer).result, GenerationResult) and longer.seq_id is not None
+    bench.assert_nothing_held()
+
+
+def test_the_cache_aware_pick_stays_within_the_heads_priority():
+    bench = Bench(BatcherConfig(max_seqs=1, kv_block_size=4, prefix_cache=True))
+    depths = {}
+    # Cached and unreferenced: the ledger still reserves every block, as the fake store leases them all.
+    bench.kv.peek = lambda tokens, salt: (depths.get(tuple(tokens), 0),) * 2  # type: ignore[method-assign]
+    busy = bench.submit([1], 3)
+    bench.step()
+    urgent_cold = bench.submit([7, 7], 2, priority=0)
+    relaxed_warm = bench.submit([8, 8], 2, priority=1)
+    depths[(8, 8)] = 1  # a deeper cached prefix, but less urgent
+    order = admitted_order(bench, [urgent_cold, relaxed_warm])
+    assert order == [urgent_cold, relaxed_warm] and relaxed_warm.skips == 0
+    assert busy.status is RequestStatus.FINISHED
+
+
+workload_st = st.lists(
+    st.tuples(
+        st.integers(0, 8),  # tick it arrives at
+        st.integers(-1, 2),  # priority
+        st.one_of(st.none(), st.integers(1, 400)),  # its own max_queue_wait_ms
+        st.integers(1, 12),  # prompt length
+        st.integers(1, 6),  # max_tokens
+        st.one_of(st.none(), st.integers(0, 30)),  # tick it is cancelled at
+    ),
+    min_size=1, max_size=14,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(workload=workload_st, default_wait=st.one_of(st.none(), st.integers(1, 300)), max_seqs=st.integers(1, 3),
+       kv_blocks=st.integers(6, 40), tick_ms=st.lists(st.integers(0, 60), min_size=1, max_size=8))
+def test_no_wait_past_a_deadline_no_overtaking_and_fifo_within_a_priority(workload, default_wait, max_seqs,
+                                                                          kv_blocks, tick_ms):
+    bench = Bench(BatcherConfig(max_seqs=max_seqs, kv_block_size=4, kv_blocks=kv_blocks,
+                                max_queue_wait_ms=default_wait), kv_blocks=kv_blocks)
+    submitted = []
+    for tick in range(300):
+        for arrives, priority, wait, length, max_tokens, cancel_at in workload:
+            if arrives == tick and bench.scheduler.budget.blocks_for(length + max_tokens) <= kv_blocks:
+                request = bench.submit(list(range(1, length + 1)), max_tokens, priority=priority,
+                                       max_queue_wait_ms=wait)
+                submitted.append((request, cancel_at, tick))
+        for request, cancel_at, _ in submitted:
+            if cancel_at == tick:
+                bench.aborts.enqueue(request.abort)
+        before = {r.abort for r, _, _ in submitted if r.seq_id is None}
+        bench.now += tick_ms[tick % len(tick_ms)] / 1000
+        bench.step()
+        now = bench.now
+        waiting = [r for r in bench.scheduler.waiting]
+        fresh = [r for r, _, _ in submitted if r.abort in before and r.seq_id is not None]
+        for r in waiting:
+            assert r.deadline is None or r.deadline > now, "a request waits past its deadline"
+        for r in fresh:
+            assert r.deadline is None or r.deadline > now, "a request was admitted past its deadline"
+            for w in waiting:
+                assert w.priority >= r.priority, "a less urgent request overtook a more urgent one"
+                assert w.priority != r.priority or w.abort > r.abort, "an equal priority was overtaken"
+        if tick > 8 and bench.scheduler.idle:
+            break
+    bench.assert_nothing_held()
+    for request, _, _ in submitted:
+        events = bench.sink(request).events
+        assert sum(isinstance(e, Finished) for e in events) == 1
+        outcome = events[-1].result
+        if isinstance(outcome, QueueTimeout):
+            assert request.seq_id is None and request.deadline is not None
