@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Iterator
+from typing import Any, ClassVar, Iterable, Iterator, Mapping
 
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.checks import UNLIMITED
@@ -105,6 +105,9 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
+#: OpenAI's bound on each `logit_bias` value: -100 bans a token in practice, 100 all but forces it.
+LOGIT_BIAS_LIMIT = 100
+
 #: The priorities a request may ask for: a 32-bit range, as wide as any client sends.
 PRIORITY_LIMIT = 2**31 - 1
 
@@ -120,8 +123,15 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    #: (token id, bias) pairs added to those tokens' logits before sampling (OpenAI's `logit_bias`, each
+    #: in [-100, 100]); a mapping is stored as pairs sorted by id.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
+        elif isinstance(self.logit_bias, Iterable) and not isinstance(self.logit_bias, (str, bytes)):
+            object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
         self.validate()
 
     def validate(self) -> None:
@@ -141,6 +151,18 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise InvalidRequest(name, value, "must be a number in [-2, 2]")
+        if not isinstance(self.logit_bias, tuple):
+            raise InvalidRequest("logit_bias", self.logit_bias, "must map token ids to numbers in [-100, 100]")
+        seen = set()
+        for pair in self.logit_bias:
+            if len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0:
+                raise InvalidRequest("logit_bias", pair, "keys must be token ids (integers >= 0)")
+            if not _is_number(pair[1]) or not -LOGIT_BIAS_LIMIT <= pair[1] <= LOGIT_BIAS_LIMIT:
+                raise InvalidRequest("logit_bias", pair, f"values must be numbers in [-{LOGIT_BIAS_LIMIT}, "
+                                                         f"{LOGIT_BIAS_LIMIT}]")
+            if pair[0] in seen:
+                raise InvalidRequest("logit_bias", pair, "names a token id twice")
+            seen.add(pair[0])
 
     @property
     def is_greedy(self) -> bool:

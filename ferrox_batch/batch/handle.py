@@ -185,13 +185,16 @@ class ContinuousBatcher:
 
     def submit(
         self, prompt_tokens: Sequence[int], params: GenerationParams, stop_tokens: StopTokens | None = None,
-        *, sink: ReplySink | None = None,
+        *, sink: ReplySink | None = None, after: Ticket | None = None,
     ) -> Ticket:
         """Run every refusal and queue the request without waiting; raise the typed refusal if any.
 
         `stop_tokens=None` means the model's stop tokens when the batcher has a tokenizer, else none.
         `sink`: where the worker sends the request's text and its one final event (called on the
         worker's thread; it must not block). None: a queue the returned ticket's `wait` reads.
+        `after`: the ticket of a request with the same prompt (another choice of it): this one is admitted
+        only once that one's prompt is through, so with the prefix cache it adopts the prompt's blocks
+        instead of computing them again.
         """
         prompt = _prompt_list(prompt_tokens)
         if not isinstance(params, GenerationParams):
@@ -222,6 +225,8 @@ class ContinuousBatcher:
         request = Request(prompt, params, stop_tokens, OnceSink(replies if sink is None else sink), abort, blocks,
                           positions)
         request.queued(self._clock(), self._config.max_queue_wait_ms)
+        if after is not None:
+            request.after = after.abort_id
         try:
             self._lifecycle.send(self._jobs, request)
         except DecodeError:

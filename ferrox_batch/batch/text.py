@@ -46,6 +46,7 @@ def text_params(
     cache_salt: str | None = None,
     priority: int = 0,
     max_queue_wait_ms: int | None = None,
+    logprobs: int | None = None,
     **sampling_fields: Any,
 ) -> GenerationParams:
     """`GenerationParams` for text: stop strings that are one token also stop by id.
@@ -72,6 +73,7 @@ def text_params(
         cache_salt=cache_salt,
         priority=priority,
         max_queue_wait_ms=max_queue_wait_ms,
+        logprobs=logprobs,
     )
 
 

@@ -57,6 +57,11 @@ class Ticket:
         self._answered = False  # the waiter took the worker's final event
 
     @property
+    def abort_id(self) -> int:
+        """The id the worker knows the request by (what `ContinuousBatcher.submit(after=...)` refers to)."""
+        return self._abort
+
+    @property
     def done(self) -> bool:
         return self._done.is_set()
 

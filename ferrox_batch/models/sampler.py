@@ -11,7 +11,7 @@ What it promises:
   `RepetitionPenaltyLogitsProcessor`: seen tokens' positive logits divided,
   negative multiplied; presence: minus `presence_penalty` once seen;
   frequency: minus `frequency_penalty * count`; the window is prompt ++
-  generated) -> greedy rows take the argmax of the penalised logits ->
+  generated) -> `logit_bias` added -> greedy rows take the argmax of the penalised logits ->
   temperature -> top_k -> top_p -> min_p -> inverse-CDF draw with the row's
   own uniform number.
 * Filters cut by value, so tied logits are kept or dropped together: top_k
@@ -30,6 +30,8 @@ What it promises:
 * Temperatures below 1e-5 count as greedy (as in vLLM): dividing by them only
   overflows.
 * Ids >= `vocab_size` (padding of the lm head) are never sampled.
+* Log-probabilities, for the rows that ask, are `log_softmax` of the raw
+  logits: the model's, before penalties, bias and every filter.
 * One bad row never takes the batch down: `sample` returns `int |
   SamplingError` per row, the error for a row whose logits contain NaN or
   +inf or are all -inf.
@@ -106,6 +108,7 @@ class RowSampler:
     counts: torch.Tensor | None
     seed: int | None
     logprobs: int | None = None  # alternatives per token when the request asked for log-probabilities
+    bias: torch.Tensor | None = None  # float32 [vocab] added to the logits (`logit_bias`), when any
 
     @property
     def greedy(self) -> bool:
@@ -159,7 +162,14 @@ class BatchSampler:
                 # index_add_, not bincount: bincount on CUDA syncs to size its output.
                 index = torch.tensor(ids, dtype=torch.long, device=self.device)
                 counts.index_add_(0, index, torch.ones(len(ids), dtype=torch.float32, device=self.device))
-        return RowSampler(params, generator, counts, seed, logprobs)
+        bias = None
+        if params.logit_bias:
+            ids, values = zip(*params.logit_bias)
+            if max(ids) >= self.vocab_size:
+                raise TokenOutOfVocab(max(ids), self.vocab_size)
+            bias = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
+            bias[torch.tensor(ids, device=self.device)] = torch.tensor(values, dtype=torch.float32, device=self.device)
+        return RowSampler(params, generator, counts, seed, logprobs, bias)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[RowSampler]) -> list[int | TokenLogprob | SamplingError]:
         """One token id per row (a `TokenLogprob` for a row that asked for log-probabilities), or a
@@ -177,7 +187,7 @@ class BatchSampler:
         # any +inf, and is -inf only when the whole row is.
         top = x.amax(dim=-1)
         status = torch.where(top.isnan(), 1, torch.where(top == float("inf"), 2, torch.where(top == float("-inf"), 3, 0)))
-        tokens = self._choose(self._penalise(x, rows), rows)
+        tokens = self._choose(self._biased(self._penalise(x, rows), rows), rows)
         scored = [i for i, row in enumerate(rows) if row.logprobs is not None]
         logprobs = self._logprobs(x, tokens, rows, scored) if scored else {}
         out: list[int | TokenLogprob | SamplingError] = []
@@ -213,7 +223,7 @@ class BatchSampler:
 
         Draws nothing and records nothing; for tests and log-probabilities.
         """
-        x = self._penalise(self._checked(logits, rows), rows)
+        x = self._biased(self._penalise(self._checked(logits, rows), rows), rows)
         out = torch.zeros_like(x)
         if not rows:
             return out
@@ -264,6 +274,17 @@ class BatchSampler:
             l = l - presence * seen
         # Out of place: `x` may be a view of the caller's logits.
         return l if index is None else x.index_copy(0, index, l)
+
+    @staticmethod
+    def _biased(x: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
+        """`logit_bias` added to the rows that have one, in one op (out of place, as the penalties)."""
+        biased = [i for i, row in enumerate(rows) if row.bias is not None]
+        if not biased:
+            return x
+        bias = torch.stack([rows[i].bias for i in biased])  # type: ignore[misc]
+        if len(biased) == len(rows):
+            return x + bias
+        return x.index_add(0, torch.tensor(biased, device=x.device), bias)
 
     def _choose(self, x: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
         sampled = [i for i, row in enumerate(rows) if not row.greedy]

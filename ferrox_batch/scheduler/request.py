@@ -62,6 +62,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     queued_at: float = 0.0  # when it was submitted (the scheduler's clock, monotonic seconds)
     deadline: float | None = None  # admission after this time is refused (`QueueTimeout`); None: never
+    #: The abort id of a request whose prompt this one repeats (another choice of one prompt): it is
+    #: admitted only once that prompt is through, so it adopts the prompt's cached blocks. None: no one.
+    after: int | None = None
     seq_id: int | None = None  # its KV lease, from admission on
     skips: int = 0  # times the cache-aware pick admitted a later request first (bounded)
     reserved: int = 0  # blocks admission reserved: `blocks` less the cached ones it adopted that others use

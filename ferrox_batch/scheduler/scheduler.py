@@ -30,7 +30,7 @@ lists, so tests drive it with fake sampled ids and a fake KV lease table.
 
 `update()` advances each request by what the forward computed (checked
 against the KV store's own lengths), moves prompts that are through to
-decoding, applies each sampled token (stop tokens, stop strings, length,
+decoding (offering their full prompt blocks to the prefix cache), applies each sampled token (stop tokens, stop strings, length,
 streaming text to the request's sink), learns the tick's cost and flushes.
 
 Prompt order: with one prompt a tick an unfinished prompt goes to the back
@@ -59,7 +59,7 @@ from ferrox_batch.batch.queue import QueueGate
 from ferrox_batch.batch.status import BatchStatus, PoolUsage, PrefillSnapshot, StatusReporter
 from ferrox_batch.batch.step_budget import prefill_budget
 from ferrox_batch.batch.step_cost import StepCostModel
-from ferrox_batch.errors import DecodeError, QueueTimeout, TokenOutOfVocab
+from ferrox_batch.errors import DecodeError, InvalidRequest, QueueTimeout, TokenOutOfVocab
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.scheduler.plan import PromptChunk, StepPlan
@@ -202,8 +202,9 @@ class Scheduler:
     def _admit(self) -> None:
         new_seqs = new_tokens = 0
         while self.waiting and len(self.decoding) + len(self.prefilling) < self.config.max_seqs:
-            pick, window = self._pick()
-            request = self.waiting[pick]
+            request, window, pick = self._pick()
+            if request is None:
+                break  # every waiting request follows a prompt still being computed
             # Adopted blocks cost the ledger nothing when another lease already references them, and
             # one each when they sit unreferenced in the cache (reclaimable, so counted as free).
             adopted, unreferenced = self.kv.peek(request.prefill_tokens, request.params.cache_salt)
@@ -233,20 +234,31 @@ class Scheduler:
             self.counters.record_peak(self.budget.total - self.budget.free() if self.budget.total is not None
                                       else sum(r.reserved for r in self.admitted()))
 
-    def _pick(self) -> tuple[int, list[Request]]:
-        """Which waiting request to admit: with the prefix cache, the one with the deepest cached prefix
-        among the first `WINDOW`, within `cache_aware.choose`'s starvation bounds; else the head."""
-        if not self.prefix_cache or len(self.waiting) < 2:
-            return 0, []
-        window = self.waiting.window(WINDOW)  # only requests as urgent as the head may overtake it
+    def _pick(self) -> tuple[Request | None, list[Request], int]:
+        """Which waiting request to admit, the window it was chosen from and its place there: with the prefix
+        cache, the one with the deepest cached prefix among the first `WINDOW` of the head's priority,
+        within `cache_aware.choose`'s starvation bounds; else the head. A request that follows a prompt
+        not yet through (`Request.after`) is passed over until it is."""
+        held = None
+        if self.waiting.followers:
+            computing = {r.abort for r in self.waiting} | {r.abort for r in self.prefilling}
+            held = lambda r: r.after in computing  # noqa: E731
+        window = self.waiting.window(WINDOW if self.prefix_cache else 1, held)
+        if len(window) < 2:
+            return (window[0] if window else None), [], 0
         depths = [self.kv.peek(r.prefill_tokens, r.params.cache_salt)[0] for r in window]
-        return choose(depths, [r.skips for r in window]), window
+        pick = choose(depths, [r.skips for r in window])
+        return window[pick], window, pick
 
     def _accept(self, request: Request) -> GenerationResult | DecodeError | None:
         """Lease the request's KV and start it; or the answer it gets at once."""
         bad = next((t for t in request.prompt_tokens if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             return TokenOutOfVocab(bad, self.vocab_size)
+        biased = next((t for t, _ in request.params.sampling.logit_bias if t >= self.vocab_size), None)
+        if biased is not None:
+            return InvalidRequest("logit_bias", biased, f"names a token id outside the model's vocabulary of "
+                                                        f"{self.vocab_size}")
         if request.params.max_tokens == 0:
             # The upstream never finishes such a request; here it ends at once.
             return GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(request.prompt_tokens), 0),
@@ -330,6 +342,11 @@ class Scheduler:
                 self.prefilling.remove(request)
                 request.prompt_done()
                 self.decoding.append(request)
+                # Its prompt's full blocks are final now: offered to the cache at once, so a request
+                # admitted while this one still decodes (the next turn of a chat, another choice of the
+                # same prompt) adopts them instead of waiting for this one to finish.
+                assert request.seq_id is not None
+                self.kv.publish(request.seq_id, request.prefill_tokens)
             elif self.config.max_prefills_per_tick == 1:
                 self.prefilling.remove(request)
                 self.prefilling.append(request)

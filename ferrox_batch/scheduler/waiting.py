@@ -8,14 +8,16 @@ It promises:
 * **Deadlines.** `expired(now)` takes out every request whose queue deadline is `now` or earlier, from
   anywhere in the queue, with a heap so that a tick without expiries costs nothing but a peek.
 * **The cache-aware window.** `window(n)`: the first `n` requests of the head's priority, the only ones
-  the cache-aware pick may choose among, so a less urgent request never overtakes a more urgent one.
+  the cache-aware pick may choose among, so a less urgent request never overtakes a more urgent one. A
+  request held back (it follows another request's prompt that is not through yet) is passed over, and
+  holds nobody up.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from itertools import islice, takewhile
 
 from ferrox_batch.scheduler.request import Request, RequestStatus
@@ -27,6 +29,7 @@ class WaitingQueue:
         #: (deadline, abort id, request) of the waiting requests that have a deadline; entries of requests
         #: that left the queue some other way are dropped when they reach the top.
         self._deadlines: list[tuple[float, int, Request]] = []
+        self._has_followers = False  # set once any request with `after` arrived: a cheap fast path
 
     def add(self, request: Request) -> None:
         """Queue `request` after every waiting request of its priority or a more urgent one."""
@@ -34,6 +37,7 @@ class WaitingQueue:
         while at > 0 and self._queue[at - 1].priority > request.priority:
             at -= 1
         self._queue.insert(at, request)
+        self._has_followers = self._has_followers or request.after is not None
         if request.deadline is not None:
             heapq.heappush(self._deadlines, (request.deadline, request.abort, request))
 
@@ -51,12 +55,24 @@ class WaitingQueue:
                 out.append(request)
         return out
 
-    def window(self, size: int) -> list[Request]:
-        """The first `size` requests of the head's priority (empty when nothing waits)."""
-        if not self._queue:
+    def window(self, size: int, held: Callable[[Request], bool] | None = None) -> list[Request]:
+        """The first `size` requests of the head's priority (empty when nothing waits). With `held`, the
+        requests it holds back are passed over first: the head is the first one it does not hold."""
+        if held is None:
+            queue: Iterable[Request] = self._queue
+        else:
+            queue = (r for r in self._queue if not held(r))
+        queue = iter(queue)
+        head = next(queue, None)
+        if head is None:
             return []
-        head = self._queue[0].priority
-        return list(takewhile(lambda r: r.priority == head, islice(self._queue, size)))
+        rest = takewhile(lambda r: r.priority == head.priority, queue)
+        return [head, *islice(rest, size - 1)]
+
+    @property
+    def followers(self) -> int:
+        """Waiting requests that follow another's prompt (`Request.after`)."""
+        return sum(1 for r in self._queue if r.after is not None) if self._has_followers else 0
 
     def remove(self, request: Request) -> None:
         """Take out a request that leaves without expiring (admitted, refused or cancelled)."""

@@ -45,8 +45,10 @@ from starlette.responses import JSONResponse, Response
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.errors import BatcherClosed, DecodeError, InvalidRequest
 from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.usage import Usage
 from ferrox_batch.server.access import request_id
 from ferrox_batch.server.errors import ModelNotFound, RequestTooLarge, ServerBusy, error_body, error_response
+from ferrox_batch.server.choices import best, candidate_params, merged
 from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.requests import (
     ChatRequest,
@@ -58,6 +60,7 @@ from ferrox_batch.server.requests import (
 from ferrox_batch.server.responses import DONE, ChatFormat, CompletionFormat, WireFormat, finish_reason, sse
 from ferrox_batch.server.streaming import (
     Done,
+    Event,
     EventStreamResponse,
     Failed,
     Final,
@@ -107,7 +110,7 @@ class Limits:
 @dataclass(frozen=True, slots=True)
 class _Prepared:
     request: CompletionRequest | ChatRequest
-    bridge: ReplyBridge
+    bridges: list[ReplyBridge]  # one per choice (per `best_of` candidate), in order
 
 
 class Generations:
@@ -153,30 +156,45 @@ class Generations:
             return response
         except ClientDisconnect:  # gone while sending the body: nothing was submitted
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        stream = prepared.request.stream
-        bridge = prepared.bridge
-        if bridge.final is None:  # the worker may have answered already (a refusal at admission)
-            self.in_flight.add(bridge)
+        bridges = prepared.bridges
+        for bridge in bridges:
+            if bridge.final is None:  # the worker may have answered already (a refusal at admission)
+                self.in_flight.add(bridge)
         disconnected = asyncio.ensure_future(wait_for_disconnect(request.receive))
+        events = merged(bridges)
         handed_off = False
         try:
-            first = await next_or_disconnect(bridge, disconnected)
+            first = await next_or_disconnect(lambda: anext(events), disconnected)
             if first is None:
-                self._abandon(bridge)
+                self._abandon(*bridges)
                 return Response(status_code=CLIENT_CLOSED_REQUEST)
-            if isinstance(first, Failed):
-                return _failure_response(first.error)
-            fmt: WireFormat = (ChatFormat if chat else CompletionFormat)(self.model_name, rid)
-            if not stream:
-                assert isinstance(first, Done)
-                return JSONResponse(fmt.full(first.result))
+            if isinstance(first[1], Failed):
+                return _failure_response(first[1].error)
+            asked = prepared.request.options.logprobs is not None
+            fmt: WireFormat = (ChatFormat if chat else CompletionFormat)(self.model_name, rid,
+                                                                          self.tokenizer if asked else None)
+            if not prepared.request.stream:
+                # A request that does not stream gets no `Text` events: the next event of each choice is final.
+                finals = dict([first])
+                while len(finals) < len(bridges):
+                    got = await next_or_disconnect(lambda: anext(events), disconnected)
+                    if got is None:
+                        self._abandon(*bridges)
+                        return Response(status_code=CLIENT_CLOSED_REQUEST)
+                    if isinstance(got[1], Failed):
+                        return _failure_response(got[1].error)
+                    finals[got[0]] = got[1]
+                results = [finals[i].result for i in range(len(bridges))]  # type: ignore[union-attr]
+                return JSONResponse(fmt.full(best(results, prepared.request.n, asked), [r.usage for r in results]))
             handed_off = True
-            return EventStreamResponse(self._events(first, bridge, fmt, prepared.request.include_usage),
-                                       on_close=lambda: self._abandon(bridge))
+            return EventStreamResponse(self._events(first, events, fmt, prepared.request.include_usage, len(bridges)),
+                                       on_close=lambda: self._abandon(*bridges))
         finally:
             disconnected.cancel()
             if not handed_off:
-                bridge.abandon()  # a no-op once answered; cancels if this handler itself was cancelled
+                await events.aclose()
+                for bridge in bridges:
+                    bridge.abandon()  # a no-op once answered; cancels if this handler itself was cancelled
 
     async def _prepare(self, raw: bytes, chat: bool, arrival: float, rid: str) -> _Prepared:
         """Parse, tokenize and submit on the prepare pool; a request whose handler was cancelled is cancelled."""
@@ -208,37 +226,54 @@ class Generations:
         else:
             ids = list(request.prompt)
         params = request.options.generation_params(self.tokenizer, request.max_tokens)
-        bridge = ReplyBridge(loop, forward_text=request.stream,
-                             on_final=lambda b, final: self._answered(b, final, arrival, rid))
-        bridge.ticket = self.batcher.submit(ids, params, self.tokenizer.stop_tokens, sink=bridge)
-        return _Prepared(request, bridge)
+        bridges: list[ReplyBridge] = []
+        try:
+            for candidate in candidate_params(params, request.best_of, request.best_of > request.n):
+                bridge = ReplyBridge(loop, forward_text=request.stream,
+                                     on_final=lambda b, final: self._answered(b, final, arrival, rid))
+                # Every choice after the first follows its prompt: admitted once that prompt is through,
+                # it adopts the prompt's cached blocks (`choices`).
+                bridge.ticket = self.batcher.submit(ids, candidate, self.tokenizer.stop_tokens, sink=bridge,
+                                                    after=bridges[0].ticket if bridges else None)
+                bridges.append(bridge)
+        except BaseException:
+            for bridge in bridges:  # a later candidate was refused: the request fails whole
+                bridge.abandon()
+            raise
+        return _Prepared(request, bridges)
 
     @staticmethod
-    async def _events(first: Text | Done, bridge: ReplyBridge, fmt: WireFormat,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+    async def _events(first: tuple[int, Text | Done], events: AsyncIterator[tuple[int, Event]], fmt: WireFormat,
+                      include_usage: bool, choices: int) -> AsyncIterator[bytes]:
         """The SSE body from the first event on (the response cancels the request if it ends early)."""
-        for chunk in fmt.opening_chunks():
+        for chunk in fmt.opening_chunks(choices):
             yield sse(chunk)
-        event = first
+        sent = [0] * choices  # log-probabilities streamed so far, per choice
+        usages: dict[int, Usage] = {}
+        index, event = first
         while True:
             if isinstance(event, Text):
                 if event.text:
-                    yield sse(fmt.text_chunk(event.text))
+                    yield sse(fmt.text_chunk(index, event.text, event.logprobs))
+                    sent[index] += len(event.logprobs)
             elif isinstance(event, Done):
-                yield sse(fmt.final_chunk(finish_reason(event.result.finish_reason)))
-                if include_usage:
-                    yield sse(fmt.usage_chunk(event.result.usage))
-                yield DONE
-                return
+                rest = (event.result.logprobs or ())[sent[index]:]
+                yield sse(fmt.final_chunk(index, finish_reason(event.result.finish_reason), rest))
+                usages[index] = event.result.usage
+                if len(usages) == choices:
+                    if include_usage:
+                        yield sse(fmt.usage_chunk([usages[i] for i in range(choices)]))
+                    yield DONE
+                    return
             else:  # a failure after text went out: reported in-band, as OpenAI streams do
                 yield sse(error_body(event.error))
                 yield DONE
                 return
-            event = await bridge.next_event()
+            index, event = await anext(events)
 
-    def _abandon(self, bridge: ReplyBridge) -> None:
-        """The client is gone: cancel its request if the batcher has not answered it yet."""
-        if bridge.abandon():
+    def _abandon(self, *bridges: ReplyBridge) -> None:
+        """The client is gone: cancel its requests the batcher has not answered yet (counted once)."""
+        if [bridge.abandon() for bridge in bridges].count(True):
             self.metrics.client_disconnected()
 
     def _answered(self, bridge: ReplyBridge, final: Final, arrival: float, rid: str) -> None:
@@ -291,7 +326,8 @@ def _failure_response(error: BaseException) -> Response:
 
 def _cancel_orphan(future: asyncio.Future) -> None:
     if not future.cancelled() and future.exception() is None:
-        future.result().bridge.abandon()
+        for bridge in future.result().bridges:
+            bridge.abandon()
 
 
 async def read_body(request: Request, limit: int, timeout: float) -> bytes:

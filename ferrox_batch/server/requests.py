@@ -10,7 +10,7 @@ What it promises:
 * Unknown fields are ignored, as OpenAI does; `null` means "absent" for every
   optional field.
 * Fields OpenAI defines that this server cannot honour yet (tools, structured
-  output, logit bias, log probabilities, echo, best_of, suffix) are a 400
+  output, echo, suffix) are a 400
   naming the field, never silently dropped; the one value of each that asks
   for nothing (`tools: []`, `logprobs: false`, ...) is accepted, because
   common clients send it.
@@ -21,8 +21,8 @@ What it promises:
 * Error messages quote at most `errors.SHOWN_CHARS` characters of the
   offending value (`InvalidRequest` shortens it), so a 1 MB field cannot make
   a 1 MB error body.
-* `n` other than 1 and batched prompts are refused clearly (one request, one
-  completion).
+* `n` (up to `choices.MAX_CHOICES`) and completions' `best_of` fan out into
+  rows of the batch (`choices`); batched prompts are refused clearly.
 
 Defaults when `max_tokens` / `max_completion_tokens` are absent are supplied
 by the caller (`create_app`): OpenAI's 16 for completions, 1024 for chat.
@@ -39,7 +39,9 @@ from ferrox_batch.batch.text import text_params
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
 from ferrox_batch.generation_types import GenerationParams, SamplingParams
+from ferrox_batch.logprobs import MAX_TOP_LOGPROBS
 from ferrox_batch.models.tokenizer import ChatMessage, Tokenizer
+from ferrox_batch.server.choices import MAX_CHOICES
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS, refuse_not_honoured
 
 #: OpenAI's documented default for `/v1/completions`.
@@ -89,12 +91,15 @@ class SamplingOptions:
     #: Refused with 503 queue_timeout if still waiting for admission after this long (the server's default
     #: when None).
     max_queue_wait_ms: int | None = None
+    #: Alternatives per token when the request asked for log-probabilities; None: it did not.
+    logprobs: int | None = None
 
     def generation_params(self, tokenizer: Tokenizer, max_tokens: int) -> GenerationParams:
         """Params for the batcher; stop strings that are one token are also stopped on by id."""
         return text_params(tokenizer, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
                            ignore_eos=self.ignore_eos, sampling=self.sampling, cache_salt=self.cache_salt,
-                           priority=self.priority, max_queue_wait_ms=self.max_queue_wait_ms)
+                           priority=self.priority, max_queue_wait_ms=self.max_queue_wait_ms,
+                           logprobs=self.logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +112,8 @@ class CompletionRequest:
     options: SamplingOptions
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices returned
+    best_of: int = 1  # candidates generated, the best `n` returned (>= n)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,20 +126,52 @@ class ChatRequest:
     options: SamplingOptions
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices returned
+
+    @property
+    def best_of(self) -> int:
+        """Chat has no `best_of`: every candidate is returned."""
+        return self.n
 
 
 def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int) -> CompletionRequest:
     refuse_not_honoured(body, COMPLETIONS)
     fields = Fields(body)
-    common = _common(fields, default_max_tokens)
-    return CompletionRequest(prompt=read_prompt(body.get("prompt")), **common)
+    common = _common(fields, default_max_tokens, _completion_logprobs(fields))
+    best_of = fields.integer("best_of", common["n"])
+    if not common["n"] <= best_of <= MAX_CHOICES:
+        raise InvalidRequest("best_of", best_of, f"must be an integer in [n, {MAX_CHOICES}] (n is {common['n']})")
+    if best_of > common["n"] and common["stream"]:
+        raise InvalidRequest("best_of", best_of, "cannot be streamed above n: the best are known only at the end")
+    return CompletionRequest(prompt=read_prompt(body.get("prompt")), best_of=best_of, **common)
 
 
 def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> ChatRequest:
     refuse_not_honoured(body, CHAT)
     fields = Fields(body)
-    common = _common(fields, default_max_tokens)
+    common = _common(fields, default_max_tokens, _chat_logprobs(fields))
     return ChatRequest(messages=read_messages(body.get("messages")), **common)
+
+
+def _completion_logprobs(fields: Fields) -> int | None:
+    """Completions' `logprobs`: how many alternatives per token (0 still asks for the sampled token's);
+    `false`, which some clients send, asks for none."""
+    if fields.raw("logprobs") is False:
+        return None
+    return fields.integer("logprobs", None)  # the range is GenerationParams' to check
+
+
+def _chat_logprobs(fields: Fields) -> int | None:
+    """Chat's `logprobs: true` with `top_logprobs: k` (0 to 20) alternatives per token."""
+    top = fields.integer("top_logprobs", None)
+    if not fields.boolean("logprobs", False):
+        if top:
+            raise InvalidRequest("top_logprobs", top, "needs logprobs: true")
+        return None
+    top = 0 if top is None else top
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise InvalidRequest("top_logprobs", top, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+    return top
 
 
 # ---------------------------------------------------------------------------
@@ -184,19 +223,19 @@ class Fields:
         return value
 
 
-def _common(fields: Fields, default_max_tokens: int) -> dict[str, Any]:
+def _common(fields: Fields, default_max_tokens: int, logprobs: int | None) -> dict[str, Any]:
     """The fields both endpoints share, as keyword arguments of the request dataclasses."""
     model = fields.raw("model")
     if model is not None and not isinstance(model, str):
         raise InvalidRequest("model", model, "must be a string")
     n = fields.integer("n", 1)
-    if n != 1:
-        raise InvalidRequest("n", n, "is not supported above 1: this server returns one choice per request "
-                               "(send n separate requests)")
+    if not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequest("n", n, f"must be an integer in [1, {MAX_CHOICES}]")
     return {
         "model": model,
+        "n": n,
         "max_tokens": _max_tokens(fields, default_max_tokens),
-        "options": _options(fields),
+        "options": _options(fields, logprobs),
         "stream": fields.boolean("stream", False),
         "include_usage": _include_usage(fields.raw("stream_options")),
     }
@@ -214,7 +253,7 @@ def _max_tokens(fields: Fields, default: int) -> int:
     return default
 
 
-def _options(fields: Fields) -> SamplingOptions:
+def _options(fields: Fields, logprobs: int | None) -> SamplingOptions:
     top_k = fields.integer("top_k", 0)
     if top_k == -1:  # vLLM's spelling of "disabled"; clients written for it send it
         top_k = 0
@@ -226,6 +265,7 @@ def _options(fields: Fields) -> SamplingOptions:
         repetition_penalty=fields.number("repetition_penalty", 1.0),
         presence_penalty=fields.number("presence_penalty", 0.0),
         frequency_penalty=fields.number("frequency_penalty", 0.0),
+        logit_bias=_logit_bias(fields.raw("logit_bias")),
     )
     seed = fields.integer("seed", None)
     if seed is not None and not 0 <= seed <= UNLIMITED:
@@ -237,7 +277,23 @@ def _options(fields: Fields) -> SamplingOptions:
     return SamplingOptions(sampling=sampling, seed=seed, stop=_stop(fields.raw("stop")),
                            ignore_eos=fields.boolean("ignore_eos", False), cache_salt=salt,
                            priority=fields.integer("priority", 0),
-                           max_queue_wait_ms=fields.integer("max_queue_wait_ms", None))
+                           max_queue_wait_ms=fields.integer("max_queue_wait_ms", None), logprobs=logprobs)
+
+
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `{"token id": bias}` (JSON keys are strings) as (id, bias) pairs; ranges are SamplingParams'."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidRequest("logit_bias", value, "must be an object mapping token ids to numbers")
+    pairs = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise InvalidRequest("logit_bias", key, "keys must be token ids (decimal integers)")
+        if not _is_number(bias):
+            raise InvalidRequest("logit_bias", bias, "values must be numbers in [-100, 100]")
+        pairs.append((int(key), bias))
+    return tuple(sorted(pairs))
 
 
 def _stop(value: Any) -> tuple[str, ...]:

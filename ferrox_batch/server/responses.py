@@ -6,17 +6,24 @@ chunk of a stream carries the same three, as OpenAI's do. Completions stream
 `chat.completion.chunk` objects with a `delta`, the first of which carries
 `role: assistant`. Every stream ends with a chunk holding the
 `finish_reason`, then (when asked) a usage chunk with `choices: []`, then
-`data: [DONE]`.
+`data: [DONE]`. A request that asked for log-probabilities gets them on every
+choice, in the endpoint's shape (`logprob_shapes`): a stream's chunk carries
+those of the tokens generated since the previous chunk.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.server.logprob_shapes import LogprobShapes
 from ferrox_batch.usage import Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -39,6 +46,16 @@ TIMINGS = {"queue_duration_ms": "queue_time_ms", "prompt_eval_duration_ms": "pre
            "generation_duration_ms": "decode_time_ms", "time_to_first_token_ms": "time_to_first_token_ms"}
 
 
+def combined_usage(usages: Sequence[Usage]) -> Usage:
+    """One request's usage over its choices: the prompt once (the first choice's, with its cache hits and
+    timings), the completion tokens of every choice generated (with `best_of`, those not returned too)."""
+    first = usages[0]
+    if len(usages) == 1:
+        return first
+    return dataclasses.replace(first, completion_tokens=sum(u.completion_tokens for u in usages),
+                               total_tokens=None)
+
+
 def usage_dict(usage: Usage) -> dict[str, Any]:
     """The OpenAI usage object: the three counts; with the prefix cache on, `prompt_tokens_details.cached_tokens`
     as OpenAI and vLLM report it; and the timings the request has (`TIMINGS`), rounded to microseconds."""
@@ -57,39 +74,73 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
 
 
 class WireFormat:
-    """Shapes for one request: `full` for a whole answer, the `*_chunk` methods for a stream."""
+    """Shapes for one request: `full` for a whole answer, the `*_chunk` methods for a stream.
+
+    A request may have several choices (`n`); every choice-level shape takes the choice's `index`.
+    """
 
     id_prefix = ""
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, model: str, request_id: str | None = None) -> None:
-        """`request_id`: the exchange's `X-Request-Id` (a random one when None), after OpenAI's prefix."""
+    def __init__(self, model: str, request_id: str | None = None, logprobs: Tokenizer | None = None) -> None:
+        """`request_id`: the exchange's `X-Request-Id` (a random one when None), after OpenAI's prefix.
+        `logprobs`: the tokenizer that names the tokens of the request's log-probabilities (None: it asked
+        for none)."""
         self.id = f"{self.id_prefix}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
+        self._tokenizer = logprobs
+        self._shapes: dict[int, LogprobShapes] = {}  # per choice: a completion's text offset runs per choice
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, result: GenerationResult) -> dict[str, Any]:
-        body = self._envelope(self.object_full, [self._full_choice(result)])
-        body["usage"] = usage_dict(result.usage)
+    def full(self, results: Sequence[GenerationResult], usages: Sequence[Usage] | None = None) -> dict[str, Any]:
+        """The whole answer: one choice per result, in order; usage counts the prompt once, and the completion
+        tokens of `usages` (every candidate generated; default: the results')."""
+        choices = []
+        for index, result in enumerate(results):
+            choice = self._full_choice(result)
+            choice["index"] = index
+            choice["logprobs"] = self._logprobs(index, result.logprobs or ())
+            choices.append(choice)
+        body = self._envelope(self.object_full, choices)
+        body["usage"] = usage_dict(combined_usage(usages if usages is not None else [r.usage for r in results]))
         return body
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
+    def opening_chunks(self, choices: int) -> list[dict[str, Any]]:
         return []
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, [self._chunk_choice(text, None)])
+    def text_chunk(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+        choice = self._chunk_choice(text, None)
+        choice["index"] = index
+        choice["logprobs"] = self._logprobs(index, logprobs)
+        return self._envelope(self.object_chunk, [choice])
 
-    def final_chunk(self, reason: str) -> dict[str, Any]:
-        return self._envelope(self.object_chunk, [self._chunk_choice(None, reason)])
+    def final_chunk(self, index: int, reason: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+        """The choice's chunk with its finish reason; `logprobs`: those of tokens whose text no chunk carried
+        (text held back for a stop string that then matched)."""
+        choice = self._chunk_choice(None, reason)
+        choice["index"] = index
+        choice["logprobs"] = self._logprobs(index, logprobs) if logprobs else None
+        return self._envelope(self.object_chunk, [choice])
 
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
+    def usage_chunk(self, usages: Sequence[Usage]) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, [])
-        body["usage"] = usage_dict(usage)
+        body["usage"] = usage_dict(combined_usage(usages))
         return body
+
+    def _logprobs(self, index: int, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+        if self._tokenizer is None:
+            return None
+        shapes = self._shapes.get(index)
+        if shapes is None:
+            shapes = self._shapes[index] = LogprobShapes(self._tokenizer)
+        return self._shape(shapes, entries)
+
+    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        raise NotImplementedError
 
     def _full_choice(self, result: GenerationResult) -> dict[str, Any]:
         raise NotImplementedError
@@ -107,6 +158,9 @@ class CompletionFormat(WireFormat):
         return {"index": 0, "text": result.text, "logprobs": None,
                 "finish_reason": finish_reason(result.finish_reason)}
 
+    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        return shapes.completion(entries)
+
     def _chunk_choice(self, text: str | None, reason: str | None) -> dict[str, Any]:
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
 
@@ -120,9 +174,13 @@ class ChatFormat(WireFormat):
         return {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
                 "finish_reason": finish_reason(result.finish_reason)}
 
-    def opening_chunks(self) -> list[dict[str, Any]]:
+    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        return shapes.chat(entries)
+
+    def opening_chunks(self, choices: int) -> list[dict[str, Any]]:
         return [self._envelope(self.object_chunk, [
-            {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])]
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            for i in range(choices)]
 
     def _chunk_choice(self, text: str | None, reason: str | None) -> dict[str, Any]:
         delta = {} if text is None else {"content": text}

@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
 from starlette.responses import Response
@@ -45,13 +46,15 @@ from starlette.types import Receive, Scope, Send
 from ferrox_batch.batch.ticket import Ticket
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import GenerationResult
+from ferrox_batch.logprobs import TokenLogprob
 
 
 @dataclass(frozen=True, slots=True)
 class Text:
-    """A piece of visible text, in order."""
+    """A piece of visible text, in order, with the log-probabilities of the tokens since the last piece."""
 
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,8 @@ class Failed:
 
     error: BaseException
 
+
+T = TypeVar("T")
 
 Event = Text | Done | Failed
 Final = Done | Failed
@@ -112,10 +117,10 @@ class ReplyBridge:
 
     # ------------------------------------------------- the worker's side (ReplySink)
 
-    def chunk(self, text: str) -> None:
+    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         self.chunk_times.append(self._clock())
         if self._forward and not self._abandoned:
-            self._post(self._queue.put_nowait, Text(text))
+            self._post(self._queue.put_nowait, Text(text, logprobs))
 
     def finished(self, outcome: GenerationResult | DecodeError) -> None:
         final: Final = Failed(outcome) if isinstance(outcome, DecodeError) else Done(outcome, self._clock())
@@ -145,9 +150,9 @@ async def wait_for_disconnect(receive: Receive) -> None:
             return
 
 
-async def next_or_disconnect(bridge: ReplyBridge, disconnected: asyncio.Future) -> Event | None:
-    """The bridge's next event, or None if the client disconnects first."""
-    nxt = asyncio.ensure_future(bridge.next_event())
+async def next_or_disconnect(next_event: Callable[[], Awaitable[T]], disconnected: asyncio.Future) -> T | None:
+    """The next event (`next_event()`), or None if the client disconnects first."""
+    nxt = asyncio.ensure_future(next_event())
     try:
         await asyncio.wait({nxt, disconnected}, return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -1,8 +1,8 @@
 """The OpenAI request fields this server cannot honour yet, refused by name rather than silently ignored.
 
-A client that asks for JSON output or log probabilities and gets a 200 without them has been lied to;
+A client that asks for JSON output or tool calls and gets a 200 without them has been lied to;
 a 400 naming the field tells it at once. Each field has the one value that asks for nothing, which
-common clients send by default and which is therefore accepted (`tools: []`, `logprobs: false`, ...).
+common clients send by default and which is therefore accepted (`tools: []`, `echo: false`, ...).
 """
 
 from __future__ import annotations
@@ -28,17 +28,12 @@ class NotHonoured:
     feature: str
 
 
-#: Where OpenAI defines each field. Completions' `logprobs` is a count, and 0 still asks for the
-#: sampled tokens' log probabilities, so only `false` (which some clients send) asks for nothing.
+#: Where OpenAI defines each field.
 NOT_HONOURED = (
     NotHonoured("tools", (CHAT,), "[]", "tool calling"),
     NotHonoured("tool_choice", (CHAT,), '"none"', "tool calling"),
     NotHonoured("response_format", (CHAT,), '{"type": "text"}', "structured output"),
-    NotHonoured("logit_bias", (CHAT, COMPLETIONS), "{}", "logit bias"),
-    NotHonoured("logprobs", (CHAT, COMPLETIONS), "false", "log probabilities"),
-    NotHonoured("top_logprobs", (CHAT,), "0", "log probabilities"),
     NotHonoured("echo", (COMPLETIONS,), "false", "echoing the prompt"),
-    NotHonoured("best_of", (COMPLETIONS,), "1", "choosing among candidates"),
     NotHonoured("suffix", (COMPLETIONS,), '""', "insertion"),
 )
 

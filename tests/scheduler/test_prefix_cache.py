@@ -4,9 +4,11 @@ Pins: a request whose prompt prefix was published by an earlier one adopts those
 starts after them, and the KV store's length says so), and its greedy tokens equal the same request decoded
 alone; the logits after a warm prefill equal a cold one's within what two float32 forwards may differ by
 (`numerics.assert_logits_close`, derived from the arithmetic); a fully cached prompt still computes its last
-token; a salted request adopts only its own namespace's blocks; a failed request publishes nothing; two
-requests with the same new prefix both finish correctly whichever publishes first; and the ledger comes
-back whole, with cached blocks counted free.
+token; a salted request adopts only its own namespace's blocks; a request publishes its prompt's blocks as
+soon as its prompt is through (a request sent while it decodes adopts them), and a failed one publishes
+nothing after that (nothing at all when it failed mid-prompt); two requests with the same new prefix both
+finish correctly whichever publishes first; and the ledger comes back whole, with cached blocks counted
+free.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ BLOCK = 16
 
 
 def cached_config(**kw) -> BatcherConfig:
-    return BatcherConfig(kv_block_size=BLOCK, kv_blocks=64, prefill_chunk=64, prefix_cache=True, **kw)
+    return BatcherConfig(**{"kv_block_size": BLOCK, "kv_blocks": 64, "prefill_chunk": 64, "prefix_cache": True, **kw})
 
 
 def prompt(n: int, start: int = 3) -> list[int]:
@@ -102,31 +104,56 @@ def test_a_salted_request_adopts_only_its_own_namespace(tiny_batch_model):
         assert batcher.stats().prefix_cache_hits == 32
 
 
-def test_a_failed_request_publishes_nothing(tiny_batch_model, monkeypatch):
+def test_a_failed_request_publishes_nothing_partial(tiny_batch_model, monkeypatch):
+    # Failing halfway through its prompt, a request publishes nothing: its prompt was never through. Failing
+    # at its first decode step, only the prompt's blocks stay cached (they were published when the prompt was
+    # through and are whole); nothing it computed after is offered.
+    model = tiny_batch_model
+    tokens = prompt(40)
+    for fail_at, cached in ((2, 0), (4, 2)):  # prompt chunks of 16: forwards 1-3 are the prompt
+        with spawn(model, cached_config(prefill_chunk=16)) as batcher:
+            runs = {"forwards": 0}
+            decoder = model.decoder
+            forward = decoder.forward
+
+            def failing_forward(chunks, store):
+                runs["forwards"] += 1
+                if runs["forwards"] == fail_at:
+                    raise RuntimeError("device lost")
+                return forward(chunks, store)
+
+            monkeypatch.setattr(decoder, "forward", failing_forward)
+            try:
+                batcher.generate(tokens, greedy_params(5))
+            except Exception as error:  # noqa: BLE001 - the failure is the point
+                assert "device lost" in str(error)
+            else:
+                raise AssertionError("the forward's failure did not reach the caller")
+            monkeypatch.setattr(decoder, "forward", forward)
+            stats = batcher.stats()
+            assert stats.kv_blocks_cached == cached, fail_at
+            assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+def test_a_prompt_is_cached_as_soon_as_it_is_through(tiny_batch_model):
+    # A second request with the same prompt, sent while the first still decodes, adopts its prompt blocks.
     model = tiny_batch_model
     tokens = prompt(40)
     with spawn(model, cached_config()) as batcher:
-        runs = {"forwards": 0}
-        decoder = model.decoder
-        forward = decoder.forward
+        first_chunk = threading.Event()
+        results = {}
 
-        def failing_forward(chunks, store):
-            runs["forwards"] += 1
-            if runs["forwards"] == 2:  # the first decode step of the request
-                raise RuntimeError("device lost")
-            return forward(chunks, store)
+        def long_one() -> None:
+            results["first"] = batcher.generate_streaming(tokens, greedy_params(40, ignore_eos=True), None,
+                                                          lambda _t: first_chunk.set())
 
-        monkeypatch.setattr(decoder, "forward", failing_forward)
-        try:
-            batcher.generate(tokens, greedy_params(5))
-        except Exception as error:  # noqa: BLE001 - the failure is the point
-            assert "device lost" in str(error)
-        else:
-            raise AssertionError("the forward's failure did not reach the caller")
-        monkeypatch.setattr(decoder, "forward", forward)
-        assert batcher.stats().kv_blocks_cached == 0
-        stats = batcher.stats()
-        assert stats.kv_blocks_free == stats.kv_blocks_total
+        thread = threading.Thread(target=long_one)
+        thread.start()
+        assert first_chunk.wait(30)
+        second = batcher.generate(tokens, greedy_params(4, ignore_eos=True))
+        thread.join(60)
+        assert second.usage.cached_tokens == 32 and results["first"].usage.cached_tokens == 0
+        assert list(second.token_ids) == list(results["first"].token_ids[:4])
 
 
 def test_two_requests_with_the_same_new_prefix_both_finish_correctly(tiny_batch_model):
@@ -146,7 +173,9 @@ def test_two_requests_with_the_same_new_prefix_both_finish_correctly(tiny_batch_
         third = batcher.generate(tokens, params)  # adopts whichever copy was published first
         assert list(third.token_ids) == want
         stats = batcher.stats()
-        assert stats.prefix_cache_hits == 48 and stats.kv_blocks_free == stats.kv_blocks_total
+        # 48 for the third; 48 more when the second was admitted after the first's prompt was through (it
+        # then adopted it) rather than in the same tick (both computed it, and one copy was published).
+        assert stats.prefix_cache_hits in (48, 96) and stats.kv_blocks_free == stats.kv_blocks_total
 
 
 def test_seeded_sampling_gives_the_same_tokens_warm_or_cold(tiny_batch_model):

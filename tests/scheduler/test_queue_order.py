@@ -137,3 +137,38 @@ def test_no_wait_past_a_deadline_no_overtaking_and_fifo_within_a_priority(worklo
         outcome = events[-1].result
         if isinstance(outcome, QueueTimeout):
             assert request.seq_id is None and request.deadline is not None
+
+
+def test_a_follower_waits_for_its_leaders_prompt_and_holds_nobody_up():
+    bench = Bench(BatcherConfig(kv_block_size=4, prefill_chunk=4, max_batch_tokens=8))
+    leader = bench.submit(list(range(1, 13)), 3)  # 12 prompt tokens: three 4-token chunks
+    follower = bench.submit(list(range(1, 13)), 3, drained=False)
+    follower.after = leader.abort  # as `submit(after=...)` sets it, before the worker drains it
+    bench.scheduler.add(follower)
+    other = bench.submit([7, 8], 2)
+    bench.step()
+    assert leader.seq_id is not None and other.seq_id is not None and follower.seq_id is None
+    while leader.status is RequestStatus.PREFILLING:
+        assert follower.seq_id is None, "admitted before its leader's prompt was through"
+        bench.step()
+    bench.step()
+    assert follower.seq_id is not None
+    bench.run_until_idle()
+    assert all(isinstance(bench.sink(r).result, GenerationResult) for r in (leader, follower, other))
+    bench.assert_nothing_held()
+
+
+def test_a_follower_of_a_cancelled_leader_goes_on_its_own():
+    bench = Bench(BatcherConfig(max_seqs=1, kv_block_size=4))
+    busy = bench.submit([1], 4)
+    bench.step()
+    leader = bench.submit([2, 3], 2)
+    follower = bench.submit([2, 3], 2, drained=False)
+    follower.after = leader.abort
+    bench.scheduler.add(follower)
+    bench.aborts.enqueue(leader.abort)
+    bench.run_until_idle()
+    assert bench.sink(leader).result.finish_reason.kind == "cancelled"
+    assert isinstance(bench.sink(follower).result, GenerationResult) and follower.seq_id is not None
+    assert busy.status is RequestStatus.FINISHED
+    bench.assert_nothing_held()

@@ -103,7 +103,7 @@ def test_max_tokens_past_the_context_is_clamped(client):
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream": True, "stream_options": 5}, "stream_options"),
     ({"prompt": "x", "stream": True, "stream_options": {"include_usage": "y"}}, "stream_options.include_usage"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "n": "1"}, "n"),
     ({"prompt": "x", "model": 5}, "model"),
     ({"prompt": 5}, "prompt"),

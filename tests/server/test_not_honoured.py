@@ -3,7 +3,7 @@
 Each field is tried on the endpoint(s) where OpenAI defines it: a value that
 asks for the feature is refused in the server's error shape; null and the
 one value common clients send when they want nothing (`tools: []`,
-`logprobs: false`, `best_of: 1`, ...) are served as if the field were absent.
+`tools: []`, `echo: false`, ...) are served as if the field were absent.
 """
 
 from __future__ import annotations
@@ -32,16 +32,7 @@ REFUSED: list[tuple[str, str, Any]] = [
     (CHAT, "tool_choice", {"type": "function", "function": {"name": "f"}}),
     (CHAT, "response_format", {"type": "json_object"}),
     (CHAT, "response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}),
-    (CHAT, "logit_bias", {"5": 10}),
-    (COMPLETIONS, "logit_bias", {"5": -100}),
-    (CHAT, "logprobs", True),
-    (COMPLETIONS, "logprobs", 0),  # a count: 0 still asks for the sampled tokens' log probabilities
-    (COMPLETIONS, "logprobs", 5),
-    (CHAT, "top_logprobs", 3),
-    (CHAT, "top_logprobs", False),  # not the integer 0
     (COMPLETIONS, "echo", True),
-    (COMPLETIONS, "best_of", 2),
-    (COMPLETIONS, "best_of", True),  # not the integer 1
     (COMPLETIONS, "suffix", " and the end."),
 ]
 
@@ -49,13 +40,10 @@ ACCEPTED: list[tuple[str, str, Any]] = [
     (CHAT, "tools", []),
     (CHAT, "tool_choice", "none"),
     (CHAT, "response_format", {"type": "text"}),
-    (CHAT, "logit_bias", {}),
-    (COMPLETIONS, "logit_bias", {}),
     (CHAT, "logprobs", False),
     (COMPLETIONS, "logprobs", False),
     (CHAT, "top_logprobs", 0),
     (COMPLETIONS, "echo", False),
-    (COMPLETIONS, "best_of", 1),
     (COMPLETIONS, "suffix", ""),
 ] + [(endpoint, field, None) for endpoint, field in
      sorted({(endpoint, field) for endpoint, field, _ in REFUSED})]

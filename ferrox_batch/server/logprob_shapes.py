@@ -1,0 +1,63 @@
+"""Log-probabilities in OpenAI's two wire shapes: the legacy completions object and chat's `content` list.
+
+* Completions: `{"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob}, ...],
+  "text_offset": [...]}`, one entry per generated token; `text_offset` is where each token's text starts
+  in the completion's text (a stream continues the count from chunk to chunk).
+* Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
+  "refusal": null}`.
+
+A token's text is what the tokenizer gives for it alone (a token holding part of a UTF-8 character shows
+U+FFFD, its `bytes` hold the exact bytes). JSON has no infinities, so a log-probability of -inf (a token
+the model rules out) is written as `FLOOR`, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.models.tokenizer import Tokenizer
+
+#: What -inf (and anything below it) is written as.
+FLOOR = -9999.0
+
+
+def finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) and logprob > FLOOR else FLOOR
+
+
+class LogprobShapes:
+    """One request's writer: it remembers each token's text and the completion's running text offset."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._texts: dict[int, tuple[str, bytes]] = {}
+        self._offset = 0
+
+    def _token(self, token: int) -> tuple[str, bytes]:
+        known = self._texts.get(token)
+        if known is None:
+            raw = self._tokenizer.decode([token])
+            known = self._texts[token] = (raw.decode("utf-8", errors="replace"), raw)
+        return known
+
+    def chat(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        def one(token: int, logprob: float) -> dict[str, Any]:
+            text, raw = self._token(token)
+            return {"token": text, "logprob": finite(logprob), "bytes": list(raw)}
+
+        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
+                            for e in entries], "refusal": None}
+
+    def completion(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+        tokens, offsets = [], []
+        for e in entries:
+            text, _ = self._token(e.token)
+            tokens.append(text)
+            offsets.append(self._offset)
+            self._offset += len(text)
+        return {"tokens": tokens, "token_logprobs": [finite(e.logprob) for e in entries],
+                "top_logprobs": [{self._token(t)[0]: finite(lp) for t, lp in e.top} for e in entries],
+                "text_offset": offsets}
