@@ -101,6 +101,9 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
                    help="time target of a tick with rows decoding (0: none, the token budget alone)")
     g.add_argument("--kv-block-size", type=int, default=serving.kv_block_size)
     g.add_argument("--kv-blocks", type=int, default=0, help="0: every request of the shape fits at once")
+    g.add_argument("--logprobs", type=int, default=-1, metavar="K",
+                   help="every request asks for its tokens' log-probabilities with K alternatives (-1: none), "
+                        "to measure what they cost")
     g = p.add_argument_group("transformers continuous batching")
     g.add_argument("--cb-blocks", type=int, default=0, help="0: 1.5x what the shape needs, in 16s (160 for a)")
     g.add_argument("--cb-page-size", type=int, default=64)
@@ -177,6 +180,7 @@ def child_argv(args: argparse.Namespace, method: str, shape: str, out: str, kv: 
             "--prefill-chunk", str(args.prefill_chunk), "--max-batch-tokens", str(args.max_batch_tokens),
             "--max-prefills-per-tick", str(args.max_prefills_per_tick), "--step-target-ms", str(args.step_target_ms),
             "--kv-block-size", str(args.kv_block_size), "--kv-blocks", str(kv), "--cb-blocks", str(cb),
+            "--logprobs", str(args.logprobs),
             "--cb-page-size", str(args.cb_page_size), "--cb-max-batch-tokens", str(args.cb_max_batch_tokens)]
     return argv + (["--quick"] if args.quick else []) + (["--cb-release-openmp"] if args.cb_release_openmp else [])
 
@@ -240,7 +244,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     print(f"# ours: max_seqs {args.max_seqs or 'unlimited'}, prefill_chunk {args.prefill_chunk}, "
           f"max_batch_tokens {args.max_batch_tokens}, max_prefills_per_tick {args.max_prefills_per_tick}, "
           f"step_target_ms {args.step_target_ms or 'none'}, "
-          f"kv_block_size {args.kv_block_size}; "
+          f"kv_block_size {args.kv_block_size}{f', logprobs {args.logprobs}' if args.logprobs >= 0 else ''}; "
           f"cb: page_size {args.cb_page_size}, max_batch_tokens {args.cb_max_batch_tokens}, sdpa"
           f"{', loading thread OpenMP pool released' if args.cb_release_openmp else ''}", flush=True)
     runs = []

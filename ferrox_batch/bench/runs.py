@@ -58,7 +58,8 @@ def run_ours(args, requests: list[Request], kv_blocks: int, chat=None, *, prefix
         errors: list[str] = []
 
         def one(i: int) -> None:
-            params = GenerationParams(max_tokens=reqs[i].max_tokens, ignore_eos=True)
+            params = GenerationParams(max_tokens=reqs[i].max_tokens, ignore_eos=True,
+                                      logprobs=args.logprobs if args.logprobs >= 0 else None)
             times, clock = chunks[i], time.perf_counter
             barrier.wait()
             submit[i] = clock()
@@ -90,7 +91,8 @@ def run_ours(args, requests: list[Request], kv_blocks: int, chat=None, *, prefix
     out["extra"] = {"config": {"max_seqs": args.max_seqs or "unlimited", "prefill_chunk": args.prefill_chunk,
                                "max_batch_tokens": args.max_batch_tokens, "kv_block_size": args.kv_block_size,
                                "kv_blocks": kv_blocks, "max_prefills_per_tick": args.max_prefills_per_tick,
-                               "step_target_ms": args.step_target_ms or None, "prefix_cache": prefix_cache},
+                               "step_target_ms": args.step_target_ms or None, "prefix_cache": prefix_cache,
+                               "logprobs": args.logprobs if args.logprobs >= 0 else None},
                     "stats": {k: getattr(stats, k) for k in stats.__dataclass_fields__}, "closed": closed,
                     "chunks_per_token": out.pop("chunks") / max(1, sum(len(i) for i in out["ids"])),
                     **(chat_extra(out, before, stats) if chat else {})}
