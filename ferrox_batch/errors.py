@@ -118,6 +118,20 @@ class QueueFull(DecodeError):
         )
 
 
+class GrammarConstraint(DecodeError):
+    """Grammar-constrained decoding cannot go on: the grammar (a JSON schema) is invalid, which is known
+    before anything is queued, or the model's token broke it (upstream's variant, now live)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    error_code = "grammar_constraint"
+    _fields = ("detail",)
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(f"grammar-constrained decoding stopped: {detail}")
+
+
 class QueueTimeout(DecodeError):
     """The request waited for admission past its queue deadline and was refused, never admitted (port-only).
 

@@ -31,6 +31,7 @@ from ferrox_batch.cancel import CancelToken
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from ferrox_batch.structured import StructuredOutput
 from ferrox_batch.usage import Usage
 
 __all__ = ["FinishReason", "SamplingParams", "GenerationParams", "GenerationResult"]
@@ -192,6 +193,12 @@ class GenerationParams:
     #: Log-probabilities of each generated token with this many most likely alternatives (0 to
     #: `MAX_TOP_LOGPROBS`); None: none are computed, and the request costs nothing extra.
     logprobs: int | None = None
+    #: The same for each prompt token after the first (its log-probability given the tokens before it),
+    #: for scoring text; the prompt is then computed whole (no cached prefix is adopted), and a request
+    #: with `max_tokens=0` runs its prompt and stops.
+    prompt_logprobs: int | None = None
+    #: What the output must be (JSON mode or a JSON schema), enforced token by token; None: anything.
+    structured: StructuredOutput | None = None
     #: Milliseconds this request may wait for admission before it is refused with `QueueTimeout`
     #: (None: the batcher's `max_queue_wait_ms`, which may itself be None: no limit).
     max_queue_wait_ms: int | None = None
@@ -240,6 +247,16 @@ class GenerationParams:
                                           or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise InvalidRequest("logprobs", self.logprobs,
                                  f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)")
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise InvalidRequest("structured", self.structured, "must be a StructuredOutput or None")
+            if self.ignore_eos:
+                raise InvalidRequest("ignore_eos", True, "cannot be combined with structured output, which ends "
+                                                         "where its grammar does")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS):
+            raise InvalidRequest("prompt_logprobs", self.prompt_logprobs,
+                                 f"must be None or an integer in [0, {MAX_TOP_LOGPROBS}] (alternatives per token)")
         if self.max_queue_wait_ms is not None and (not _is_int(self.max_queue_wait_ms)
                                                    or not 1 <= self.max_queue_wait_ms <= UNLIMITED):
             raise InvalidRequest("max_queue_wait_ms", self.max_queue_wait_ms,
@@ -271,6 +288,9 @@ class GenerationResult:
     usage: Usage
     #: One entry per id of `token_ids` when the request asked for log-probabilities; else None.
     logprobs: tuple[TokenLogprob, ...] | None = None
+    #: One entry per prompt token when the request asked for them (None for the first, which nothing
+    #: predicts); else None.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.finish_reason, FinishReason):
@@ -285,6 +305,8 @@ class GenerationResult:
             if len(self.logprobs) != len(self.token_ids):
                 raise ValueError(f"logprobs must have one entry per token id: {len(self.logprobs)} for "
                                  f"{len(self.token_ids)} ids")
+        if self.prompt_logprobs is not None:
+            object.__setattr__(self, "prompt_logprobs", tuple(self.prompt_logprobs))
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.finish_reason, self.token_ids, self.text, self.usage))

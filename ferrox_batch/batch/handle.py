@@ -32,11 +32,12 @@ from ferrox_batch.batch.wiring import build_worker, config_ceiling
 from ferrox_batch.batch.worker import Worker
 from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.checks import check_seconds
-from ferrox_batch.errors import DecodeError, InvalidRequest, QueueFull
+from ferrox_batch.errors import DecodeError, GrammarConstraint, InvalidRequest, QueueFull
 from ferrox_batch.generation_types import GenerationParams, GenerationResult
 from ferrox_batch.models.loader import LoadedModel
 from ferrox_batch.models.openmp import release_thread_pool
 from ferrox_batch.models.paged_kv import PagedKvConfig
+from ferrox_batch.models.grammar import Grammars
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.scheduler.request import DecodeFn, Request
 from ferrox_batch.scheduler.sink import OnceSink, QueueSink, ReplySink
@@ -60,6 +61,9 @@ class ContinuousBatcher:
         self._thread = thread
         self.store = worker.runner.store
         self.tokenizer = tokenizer
+        #: The grammar engine structured output is compiled with, shared with the worker's sampler (None:
+        #: this batcher has none, and a request for structured output is refused).
+        self._grammars = worker.runner.sampler.grammars
         self._finalizer = weakref.finalize(self, worker.lifecycle.close, worker.jobs)
 
     # ---------------------------------------------------------- constructors
@@ -72,6 +76,7 @@ class ContinuousBatcher:
         config: BatcherConfig,
         ceiling: ContextCeiling,
         paged: PagedKvConfig | None = None,
+        grammars: Grammars | None = None,
     ) -> "ContinuousBatcher":
         """The production entry point: start the worker thread and return the handle.
 
@@ -79,7 +84,8 @@ class ContinuousBatcher:
         (`models.openmp`): the worker runs every forward, and a second idle pool would
         make each of its kernels slower. Load the model, then spawn, then serve.
         """
-        worker = build_worker(decoder, decode, config, ceiling, paged, log_interval=decode_log_interval_from_env())
+        worker = build_worker(decoder, decode, config, ceiling, paged, log_interval=decode_log_interval_from_env(),
+                              grammars=grammars)
         thread = threading.Thread(target=worker.run, name=WORKER_THREAD_NAME, daemon=True)
         thread.start()
         if worker.runner.store.device.type == "cpu":
@@ -96,7 +102,9 @@ class ContinuousBatcher:
         """
         config = config if config is not None else BatcherConfig.from_env(defaults=BatcherConfig.serving())
         ceiling = ContextCeiling(config.context_limit(model.config.max_position_embeddings), model.kv_shape())
-        batcher = cls.spawn_with_ceiling(model.decoder, model.tokenizer.decode, config, ceiling)
+        grammars = Grammars(model.tokenizer.inner.to_str(), model.config.vocab_size,
+                            sorted(model.tokenizer.stop_tokens.ids))
+        batcher = cls.spawn_with_ceiling(model.decoder, model.tokenizer.decode, config, ceiling, grammars=grammars)
         batcher.tokenizer = model.tokenizer
         return batcher
 
@@ -215,6 +223,11 @@ class ContinuousBatcher:
         refusal = self._budget.immovable_refusal(positions)
         if refusal is not None:
             raise refusal
+        grammar = None
+        if params.structured is not None:
+            if self._grammars is None:
+                raise GrammarConstraint("this batcher has no grammar engine: build it with ContinuousBatcher.from_model")
+            grammar = self._grammars.compile(params.structured)  # an invalid schema is refused here
         depth = self._queue.try_reserve()
         if depth is not None:
             raise QueueFull(depth, self._queue.cap)
@@ -225,6 +238,7 @@ class ContinuousBatcher:
         request = Request(prompt, params, stop_tokens, OnceSink(replies if sink is None else sink), abort, blocks,
                           positions)
         request.queued(self._clock(), self._config.max_queue_wait_ms)
+        request.grammar = grammar
         if after is not None:
             request.after = after.abort_id
         try:

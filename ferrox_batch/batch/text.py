@@ -14,6 +14,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.structured import StructuredOutput
 from ferrox_batch.generation_types import GenerationParams, GenerationResult, SamplingParams
 from ferrox_batch.models.tokenizer import ChatMessage, Tokenizer
 from ferrox_batch.policy.stop import resolve_stop_tokens
@@ -47,6 +48,8 @@ def text_params(
     priority: int = 0,
     max_queue_wait_ms: int | None = None,
     logprobs: int | None = None,
+    prompt_logprobs: int | None = None,
+    structured: StructuredOutput | None = None,
     **sampling_fields: Any,
 ) -> GenerationParams:
     """`GenerationParams` for text: stop strings that are one token also stop by id.
@@ -74,6 +77,8 @@ def text_params(
         priority=priority,
         max_queue_wait_ms=max_queue_wait_ms,
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+        structured=structured,
     )
 
 

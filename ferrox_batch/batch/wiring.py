@@ -28,6 +28,7 @@ from ferrox_batch.models.kv import KvElem, KvShape
 from ferrox_batch.models.memory import default_kv_memory
 from ferrox_batch.models.paged_kv import PagedKvConfig, PagedKvStore
 from ferrox_batch.models.runner import ModelRunner
+from ferrox_batch.models.grammar import Grammars
 from ferrox_batch.models.sampler import BatchSampler
 from ferrox_batch.scheduler.request import DecodeFn
 from ferrox_batch.scheduler.scheduler import Scheduler
@@ -44,7 +45,7 @@ def config_ceiling(decoder, config: BatcherConfig) -> ContextCeiling:
 
 def build_worker(
     decoder, decode: DecodeFn, config: BatcherConfig, ceiling: ContextCeiling, paged: PagedKvConfig | None = None,
-    *, log_interval: int,
+    *, log_interval: int, grammars: Grammars | None = None,
 ) -> Worker:
     """The worker and the parts it shares with the handle, wired as `spawn_with_ceiling` runs them.
 
@@ -56,7 +57,7 @@ def build_worker(
         config = dataclasses.replace(config, kv_blocks=default_kv_blocks(decoder, config.kv_block_size))
     store = _store_for(decoder, config, paged)
     total = config.kv_blocks if config.kv_blocks is not None else store.num_blocks
-    runner = ModelRunner(decoder, store, BatchSampler(decoder.vocab_size, store.device))
+    runner = ModelRunner(decoder, store, BatchSampler(decoder.vocab_size, store.device, grammars))
     scheduler = Scheduler(
         config=config, budget=BlockBudget(config.kv_block_size, total, ceiling), queue_gate=QueueGate(config.max_queue),
         counters=Counters(), kv=runner, vocab_size=decoder.vocab_size, decode=decode, log_interval=log_interval,

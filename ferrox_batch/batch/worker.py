@@ -8,8 +8,9 @@ One daemon thread owns every in-flight request. Each turn of its loop:
 4. `ModelRunner.execute(plan)`: one forward holding every decoding
    request's next token and the planned prompt chunks, then one sampling
    call;
-5. `Scheduler.update(plan, sampled, seconds)`: apply the sampled tokens,
-   stream text to each request's sink, flush what finished.
+5. `Scheduler.update(plan, out.sampled, seconds, out.prompt_logprobs)`: apply
+   the sampled tokens (and any prompt log-probabilities), stream text to each
+   request's sink, flush what finished.
 
 Divergence from the upstream tick, on purpose: the upstream runs the prefill
 chunk as its own forward, then a second forward for the decodes. Our runtime
@@ -30,13 +31,13 @@ from __future__ import annotations
 import logging
 import queue
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Protocol
 
 from ferrox_batch.batch.counters import Counters
 from ferrox_batch.batch.lifecycle import CLOSE, Lifecycle
 from ferrox_batch.batch.queue import AbortInbox
 from ferrox_batch.errors import DecodeError, InternalError, WorkerDied
-from ferrox_batch.scheduler.plan import StepPlan
+from ferrox_batch.scheduler.plan import StepOutput, StepPlan
 from ferrox_batch.scheduler.request import Request
 from ferrox_batch.scheduler.scheduler import Scheduler
 
@@ -46,7 +47,11 @@ log = logging.getLogger("ferrox_batch.batch")
 class Runner(Protocol):
     """What the worker runs plans on (`models.runner.ModelRunner`, or a fake in tests)."""
 
-    def execute(self, plan: StepPlan) -> Sequence[int | DecodeError]: ...
+    def execute(self, plan: StepPlan) -> StepOutput: ...
+
+    def close(self) -> None:
+        """Stop whatever helper threads it started (the worker is exiting)."""
+        ...
 
 
 class Worker:
@@ -81,6 +86,8 @@ class Worker:
         except BaseException as crash:  # a scheduler bug: answer everyone, then stop
             log.exception("continuous-batch worker crashed")
             self.fail_everything(f"{type(crash).__name__}: {crash}")
+        finally:
+            self.runner.close()
 
     def tick(self) -> bool:
         """One turn of the loop; False once the batcher is closed and idle."""
@@ -97,12 +104,12 @@ class Worker:
             return True
         began = time.perf_counter()
         try:
-            sampled = self.runner.execute(plan)
+            out = self.runner.execute(plan)
         except Exception as bad:
             log.exception("forward failed")
             self.scheduler.fail_step(plan, InternalError(f"forward failed: {type(bad).__name__}: {bad}"))
             return True
-        self.scheduler.update(plan, sampled, time.perf_counter() - began)
+        self.scheduler.update(plan, out.sampled, time.perf_counter() - began, out.prompt_logprobs)
         return True
 
     def _take(self, item: object) -> None:

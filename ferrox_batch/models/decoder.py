@@ -126,9 +126,15 @@ class Decoder:
             prefix_cache=prefix_cache,
         )
 
-    @torch.inference_mode()
     def forward(self, chunks: Sequence[SeqChunk], store: PagedKvStore) -> torch.Tensor:
         """Append each chunk to its sequence's KV and return `[len(chunks), vocab]` float32 logits."""
+        return self.forward_every(chunks, store, ())[0]
+
+    @torch.inference_mode()
+    def forward_every(self, chunks: Sequence[SeqChunk], store: PagedKvStore,
+                      every: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward`, and for each chunk index in `every` (ascending) the `[len(chunk), vocab]` logits of
+        every one of its positions (what a prompt's own log-probabilities are read from)."""
         c = self.config
         if store.dtype != self.dtype or store.device != self.device:
             raise ValueError(
@@ -174,12 +180,20 @@ class Decoder:
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
             pending = layer.down(F.silu(gate) * up)
 
-        last = inputs.last_rows
-        _, h = self._add_norm(h[last], None if pending is None else pending[last], self.final_norm, kernel)
+        rows = inputs.last_rows
+        if every:  # the last rows, then every row of the chunks asked for, through one norm and lm_head
+            ends = rows.tolist()
+            spans = [torch.arange(ends[i] - len(chunks[i].tokens) + 1, ends[i] + 1, device=rows.device)
+                     for i in every]
+            rows = torch.cat([rows, *spans])
+        _, h = self._add_norm(h[rows], None if pending is None else pending[rows], self.final_norm, kernel)
         logits = self.lm_head(h).float()
         for seq_id, length in inputs.new_lengths:
             store.seq(seq_id).length = length
-        return logits
+        if not every:
+            return logits, []
+        sizes = [len(chunks[i].tokens) for i in every]
+        return logits[: len(chunks)], list(logits[len(chunks):].split(sizes))
 
     def _add_norm(
         self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, kernels: CpuKernels | None

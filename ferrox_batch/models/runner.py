@@ -5,7 +5,8 @@ scheduler sees it through two seams: as its `KvLeases` (lease, release and
 measure each request's KV) and through `execute(plan)`, one forward over
 the plan's decode rows and prompt chunks followed by one sampling call over
 the requests that sample, returning a token id (or the error that stops that
-request) for each. Another device or a graph-captured runner plugs in here
+request) for each, and the log-probabilities of the prompt tokens of the
+requests that asked for them (read from their chunks' own rows). Another device or a graph-captured runner plugs in here
 without the scheduler changing.
 
 Failures: a forward that raises propagates (the scheduler fails every
@@ -19,6 +20,7 @@ device has finished: its duration is the step's real cost on every device.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 from collections.abc import Sequence
 
@@ -29,7 +31,7 @@ from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.sampler import BatchSampler
-from ferrox_batch.scheduler.plan import StepPlan
+from ferrox_batch.scheduler.plan import PromptChunk, Sampled, StepOutput, StepPlan
 from ferrox_batch.scheduler.request import Request
 
 log = logging.getLogger("ferrox_batch.batch")
@@ -41,6 +43,7 @@ class ModelRunner:
         self.store = store
         self.sampler = sampler
         self._next_seq = 0
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for grammar masks, made on first use
 
     @property
     def vocab_size(self) -> int:
@@ -79,32 +82,88 @@ class ModelRunner:
 
     # ------------------------------------------------------------- execute
 
-    def execute(self, plan: StepPlan) -> list[int | TokenLogprob | DecodeError]:
-        """Run `plan`'s forward, then sample every request in `plan.sampling`; one outcome each."""
-        logits = self.decoder.forward([SeqChunk(seq_id, tokens) for seq_id, tokens in plan.inputs], self.store)
-        sampling = plan.sampling
-        if not sampling:
-            return []
-        outcomes: list[int | TokenLogprob | DecodeError] = []
-        ready: list[int] = []  # indices into `sampling` of the requests that have a sampler row
-        for i, request in enumerate(sampling):
+    def execute(self, plan: StepPlan) -> StepOutput:
+        """Run `plan`'s forward, then sample every request in `plan.sampling` (one outcome each), and score the
+        prompt tokens of the chunks whose requests asked for their log-probabilities."""
+        chunks = [SeqChunk(seq_id, tokens) for seq_id, tokens in plan.inputs]
+        scored = [i for i, chunk in enumerate(plan.prompts) if chunk.request.params.prompt_logprobs is not None]
+        outcomes, ready = self._rows(plan)
+        rows = [plan.sampling[i].sampler_row for i in ready]
+        # Grammar masks are computed on another thread while the forward runs (llguidance releases the GIL,
+        # and so does torch): a constrained row costs the batch no more than the longer of the two.
+        masks = None
+        if any(row.matcher is not None for row in rows):  # type: ignore[union-attr]
+            masks = self._grammar_pool().submit(self.sampler.grammar_masks, rows)
+        offset = len(plan.decodes)
+        if scored:  # only a scored prompt needs every position's logits
+            logits, every = self.decoder.forward_every(chunks, self.store, [offset + i for i in scored])
+        else:
+            logits, every = self.decoder.forward(chunks, self.store), []
+        prompt_logprobs = {i: self._prompt_logprobs(plan.prompts[i], rows) for i, rows in zip(scored, every)}
+        return StepOutput(self._sample(plan, logits, outcomes, ready, None if masks is None else masks.result()),
+                          prompt_logprobs)
+
+    def _grammar_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ferrox-grammar")
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the grammar thread, if one was started."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _rows(self, plan: StepPlan) -> tuple[list[Sampled], list[int]]:
+        """Every sampling request's sampler row, made when it first samples: (outcomes so far, with a
+        placeholder where a row is ready, the indices into `plan.sampling` of the ready rows)."""
+        outcomes: list[Sampled] = []
+        ready: list[int] = []
+        for i, request in enumerate(plan.sampling):
             if request.sampler_row is None:
                 try:
                     request.sampler_row = self.sampler.new_row(request.params.sampling, request.params.seed,
-                                                               request.prefill_tokens, request.params.logprobs)
+                                                               request.prefill_tokens, request.params.logprobs,
+                                                               request.grammar)
                 except DecodeError as bad:
                     outcomes.append(bad)
                     continue
-            outcomes.append(-1)  # filled below
+            outcomes.append(-1)  # filled by `_sample`
             ready.append(i)
+        return outcomes, ready
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor, outcomes: list[Sampled], ready: list[int],
+                masks: tuple[list[int], torch.Tensor] | None) -> list[Sampled]:
+        sampling = plan.sampling
+        if not sampling:
+            return []
         picked = [plan.sampling_rows[i] for i in ready]
         if picked != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
         try:
-            tokens: Sequence[int | TokenLogprob | DecodeError] = self.sampler.sample(logits, [sampling[i].sampler_row for i in ready])
+            tokens: Sequence[Sampled] = self.sampler.sample(logits, [sampling[i].sampler_row for i in ready], masks)
         except Exception as bad:  # the sampler itself failed: fail the requests it was sampling
             log.exception("sampler failed")
             tokens = [InternalError(f"sampling failed: {type(bad).__name__}: {bad}")] * len(ready)
         for i, token in zip(ready, tokens):
             outcomes[i] = token
         return outcomes
+
+    def _prompt_logprobs(self, chunk: PromptChunk, rows: torch.Tensor) -> list[TokenLogprob]:
+        """The log-probabilities of the prompt tokens this chunk's rows predict: row j (position start + j)
+        predicts the token at start + j + 1, which for the chunk's last row is the next chunk's first."""
+        request = chunk.request
+        prompt, start = request.prefill_tokens, request.num_computed_tokens  # not yet advanced by `update`
+        count = min(len(chunk.tokens), len(prompt) - 1 - start)
+        if count <= 0:
+            return []
+        k = request.params.prompt_logprobs or 0
+        lp = rows[:count, : self.sampler.vocab_size].float().log_softmax(dim=-1)
+        targets = torch.tensor(prompt[start + 1:start + 1 + count], device=lp.device)
+        chosen = lp.gather(1, targets.unsqueeze(1)).squeeze(1).tolist()
+        top_v: list[list[float]] = [[] for _ in range(count)]
+        top_i: list[list[int]] = [[] for _ in range(count)]
+        if k:
+            values, ids = lp.topk(k, dim=-1)
+            top_v, top_i = values.tolist(), ids.tolist()
+        return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in
+                zip(prompt[start + 1:start + 1 + count], chosen, top_i, top_v)]

@@ -46,11 +46,10 @@ are all the cut needs, and any sort gives the same ones); both give the
 `torch.sort` path's cut bit for bit. Off the CPU every row with a cut sorts
 whole with `torch.sort`, so the single sync stays the only one.
 
-Seam for grammars and reasoning budgets (out of scope here; docs/upstream.md,
-Request parameters and sampling): their
-vocab masks would apply right after the penalties, and a row masked to
-nothing becomes a further per-row outcome (`GrammarComplete`) next to
-`SamplingError`.
+Grammars (`models.grammar`): a constrained row's mask applies after the
+penalties and the bias; its grammar consumes each token it samples, and a
+row whose grammar is complete after its token gets `GrammarComplete`.
+Reasoning budgets (out of scope here) would plug in the same way.
 """
 
 from __future__ import annotations
@@ -58,12 +57,17 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ferrox_batch.errors import DecodeError, TokenOutOfVocab
+from ferrox_batch.errors import DecodeError, GrammarConstraint, TokenOutOfVocab
 from ferrox_batch.generation_types import SamplingParams
 from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.scheduler.plan import GrammarComplete, Sampled
+
+if TYPE_CHECKING:
+    from ferrox_batch.models.grammar import Grammars
 from ferrox_batch.models.sampling_cuts import cuts
 
 __all__ = ["MIN_TEMPERATURE", "BatchSampler", "RowSampler", "SamplingError"]
@@ -109,6 +113,7 @@ class RowSampler:
     seed: int | None
     logprobs: int | None = None  # alternatives per token when the request asked for log-probabilities
     bias: torch.Tensor | None = None  # float32 [vocab] added to the logits (`logit_bias`), when any
+    matcher: Any = None  # the request's grammar state (`models.grammar`), when its output is constrained
 
     @property
     def greedy(self) -> bool:
@@ -129,16 +134,18 @@ def _penalised(params: SamplingParams) -> bool:
 class BatchSampler:
     """Samples one token per row from a batch of logits; holds no per-request state itself."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, grammars: Grammars | None = None) -> None:
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be a positive integer, got {vocab_size!r}")
         self.vocab_size = vocab_size
         self.device = torch.device(device)
+        self.grammars = grammars
 
     def new_row(self, params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
-                logprobs: int | None = None) -> RowSampler:
+                logprobs: int | None = None, grammar: str | None = None) -> RowSampler:
         """The state for one admitted request; `prompt_ids` opens its penalty window; `logprobs`: how many
-        alternatives its tokens' log-probabilities carry (None: it gets none)."""
+        alternatives its tokens' log-probabilities carry (None: it gets none); `grammar`: the compiled
+        grammar its output must follow (`Grammars.compile`)."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"params must be a SamplingParams, got {params!r}")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
@@ -169,11 +176,28 @@ class BatchSampler:
                 raise TokenOutOfVocab(max(ids), self.vocab_size)
             bias = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
             bias[torch.tensor(ids, device=self.device)] = torch.tensor(values, dtype=torch.float32, device=self.device)
-        return RowSampler(params, generator, counts, seed, logprobs, bias)
+        matcher = None
+        if grammar is not None:
+            if self.grammars is None:
+                raise GrammarConstraint("this sampler has no grammar engine")
+            matcher = self.grammars.matcher(grammar)
+        return RowSampler(params, generator, counts, seed, logprobs, bias, matcher)
 
-    def sample(self, logits: torch.Tensor, rows: Sequence[RowSampler]) -> list[int | TokenLogprob | SamplingError]:
-        """One token id per row (a `TokenLogprob` for a row that asked for log-probabilities), or a
-        `SamplingError` for a row that cannot be sampled.
+    def grammar_masks(self, rows: Sequence[RowSampler]) -> tuple[list[int], torch.Tensor] | None:
+        """(indices, `[len(indices), vocab]` allowed tokens) of the rows whose output follows a grammar; None
+        when none does. Reads only the rows' grammar states, so it may run while the forward does."""
+        constrained = [i for i, row in enumerate(rows) if row.matcher is not None and not row.matcher.is_stopped()]
+        if not constrained or self.grammars is None:
+            return None
+        return constrained, self.grammars.masks([rows[i].matcher for i in constrained], self.device)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[RowSampler],
+               masks: tuple[list[int], torch.Tensor] | None = None) -> list[Sampled]:
+        """One token id per row (a `TokenLogprob` for a row that asked for log-probabilities, wrapped in
+        `GrammarComplete` when it completes the row's grammar), or a `DecodeError` for a row that cannot be
+        sampled (`SamplingError`) or whose grammar broke (`GrammarConstraint`).
+
+        `masks`: `grammar_masks(rows)` computed beforehand (while the forward ran); computed here if None.
 
         Returned tokens are also counted into their rows' penalty windows; an
         erroring row's state is left as it was. Raises ValueError for a
@@ -187,17 +211,40 @@ class BatchSampler:
         # any +inf, and is -inf only when the whole row is.
         top = x.amax(dim=-1)
         status = torch.where(top.isnan(), 1, torch.where(top == float("inf"), 2, torch.where(top == float("-inf"), 3, 0)))
-        tokens = self._choose(self._biased(self._penalise(x, rows), rows), rows)
+        if masks is None and any(row.matcher is not None for row in rows):
+            masks = self.grammar_masks(rows)
+        tokens = self._choose(self._masked(self._biased(self._penalise(x, rows), rows), masks), rows)
         scored = [i for i, row in enumerate(rows) if row.logprobs is not None]
         logprobs = self._logprobs(x, tokens, rows, scored) if scored else {}
-        out: list[int | TokenLogprob | SamplingError] = []
+        out: list[Sampled] = []
         for i, (token, row) in enumerate(zip(torch.where(status == 0, tokens, -status).tolist(), rows)):
             if token < 0:
                 out.append(SamplingError(i, _PROBLEMS[-token]))
-            else:
-                row.record(token)
-                out.append(logprobs.get(i, token))
+                continue
+            row.record(token)
+            outcome: Sampled = logprobs.get(i, token)
+            if row.matcher is not None:
+                outcome = self._advance(row.matcher, token, outcome)
+            out.append(outcome)
         return out
+
+    @staticmethod
+    def _masked(x: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None) -> torch.Tensor:
+        """Tokens outside a constrained row's grammar set to -inf (out of place); other rows untouched."""
+        if masks is None:
+            return x
+        index, allowed = masks
+        rows = torch.tensor(index, device=x.device)
+        return x.index_copy(0, rows, x.index_select(0, rows).masked_fill(~allowed, float("-inf")))
+
+    @staticmethod
+    def _advance(matcher: Any, token: int, outcome: Sampled) -> Sampled:
+        """Feed the sampled token to the row's grammar: the outcome, marked complete when the grammar is."""
+        if matcher.is_stopped():  # a row finishes with the token that completes it: never sampled after
+            return GrammarConstraint("the grammar was already complete")
+        if not matcher.consume_token(token) or matcher.is_error():
+            return GrammarConstraint(f"token {token} does not continue the grammar: {matcher.get_error()}")
+        return GrammarComplete(outcome) if matcher.is_stopped() else outcome  # type: ignore[arg-type]
 
     def _logprobs(self, x: torch.Tensor, tokens: torch.Tensor, rows: Sequence[RowSampler],
                   scored: list[int]) -> dict[int, TokenLogprob]:

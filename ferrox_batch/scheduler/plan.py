@@ -2,7 +2,7 @@
 
 Decoding requests come first, one token each (the token they sampled last),
 then prompt chunks. After the forward, every decoding request samples, and so
-does each prompt whose chunk is its last: `sampling` lists them in that order,
+does each prompt whose chunk is its last (unless it only scores its prompt): `sampling` lists them in that order,
 which is the order the runner returns sampled ids in.
 
 A plan is a snapshot: its inputs and who samples are fixed when it is made,
@@ -11,9 +11,26 @@ so reading it after `update` moved its requests on still says what ran.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Union
 
+from ferrox_batch.errors import DecodeError
+from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.scheduler.request import Request
+
+
+
+@dataclass(frozen=True, slots=True)
+class GrammarComplete:
+    """The request's last token: its grammar is complete after it (it finishes with `stop`)."""
+
+    token: int | TokenLogprob
+
+
+#: What the runner returns for one sampling request: a token id (with its log-probabilities, as a
+#: `TokenLogprob`, when the request asked for them; wrapped in `GrammarComplete` when it completes the
+#: request's grammar), or the error that stops that request.
+Sampled = Union[int, TokenLogprob, GrammarComplete, DecodeError]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +66,7 @@ class StepPlan:
         for chunk in prompts:
             assert chunk.request.seq_id is not None
             inputs.append((chunk.request.seq_id, chunk.tokens))
-        last = [i for i, chunk in enumerate(prompts) if chunk.last]
+        last = [i for i, chunk in enumerate(prompts) if chunk.last and chunk.request.samples]
         sampling = [*decodes, *(prompts[i].request for i in last)]
         rows = [*range(len(decodes)), *(len(decodes) + i for i in last)]
         return cls(tuple(decodes), tuple(prompts), tuple(inputs), tuple(sampling), tuple(rows))
@@ -69,3 +86,13 @@ class StepPlan:
     @property
     def requests(self) -> list[Request]:
         return [*self.decodes, *(chunk.request for chunk in self.prompts)]
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What the runner made of a plan: one outcome per sampling request (`plan.sampling` order), and, by
+    index into `plan.prompts`, the log-probabilities of the prompt tokens each chunk predicts for the
+    requests that asked for them."""
+
+    sampled: list[Sampled]
+    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)

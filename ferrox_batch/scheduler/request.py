@@ -65,6 +65,8 @@ class Request:
     #: The abort id of a request whose prompt this one repeats (another choice of one prompt): it is
     #: admitted only once that prompt is through, so it adopts the prompt's cached blocks. None: no one.
     after: int | None = None
+    #: The compiled grammar its output follows (`GenerationParams.structured`, compiled at submit); opaque here.
+    grammar: str | None = None
     seq_id: int | None = None  # its KV lease, from admission on
     skips: int = 0  # times the cache-aware pick admitted a later request first (bounded)
     reserved: int = 0  # blocks admission reserved: `blocks` less the cached ones it adopted that others use
@@ -76,6 +78,9 @@ class Request:
     #: of them went out with chunks already.
     logprobs: list[TokenLogprob] | None = None
     logprobs_sent: int = 0
+    #: When asked for (`params.prompt_logprobs`): None for the first prompt token, then one entry per prompt
+    #: token as the chunks that predict them run.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     #: The model runner's per-request sampling state (made when it first samples); opaque here.
     sampler_row: object | None = None
     clock: RowClock | None = None
@@ -97,6 +102,17 @@ class Request:
         self.deadline = None if wait_ms is None else now + wait_ms / 1000
 
     # ------------------------------------------------------------ prompt
+
+    @property
+    def cacheable_tokens(self) -> list[int]:
+        """The tokens it may adopt cached blocks for: none when its prompt's log-probabilities are wanted,
+        since those are read from the prompt's own forward."""
+        return [] if self.params.prompt_logprobs is not None else self.prefill_tokens
+
+    @property
+    def samples(self) -> bool:
+        """Whether it samples after its prompt (a scoring request with `max_tokens=0` only runs its prompt)."""
+        return self.params.max_tokens > 0
 
     @property
     def prefill_tokens(self) -> list[int]:
@@ -225,7 +241,9 @@ class Request:
         logprobs = None
         if self.params.logprobs is not None:
             logprobs = tuple(self.logprobs or ())
-        self.sink.finished(GenerationResult(finish, list(self.output_ids), "".join(self.visible), usage, logprobs))
+        prompt = None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
+        self.sink.finished(GenerationResult(finish, list(self.output_ids), "".join(self.visible), usage, logprobs,
+                                            prompt))
 
     def answer(self, outcome: GenerationResult | DecodeError) -> None:
         """Reply with `outcome` as it is (a refusal, or a result decided without running)."""

@@ -47,9 +47,9 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice
-from typing import Protocol, Union
+from typing import Protocol
 
 from ferrox_batch.batch.block_budget import BlockBudget
 from ferrox_batch.batch.cache_aware import MAX_SKIPS, WINDOW, choose
@@ -62,16 +62,14 @@ from ferrox_batch.batch.step_cost import StepCostModel
 from ferrox_batch.errors import DecodeError, InvalidRequest, QueueTimeout, TokenOutOfVocab
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
-from ferrox_batch.scheduler.plan import PromptChunk, StepPlan
+from ferrox_batch.scheduler.plan import GrammarComplete, PromptChunk, Sampled, StepPlan
 from ferrox_batch.scheduler.request import DecodeFn, Request, RequestStatus
 from ferrox_batch.scheduler.waiting import WaitingQueue
 from ferrox_batch.usage import Usage
 
 log = logging.getLogger("ferrox_batch.batch")
 
-#: What the runner returns for one sampling request: a token id (with its log-probabilities, as a
-#: `TokenLogprob`, when the request asked for them), or the error that stops that request.
-Sampled = Union[int, TokenLogprob, DecodeError]
+
 
 
 class KvLeases(Protocol):
@@ -207,7 +205,7 @@ class Scheduler:
                 break  # every waiting request follows a prompt still being computed
             # Adopted blocks cost the ledger nothing when another lease already references them, and
             # one each when they sit unreferenced in the cache (reclaimable, so counted as free).
-            adopted, unreferenced = self.kv.peek(request.prefill_tokens, request.params.cache_salt)
+            adopted, unreferenced = self.kv.peek(request.cacheable_tokens, request.params.cache_salt)
             reserve = request.blocks - adopted + unreferenced
             if not self.budget.try_reserve(reserve):
                 break  # the chosen request holds the line: nothing smaller is tried
@@ -246,7 +244,7 @@ class Scheduler:
         window = self.waiting.window(WINDOW if self.prefix_cache else 1, held)
         if len(window) < 2:
             return (window[0] if window else None), [], 0
-        depths = [self.kv.peek(r.prefill_tokens, r.params.cache_salt)[0] for r in window]
+        depths = [self.kv.peek(r.cacheable_tokens, r.params.cache_salt)[0] for r in window]
         pick = choose(depths, [r.skips for r in window])
         return window[pick], window, pick
 
@@ -259,15 +257,18 @@ class Scheduler:
         if biased is not None:
             return InvalidRequest("logit_bias", biased, f"names a token id outside the model's vocabulary of "
                                                         f"{self.vocab_size}")
-        if request.params.max_tokens == 0:
-            # The upstream never finishes such a request; here it ends at once.
+        if request.params.max_tokens == 0 and request.params.prompt_logprobs is None:
+            # The upstream never finishes such a request; here it ends at once (unless it scores its
+            # prompt: then it runs the prompt and stops).
             return GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(request.prompt_tokens), 0),
                                     None if request.params.logprobs is None else ())
         try:
-            seq_id = self.kv.allocate(request.positions, request.prefill_tokens, request.params.cache_salt)
+            seq_id = self.kv.allocate(request.positions, request.cacheable_tokens, request.params.cache_salt)
         except DecodeError as refused:
             return refused
         request.admitted(seq_id, self.clock)
+        if request.params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # nothing predicts the first token
         request.num_computed_tokens = adopted = self.kv.length(seq_id)
         if self.prefix_cache:
             request.cached_tokens = min(adopted, len(request.prompt_tokens))
@@ -291,10 +292,13 @@ class Scheduler:
 
     # ------------------------------------------------------------ update
 
-    def update(self, plan: StepPlan, sampled: Sequence[Sampled], seconds: float | None = None) -> None:
+    def update(self, plan: StepPlan, sampled: Sequence[Sampled], seconds: float | None = None,
+               prompt_logprobs: Mapping[int, Sequence[TokenLogprob]] | None = None) -> None:
         """Apply a forward that ran `plan` and the tokens sampled after it (`plan.sampling` order).
 
         `seconds`: how long the forward and sampling took, for the step target's cost model.
+        `prompt_logprobs`: by index into `plan.prompts`, the log-probabilities of the prompt tokens that
+        chunk's rows predict, for the requests that asked (`GenerationParams.prompt_logprobs`).
         """
         sampling = plan.sampling
         if len(sampled) != len(sampling):
@@ -306,19 +310,26 @@ class Scheduler:
             line = self.reporter.report_decode(self._now(), len(plan.decodes), self.batch_status())
             if line is not None:
                 log.info(line)
-        for chunk in plan.prompts:
+        for index, chunk in enumerate(plan.prompts):
             self.counters.add_prefill(len(chunk.tokens))
             self._computed(chunk.request, len(chunk.tokens))
+            if prompt_logprobs and index in prompt_logprobs and chunk.request.prompt_logprobs is not None:
+                chunk.request.prompt_logprobs.extend(prompt_logprobs[index])
         self._requeue_prompts(plan)
         for request, token in zip(sampling, sampled):
             if not request.going:
                 continue
+            complete = isinstance(token, GrammarComplete)
+            if complete:
+                token = token.token
             if isinstance(token, DecodeError):
                 request.fail(token)
             elif isinstance(token, TokenLogprob):
                 request.push_token(token.token, self.decode, token)
             else:
                 request.push_token(token, self.decode)
+            if complete and request.going:  # the output is a whole sentence of its grammar
+                request.finish = FinishReason.STOP
         if seconds is not None and self.config.step_target_ms is not None:
             self.step_cost.observe(len(plan.decodes), plan.prompt_tokens, seconds)
         self.flush()
@@ -342,6 +353,8 @@ class Scheduler:
                 self.prefilling.remove(request)
                 request.prompt_done()
                 self.decoding.append(request)
+                if not request.samples:  # it only scored its prompt
+                    request.finish = FinishReason.LENGTH
                 # Its prompt's full blocks are final now: offered to the cache at once, so a request
                 # admitted while this one still decodes (the next turn of a chat, another choice of the
                 # same prompt) adopts them instead of waiting for this one to finish.

@@ -111,6 +111,7 @@ class Limits:
 class _Prepared:
     request: CompletionRequest | ChatRequest
     bridges: list[ReplyBridge]  # one per choice (per `best_of` candidate), in order
+    ids: list[int]  # the prompt as submitted
 
 
 class Generations:
@@ -173,6 +174,9 @@ class Generations:
             asked = prepared.request.options.logprobs is not None
             fmt: WireFormat = (ChatFormat if chat else CompletionFormat)(self.model_name, rid,
                                                                           self.tokenizer if asked else None)
+            if isinstance(prepared.request, CompletionRequest) and prepared.request.echo:
+                prompt = prepared.request.prompt
+                fmt.echo = (prepared.ids, prompt if isinstance(prompt, str) else self.tokenizer.decode_text(prompt))
             if not prepared.request.stream:
                 # A request that does not stream gets no `Text` events: the next event of each choice is final.
                 finals = dict([first])
@@ -240,7 +244,7 @@ class Generations:
             for bridge in bridges:  # a later candidate was refused: the request fails whole
                 bridge.abandon()
             raise
-        return _Prepared(request, bridges)
+        return _Prepared(request, bridges, ids)
 
     @staticmethod
     async def _events(first: tuple[int, Text | Done], events: AsyncIterator[tuple[int, Event]], fmt: WireFormat,

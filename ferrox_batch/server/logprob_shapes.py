@@ -1,8 +1,9 @@
 """Log-probabilities in OpenAI's two wire shapes: the legacy completions object and chat's `content` list.
 
 * Completions: `{"tokens": [...], "token_logprobs": [...], "top_logprobs": [{token: logprob}, ...],
-  "text_offset": [...]}`, one entry per generated token; `text_offset` is where each token's text starts
-  in the completion's text (a stream continues the count from chunk to chunk).
+  "text_offset": [...]}`, one entry per generated token (with `echo`, first one per prompt token, the
+  first of them with nulls: nothing predicts it); `text_offset` is where each token's text starts in the
+  choice's text (a stream continues the count from chunk to chunk).
 * Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
   "refusal": null}`.
 
@@ -51,13 +52,16 @@ class LogprobShapes:
         return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
                             for e in entries], "refusal": None}
 
-    def completion(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def completion(self, entries: Sequence[TokenLogprob | int]) -> dict[str, Any]:
+        """An `int` entry is a token with no log-probability (an echoed prompt's first): nulls for it."""
         tokens, offsets = [], []
         for e in entries:
-            text, _ = self._token(e.token)
+            text, _ = self._token(e if isinstance(e, int) else e.token)
             tokens.append(text)
             offsets.append(self._offset)
             self._offset += len(text)
-        return {"tokens": tokens, "token_logprobs": [finite(e.logprob) for e in entries],
-                "top_logprobs": [{self._token(t)[0]: finite(lp) for t, lp in e.top} for e in entries],
+        return {"tokens": tokens,
+                "token_logprobs": [None if isinstance(e, int) else finite(e.logprob) for e in entries],
+                "top_logprobs": [None if isinstance(e, int) else {self._token(t)[0]: finite(lp) for t, lp in e.top}
+                                 for e in entries],
                 "text_offset": offsets}

@@ -9,8 +9,8 @@ What it promises:
 
 * Unknown fields are ignored, as OpenAI does; `null` means "absent" for every
   optional field.
-* Fields OpenAI defines that this server cannot honour yet (tools, structured
-  output, echo, suffix) are a 400
+* Fields OpenAI defines that this server cannot honour yet (tools, suffix)
+  are a 400
   naming the field, never silently dropped; the one value of each that asks
   for nothing (`tools: []`, `logprobs: false`, ...) is accepted, because
   common clients send it.
@@ -30,18 +30,24 @@ by the caller (`create_app`): OpenAI's 16 for completions, 1024 for chat.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ferrox_batch.batch.text import text_params
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
-from ferrox_batch.generation_types import GenerationParams, SamplingParams
-from ferrox_batch.logprobs import MAX_TOP_LOGPROBS
-from ferrox_batch.models.tokenizer import ChatMessage, Tokenizer
+from ferrox_batch.models.tokenizer import ChatMessage
 from ferrox_batch.server.choices import MAX_CHOICES
+from ferrox_batch.server.fields import Fields, is_int
+from ferrox_batch.server.sampling_fields import (
+    SamplingOptions,
+    chat_logprobs,
+    completion_logprobs,
+    read_options,
+    response_format,
+)
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS, refuse_not_honoured
 
 #: OpenAI's documented default for `/v1/completions`.
@@ -50,11 +56,9 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: for a real answer, short enough that a forgotten `max_tokens` does not hold a row for the
 #: whole context. The batcher still clamps it to the context ceiling.
 DEFAULT_CHAT_MAX_TOKENS = 1024
-#: OpenAI's temperature default. The library's default is greedy; an HTTP client that omits
-#: the field expects OpenAI's behaviour.
-DEFAULT_TEMPERATURE = 1.0
 #: OpenAI's chat roles; any other is refused rather than handed to the chat template.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
@@ -77,32 +81,6 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 
 @dataclass(frozen=True, slots=True)
-class SamplingOptions:
-    """The sampling and stopping fields both endpoints share, already range-checked."""
-
-    sampling: SamplingParams
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    ignore_eos: bool = False
-    #: The prefix cache's namespace (vLLM's field): requests share cached prompt blocks only within one.
-    cache_salt: str | None = None
-    #: Admission order (vLLM's field): lower first, arrival order within one.
-    priority: int = 0
-    #: Refused with 503 queue_timeout if still waiting for admission after this long (the server's default
-    #: when None).
-    max_queue_wait_ms: int | None = None
-    #: Alternatives per token when the request asked for log-probabilities; None: it did not.
-    logprobs: int | None = None
-
-    def generation_params(self, tokenizer: Tokenizer, max_tokens: int) -> GenerationParams:
-        """Params for the batcher; stop strings that are one token are also stopped on by id."""
-        return text_params(tokenizer, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
-                           ignore_eos=self.ignore_eos, sampling=self.sampling, cache_salt=self.cache_salt,
-                           priority=self.priority, max_queue_wait_ms=self.max_queue_wait_ms,
-                           logprobs=self.logprobs)
-
-
-@dataclass(frozen=True, slots=True)
 class CompletionRequest:
     """`POST /v1/completions`: `prompt` is text or token ids."""
 
@@ -114,6 +92,7 @@ class CompletionRequest:
     include_usage: bool = False
     n: int = 1  # choices returned
     best_of: int = 1  # candidates generated, the best `n` returned (>= n)
+    echo: bool = False  # each choice starts with the prompt (and its log-probabilities, when asked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,90 +116,33 @@ class ChatRequest:
 def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int) -> CompletionRequest:
     refuse_not_honoured(body, COMPLETIONS)
     fields = Fields(body)
-    common = _common(fields, default_max_tokens, _completion_logprobs(fields))
+    common = _common(fields, default_max_tokens, completion_logprobs(fields))
     best_of = fields.integer("best_of", common["n"])
     if not common["n"] <= best_of <= MAX_CHOICES:
         raise InvalidRequest("best_of", best_of, f"must be an integer in [n, {MAX_CHOICES}] (n is {common['n']})")
     if best_of > common["n"] and common["stream"]:
         raise InvalidRequest("best_of", best_of, "cannot be streamed above n: the best are known only at the end")
-    return CompletionRequest(prompt=read_prompt(body.get("prompt")), best_of=best_of, **common)
+    echo = fields.boolean("echo", False)
+    if echo and common["stream"]:
+        raise InvalidRequest("echo", echo, "cannot be streamed: send stream: false to echo the prompt")
+    if echo and common["options"].logprobs is not None:  # the prompt's own log-probabilities too
+        common["options"] = dataclasses.replace(common["options"], prompt_logprobs=common["options"].logprobs)
+    return CompletionRequest(prompt=read_prompt(body.get("prompt")), best_of=best_of, echo=echo, **common)
 
 
 def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> ChatRequest:
     refuse_not_honoured(body, CHAT)
     fields = Fields(body)
-    common = _common(fields, default_max_tokens, _chat_logprobs(fields))
+    common = _common(fields, default_max_tokens, chat_logprobs(fields))
+    structured = response_format(body.get("response_format"))
+    if structured is not None:  # its combinations (`ignore_eos`) are GenerationParams' to check
+        common["options"] = dataclasses.replace(common["options"], structured=structured)
     return ChatRequest(messages=read_messages(body.get("messages")), **common)
-
-
-def _completion_logprobs(fields: Fields) -> int | None:
-    """Completions' `logprobs`: how many alternatives per token (0 still asks for the sampled token's);
-    `false`, which some clients send, asks for none."""
-    if fields.raw("logprobs") is False:
-        return None
-    return fields.integer("logprobs", None)  # the range is GenerationParams' to check
-
-
-def _chat_logprobs(fields: Fields) -> int | None:
-    """Chat's `logprobs: true` with `top_logprobs: k` (0 to 20) alternatives per token."""
-    top = fields.integer("top_logprobs", None)
-    if not fields.boolean("logprobs", False):
-        if top:
-            raise InvalidRequest("top_logprobs", top, "needs logprobs: true")
-        return None
-    top = 0 if top is None else top
-    if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise InvalidRequest("top_logprobs", top, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
-    return top
 
 
 # ---------------------------------------------------------------------------
 # Field readers
 # ---------------------------------------------------------------------------
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-class Fields:
-    """Typed reads of optional top-level fields; absent and null both give the default."""
-
-    __slots__ = ("_body",)
-
-    def __init__(self, body: Mapping[str, Any]) -> None:
-        self._body = body
-
-    def raw(self, name: str) -> Any:
-        return self._body.get(name)
-
-    def integer(self, name: str, default: int | None) -> int | None:
-        value = self._body.get(name)
-        if value is None:
-            return default
-        if not _is_int(value):
-            raise InvalidRequest(name, value, "must be an integer")
-        return value
-
-    def number(self, name: str, default: float) -> float:
-        value = self._body.get(name)
-        if value is None:
-            return default
-        if not _is_number(value):
-            raise InvalidRequest(name, value, "must be a number")
-        return value
-
-    def boolean(self, name: str, default: bool) -> bool:
-        value = self._body.get(name)
-        if value is None:
-            return default
-        if not isinstance(value, bool):
-            raise InvalidRequest(name, value, "must be true or false")
-        return value
 
 
 def _common(fields: Fields, default_max_tokens: int, logprobs: int | None) -> dict[str, Any]:
@@ -235,7 +157,7 @@ def _common(fields: Fields, default_max_tokens: int, logprobs: int | None) -> di
         "model": model,
         "n": n,
         "max_tokens": _max_tokens(fields, default_max_tokens),
-        "options": _options(fields, logprobs),
+        "options": read_options(fields, logprobs),
         "stream": fields.boolean("stream", False),
         "include_usage": _include_usage(fields.raw("stream_options")),
     }
@@ -251,59 +173,6 @@ def _max_tokens(fields: Fields, default: int) -> int:
             raise InvalidRequest(name, value, "must be a non-negative integer")
         return value
     return default
-
-
-def _options(fields: Fields, logprobs: int | None) -> SamplingOptions:
-    top_k = fields.integer("top_k", 0)
-    if top_k == -1:  # vLLM's spelling of "disabled"; clients written for it send it
-        top_k = 0
-    sampling = SamplingParams(  # raises InvalidRequest naming the first out-of-range field
-        temperature=fields.number("temperature", DEFAULT_TEMPERATURE),
-        top_p=fields.number("top_p", 1.0),
-        top_k=top_k,
-        min_p=fields.number("min_p", 0.0),
-        repetition_penalty=fields.number("repetition_penalty", 1.0),
-        presence_penalty=fields.number("presence_penalty", 0.0),
-        frequency_penalty=fields.number("frequency_penalty", 0.0),
-        logit_bias=_logit_bias(fields.raw("logit_bias")),
-    )
-    seed = fields.integer("seed", None)
-    if seed is not None and not 0 <= seed <= UNLIMITED:
-        raise InvalidRequest("seed", seed, "must be an integer in [0, 2**64 - 1]")
-    salt = fields.raw("cache_salt")
-    if salt is not None and (not isinstance(salt, str) or not salt):
-        raise InvalidRequest("cache_salt", salt, "must be a non-empty string")
-    # Ranges are GenerationParams' to check, as for every other field.
-    return SamplingOptions(sampling=sampling, seed=seed, stop=_stop(fields.raw("stop")),
-                           ignore_eos=fields.boolean("ignore_eos", False), cache_salt=salt,
-                           priority=fields.integer("priority", 0),
-                           max_queue_wait_ms=fields.integer("max_queue_wait_ms", None), logprobs=logprobs)
-
-
-def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
-    """OpenAI's `{"token id": bias}` (JSON keys are strings) as (id, bias) pairs; ranges are SamplingParams'."""
-    if value is None:
-        return ()
-    if not isinstance(value, dict):
-        raise InvalidRequest("logit_bias", value, "must be an object mapping token ids to numbers")
-    pairs = []
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
-            raise InvalidRequest("logit_bias", key, "keys must be token ids (decimal integers)")
-        if not _is_number(bias):
-            raise InvalidRequest("logit_bias", bias, "values must be numbers in [-100, 100]")
-        pairs.append((int(key), bias))
-    return tuple(sorted(pairs))
-
-
-def _stop(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, list) and all(isinstance(s, str) for s in value):
-        return tuple(value)
-    raise InvalidRequest("stop", value, "must be a string or a list of strings")
 
 
 def _include_usage(value: Any) -> bool:
@@ -334,7 +203,7 @@ def read_prompt(value: Any) -> str | tuple[int, ...]:
             raise InvalidRequest("prompt", value, "must be one prompt: batched prompts are not supported "
                                            "(send one request per prompt)")
         for token in value:
-            if not _is_int(token) or token < 0:
+            if not is_int(token) or token < 0:
                 raise InvalidRequest("prompt", token, "token ids must be non-negative integers")
         return tuple(value)
     if value is None:

@@ -103,7 +103,7 @@ class WireFormat:
         for index, result in enumerate(results):
             choice = self._full_choice(result)
             choice["index"] = index
-            choice["logprobs"] = self._logprobs(index, result.logprobs or ())
+            choice["logprobs"] = self._logprobs(index, self._entries(result))
             choices.append(choice)
         body = self._envelope(self.object_full, choices)
         body["usage"] = usage_dict(combined_usage(usages if usages is not None else [r.usage for r in results]))
@@ -131,7 +131,7 @@ class WireFormat:
         body["usage"] = usage_dict(combined_usage(usages))
         return body
 
-    def _logprobs(self, index: int, entries: Sequence[TokenLogprob]) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, entries: Sequence[TokenLogprob | int]) -> dict[str, Any] | None:
         if self._tokenizer is None:
             return None
         shapes = self._shapes.get(index)
@@ -139,8 +139,12 @@ class WireFormat:
             shapes = self._shapes[index] = LogprobShapes(self._tokenizer)
         return self._shape(shapes, entries)
 
-    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int]) -> dict[str, Any]:
         raise NotImplementedError
+
+    def _entries(self, result: GenerationResult) -> Sequence[TokenLogprob | int]:
+        """The log-probability entries of a whole answer's choice."""
+        return result.logprobs or ()
 
     def _full_choice(self, result: GenerationResult) -> dict[str, Any]:
         raise NotImplementedError
@@ -153,12 +157,21 @@ class CompletionFormat(WireFormat):
     id_prefix = "cmpl"
     object_full = "text_completion"
     object_chunk = "text_completion"
+    #: With `echo`: the prompt's ids and text, which each choice starts with.
+    echo: tuple[Sequence[int], str] | None = None
 
     def _full_choice(self, result: GenerationResult) -> dict[str, Any]:
-        return {"index": 0, "text": result.text, "logprobs": None,
-                "finish_reason": finish_reason(result.finish_reason)}
+        text = result.text if self.echo is None else self.echo[1] + result.text
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(result.finish_reason)}
 
-    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
+    def _entries(self, result: GenerationResult) -> Sequence[TokenLogprob | int]:
+        if self.echo is None or not self.echo[0]:
+            return super()._entries(result)
+        # The prompt's entries first; its first token has none (nothing predicts it).
+        ids = self.echo[0]
+        return [ids[0], *(result.prompt_logprobs or ())[1:], *(result.logprobs or ())]  # type: ignore[list-item]
+
+    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int]) -> dict[str, Any]:
         return shapes.completion(entries)
 
     def _chunk_choice(self, text: str | None, reason: str | None) -> dict[str, Any]:
@@ -174,8 +187,8 @@ class ChatFormat(WireFormat):
         return {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
                 "finish_reason": finish_reason(result.finish_reason)}
 
-    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-        return shapes.chat(entries)
+    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int]) -> dict[str, Any]:
+        return shapes.chat(entries)  # type: ignore[arg-type]  # chat has no echo: never an int
 
     def opening_chunks(self, choices: int) -> list[dict[str, Any]]:
         return [self._envelope(self.object_chunk, [

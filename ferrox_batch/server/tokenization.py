@@ -14,7 +14,8 @@ from typing import Any
 
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.models.tokenizer import Tokenizer
-from ferrox_batch.server.requests import Fields, read_messages
+from ferrox_batch.server.fields import Fields
+from ferrox_batch.server.requests import read_messages
 
 
 def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, max_model_len: int | None) -> dict[str, Any]:

@@ -116,3 +116,26 @@ def test_only_the_rows_that_asked_get_logprobs(tiny_batch_model):
     assert results["plain"].logprobs is None
     assert [e.top for e in results["asked"].logprobs] == [()] * 3
     assert results["plain"].token_ids == results["asked"].token_ids
+
+
+def test_prompt_logprobs_are_the_prompts_own_whatever_the_chunking_and_the_cache(tiny_batch_model):
+    prompt = [(7 * i + 3) % 300 + 2 for i in range(37)]
+    decoder = tiny_batch_model.decoder
+    store = decoder.new_store(16, num_blocks=8)
+    store.add_sequence(0, len(prompt))
+    _, (rows,) = decoder.forward_every([SeqChunk(0, prompt)], store, [0])
+    want = [None] + [(t, rows[i].double().log_softmax(-1)[t].item()) for i, t in enumerate(prompt[1:])]
+    params = GenerationParams(max_tokens=0, prompt_logprobs=2)
+    for config in (BatcherConfig(kv_block_size=16, kv_blocks=32, prefill_chunk=64),
+                   BatcherConfig(kv_block_size=16, kv_blocks=32, prefill_chunk=5, prefix_cache=True)):
+        with spawn(tiny_batch_model, config) as batcher:
+            batcher.generate(prompt, greedy_params(2))  # with the cache on, the prompt is cached now
+            result = batcher.generate(prompt, params)
+        assert result.token_ids == () and result.finish_reason.kind == "length"
+        assert not result.usage.cached_tokens  # a scored prompt is computed whole
+        got = result.prompt_logprobs
+        assert len(got) == len(prompt) and got[0] is None
+        for i, (entry, (token, value)) in enumerate(zip(got[1:], want[1:])):
+            tolerance = 2 * logits_tolerance(tiny_batch_model.config, i + 1, rows[i])
+            assert entry.token == token and abs(entry.logprob - value) <= tolerance
+            assert len(entry.top) == 2

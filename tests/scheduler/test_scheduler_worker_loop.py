@@ -15,7 +15,7 @@ from ferrox_batch.batch.lifecycle import CLOSE, Lifecycle
 from ferrox_batch.batch.worker import Worker
 from ferrox_batch.errors import InternalError, WorkerDied
 from ferrox_batch.generation_types import FinishReason
-from ferrox_batch.scheduler.plan import StepPlan
+from ferrox_batch.scheduler.plan import StepOutput, StepPlan
 
 
 class FakeRunner:
@@ -28,6 +28,7 @@ class FakeRunner:
         self.fault = fault
         self.before_fault = before_fault
         self.forwards = 0
+        self.closed = False
 
     def execute(self, plan: StepPlan):
         self.forwards += 1
@@ -36,7 +37,10 @@ class FakeRunner:
             self.before_fault()
             raise self.fault
         self.bench.kv.run(plan)
-        return [1] * len(plan.sampling)
+        return StepOutput([1] * len(plan.sampling))
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def make_loop(bench: Bench, runner: FakeRunner) -> Worker:

@@ -206,17 +206,17 @@ class FlakySampler(BatchSampler):
         self.failed_prompts: list[tuple[int, ...]] | None = None
         FlakySampler.instances.append(self)
 
-    def new_row(self, params, seed, prompt_ids, logprobs=None):
-        row = super().new_row(params, seed, prompt_ids, logprobs)
+    def new_row(self, params, seed, prompt_ids, *rest):
+        row = super().new_row(params, seed, prompt_ids, *rest)
         self.prompt_of[id(row)] = tuple(prompt_ids)
         return row
 
-    def sample(self, logits, rows):
+    def sample(self, logits, rows, masks=None):
         self.calls += 1
         if self.calls == self.fail_on:
             self.failed_prompts = [self.prompt_of[id(row)] for row in rows]
             raise RuntimeError("injected sampler fault")
-        return super().sample(logits, rows)
+        return super().sample(logits, rows, masks)
 
 
 def test_a_sampler_that_raises_fails_the_rows_it_was_sampling(tiny_batch_model, monkeypatch):

@@ -81,3 +81,25 @@ def test_bad_logprobs_fields_are_400s_naming_them(client):
         with pytest.raises(openai.BadRequestError) as bad:
             create(model=MODEL_NAME, max_tokens=1, **fields)
         assert bad.value.param == param, fields
+
+
+def test_echo_returns_the_prompt_with_its_logprobs_first(server, client):
+    _, batcher = server
+    prompt = "The capital of France is"
+    ids = batcher.tokenizer.encode(prompt)
+    scored = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                       **GREEDY)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) <= 1 for t in lp.top_logprobs[1:])
+    direct = batcher.generate(ids, GenerationParams(max_tokens=0, prompt_logprobs=1))
+    assert lp.token_logprobs[1:] == [e.logprob for e in direct.prompt_logprobs[1:]]
+    both = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, echo=True, logprobs=0,
+                                     **GREEDY)
+    assert both.choices[0].text.startswith(prompt) and len(both.choices[0].logprobs.tokens) == len(ids) + 3
+    plain = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, echo=True, **GREEDY)
+    assert plain.choices[0].text == both.choices[0].text and plain.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=3, echo=True, stream=True)
+    assert bad.value.param == "echo"
