@@ -2,10 +2,11 @@
 """What the sampling extras cost per token: log-probabilities (k alternatives) and a JSON schema's mask.
 
 One batched sampler call over `--rows` rows of the default model's vocabulary (random logits, seeded), timed
-as the worker times it, side by side in one run: greedy with nothing extra; every row asking for
-log-probabilities with k alternatives; every row constrained by a JSON schema (llguidance masks, each row's
-grammar advanced by the token it sampled, restarted when complete); and the masks alone, which the runner
-computes on another thread while the forward runs. Medians of `--steps` calls, interleaved.
+as the worker times it, side by side in one run, every row greedy: with nothing extra; every row asking
+for log-probabilities with k alternatives; every row constrained by a JSON schema (each row's grammar
+advanced by the token it sampled, restarted when complete), given its masks as the runner gives them; and
+the masks alone (llguidance), which the runner computes on another thread while the forward runs.
+Medians of `--steps` calls, interleaved.
 
     python scripts/bench_sampler.py                 # 32 rows, k = 5
     python scripts/bench_sampler.py --rows 8 --steps 200
@@ -52,9 +53,10 @@ def main() -> int:
     greedy = SamplingParams()
     plain = [sampler.new_row(greedy, None, []) for _ in range(args.rows)]
     scored = [sampler.new_row(greedy, None, [], logprobs=args.k) for _ in range(args.rows)]
-    constrained = [sampler.new_row(SamplingParams(temperature=1.0), i, [], grammar=grammar) for i in range(args.rows)]
+    constrained = [sampler.new_row(greedy, None, [], grammar=grammar) for _ in range(args.rows)]
     gen = torch.Generator().manual_seed(0)
-    times: dict[str, list[float]] = {"greedy": [], f"logprobs k={args.k}": [], "JSON schema": [], "masks alone": []}
+    times: dict[str, list[float]] = {"greedy": [], f"logprobs k={args.k}": [], "JSON schema, masks given": [],
+                                     "masks alone (beside the forward)": []}
     for _ in range(args.steps):
         logits = torch.randn(args.rows, vocab, generator=gen) * 3
         for name, rows in (("greedy", plain), (f"logprobs k={args.k}", scored)):
@@ -62,14 +64,14 @@ def main() -> int:
             sampler.sample(logits, rows)
             times[name].append(time.perf_counter() - began)
         began = time.perf_counter()
-        sampler.grammar_masks(constrained)
-        times["masks alone"].append(time.perf_counter() - began)
+        masks = sampler.grammar_masks(constrained)
+        times["masks alone (beside the forward)"].append(time.perf_counter() - began)
         began = time.perf_counter()
-        out = sampler.sample(logits, constrained)
-        times["JSON schema"].append(time.perf_counter() - began)
+        out = sampler.sample(logits, constrained, masks)
+        times["JSON schema, masks given"].append(time.perf_counter() - began)
         for i, outcome in enumerate(out):  # a finished or broken row starts a new document
             if isinstance(outcome, (GrammarComplete, Exception)):
-                constrained[i] = sampler.new_row(SamplingParams(temperature=1.0), i, [], grammar=grammar)
+                constrained[i] = sampler.new_row(greedy, None, [], grammar=grammar)
     print(f"# cpu: {cpu_description()}; torch threads {torch.get_num_threads()}; {args.rows} rows, vocab {vocab}, "
           f"{args.steps} steps")
     base = statistics.median(times["greedy"])
