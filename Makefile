@@ -60,7 +60,7 @@ test: deps fetch
 # 2-core AVX2 machine.
 NUMERIC_TESTS := tests/models/test_cpu_kernels.py tests/models/test_decoder.py tests/models/test_sampler.py \
 	tests/models/test_linear.py tests/models/test_gguf_convert.py tests/models/test_real_model.py \
-	tests/scheduler/test_batching.py
+	tests/scheduler/test_batching.py tests/scheduler/test_logprobs.py tests/models/test_real_model_prefix_cache.py
 LOWER_CPU_CAPABILITIES := import torch; order = ["avx512", "avx2", "default"]; \
 	native = torch.backends.cpu.get_cpu_capability().lower(); \
 	print(*(order[order.index(native) + 1:] if native in order else ["default"]))

@@ -97,3 +97,23 @@ def tiny_batch_model(tiny_batch_dir: Path):
     from ferrox_batch.models.loader import load_model
 
     return load_model(tiny_batch_dir, device=TEST_DEVICE, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_batch_model):
+    """The server tests' default: the tiny batch checkpoint served, one server per test module, as
+    `(base_url, batcher)`. A module that needs another configuration defines its own `server`."""
+    from server_helpers import served, tiny_batcher
+
+    batcher = tiny_batcher(tiny_batch_model)
+    with served(batcher) as (base_url, _app):
+        yield base_url, batcher
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official `openai` client on the module's `server`."""
+    from server_helpers import openai_client
+
+    with openai_client(server[0], timeout=60) as c:
+        yield c

@@ -36,7 +36,7 @@ from typing import Callable, Protocol
 from ferrox_batch.batch.counters import Counters
 from ferrox_batch.batch.lifecycle import CLOSE, Lifecycle
 from ferrox_batch.batch.queue import AbortInbox
-from ferrox_batch.errors import DecodeError, InternalError, WorkerDied
+from ferrox_batch.errors import InternalError, WorkerDied
 from ferrox_batch.scheduler.plan import StepOutput, StepPlan
 from ferrox_batch.scheduler.request import Request
 from ferrox_batch.scheduler.scheduler import Scheduler

@@ -32,7 +32,6 @@ from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.sampler import BatchSampler
 from ferrox_batch.scheduler.plan import PromptChunk, Sampled, StepOutput, StepPlan
-from ferrox_batch.scheduler.request import Request
 
 log = logging.getLogger("ferrox_batch.batch")
 

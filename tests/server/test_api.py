@@ -16,26 +16,13 @@ import time
 import httpx
 import pytest
 from conftest import TEST_DEVICE
-from server_helpers import DEADLINE, GREEDY, MODEL_NAME, openai_client, poll, served, stats, tiny_batcher
+from server_helpers import DEADLINE, GREEDY, MODEL_NAME, openai_client, poll, served, stats
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.server import serve
 
 PROMPTS = ["The quick brown fox", "Paged attention stores", "Continuous batching keeps", "def forward(self, x):"]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_batch_model):
-    batcher = tiny_batcher(tiny_batch_model)
-    with served(batcher) as (base_url, _app):
-        yield base_url, batcher
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server[0]) as c:
-        yield c
 
 
 def direct(batcher: ContinuousBatcher, prompt, max_tokens: int, **options) -> str:

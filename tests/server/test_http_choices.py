@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from server_helpers import MODEL_NAME, openai_client, served, stats, tiny_batcher
+from server_helpers import MODEL_NAME, served, stats, tiny_batcher
 
 from ferrox_batch.server.choices import MAX_CHOICES
 
@@ -25,12 +25,6 @@ def server(tiny_batch_model):
     batcher = tiny_batcher(tiny_batch_model, prefix_cache=True)
     with served(batcher) as (base_url, _app):
         yield base_url, batcher
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server[0], timeout=60) as c:
-        yield c
 
 
 def test_n_choices_share_one_prompt_prefill_and_are_seeded_per_choice(server, client):

@@ -12,20 +12,13 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-from server_helpers import GREEDY, MODEL_NAME, openai_client, served, tiny_batcher
+from server_helpers import GREEDY, MODEL_NAME, openai_client
 
 from ferrox_batch.errors import TokenOutOfVocab
 from ferrox_batch.generation_types import SamplingParams
 from ferrox_batch.models.sampler import BatchSampler
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_batch_model):
-    batcher = tiny_batcher(tiny_batch_model)
-    with served(batcher) as (base_url, _app):
-        yield base_url, batcher
 
 
 def test_a_bias_forces_or_bans_tokens_on_both_endpoints(server):

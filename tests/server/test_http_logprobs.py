@@ -13,25 +13,12 @@ import math
 
 import openai
 import pytest
-from server_helpers import GREEDY, MODEL_NAME, openai_client, served, tiny_batcher
+from server_helpers import GREEDY, MODEL_NAME
 
 from ferrox_batch.generation_types import GenerationParams
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS
 
 MESSAGES = [{"role": "user", "content": "Tell me about queues."}]
-
-
-@pytest.fixture(scope="module")
-def server(tiny_batch_model):
-    batcher = tiny_batcher(tiny_batch_model)
-    with served(batcher) as (base_url, _app):
-        yield base_url, batcher
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server[0]) as c:
-        yield c
 
 
 def test_completions_logprobs_in_the_legacy_shape(server, client):

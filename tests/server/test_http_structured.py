@@ -16,7 +16,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from server_helpers import MODEL_NAME, openai_client, served, stats, tiny_batcher
+from server_helpers import MODEL_NAME, stats
 
 MESSAGES = [{"role": "user", "content": "Describe a pet."}]
 SCHEMA = {
@@ -30,18 +30,6 @@ SCHEMA = {
     "additionalProperties": False,
 }
 FORMAT = {"type": "json_schema", "json_schema": {"name": "pet", "schema": SCHEMA, "strict": True}}
-
-
-@pytest.fixture(scope="module")
-def server(tiny_batch_model):
-    with served(tiny_batcher(tiny_batch_model)) as (base_url, _app):
-        yield base_url
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    with openai_client(server, timeout=60) as c:
-        yield c
 
 
 def test_a_schema_constrained_answer_parses_and_validates(client):
@@ -84,12 +72,13 @@ def test_free_rows_batched_beside_constrained_ones_are_unchanged(client):
 
 
 def test_an_invalid_schema_and_ignore_eos_are_400s(server, client):
-    before = stats(server)
+    base_url = server[0]
+    before = stats(base_url)
     bad = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, response_format=bad)
     assert refused.value.code == "grammar_constraint"
-    assert stats(server)["queue_depth"] == 0 and stats(server)["prefill_tokens"] == before["prefill_tokens"]
+    assert stats(base_url)["queue_depth"] == 0 and stats(base_url)["prefill_tokens"] == before["prefill_tokens"]
     with pytest.raises(openai.BadRequestError) as refused:
         client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=4, response_format=FORMAT,
                                        extra_body={"ignore_eos": True})
