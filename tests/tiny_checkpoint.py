@@ -24,6 +24,23 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+#: ChatML that renders tools the Hermes/Qwen way: definitions in <tools>, calls as <tool_call> blocks,
+#: results as <tool_response> (a tiny stand-in for a tool-calling checkpoint's template).
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nYou may call these tools:\n<tools>\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n"
+    "Call one as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] is defined %}<|im_start|>assistant\n"
+    "{% for call in message['tool_calls'] %}<tool_call>\n"
+    "{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}\n"
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{% elif message['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message['content'] }}\n"
+    "</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Continuous batching keeps every request moving.",
@@ -63,6 +80,7 @@ def write_tiny_checkpoint(
     rope_scaling: dict[str, Any] | None = None,
     max_positions: int = 512,
     std: float = 0.08,
+    chat_template: str | None = None,
 ) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(vocab_size)
@@ -129,7 +147,7 @@ def write_tiny_checkpoint(
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "add_bos_token": False,
-        "chat_template": CHATML_TEMPLATE,
+        "chat_template": chat_template or CHATML_TEMPLATE,
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_positions,
     }, indent=2))

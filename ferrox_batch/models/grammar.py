@@ -7,7 +7,8 @@ parser computes a mask in tens of microseconds on the CPU (docs/benchmarks.md ha
 
 What it promises:
 
-* `Grammars.compile(spec)` turns a `StructuredOutput` into a validated grammar, on the caller's thread: an
+* `Grammars.compile(spec)` turns a `StructuredOutput` (a JSON schema, JSON mode, or a Lark grammar with
+  embedded schemas: forced tool calls) into a validated grammar, on the caller's thread: an
   invalid schema is a `GrammarConstraint` (400) before anything is queued. JSON is compact (no free
   whitespace between tokens: a small model given the choice fills it with spaces).
 * `Grammars.matcher(grammar)` is one request's parser state, made when it first samples.
@@ -57,7 +58,10 @@ class Grammars:
         """The llguidance grammar of `spec`, validated; `GrammarConstraint` naming what is wrong otherwise."""
         tokenizer, _ = self._engine()
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema_object(), overrides=JSON_OPTIONS)
+            if spec.kind == "lark":
+                grammar = llguidance.LLMatcher.grammar_from_lark(spec.schema or "")
+            else:
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema_object(), overrides=JSON_OPTIONS)
         except (ValueError, TypeError, RuntimeError) as bad:
             raise GrammarConstraint(f"the JSON schema cannot be compiled: {bad}") from None
         is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)

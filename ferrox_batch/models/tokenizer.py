@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 import jinja2
+import jinja2.meta
 import jinja2.sandbox
 from tokenizers import Tokenizer as HfTokenizer
 
@@ -46,6 +47,11 @@ def byte_level_alphabet() -> dict[str, int]:
 class ChatMessage:
     role: str
     content: str
+    #: An assistant turn's tool calls, in OpenAI's shape (`{"id", "type": "function", "function": {"name",
+    #: "arguments"}}`), handed to the chat template as they are.
+    tool_calls: tuple[dict[str, Any], ...] | None = None
+    #: A `tool` turn's answer to which call.
+    tool_call_id: str | None = None
 
 
 class Tokenizer:
@@ -68,6 +74,9 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         self._bytes = self._byte_table()
         self._template = _compile(chat_template) if chat_template else None
+        #: Whether the chat template reads `tools` (renders the tool definitions a request offers).
+        self.supports_tools = chat_template is not None and "tools" in jinja2.meta.find_undeclared_variables(
+            jinja2.Environment().parse(chat_template))
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -174,31 +183,43 @@ class Tokenizer:
         messages: Sequence[ChatMessage | Mapping[str, Any]],
         *,
         add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
+        """The conversation as the checkpoint's template writes it; `tools` (OpenAI tool definitions) are
+        handed to the template, which must read them (`supports_tools`)."""
         if self._template is None:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
         if not messages:
             raise ValueError("a chat needs at least one message")
+        if tools and not self.supports_tools:
+            raise ValueError("this checkpoint's chat template does not render tools")
         rendered = []
         for i, m in enumerate(messages):
-            role = m.role if isinstance(m, ChatMessage) else m.get("role")
-            content = m.content if isinstance(m, ChatMessage) else m.get("content")
-            if not isinstance(role, str) or not isinstance(content, str):
+            message = m if isinstance(m, ChatMessage) else ChatMessage(m.get("role"), m.get("content"),  # type: ignore[arg-type]
+                                                                    m.get("tool_calls"), m.get("tool_call_id"))
+            if not isinstance(message.role, str) or not isinstance(message.content, str):
                 raise ValueError(f"message {i} needs a string role and a string content")
-            rendered.append({"role": role, "content": content})
+            one: dict[str, Any] = {"role": message.role, "content": message.content}
+            if message.tool_calls:
+                one["tool_calls"] = [dict(call) for call in message.tool_calls]
+            if message.tool_call_id is not None:
+                one["tool_call_id"] = message.tool_call_id
+            rendered.append(one)
         try:
             return self._template.render(
                 messages=rendered,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
+                **({"tools": [dict(t) for t in tools]} if tools else {}),
             )
         except jinja2.TemplateError as bad:  # e.g. a field the template needs and the messages lack
             raise ValueError(f"chat template failed on the messages: {bad}") from None
 
-    def encode_chat(self, messages: Sequence[ChatMessage | Mapping[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[ChatMessage | Mapping[str, Any]],
+                    tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         # The template writes any BOS itself, so none is added here.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
 
 
 def _compile(source: str) -> jinja2.Template:

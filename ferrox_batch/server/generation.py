@@ -51,6 +51,7 @@ from ferrox_batch.server.errors import ModelNotFound, RequestTooLarge, ServerBus
 from ferrox_batch.server.choices import best, candidate_params, merged
 from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.requests import (
+    TOOL_PARSER,
     ChatRequest,
     CompletionRequest,
     parse_chat_request,
@@ -174,6 +175,8 @@ class Generations:
             asked = prepared.request.options.logprobs is not None
             fmt: WireFormat = (ChatFormat if chat else CompletionFormat)(self.model_name, rid,
                                                                           self.tokenizer if asked else None)
+            if isinstance(prepared.request, ChatRequest) and prepared.request.parses_tool_calls:
+                fmt.tool_parser = TOOL_PARSER
             if isinstance(prepared.request, CompletionRequest) and prepared.request.echo:
                 prompt = prepared.request.prompt
                 fmt.echo = (prepared.ids, prompt if isinstance(prompt, str) else self.tokenizer.decode_text(prompt))
@@ -313,8 +316,11 @@ class Generations:
 
 def _chat_ids(tokenizer: Tokenizer, request: ChatRequest) -> list[int]:
     """The templated conversation's ids; a template that refuses the messages is the client's 400."""
+    if request.tools and not tokenizer.supports_tools:
+        raise InvalidRequest("tools", [t["function"]["name"] for t in request.tools],
+                             "cannot be offered to this model: its chat template does not render tools")
     try:
-        return tokenizer.encode_chat(request.messages)
+        return tokenizer.encode_chat(request.messages, list(request.tools) or None)
     except ValueError as bad:
         raise InvalidRequest("messages", list(request.messages),
                       f"could not be rendered by the checkpoint's chat template ({bad})") from None

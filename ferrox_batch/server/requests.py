@@ -9,8 +9,8 @@ What it promises:
 
 * Unknown fields are ignored, as OpenAI does; `null` means "absent" for every
   optional field.
-* Fields OpenAI defines that this server cannot honour yet (tools, suffix)
-  are a 400
+* Fields OpenAI defines that this server cannot honour yet (`suffix`) are a
+  400
   naming the field, never silently dropped; the one value of each that asks
   for nothing (`tools: []`, `logprobs: false`, ...) is accepted, because
   common clients send it.
@@ -48,6 +48,7 @@ from ferrox_batch.server.sampling_fields import (
     read_options,
     response_format,
 )
+from ferrox_batch.server.tool_calls import HermesToolCalls, forced_grammar, read_tool_choice, read_tools
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS, refuse_not_honoured
 
 #: OpenAI's documented default for `/v1/completions`.
@@ -56,6 +57,8 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: for a real answer, short enough that a forgotten `max_tokens` does not hold a row for the
 #: whole context. The batcher still clamps it to the context ceiling.
 DEFAULT_CHAT_MAX_TOKENS = 1024
+#: The tool-call format this server writes and reads (the Hermes/Qwen `<tool_call>` blocks).
+TOOL_PARSER = HermesToolCalls()
 #: OpenAI's chat roles; any other is refused rather than handed to the chat template.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -106,11 +109,17 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices returned
+    tools: tuple[dict[str, Any], ...] = ()  # OpenAI function tools, rendered by the chat template
+    tool_choice: str = "none"  # none, auto, required, or "function:<name>" (`tool_calls.read_tool_choice`)
 
     @property
     def best_of(self) -> int:
         """Chat has no `best_of`: every candidate is returned."""
         return self.n
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return self.tool_choice != "none"
 
 
 def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int) -> CompletionRequest:
@@ -135,9 +144,20 @@ def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> C
     fields = Fields(body)
     common = _common(fields, default_max_tokens, chat_logprobs(fields))
     structured = response_format(body.get("response_format"))
+    tools = read_tools(body.get("tools"))
+    choice = read_tool_choice(body.get("tool_choice"), tools)
+    forced = forced_grammar(TOOL_PARSER, tools, choice)
+    if forced is not None:
+        if structured is not None:
+            raise InvalidRequest("response_format", body.get("response_format"),
+                                 f"cannot be combined with tool_choice {choice!r}, which sets the output's form")
+        structured = forced
+    if choice != "none" and common["stream"]:
+        raise InvalidRequest("stream", True, "cannot be combined with tools yet: send stream: false to get "
+                                             "tool_calls")
     if structured is not None:  # its combinations (`ignore_eos`) are GenerationParams' to check
         common["options"] = dataclasses.replace(common["options"], structured=structured)
-    return ChatRequest(messages=read_messages(body.get("messages")), **common)
+    return ChatRequest(messages=read_messages(body.get("messages")), tools=tools, tool_choice=choice, **common)
 
 
 # ---------------------------------------------------------------------------
@@ -230,7 +250,31 @@ def _message(index: int, message: Any) -> ChatMessage:
         raise InvalidRequest(f"{where}.role", role, "must be a non-empty string")
     if role not in CHAT_ROLES:
         raise InvalidRequest(f"{where}.role", role, f"must be one of {', '.join(CHAT_ROLES)}")
-    return ChatMessage(role, _content(f"{where}.content", message.get("content")))
+    calls = message.get("tool_calls")
+    if calls is not None:
+        if role != "assistant" or not isinstance(calls, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
+            raise InvalidRequest(f"{where}.tool_calls", calls, "must be an assistant's list of function calls")
+        content = message.get("content")  # an assistant turn that only called tools has none
+        text = "" if content is None else _content(f"{where}.content", content)
+        return ChatMessage(role, text, tuple(_tool_call_for_template(c) for c in calls))
+    call_id = message.get("tool_call_id")
+    if role == "tool" and call_id is not None and not isinstance(call_id, str):
+        raise InvalidRequest(f"{where}.tool_call_id", call_id, "must be a string")
+    return ChatMessage(role, _content(f"{where}.content", message.get("content")),
+                       tool_call_id=call_id if role == "tool" else None)
+
+
+def _tool_call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier call as templates expect it: the arguments as an object where they are JSON."""
+    function = dict(call["function"])
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        try:
+            function["arguments"] = json.loads(arguments)
+        except ValueError:
+            pass  # left as the client sent it
+    return {**call, "function": function}
 
 
 def _content(where: str, content: Any) -> str:

@@ -24,6 +24,7 @@ from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.server.logprob_shapes import LogprobShapes
+from ferrox_batch.server.tool_calls import ToolCallParser
 from ferrox_batch.usage import Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -182,10 +183,19 @@ class ChatFormat(WireFormat):
     id_prefix = "chatcmpl"
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
+    #: With tools: what reads the model's calls out of its text (`tool_calls`).
+    tool_parser: ToolCallParser | None = None
 
     def _full_choice(self, result: GenerationResult) -> dict[str, Any]:
-        return {"index": 0, "message": {"role": "assistant", "content": result.text}, "logprobs": None,
-                "finish_reason": finish_reason(result.finish_reason)}
+        message: dict[str, Any] = {"role": "assistant", "content": result.text}
+        reason = finish_reason(result.finish_reason)
+        if self.tool_parser is not None:
+            parsed = self.tool_parser.parse(result.text)
+            if parsed.calls:
+                message = {"role": "assistant", "content": parsed.content,
+                           "tool_calls": [call.to_openai() for call in parsed.calls]}
+                reason = "tool_calls"
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
 
     def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int]) -> dict[str, Any]:
         return shapes.chat(entries)  # type: ignore[arg-type]  # chat has no echo: never an int

@@ -3,7 +3,7 @@
 Clients use them to count tokens before sending (budgets, truncation) and to read ids back as text. They
 promise the ids the generation endpoints would submit: `/tokenize` with `messages` and its defaults gives
 exactly the ids `/v1/chat/completions` queues for those messages, and with `prompt` exactly those of
-`/v1/completions`. `max_model_len` is the longest prompt + output a request may hold here (the context
+`/v1/completions` (with `tools`, as chat renders them). `max_model_len` is the longest prompt + output a request may hold here (the context
 ceiling), which is what a client sizes against. Bad input is a 400 naming the field, as everywhere.
 """
 
@@ -16,6 +16,7 @@ from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.server.fields import Fields
 from ferrox_batch.server.requests import read_messages
+from ferrox_batch.server.tool_calls import read_tools
 
 
 def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, max_model_len: int | None) -> dict[str, Any]:
@@ -29,8 +30,13 @@ def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, max_model_len: int |
             raise InvalidRequest("continue_final_message", True, "is not supported by this server")
         messages = read_messages(body["messages"])
         add_generation_prompt = fields.boolean("add_generation_prompt", True)
+        tools = read_tools(body.get("tools"))
+        if tools and not tokenizer.supports_tools:
+            raise InvalidRequest("tools", [t["function"]["name"] for t in tools],
+                                 "cannot be offered to this model: its chat template does not render tools")
         try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tools=list(tools) or None)
         except ValueError as bad:
             raise InvalidRequest("messages", list(messages), f"could not be rendered by the checkpoint's chat "
                                                               f"template ({bad})") from None

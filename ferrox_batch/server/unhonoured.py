@@ -1,8 +1,8 @@
 """The OpenAI request fields this server cannot honour yet, refused by name rather than silently ignored.
 
-A client that asks for tool calls and gets a 200 without them has been lied to;
+A client that asks for a feature and gets a 200 without it has been lied to;
 a 400 naming the field tells it at once. Each field has the one value that asks for nothing, which
-common clients send by default and which is therefore accepted (`tools: []`, `suffix: ""`, ...).
+common clients send by default and which is therefore accepted (`suffix: ""`).
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ class NotHonoured:
 
 #: Where OpenAI defines each field.
 NOT_HONOURED = (
-    NotHonoured("tools", (CHAT,), "[]", "tool calling"),
-    NotHonoured("tool_choice", (CHAT,), '"none"', "tool calling"),
     NotHonoured("suffix", (COMPLETIONS,), '""', "insertion"),
 )
 

@@ -1,0 +1,51 @@
+"""`HermesToolCalls`: reading `<tool_call>` blocks out of a model's text, and the grammar that forces them.
+
+Pins: one or several well-formed blocks become calls (arguments as JSON text, `parameters` accepted as the
+arguments' other name), the text around them is the content (None when nothing is left); a block whose body
+is not a call stays in the content; text with no block is all content; the forcing grammar compiles and
+validates against a real tokenizer.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ferrox_batch.server.tool_calls import HermesToolCalls, ToolCall
+
+PARSER = HermesToolCalls()
+
+
+def test_blocks_become_calls_and_the_rest_is_content():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+            '<tool_call>{"name": "get_time", "parameters": {"zone": "UTC"}}</tool_call>')
+    parsed = PARSER.parse(text)
+    assert parsed.content == "Let me check."
+    assert parsed.calls == (ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("get_time", '{"zone": "UTC"}'))
+    only = PARSER.parse('<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+    assert only.content is None and only.calls == (ToolCall("f", "{}"),)
+
+
+def test_text_that_is_not_a_call_stays_content():
+    for text in ("plain answer", "<tool_call>not json</tool_call>", '<tool_call>{"arguments": {}}</tool_call>',
+                 "<tool_call>{\"name\": \"f\""):
+        parsed = PARSER.parse(text)
+        assert parsed.calls == () and parsed.content == text
+
+
+def test_calls_are_written_in_openai_shape():
+    call = ToolCall("f", '{"a": 1}').to_openai()
+    assert call["type"] == "function" and call["id"].startswith("call_") and len(call["id"]) == 29
+    assert call["function"] == {"name": "f", "arguments": '{"a": 1}'}
+
+
+def test_the_forcing_grammar_compiles(tiny_batch_model):
+    from ferrox_batch.models.grammar import Grammars
+
+    tokenizer = tiny_batch_model.tokenizer
+    grammars = Grammars(tokenizer.inner.to_str(), tiny_batch_model.config.vocab_size, sorted(tokenizer.stop_tokens.ids))
+    functions = [{"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+                 {"name": "g", "parameters": {"type": "object"}}]
+    for many in (True, False):
+        spec = PARSER.grammar(functions, many)
+        assert spec.kind == "lark" and "<tool_call>" in spec.schema and json.dumps("f") in spec.schema
+        assert grammars.compile(spec)
