@@ -36,6 +36,11 @@ def test_completions_logprobs_in_the_legacy_shape(server, client):
     assert all(v <= 0 and math.isfinite(v) for v in lp.token_logprobs)
     plain = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=2, **GREEDY)
     assert plain.choices[0].logprobs is None
+    stream = client.completions.create(model=MODEL_NAME, prompt="The quick brown fox", max_tokens=6, logprobs=3,
+                                       stream=True, **GREEDY)
+    parts = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs is not None]
+    assert [v for p in parts for v in p.token_logprobs] == lp.token_logprobs
+    assert [o for p in parts for o in p.text_offset] == lp.text_offset  # offsets run on from chunk to chunk
 
 
 def test_chat_logprobs_with_top_logprobs_streamed_and_whole(client):
