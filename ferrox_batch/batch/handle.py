@@ -265,7 +265,8 @@ class ContinuousBatcher:
         """Text or chat messages in, text out (see `batch.text`); needs a batcher made by `from_model`.
 
         `options`: temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
-        frequency_penalty, seed, stop, stop_token_ids, ignore_eos, cancel.
+        frequency_penalty, logit_bias, seed, stop, stop_token_ids, ignore_eos, cancel, cache_salt, priority,
+        max_queue_wait_ms, logprobs, prompt_logprobs, structured.
         """
         if self.tokenizer is None:
             raise ValueError("generate_text needs a tokenizer: build the batcher with ContinuousBatcher.from_model")
