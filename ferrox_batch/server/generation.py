@@ -260,12 +260,16 @@ class Generations:
         index, event = first
         while True:
             if isinstance(event, Text):
-                if event.text:
-                    yield sse(fmt.text_chunk(index, event.text, event.logprobs))
+                text = fmt.streamed_text(index, event.text)
+                if text:
+                    yield sse(fmt.text_chunk(index, text, event.logprobs))
                     sent[index] += len(event.logprobs)
             elif isinstance(event, Done):
+                closing, reason = fmt.closing_chunks(index)
+                for chunk in closing:
+                    yield sse(chunk)
                 rest = (event.result.logprobs or ())[sent[index]:]
-                yield sse(fmt.final_chunk(index, finish_reason(event.result.finish_reason), rest))
+                yield sse(fmt.final_chunk(index, reason or finish_reason(event.result.finish_reason), rest))
                 usages[index] = event.result.usage
                 if len(usages) == choices:
                     if include_usage:

@@ -152,9 +152,6 @@ def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> C
             raise InvalidRequest("response_format", body.get("response_format"),
                                  f"cannot be combined with tool_choice {choice!r}, which sets the output's form")
         structured = forced
-    if choice != "none" and common["stream"]:
-        raise InvalidRequest("stream", True, "cannot be combined with tools yet: send stream: false to get "
-                                             "tool_calls")
     if structured is not None:  # its combinations (`ignore_eos`) are GenerationParams' to check
         common["options"] = dataclasses.replace(common["options"], structured=structured)
     return ChatRequest(messages=read_messages(body.get("messages")), tools=tools, tool_choice=choice, **common)

@@ -24,7 +24,7 @@ from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.server.logprob_shapes import LogprobShapes
-from ferrox_batch.server.tool_calls import ToolCallParser
+from ferrox_batch.server.tool_calls import ToolCallParser, ToolStream
 from ferrox_batch.usage import Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -127,6 +127,14 @@ class WireFormat:
         choice["logprobs"] = self._logprobs(index, logprobs) if logprobs else None
         return self._envelope(self.object_chunk, [choice])
 
+    def streamed_text(self, index: int, text: str) -> str:
+        """What of a choice's next text streams now (all of it, unless tool calls are being held back)."""
+        return text
+
+    def closing_chunks(self, index: int) -> tuple[list[dict[str, Any]], str | None]:
+        """Chunks a choice still owes at its end, and the finish reason they impose (None: the result's)."""
+        return [], None
+
     def usage_chunk(self, usages: Sequence[Usage]) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, [])
         body["usage"] = usage_dict(combined_usage(usages))
@@ -185,6 +193,30 @@ class ChatFormat(WireFormat):
     object_chunk = "chat.completion.chunk"
     #: With tools: what reads the model's calls out of its text (`tool_calls`).
     tool_parser: ToolCallParser | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._streams: dict[int, ToolStream] = {}  # per streamed choice, with tools
+
+    def streamed_text(self, index: int, text: str) -> str:
+        if self.tool_parser is None:
+            return text
+        if index not in self._streams:
+            self._streams[index] = ToolStream(self.tool_parser)  # type: ignore[arg-type]
+        return self._streams[index].feed(text)
+
+    def closing_chunks(self, index: int) -> tuple[list[dict[str, Any]], str | None]:
+        stream = self._streams.get(index)
+        if stream is None:
+            return [], None
+        rest, calls = stream.finish()
+        chunks = [self.text_chunk(index, rest)] if rest else []
+        if not calls:
+            return chunks, None
+        deltas = [{"index": k, **call.to_openai()} for k, call in enumerate(calls)]
+        chunks.append(self._envelope(self.object_chunk, [{"index": index, "delta": {"tool_calls": deltas},
+                                                          "logprobs": None, "finish_reason": None}]))
+        return chunks, "tool_calls"
 
     def _full_choice(self, result: GenerationResult) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": result.text}

@@ -10,6 +10,8 @@ turn a model's text into OpenAI's `tool_calls`.
 * **Parsers** read one format each (`ToolCallParser`); `HermesToolCalls` reads the Hermes/Qwen format,
   `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, which Hermes, Qwen2.5 and SmolLM3-style
   templates teach. Text outside the calls stays the message's `content` (null when there is none).
+* **Streams** (`ToolStream`): content streams until a call may begin (a tail that could start the tag is
+  held back); the calls are parsed from the whole text at the end and sent as one `tool_calls` delta.
 """
 
 from __future__ import annotations
@@ -143,3 +145,43 @@ def forced_grammar(parser: ToolCallParser, tools: Sequence[dict[str, Any]], choi
         name = choice.removeprefix("function:")
         return parser.grammar([f for f in functions if f["name"] == name], many=False)
     return None
+
+
+class ToolStream:
+    """One streamed choice's text with tool calls held back: content streams until a call may begin; the
+    calls are parsed from the whole text at the end (`HermesToolCalls` marks a call with its open tag)."""
+
+    def __init__(self, parser: HermesToolCalls) -> None:
+        self._parser = parser
+        self._text = ""
+        self._sent = 0  # characters of `_text` streamed as content
+        self._held = False  # a call has begun: nothing more streams as content
+
+    def feed(self, text: str) -> str:
+        """The content that may stream now."""
+        self._text += text
+        if self._held:
+            return ""
+        tag = self._parser.OPEN
+        at = self._text.find(tag, self._sent)
+        if at >= 0:
+            self._held = True
+            safe = at
+        else:  # keep back a tail that could be the start of the tag
+            safe = len(self._text)
+            for k in range(min(len(tag) - 1, len(self._text) - self._sent), 0, -1):
+                if tag.startswith(self._text[-k:]):
+                    safe = len(self._text) - k
+                    break
+        out, self._sent = self._text[self._sent:safe], safe
+        return out
+
+    def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
+        """(the content still to stream, the calls) once the choice is done."""
+        parsed = self._parser.parse(self._text)
+        if not parsed.calls:
+            rest, self._sent = self._text[self._sent:], len(self._text)
+            return rest, ()
+        content = parsed.content or ""
+        streamed = self._text[:self._sent]
+        return (content[len(streamed):] if content.startswith(streamed) else ""), parsed.calls

@@ -5,8 +5,9 @@ Pins: `tool_choice: "required"` gets `tool_calls` (finish reason `tool_calls`) n
 with arguments valid against their schemas, though the random model's free text is never a call; a named
 function gets exactly one call of it; the round trip (the assistant's calls and the tool's answer sent back
 in the history) is served, and `/tokenize` shows the template rendered both; a model whose template does
-not render tools gets a 400 naming `tools`; bad tools, unknown names, streaming with tools and
-`response_format` with a forced call are 400s naming the field.
+not render tools gets a 400 naming `tools`; a streamed call arrives as a `tool_calls` delta before the
+finish reason `tool_calls`; bad tools, unknown names and `response_format` with a forced call are 400s
+naming the field.
 """
 
 from __future__ import annotations
@@ -68,6 +69,21 @@ def test_a_required_call_is_made_with_valid_arguments(tools_client):
         assert_valid_calls(choice.message)
 
 
+def test_a_streamed_call_arrives_as_a_tool_calls_delta(tools_client):
+    stream = tools_client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, CLOCK],
+                                                  tool_choice="required", max_tokens=120, temperature=0,
+                                                  stream=True)
+    calls, reasons, content = [], [], ""
+    for chunk in stream:
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            calls += choice.delta.tool_calls or []
+            reasons += [choice.finish_reason] if choice.finish_reason else []
+    assert reasons == ["tool_calls"] and calls and "<tool_call>" not in content
+    for call in calls:
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
 def test_a_named_function_is_called_exactly_once(tools_client):
     reply = tools_client.chat.completions.create(
         model=MODEL_NAME, messages=MESSAGES, tools=[WEATHER, CLOCK], max_tokens=120, temperature=0,
@@ -108,7 +124,6 @@ def test_tools_on_a_model_that_cannot_render_them_are_a_400(client):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [WEATHER], "stream": True}, "stream"),
     ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
      "response_format"),
 ])

@@ -3,14 +3,15 @@
 Pins: one or several well-formed blocks become calls (arguments as JSON text, `parameters` accepted as the
 arguments' other name), the text around them is the content (None when nothing is left); a block whose body
 is not a call stays in the content; text with no block is all content; the forcing grammar compiles and
-validates against a real tokenizer.
+validates against a real tokenizer; streamed, content flows until a call may begin (a tail that could
+start the tag is held), and the calls come out whole at the end.
 """
 
 from __future__ import annotations
 
 import json
 
-from ferrox_batch.server.tool_calls import HermesToolCalls, ToolCall
+from ferrox_batch.server.tool_calls import HermesToolCalls, ToolCall, ToolStream
 
 PARSER = HermesToolCalls()
 
@@ -49,3 +50,17 @@ def test_the_forcing_grammar_compiles(tiny_batch_model):
         spec = PARSER.grammar(functions, many)
         assert spec.kind == "lark" and "<tool_call>" in spec.schema and json.dumps("f") in spec.schema
         assert grammars.compile(spec)
+
+
+def test_a_stream_holds_back_what_may_be_a_call():
+    stream = ToolStream(PARSER)
+    pieces = ["Sure, ", "checking <to", "ol_call>\n{\"name\": \"f\", ", "\"arguments\": {}}\n</tool_call>"]
+    assert [stream.feed(p) for p in pieces] == ["Sure, ", "checking ", "", ""]
+    rest, calls = stream.finish()
+    assert rest == "" and calls == (ToolCall("f", "{}"),)
+    plain = ToolStream(PARSER)
+    assert [plain.feed(p) for p in ["a <", "b> c"]] == ["a ", "<b> c"]
+    assert plain.finish() == ("", ())
+    tail = ToolStream(PARSER)
+    assert tail.feed("ends with <tool") == "ends with "
+    assert tail.finish() == ("<tool", ())
