@@ -49,59 +49,27 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice
-from typing import Protocol
 
 from ferrox_batch.batch.block_budget import BlockBudget
-from ferrox_batch.batch.cache_aware import MAX_SKIPS, WINDOW, choose
+from ferrox_batch.batch.cache_aware import MAX_SKIPS
 from ferrox_batch.batch.config import BatcherConfig, DEFAULT_DECODE_LOG_INTERVAL
 from ferrox_batch.batch.counters import Counters
 from ferrox_batch.batch.queue import QueueGate
 from ferrox_batch.batch.status import BatchStatus, PoolUsage, PrefillSnapshot, StatusReporter
 from ferrox_batch.batch.step_budget import prefill_budget
 from ferrox_batch.batch.step_cost import StepCostModel
-from ferrox_batch.errors import DecodeError, InvalidRequest, QueueTimeout, TokenOutOfVocab
+from ferrox_batch.errors import DecodeError, QueueTimeout
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.scheduler.admission import accept, pick
+from ferrox_batch.scheduler.leases import KvLeases
 from ferrox_batch.scheduler.plan import GrammarComplete, PromptChunk, Sampled, StepPlan
 from ferrox_batch.scheduler.request import DecodeFn, Request, RequestStatus
 from ferrox_batch.scheduler.waiting import WaitingQueue
-from ferrox_batch.usage import Usage
 
 log = logging.getLogger("ferrox_batch.batch")
 
 
-
-
-class KvLeases(Protocol):
-    """The KV store as the scheduler sees it: leases by sequence id, counted in blocks and positions.
-
-    With a prefix cache, a lease may start with cached blocks adopted from the longest cached prefix of
-    its tokens (read only, shared with other leases); without one, `peek` is `(0, 0)` and `publish`
-    does nothing.
-    """
-
-    def peek(self, tokens: Sequence[int], salt: str | None) -> tuple[int, int]:
-        """`(blocks allocate would adopt for these tokens, how many of them no lease references now)`."""
-        ...
-
-    def allocate(self, positions: int, tokens: Sequence[int], salt: str | None) -> int:
-        """Lease room for `positions` positions, adopting what `peek` said; the new sequence's id. Raises a
-        typed `DecodeError` (`KvPoolExhausted`, `KvAllocationFailed`) when the store cannot."""
-        ...
-
-    def publish(self, seq_id: int, tokens: Sequence[int]) -> None:
-        """Offer the sequence's full computed blocks (`tokens` from position 0) to the prefix cache."""
-        ...
-
-    def release(self, seq_id: int) -> int:
-        """End the lease; how many blocks no lease references any more (what the ledger gets back)."""
-        ...
-
-    def length(self, seq_id: int) -> int:
-        """Positions whose KV the store holds for this sequence (adopted ones included)."""
-        ...
-
-    def blocks_of(self, seq_id: int) -> Sequence[int]: ...
 
 
 class Scheduler:
@@ -233,47 +201,10 @@ class Scheduler:
                                       else sum(r.reserved for r in self.admitted()))
 
     def _pick(self) -> tuple[Request | None, list[Request], int]:
-        """Which waiting request to admit, the window it was chosen from and its place there: with the prefix
-        cache, the one with the deepest cached prefix among the first `WINDOW` of the head's priority,
-        within `cache_aware.choose`'s starvation bounds; else the head. A request that follows a prompt
-        not yet through (`Request.after`) is passed over until it is."""
-        held = None
-        if self.waiting.followers:
-            computing = {r.abort for r in self.waiting} | {r.abort for r in self.prefilling}
-            held = lambda r: r.after in computing  # noqa: E731
-        window = self.waiting.window(WINDOW if self.prefix_cache else 1, held)
-        if len(window) < 2:
-            return (window[0] if window else None), [], 0
-        depths = [self.kv.peek(r.cacheable_tokens, r.params.cache_salt)[0] for r in window]
-        pick = choose(depths, [r.skips for r in window])
-        return window[pick], window, pick
+        return pick(self.waiting, self.prefilling, self.kv, self.prefix_cache)
 
     def _accept(self, request: Request) -> GenerationResult | DecodeError | None:
-        """Lease the request's KV and start it; or the answer it gets at once."""
-        bad = next((t for t in request.prompt_tokens if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            return TokenOutOfVocab(bad, self.vocab_size)
-        biased = next((t for t, _ in request.params.sampling.logit_bias if t >= self.vocab_size), None)
-        if biased is not None:
-            return InvalidRequest("logit_bias", biased, f"names a token id outside the model's vocabulary of "
-                                                        f"{self.vocab_size}")
-        if request.params.max_tokens == 0 and request.params.prompt_logprobs is None:
-            # The upstream never finishes such a request; here it ends at once (unless it scores its
-            # prompt: then it runs the prompt and stops).
-            return GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(request.prompt_tokens), 0),
-                                    None if request.params.logprobs is None else ())
-        try:
-            seq_id = self.kv.allocate(request.positions, request.cacheable_tokens, request.params.cache_salt)
-        except DecodeError as refused:
-            return refused
-        request.admitted(seq_id, self.clock)
-        if request.params.prompt_logprobs is not None:
-            request.prompt_logprobs = [None]  # nothing predicts the first token
-        request.num_computed_tokens = adopted = self.kv.length(seq_id)
-        if self.prefix_cache:
-            request.cached_tokens = min(adopted, len(request.prompt_tokens))
-            self.counters.add_prefix_lookup(len(request.prompt_tokens), request.cached_tokens)
-        return None
+        return accept(request, self.kv, self.vocab_size, self.clock, self.counters if self.prefix_cache else None)
 
     def _prompt_chunks(self, decode_rows: int, tick_tokens: int) -> list[PromptChunk]:
         if not self.prefilling:

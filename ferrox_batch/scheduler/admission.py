@@ -1,0 +1,73 @@
+"""Admission's two decisions, as functions of the scheduler's state: which waiting request goes next, and
+what admitting it takes.
+
+* `pick`: the head of the waiting queue, or with the prefix cache the request with the deepest cached
+  prefix among the first `WINDOW` of the head's priority, within `cache_aware.choose`'s starvation bounds
+  (a cold cache is exactly FIFO). A request that follows a prompt not yet through (`Request.after`) is
+  passed over until it is, without holding anybody up.
+* `accept`: the checks only the worker can make (prompt tokens and `logit_bias` ids inside the vocabulary),
+  the answer a request gets without running (`max_tokens=0` and nothing to score), and its KV lease, which
+  adopts the cached prefix; on success the request is admitted, its computed tokens starting after what
+  it adopted.
+
+The scheduler owns the loop around them (`Scheduler._admit`): the block reservation, the head holding the
+line, the skip counters and the queue slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ferrox_batch.batch.cache_aware import WINDOW, choose
+from ferrox_batch.batch.counters import Counters
+from ferrox_batch.errors import DecodeError, InvalidRequest, TokenOutOfVocab
+from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.scheduler.leases import KvLeases
+from ferrox_batch.scheduler.request import Request
+from ferrox_batch.scheduler.waiting import WaitingQueue
+from ferrox_batch.usage import Usage
+
+
+def pick(waiting: WaitingQueue, prefilling: Sequence[Request], kv: KvLeases,
+         prefix_cache: bool) -> tuple[Request | None, list[Request], int]:
+    """The request to admit (None when every waiting one is held back), the window it was chosen from and
+    its place there (the ones before it were passed over)."""
+    held = None
+    if waiting.followers:
+        computing = {r.abort for r in waiting} | {r.abort for r in prefilling}
+        held = lambda r: r.after in computing  # noqa: E731
+    window = waiting.window(WINDOW if prefix_cache else 1, held)
+    if len(window) < 2:
+        return (window[0] if window else None), [], 0
+    depths = [kv.peek(r.cacheable_tokens, r.params.cache_salt)[0] for r in window]
+    index = choose(depths, [r.skips for r in window])
+    return window[index], window, index
+
+
+def accept(request: Request, kv: KvLeases, vocab_size: int, clock: Callable[[], float],
+           cache_counters: Counters | None) -> GenerationResult | DecodeError | None:
+    """Lease the request's KV and start it (None); or the answer it gets at once. `cache_counters`: where
+    prefix-cache lookups are counted, None when there is no cache."""
+    bad = next((t for t in request.prompt_tokens if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return TokenOutOfVocab(bad, vocab_size)
+    biased = next((t for t, _ in request.params.sampling.logit_bias if t >= vocab_size), None)
+    if biased is not None:
+        return InvalidRequest("logit_bias", biased, f"names a token id outside the model's vocabulary of {vocab_size}")
+    if request.params.max_tokens == 0 and request.params.prompt_logprobs is None:
+        # The upstream never finishes such a request; here it ends at once (unless it scores its
+        # prompt: then it runs the prompt and stops).
+        return GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(request.prompt_tokens), 0),
+                                None if request.params.logprobs is None else ())
+    try:
+        seq_id = kv.allocate(request.positions, request.cacheable_tokens, request.params.cache_salt)
+    except DecodeError as refused:
+        return refused
+    request.admitted(seq_id, clock)
+    if request.params.prompt_logprobs is not None:
+        request.prompt_logprobs = [None]  # nothing predicts the first token
+    request.num_computed_tokens = adopted = kv.length(seq_id)
+    if cache_counters is not None:
+        request.cached_tokens = min(adopted, len(request.prompt_tokens))
+        cache_counters.add_prefix_lookup(len(request.prompt_tokens), request.cached_tokens)
+    return None
