@@ -49,6 +49,12 @@ def best(results: Sequence[GenerationResult], n: int, keep_logprobs: bool) -> li
 
 async def merged(bridges: Sequence[ReplyBridge]) -> AsyncIterator[tuple[int, Event]]:
     """Every bridge's events, tagged with its index, in the order they arrive; ends after every final."""
+    if len(bridges) == 1:  # the common case: no task per event
+        while True:
+            event = await bridges[0].next_event()
+            yield 0, event
+            if isinstance(event, (Done, Failed)):
+                return
     waiting = {asyncio.ensure_future(b.next_event()): i for i, b in enumerate(bridges)}
     try:
         while waiting:
