@@ -13,8 +13,8 @@ What it promises:
   invalid schema is a `GrammarConstraint` (400) before anything is queued. JSON is compact (no free
   whitespace between tokens: a small model given the choice fills it with spaces).
 * `Grammars.matcher(grammar)` is one request's parser state, made when it first samples.
-* `masks(matchers, vocab)` computes every constrained row's allowed tokens in one call that releases the
-  GIL and spreads rows over threads, as a `[rows, vocab]` bool tensor (bits unpacked with torch ops).
+* `masks(matchers, vocab)` computes every constrained row's allowed tokens in one llguidance call that
+  spreads rows over threads, as a `[rows, vocab]` bool tensor (bits unpacked with torch ops).
 * The engine's tokenizer is the checkpoint's own (its `tokenizer.json` text), built on first use (about a
   second) and shared; its end tokens are the model's stop tokens, allowed exactly where the grammar may end.
 """
@@ -22,6 +22,7 @@ What it promises:
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import llguidance
@@ -32,6 +33,8 @@ import torch
 from ferrox_batch.errors import GrammarConstraint
 from ferrox_batch.structured import StructuredOutput
 
+#: How many compiled grammars are kept (a few KB each).
+COMPILED_KEPT = 64
 #: JSON compiled compact: separators without spaces, no free whitespace.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
@@ -46,6 +49,7 @@ class Grammars:
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
         self._lock = threading.Lock()
+        self._compiled: OrderedDict[StructuredOutput, str] = OrderedDict()  # spec -> grammar, oldest first
 
     def _engine(self) -> tuple[llguidance.LLTokenizer, llguidance.LLExecutor]:
         with self._lock:
@@ -56,7 +60,23 @@ class Grammars:
             return self._tokenizer, self._executor
 
     def compile(self, spec: StructuredOutput) -> str:
-        """The llguidance grammar of `spec`, validated; `GrammarConstraint` naming what is wrong otherwise."""
+        """The llguidance grammar of `spec`, validated; `GrammarConstraint` naming what is wrong otherwise.
+
+        The last `COMPILED_KEPT` grammars are kept: the choices of one request (`n`) and a client that
+        sends the same schema again do not compile it again."""
+        with self._lock:
+            known = self._compiled.get(spec)
+            if known is not None:
+                self._compiled.move_to_end(spec)
+                return known
+        grammar = self._compile(spec)
+        with self._lock:
+            self._compiled[spec] = grammar
+            while len(self._compiled) > COMPILED_KEPT:
+                self._compiled.popitem(last=False)
+        return grammar
+
+    def _compile(self, spec: StructuredOutput) -> str:
         tokenizer, _ = self._engine()
         try:
             if spec.kind == "lark":

@@ -214,10 +214,11 @@ class BatchSampler:
         if masks is None and any(row.matcher is not None for row in rows):
             masks = self.grammar_masks(rows)
         tokens = self._choose(self._masked(self._biased(self._penalise(x, rows), rows), masks), rows)
-        scored = [i for i, row in enumerate(rows) if row.logprobs is not None]
-        logprobs = self._logprobs(x, tokens, rows, scored) if scored else {}
+        host = torch.where(status == 0, tokens, -status).tolist()  # the one sync every call makes
+        scored = [i for i, row in enumerate(rows) if row.logprobs is not None and host[i] >= 0]
+        logprobs = self._logprobs(x, tokens, host, rows, scored) if scored else {}
         out: list[Sampled] = []
-        for i, (token, row) in enumerate(zip(torch.where(status == 0, tokens, -status).tolist(), rows)):
+        for i, (token, row) in enumerate(zip(host, rows)):
             if token < 0:
                 out.append(SamplingError(i, _PROBLEMS[-token]))
                 continue
@@ -246,7 +247,7 @@ class BatchSampler:
             return GrammarConstraint(f"token {token} does not continue the grammar: {matcher.get_error()}")
         return GrammarComplete(outcome) if matcher.is_stopped() else outcome  # type: ignore[arg-type]
 
-    def _logprobs(self, x: torch.Tensor, tokens: torch.Tensor, rows: Sequence[RowSampler],
+    def _logprobs(self, x: torch.Tensor, tokens: torch.Tensor, host: list[int], rows: Sequence[RowSampler],
                   scored: list[int]) -> dict[int, TokenLogprob]:
         """The model's log-probabilities (of the raw logits `x`: before penalties and every sampling
         transform) of each scored row's token, with its top alternatives; computed for those rows only."""
@@ -262,7 +263,7 @@ class BatchSampler:
         out = {}
         for n, i in enumerate(scored):
             want = rows[i].logprobs or 0
-            out[i] = TokenLogprob(int(tokens[i]), chosen[n], tuple(zip(top_i[n][:want], top_v[n][:want])))
+            out[i] = TokenLogprob(host[i], chosen[n], tuple(zip(top_i[n][:want], top_v[n][:want])))
         return out
 
     def distribution(self, logits: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:

@@ -166,42 +166,58 @@ class Generations:
         events = merged(bridges)
         handed_off = False
         try:
-            first = await next_or_disconnect(lambda: anext(events), disconnected)
-            if first is None:
-                self._abandon(*bridges)
-                return Response(status_code=CLIENT_CLOSED_REQUEST)
-            if isinstance(first[1], Failed):
-                return _failure_response(first[1].error)
+            first = await self._next(events, disconnected, bridges)
+            if isinstance(first, Response):
+                return first
+            fmt = self._wire_format(prepared, chat, rid)
+            if prepared.request.stream:
+                handed_off = True
+                return EventStreamResponse(
+                    self._events(first, events, fmt, prepared.request.include_usage, len(bridges)),
+                    on_close=lambda: self._abandon(*bridges))
+            # A request that does not stream gets no `Text` events: the next event of each choice is final.
+            finals = dict([first])
+            while len(finals) < len(bridges):
+                got = await self._next(events, disconnected, bridges)
+                if isinstance(got, Response):
+                    return got
+                finals[got[0]] = got[1]
+            results = [finals[i].result for i in range(len(bridges))]  # type: ignore[union-attr]
             asked = prepared.request.options.logprobs is not None
-            fmt: WireFormat = (ChatFormat if chat else CompletionFormat)(self.model_name, rid,
-                                                                          self.tokenizer if asked else None)
-            if isinstance(prepared.request, ChatRequest) and prepared.request.parses_tool_calls:
-                fmt.tool_parser = TOOL_PARSER
-            if isinstance(prepared.request, CompletionRequest) and prepared.request.echo:
-                prompt = prepared.request.prompt
-                fmt.echo = (prepared.ids, prompt if isinstance(prompt, str) else self.tokenizer.decode_text(prompt))
-            if not prepared.request.stream:
-                # A request that does not stream gets no `Text` events: the next event of each choice is final.
-                finals = dict([first])
-                while len(finals) < len(bridges):
-                    got = await next_or_disconnect(lambda: anext(events), disconnected)
-                    if got is None:
-                        self._abandon(*bridges)
-                        return Response(status_code=CLIENT_CLOSED_REQUEST)
-                    if isinstance(got[1], Failed):
-                        return _failure_response(got[1].error)
-                    finals[got[0]] = got[1]
-                results = [finals[i].result for i in range(len(bridges))]  # type: ignore[union-attr]
-                return JSONResponse(fmt.full(best(results, prepared.request.n, asked), [r.usage for r in results]))
-            handed_off = True
-            return EventStreamResponse(self._events(first, events, fmt, prepared.request.include_usage, len(bridges)),
-                                       on_close=lambda: self._abandon(*bridges))
+            return JSONResponse(fmt.full(best(results, prepared.request.n, asked), [r.usage for r in results]))
         finally:
             disconnected.cancel()
             if not handed_off:
                 await events.aclose()
                 for bridge in bridges:
                     bridge.abandon()  # a no-op once answered; cancels if this handler itself was cancelled
+
+    async def _next(self, events: AsyncIterator[tuple[int, Event]], disconnected: asyncio.Future,
+                    bridges: list[ReplyBridge]) -> tuple[int, Text | Done] | Response:
+        """The next (choice, event); or the response that ends the exchange: 499 if the client left (its
+        requests are cancelled), the error if a choice failed."""
+        got = await next_or_disconnect(lambda: anext(events), disconnected)
+        if got is None:
+            self._abandon(*bridges)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if isinstance(got[1], Failed):
+            return _failure_response(got[1].error)
+        return got  # type: ignore[return-value]
+
+    def _wire_format(self, prepared: _Prepared, chat: bool, rid: str) -> WireFormat:
+        """The request's answer shapes: its endpoint's, with what it asked for (log-probabilities, tool calls,
+        the echoed prompt)."""
+        request = prepared.request
+        asked = request.options.logprobs is not None
+        fmt: WireFormat = (ChatFormat if chat else CompletionFormat)(self.model_name, rid,
+                                                                      self.tokenizer if asked else None)
+        if isinstance(request, ChatRequest) and request.parses_tool_calls:
+            fmt.tool_parser = TOOL_PARSER  # type: ignore[attr-defined]
+        if isinstance(request, CompletionRequest) and request.echo:
+            prompt = request.prompt
+            fmt.echo = (prepared.ids, prompt if isinstance(prompt, str)  # type: ignore[attr-defined]
+                        else self.tokenizer.decode_text(prompt))
+        return fmt
 
     async def _prepare(self, raw: bytes, chat: bool, arrival: float, rid: str) -> _Prepared:
         """Parse, tokenize and submit on the prepare pool; a request whose handler was cancelled is cancelled."""
