@@ -82,7 +82,7 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
     p.add_argument("--shapes", default="a,b", help="a, b and/or c (the chat; static skips it)")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"any of {','.join(METHODS)}")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"),
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16w"),
                    help="auto: what `ferrox-batch serve` would pick on this machine (default)")
     p.add_argument("--quick", action="store_true",
                    help="4 requests x 8 tokens (c: 2 conversations x 2 turns x 8 tokens), 1 repeat")
@@ -120,13 +120,13 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
 
 
 def resolved_dtype(dtype: str, device: str = "cpu") -> tuple[str, str]:
-    """`auto` made concrete as the server makes it on `device` (bf16 or fp32), with the reason."""
+    """`auto` made concrete as the server makes it on `device` (bf16, fp16w or fp32), with the reason."""
     import torch
 
     from ferrox_batch.models.device import choose_dtype_reasoned
 
     choice = choose_dtype_reasoned(dtype, torch.device(device))
-    return ("bf16" if choice.dtype == torch.bfloat16 else "fp32"), choice.reason
+    return choice.name, choice.reason
 
 
 def blocks_needed(requests: list[Request], block: int) -> int:

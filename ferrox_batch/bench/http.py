@@ -58,7 +58,7 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str], prog: str | N
                    help=f"a named list of serve flags, repeatable (default: {' and '.join(DEFAULT_CONFIGS)})")
     p.add_argument("--shape", default="a", choices=("a", "b", "c"), help="c: the multi-turn chat")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16w"))
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
                    help="4 requests x 8 tokens (c: 2 conversations x 2 turns x 8 tokens), 1 repeat")

@@ -31,9 +31,9 @@ ENV_KV_MEMORY = "FERROX_CB_KV_MEMORY"
 #: The bearer token `serve` requires when `--api-key` is not given (vLLM reads VLLM_API_KEY the same way).
 ENV_API_KEY = "FERROX_API_KEY"
 ENV_HOME = "FERROX_HOME"
-#: `--dtype` values: `models.device.DTYPES` plus auto (spelled out so that `--help` needs no torch;
-#: a test keeps the two equal).
-DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16")
+#: `--dtype` values: `models.device.PRECISION_NAMES` plus auto (spelled out so that `--help` needs no
+#: torch; a test keeps the two equal).
+DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "fp16w")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 #: `create_app`'s defaults, repeated so that building the parser imports no server (nor torch); a test
 #: keeps them equal to `server.requests` and `server.app`.
@@ -145,8 +145,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", type=_device, default="auto",
                        help="auto (CUDA if torch sees a GPU, else the CPU), cpu, cuda, cuda:N (default: auto)")
     group.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                       help="weights and KV precision; auto is bf16 on CUDA and, on the CPU, whichever of bf16 "
-                            "and fp32 is faster here (default: auto)")
+                       help="weights and KV precision; fp16w is fp32 with the linear weights in fp16 (a CPU "
+                            "without native bf16). auto is bf16 on CUDA; on the CPU bf16 where it has native bf16 "
+                            "matmuls, else fp16w where fbgemm runs, else fp32 (default: auto)")
     _add_home_flag(group)
     group.add_argument("--no-progress", action="store_true", help="no progress bars while fetching")
 

@@ -277,7 +277,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
         "prefill_chunk %d, max_batch_tokens %d, max_prefills_per_tick %d, step_target_ms %s, max_queue %d, "
         "max_context %s",
         name, model.source, time.monotonic() - started, model.decoder.device,
-        str(model.decoder.dtype).removeprefix("torch."), model.dtype_reason, config.kv_blocks,
+        model.precision, model.dtype_reason, config.kv_blocks,
         config.kv_block_size, _size(kv_bytes), "unlimited" if config.unlimited_seqs else config.max_seqs,
         config.prefill_chunk, config.max_batch_tokens, config.max_prefills_per_tick,
         config.step_target_ms or "none", config.max_queue,

@@ -15,8 +15,8 @@ the residual add before it in the same call. Set `kernels = None` to use
 torch's ops instead (CUDA always does); both paths agree to float rounding.
 
 Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
-matmuls, prepacked for oneDNN where that works (bf16 on the CPU,
-`models.linear`). The decoder is stateless between calls; all per-sequence state is in
+matmuls, prepacked at load on the CPU (`models.linear`): for oneDNN, or in
+fp16 for fbgemm when the precision is `fp16w`. The decoder is stateless between calls; all per-sequence state is in
 the store.
 """
 
@@ -58,16 +58,20 @@ class Decoder:
         *,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        weights_format: str = "dtype",
     ) -> None:
+        """`weights_format` is how the linear layers (the lm head included) store their weights:
+        in `dtype`, or "fp16" (an fp32 model on the CPU; `models.linear`)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.weights_format = weights_format
         take = _Taker(weights, self.device, dtype)
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         if config.tie_word_embeddings and "lm_head.weight" not in weights:
-            self.lm_head = Linear(self.embed, keep_weight=True)
+            self.lm_head = self._linear(self.embed, keep_weight=True)
         else:
-            self.lm_head = Linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)))
+            self.lm_head = self._linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)))
         self.final_norm = take("model.norm.weight", (config.hidden_size,))
         self.layers = [self._layer(take, i) for i in range(config.num_layers)]
         unused = set(weights) - {"lm_head.weight"}
@@ -78,6 +82,18 @@ class Decoder:
         self.kernels: CpuKernels | None = None
         if self.device.type == "cpu" and CpuKernels.supports(dtype):
             self.kernels = cpu_kernels()
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                keep_weight: bool = False) -> Linear:
+        return Linear(weight, bias, keep_weight=keep_weight, weights=self.weights_format)
+
+    @property
+    def linear_kinds(self) -> dict[str, int]:
+        """How many linear layers run each kernel (`Linear.kind`): what the load actually got."""
+        kinds: dict[str, int] = {}
+        for linear in [self.lm_head, *(getattr(l, n) for l in self.layers for n in ("qkv", "o", "gate_up", "down"))]:
+            kinds[linear.kind] = kinds.get(linear.kind, 0) + 1
+        return kinds
 
     def _layer(self, take: "_Taker", i: int) -> LayerWeights:
         c = self.config
@@ -97,14 +113,14 @@ class Decoder:
             ])
         return LayerWeights(
             input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=Linear(qkv, bias),
-            o=Linear(take(p + "self_attn.o_proj.weight", (c.hidden_size, q_out))),
+            qkv=self._linear(qkv, bias),
+            o=self._linear(take(p + "self_attn.o_proj.weight", (c.hidden_size, q_out))),
             post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=Linear(torch.cat([
+            gate_up=self._linear(torch.cat([
                 take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
                 take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
             ])),
-            down=Linear(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
+            down=self._linear(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
         )
 
     @property

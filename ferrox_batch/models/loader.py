@@ -37,6 +37,8 @@ class LoadedModel:
     source: Path
     #: Why the decoder runs in its dtype (`auto`'s rule, or "asked for").
     dtype_reason: str = "asked for"
+    #: The precision as `--dtype` spells it (`fp16w`: fp32 with fp16 linear weights).
+    precision: str = "fp32"
 
     def kv_shape(self) -> KvShape:
         """KV bytes per position for the dtype the store will hold (the ceiling prices with it)."""
@@ -78,10 +80,11 @@ def _build(
     tokenizer.pad_to(config.vocab_size)
     chosen_device = choose_device(device)
     chosen = choose_dtype_reasoned(dtype, chosen_device, config)
-    log.info("%s runs in %s on %s: %s", source.name, str(chosen.dtype).removeprefix("torch."), chosen_device,
+    decoder = Decoder(config, weights, device=chosen_device, dtype=chosen.dtype, weights_format=chosen.weights)
+    kinds = ", ".join(f"{count} {kind}" for kind, count in decoder.linear_kinds.items())
+    log.info("%s runs in %s on %s (linear kernels: %s): %s", source.name, chosen.name, chosen_device, kinds,
              chosen.reason)
-    decoder = Decoder(config, weights, device=chosen_device, dtype=chosen.dtype)
-    return LoadedModel(config, decoder, tokenizer, source, chosen.reason)
+    return LoadedModel(config, decoder, tokenizer, source, chosen.reason, chosen.name)
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -131,14 +131,14 @@ def test_the_budget_applies_only_without_a_block_count(tiny_batch_model) -> None
 
 
 def test_constants_repeated_to_keep_help_light_match_their_sources() -> None:
-    from ferrox_batch.models.device import DTYPES
+    from ferrox_batch.models.device import PRECISION_NAMES
     from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
     from ferrox_batch.server.requests import (
         DEFAULT_CHAT_MAX_TOKENS,
         DEFAULT_COMPLETION_MAX_TOKENS,
     )
 
-    assert cli.DTYPE_CHOICES == ("auto", *DTYPES)
+    assert cli.DTYPE_CHOICES == ("auto", *PRECISION_NAMES)
     assert cli.DEFAULT_COMPLETION_MAX_TOKENS == DEFAULT_COMPLETION_MAX_TOKENS
     assert cli.DEFAULT_CHAT_MAX_TOKENS == DEFAULT_CHAT_MAX_TOKENS
     assert cli.DEFAULT_MAX_CONCURRENT_REQUESTS == DEFAULT_MAX_CONCURRENT_REQUESTS

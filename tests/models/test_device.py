@@ -20,6 +20,8 @@ from ferrox_batch.models.loader import load_model
 
 CPU = torch.device("cpu")
 AVX2_ONLY = CpuFeatures("x86_64", avx512_bf16=False, amx=False)
+AVX2_FBGEMM = CpuFeatures("x86_64", avx512_bf16=False, amx=False, fbgemm=True)
+AVX512_BF16_FBGEMM = CpuFeatures("x86_64", avx512_bf16=True, amx=False, fbgemm=True)
 AVX512_BF16 = CpuFeatures("x86_64", avx512_bf16=True, amx=False)
 AMX = CpuFeatures("x86_64", avx512_bf16=False, amx=True)
 ARM = CpuFeatures("aarch64", avx512_bf16=False, amx=False)
@@ -64,11 +66,29 @@ def test_named_dtypes_and_cuda_need_no_probe(monkeypatch):
 
 def test_the_running_cpu_gives_the_same_answer_every_time():
     # Whatever this machine is, `auto` is a function of its flags: repeated choices agree.
-    choices = {choose_dtype("auto", CPU) for _ in range(5)}
+    choices = {choose_dtype_reasoned("auto", CPU).name for _ in range(5)}
     assert len(choices) == 1
     features = CpuFeatures.probe()
     if features.x86:
-        assert choices == {torch.bfloat16 if features.native_bf16 else torch.float32}
+        assert choices == {"bf16" if features.native_bf16 else "fp16w" if features.fbgemm else "fp32"}
+
+
+def test_without_native_bf16_fp16_weights_are_picked_where_fbgemm_runs(monkeypatch):
+    monkeypatch.setattr(device_module, "bf16_speedup", _no_timing)
+    choice = choose_dtype_reasoned("auto", CPU, features=AVX2_FBGEMM)
+    assert (choice.dtype, choice.weights, choice.name) == (torch.float32, "fp16", "fp16w")
+    assert "fp16 weights" in choice.reason
+    native = choose_dtype_reasoned("auto", CPU, features=AVX512_BF16_FBGEMM)
+    assert (native.dtype, native.weights, native.name) == (torch.bfloat16, "dtype", "bf16")
+    plain = choose_dtype_reasoned("auto", CPU, features=AVX2_ONLY)
+    assert (plain.weights, plain.name) == ("dtype", "fp32")
+
+
+def test_fp16_weights_can_be_asked_for_on_the_cpu_only():
+    asked = choose_dtype_reasoned("fp16w", CPU)
+    assert (asked.dtype, asked.weights, asked.reason) == (torch.float32, "fp16", "asked for")
+    with pytest.raises(ValueError, match="CPU precision"):
+        choose_dtype_reasoned("fp16w", torch.device("cuda"))
 
 
 def test_the_loader_logs_the_choice_and_keeps_its_reason(tiny_llama_dir, caplog):

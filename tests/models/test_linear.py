@@ -62,3 +62,49 @@ def test_packing_can_be_turned_off():
     assert layer.kind == "plain"
     x = torch.randn(2, 4)
     assert torch.equal(layer(x), F.linear(x, layer.weight))
+
+
+FBGEMM = "fbgemm" in torch.backends.quantized.supported_engines
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_fp16_weights_give_f_linear_of_the_rounded_weight(with_bias):
+    # fbgemm widens the fp16 weight to fp32 and accumulates in fp32: the result is F.linear over the
+    # weight rounded to fp16, up to the two summation orders (the fp32 bound above); a fallback layer
+    # runs the unrounded weight, exactly the fp32 bound against F.linear.
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(96, 40, generator=gen)
+    bias = torch.randn(96, generator=gen) if with_bias else None
+    layer = Linear(weight, bias, weights="fp16")
+    assert layer.kind == ("fbgemm_fp16" if FBGEMM else "mkldnn" if torch.backends.mkldnn.is_available() else "plain")
+    assert layer.weight is None  # the fp32 copy is not kept
+    used = weight.half().float() if layer.kind == "fbgemm_fp16" else weight
+    for batch in (1, 3, 32, 33, 257):
+        x = torch.randn(batch, 40, generator=gen)
+        assert_same_linear(layer(x), x, used, bias)
+    strided = torch.randn(8, 80, generator=gen)[:, :40]
+    assert_same_linear(layer(strided), strided, used, bias)
+    assert layer(torch.randn(0, 40)).shape == (0, 96)
+
+
+def test_fp16_weights_are_for_fp32_models_and_fall_back_without_fbgemm(monkeypatch):
+    # A bf16 weight keeps the bf16 path (the format names fp32 models' weights only).
+    assert Linear(torch.randn(8, 8).bfloat16(), weights="fp16").kind in ("mkldnn", "plain")
+    with pytest.raises(ValueError, match="unknown weight format"):
+        Linear(torch.randn(8, 8), weights="int4")
+
+    def missing(*args, **kwargs):
+        raise RuntimeError("no fbgemm here")
+
+    monkeypatch.setattr(torch.ops.quantized, "linear_prepack_fp16", missing, raising=False)
+    weight = torch.randn(16, 8)
+    layer = Linear(weight, weights="fp16")
+    assert layer.kind in ("mkldnn", "plain")
+    x = torch.randn(3, 8)
+    assert_same_linear(layer(x), x, weight, None)
+
+
+def test_a_tied_fp16_layer_keeps_the_shared_tensor():
+    weight = torch.randn(32, 16)
+    layer = Linear(weight, keep_weight=True, weights="fp16")
+    assert layer.weight is weight

@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""What each CPU precision costs in quality on the default model, against fp32, side by side.
+
+For every precision: perplexity on the fixed text the tests use (`tests/data/perplexity_text.txt`), and
+greedy agreement with fp32 on the benchmark's shape (a) prompts (32 prompts, 64 tokens each, EOS ignored,
+through the served batcher): the fraction of generated tokens before each request's first divergence, and
+the fraction of requests identical throughout. bf16 on a CPU without bf16 instructions is emulated, so slow.
+
+    python scripts/bench_quality.py [--precisions fp32,fp16w,bf16] [--tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ferrox_batch.bench.quality import agreement, greedy_outputs, perplexity  # noqa: E402
+from ferrox_batch.bench.batcher import default_model  # noqa: E402
+from ferrox_batch.bench.workloads import build_requests  # noqa: E402
+from ferrox_batch.models.device import QUALITY_BOUND, cpu_description  # noqa: E402
+from ferrox_batch.models.loader import load_model  # noqa: E402
+
+
+def main() -> int:
+    import os
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=default_model(os.environ))
+    p.add_argument("--precisions", default="fp32,fp16w,bf16")
+    p.add_argument("--tokens", type=int, default=64)
+    args = p.parse_args()
+    text = (ROOT / "tests" / "data" / "perplexity_text.txt").read_text()
+    print(f"# cpu: {cpu_description()}; model {args.model}; bound: perplexity within {QUALITY_BOUND:.0%} of fp32")
+    print("| precision | linear kernels | perplexity | vs fp32 | greedy tokens before divergence | requests identical |")
+    print("|---|---|---|---|---|---|")
+    base_ppl = base_out = None
+    for name in ["fp32", *(n for n in args.precisions.split(",") if n != "fp32")]:
+        model = load_model(args.model, device="cpu", dtype=name)
+        ids = model.tokenizer.encode(text)
+        prompts = [r.prompt for r in build_requests("a", model.tokenizer.encode)]
+        ppl = perplexity(model.decoder, ids)
+        out = greedy_outputs(model, prompts, args.tokens)
+        if base_ppl is None:
+            base_ppl, base_out = ppl, out
+        agree = agreement(base_out, out)
+        kinds = ", ".join(f"{c} {k}" for k, c in model.decoder.linear_kinds.items())
+        print(f"| {name} | {kinds} | {ppl:.3f} | {(ppl / base_ppl - 1) * 100:+.3f}% | "
+              f"{agree.prefix_fraction:.1%} | {agree.identical_fraction:.1%} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
