@@ -119,6 +119,11 @@ class BatcherStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     kv_blocks_cached: int = 0
+    #: Port-only: the worker thread's time since start, in milliseconds (`batch.worker_time`).
+    worker_idle_ms: int = 0
+    worker_scheduling_ms: int = 0
+    worker_forward_ms: int = 0
+    worker_forward_off_cpu_ms: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -53,6 +53,7 @@ class ContinuousBatcher:
         self._jobs = worker.jobs
         self._lifecycle = worker.lifecycle
         self._counters = worker.scheduler.counters
+        self._worker_time = worker.time
         self._queue = worker.scheduler.queue_gate
         self._budget = worker.scheduler.budget
         self._aborts = worker.aborts
@@ -129,6 +130,7 @@ class ContinuousBatcher:
         prefill_chunks, prefill_tokens, decode_steps, peak = self._counters.snapshot()
         prefix_queries, prefix_hits = self._counters.prefix_cache()
         total = self._budget.total
+        times = self._worker_time.snapshot()
         return BatcherStats(
             prefill_chunks=prefill_chunks,
             prefill_tokens=prefill_tokens,
@@ -149,6 +151,10 @@ class ContinuousBatcher:
             prefix_cache_queries=prefix_queries,
             prefix_cache_hits=prefix_hits,
             kv_blocks_cached=self.store.pool.num_cached,
+            worker_idle_ms=round(times.idle_s * 1e3),
+            worker_scheduling_ms=round(times.scheduling_s * 1e3),
+            worker_forward_ms=round(times.forward_s * 1e3),
+            worker_forward_off_cpu_ms=round(times.forward_off_cpu_s * 1e3),
         )
 
     @property

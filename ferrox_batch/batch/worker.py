@@ -36,6 +36,7 @@ from typing import Callable, Protocol
 from ferrox_batch.batch.counters import Counters
 from ferrox_batch.batch.lifecycle import CLOSE, Lifecycle
 from ferrox_batch.batch.queue import AbortInbox
+from ferrox_batch.batch.worker_time import WorkerTime
 from ferrox_batch.errors import InternalError, WorkerDied
 from ferrox_batch.scheduler.plan import StepOutput, StepPlan
 from ferrox_batch.scheduler.request import Request
@@ -70,6 +71,7 @@ class Worker:
         self.lifecycle = lifecycle
         self.aborts = aborts
         self.closing = False
+        self.time = WorkerTime()
 
     @property
     def config(self):
@@ -91,25 +93,35 @@ class Worker:
 
     def tick(self) -> bool:
         """One turn of the loop; False once the batcher is closed and idle."""
+        clock = time.perf_counter
         if self.scheduler.idle:
             if self.closing:
                 return False
+            waited = clock()
             self._take(self.jobs.get())  # idle: block until there is work
+            self.time.add_idle(clock() - waited)
+        planning = clock()
         self._drain_channel()
         stopped = self.scheduler.abort(self.aborts.drain())
         if stopped:
             self.aborts.add_aborted(stopped)
         plan = self.scheduler.schedule()
+        began = clock()
+        self.time.add_scheduling(began - planning)
         if plan.empty:
             return True
-        began = time.perf_counter()
+        cpu = time.thread_time()
         try:
             out = self.runner.execute(plan)
         except Exception as bad:
             log.exception("forward failed")
             self.scheduler.fail_step(plan, InternalError(f"forward failed: {type(bad).__name__}: {bad}"))
             return True
-        self.scheduler.update(plan, out.sampled, time.perf_counter() - began, out.prompt_logprobs)
+        finally:
+            ran = clock()
+            self.time.add_forward(ran - began, time.thread_time() - cpu)
+        self.scheduler.update(plan, out.sampled, ran - began, out.prompt_logprobs)
+        self.time.add_scheduling(clock() - ran)
         return True
 
     def _take(self, item: object) -> None:

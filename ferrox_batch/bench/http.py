@@ -147,6 +147,19 @@ def get_stats(port: int) -> dict | None:
         return None
 
 
+#: `/stats` fields of the worker's time (`batch.worker_time`), in ms, and the run keys they become.
+WORKER_FIELDS = {"worker_idle_ms": "worker_idle", "worker_scheduling_ms": "worker_scheduling",
+                 "worker_forward_ms": "worker_forward", "worker_forward_off_cpu_ms": "worker_off_cpu"}
+
+
+def worker_split(before: dict | None, after: dict | None, wall_s: float) -> dict:
+    """The worker's idle, scheduling, forward and off-CPU-in-forward time over a run, as fractions of its wall
+    time; None each where the server has no such stats (a peer)."""
+    if not (before and after and wall_s > 0 and all(k in before and k in after for k in WORKER_FIELDS)):
+        return {key: None for key in WORKER_FIELDS.values()}
+    return {key: (after[field] - before[field]) / 1e3 / wall_s for field, key in WORKER_FIELDS.items()}
+
+
 def chat_loop(port: int, tokenizer, plan: conversations.Plan, timeout: float) -> dict:
     """Shape c: the conversations' turns as streamed completions, and the prefix cache's hits over the run."""
     def send(prompt: list[int], max_tokens: int) -> conversations.Reply:
@@ -170,9 +183,10 @@ def run_one(args: argparse.Namespace, spec: ServerSpec, requests: list[Request],
     try:
         server.wait_ready()
         closed_loop(server.port, [Request(r.prompt[:16], 4) for r in requests[:2]], args.timeout)  # warm-up
+        before = get_stats(server.port)
         measured = closed_loop(server.port, requests, args.timeout) if chat is None else \
             chat_loop(server.port, *chat, args.timeout)
-        return {"config": name, **measured}
+        return {"config": name, **measured, **worker_split(before, get_stats(server.port), measured["wall_s"])}
     except Exception as error:  # noqa: BLE001 - a failed run is reported in the table, not raised
         return {"config": name, "failed": f"{type(error).__name__}: {error}"}
     finally:
@@ -182,19 +196,29 @@ def run_one(args: argparse.Namespace, spec: ServerSpec, requests: list[Request],
 def report(names: list[str], runs: list[dict]) -> list[str]:
     chat = any("chat" in r for r in runs)  # shape c: a column for the prefix cache's hit rate
     lines = [f"| config | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms |{' prefix hits |' if chat else ''} "
-             "tok/s over the first |", "|---|---|---|---|---|" + "---|" * chat]
+             "worker idle / scheduling / forward (off CPU) | tok/s over the first |",
+             "|---|---|---|---|---|---|" + "---|" * chat]
     first = None
     for name in names:
         good = [r for r in runs if r["config"] == name and "failed" not in r]
-        keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "prefix_hit_rate")
+        keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "prefix_hit_rate",
+                *WORKER_FIELDS.values())
         med = {k: median_of(good, k) for k in keys}
         first = med["tok_s"] if first is None else first
         ratio = None if not first or med["tok_s"] is None else med["tok_s"] / first
         hits = f" {hit_cell('c', med['prefix_hit_rate'], good)} |" if chat else ""
         lines.append(f"| {name} | {fmt(med['tok_s'], '.1f')} | {fmt(med['ttft_p50_ms'])} / {fmt(med['ttft_p99_ms'])} "
                      f"| {fmt(med['itl_p50_ms'], '.0f')} / {fmt(med['itl_p99_ms'], '.0f')} |{hits} "
-                     f"{fmt(ratio, '.2f')} |")
+                     f"{worker_cell(med)} | {fmt(ratio, '.2f')} |")
     return lines
+
+
+def worker_cell(med: dict) -> str:
+    if med["worker_forward"] is None:
+        return "-"
+    pct = {key: 100 * med[key] for key in WORKER_FIELDS.values()}
+    return (f"{pct['worker_idle']:.0f}% / {pct['worker_scheduling']:.0f}% / {pct['worker_forward']:.0f}% "
+            f"({pct['worker_off_cpu']:.0f}%)")
 
 
 def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None, prog: str | None = None) -> int:

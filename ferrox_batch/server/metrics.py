@@ -57,6 +57,10 @@ _STATS_HELP = {
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (cumulative).",
     "prefix_cache_hits": "Prompt tokens adopted from the prefix cache instead of computed (cumulative).",
     "kv_blocks_cached": "KV blocks holding published prefixes (referenced or not).",
+    "worker_idle_ms": "Worker time blocked with no request in flight, ms (cumulative).",
+    "worker_scheduling_ms": "Worker time in its own Python between forwards, ms (cumulative).",
+    "worker_forward_ms": "Worker time running forwards and sampling, ms (cumulative).",
+    "worker_forward_off_cpu_ms": "Forward time the worker thread was not on a core, ms (cumulative).",
 }
 
 # Buckets close to vLLM's, so dashboards built for it read the same ranges.

@@ -144,7 +144,7 @@ def test_the_reports_give_the_hit_rate_and_skip_static_on_the_chat() -> None:
             {"config": "nocache", "tok_s": 5.0, "prefix_hit_rate": None, "chat": chat}]
     lines = http_report(["cache", "nocache"], runs)
     assert "| prefix hits |" in lines[0] and lines[1].count("|") == lines[0].count("|")
-    assert lines[2].endswith("| 50.0% | 1.00 |") and lines[3].endswith("| n/a | 0.50 |")
+    assert lines[2].endswith("| 50.0% | - | 1.00 |") and lines[3].endswith("| n/a | - | 0.50 |")
     runs = [{"method": m, "shape": "c", "tok_s": t, "prefix_hit_rate": h} for m, t, h in
             (("ours", 20.0, 0.4), ("cb", 10.0, None))]
     lines, summary = report(["c"], ["ours", "static", "cb"], runs)

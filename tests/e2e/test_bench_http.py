@@ -31,9 +31,23 @@ def test_the_report_gives_medians_and_throughput_over_the_first_config():
             for t in (90, 100, 110)]
     runs += [{"config": "b", "tok_s": t, "ttft_p50_ms": 1, "ttft_p99_ms": 2, "itl_p50_ms": 3, "itl_p99_ms": 4}
              for t in (45, 50)] + [{"config": "b", "failed": "exit 1"}]
+    runs[1].update(worker_idle=0.01, worker_scheduling=0.02, worker_forward=0.97, worker_off_cpu=0.1)
     lines = report(["a", "b"], runs)
-    assert lines[2].startswith("| a | 100.0 |") and lines[2].endswith("| 1.00 |")
-    assert lines[3].startswith("| b | 47.5 |") and lines[3].endswith("| 0.47 |")
+    assert lines[1].count("|") == lines[0].count("|")
+    assert lines[2].startswith("| a | 100.0 |") and lines[2].endswith("| 1% / 2% / 97% (10%) | 1.00 |")
+    assert lines[3].startswith("| b | 47.5 |") and lines[3].endswith("| - | 0.47 |")
+
+
+def test_the_worker_split_is_each_time_over_the_run_and_none_for_a_server_without_it():
+    from ferrox_batch.bench.http import worker_split
+
+    before = {"worker_idle_ms": 100, "worker_scheduling_ms": 0, "worker_forward_ms": 1000, "worker_forward_off_cpu_ms": 0}
+    after = {"worker_idle_ms": 300, "worker_scheduling_ms": 100, "worker_forward_ms": 2700,
+             "worker_forward_off_cpu_ms": 200}
+    assert worker_split(before, after, 2.0) == {"worker_idle": 0.1, "worker_scheduling": 0.05,
+                                                "worker_forward": 0.85, "worker_off_cpu": 0.1}
+    assert set(worker_split(None, after, 2.0).values()) == {None}
+    assert set(worker_split({"decode_steps": 1}, after, 2.0).values()) == {None}
 
 
 @pytest.mark.slow
@@ -47,5 +61,6 @@ def test_a_quick_run_serves_every_request_from_each_config(tiny_batch_dir, tmp_p
     runs = json.loads(out.read_text())["runs"]
     assert [r["config"] for r in runs] == ["defaults", "nocap", "peer"]
     assert all(r["tokens"] == 4 * 8 and not r["errors"] and r["tok_s"] > 0 for r in runs)
+    assert all(0 < r["worker_forward"] <= 1.01 for r in runs)  # our server (the peer too) reports its worker
     printed = capsys.readouterr().out
     assert "# cpu: " in printed and "| nocap |" in printed and "| peer |" in printed

@@ -129,3 +129,46 @@ def test_a_request_inside_a_kv_call_that_raises_is_still_answered_when_the_worke
     worker.run()
     died = WorkerDied(f"TypeError: a bug in {broken}")
     assert bench.sink(victim).finals == [died] and bench.sink(other).finals == [died]
+
+
+class SleepingRunner(FakeRunner):
+    """Each forward sleeps (off the CPU) for `sleep` seconds, then burns `spin` seconds of CPU."""
+
+    def __init__(self, bench: Bench, sleep: float, spin: float) -> None:
+        super().__init__(bench)
+        self.sleep, self.spin = sleep, spin
+
+    def execute(self, plan: StepPlan):
+        import time
+
+        time.sleep(self.sleep)
+        until = time.thread_time() + self.spin
+        while time.thread_time() < until:
+            pass
+        return super().execute(plan)
+
+
+def test_the_worker_accounts_its_time_idle_scheduling_and_forwarding_off_and_on_cpu():
+    import threading
+    import time
+
+    bench = Bench(BatcherConfig(max_prefills_per_tick=4))
+    runner = SleepingRunner(bench, sleep=0.02, spin=0.01)
+    worker = make_loop(bench, runner)
+    thread = threading.Thread(target=worker.run)
+    thread.start()
+    time.sleep(0.1)  # idle: nothing submitted yet
+    request = bench.submit([1], 3, drained=False)
+    worker.jobs.put(request)
+    worker.lifecycle.close(worker.jobs)
+    thread.join(10)
+    assert not thread.is_alive()
+    times = worker.time.snapshot()
+    forwards = runner.forwards
+    assert forwards >= 3
+    assert times.idle_s >= 0.09
+    # Every forward's wall time counts, its sleep as off-CPU time and its spin as on-CPU time.
+    assert times.forward_s >= forwards * 0.03 * 0.99
+    assert times.forward_off_cpu_s >= forwards * 0.02 * 0.99
+    assert times.forward_s - times.forward_off_cpu_s >= forwards * 0.01 * 0.99
+    assert times.scheduling_s > 0
