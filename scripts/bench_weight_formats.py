@@ -2,13 +2,14 @@
 """What the default model's linear layers cost per forward in each weight format torch offers on this CPU.
 
 The four linears of one SmolLM2-135M layer (fused qkv 576->960, o 576->576, fused gate/up 576->3072,
-down 1536->576), times 30 layers, at 1 and 32 rows, random weights, medians of 30 calls, side by side:
-fp32 `F.linear` (MKL); fp32 packed for oneDNN once (`models.linear.Linear`, what the server runs); int8
-weight-only (`torch._weight_int8pack_mm`, per-channel scales, fp32 activations); bf16 weights and
-activations through `F.linear` (emulated on a CPU without avx512_bf16). The yardstick for making 16-bit or
-8-bit weights a speed-up on CPUs without bf16 instructions.
+down 1536->576), times 30 layers, at 1 to 1,024 rows, random weights, medians of 30 calls (5 at 256 rows
+and more), side by side: fp32 `F.linear` (MKL); fp32 packed for oneDNN once (`models.linear.Linear`, what
+`--dtype fp32` runs); fp16 weights through fbgemm (`Linear(..., weights="fp16")`, what `--dtype fp16w`
+runs); int8 weight-only (`torch._weight_int8pack_mm`, per-channel scales, fp32 activations); bf16
+weights and activations through `F.linear` (emulated on a CPU without avx512_bf16). Each row also gives
+the served kernel's GFLOP/s, so the rate at decode's small row counts can be read beside prefill's.
 
-    python scripts/bench_weight_formats.py
+    python scripts/bench_weight_formats.py [--rows 1,32,256,1024]
 """
 
 from __future__ import annotations
@@ -42,24 +43,39 @@ def median_ms(fn, calls: int = 30) -> float:
 
 
 def main() -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", default="1,32,256,1024")
+    p.add_argument("--slow-formats", action="store_true",
+                   help="also int8 weight-only and bf16 at 256 rows and more (minutes on an AVX2-only CPU)")
+    args = p.parse_args()
     torch.manual_seed(0)
     print(f"# cpu: {cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"ms per forward's linears ({LAYERS} layers)")
-    print("| rows | fp32 F.linear | fp32 packed (served) | int8 weight-only | bf16 F.linear |")
-    print("|---|---|---|---|---|")
-    for rows in (1, 32):
-        totals = [0.0, 0.0, 0.0, 0.0]
+    print("| rows | fp32 F.linear | fp32 packed | fp16 weights, fbgemm | int8 weight-only | bf16 F.linear | "
+          "GFLOP/s packed fp32 / fp16 weights |")
+    print("|---|---|---|---|---|---|---|")
+    flops_per_row = 2 * LAYERS * sum(o * i for o, i in SHAPES)
+    for rows in (int(r) for r in args.rows.split(",")):
+        calls = 30 if rows < 256 else 5
+        slow = rows < 256 or args.slow_formats  # torch's int8 and emulated bf16 take seconds a call there
+        totals: list[float | None] = [0.0, 0.0, 0.0, 0.0 if slow else None, 0.0 if slow else None]
         for out_f, in_f in SHAPES:
             x, w = torch.randn(rows, in_f), torch.randn(out_f, in_f)
             packed = Linear(w.clone(), None)
-            scales = w.abs().amax(dim=1) / 127
-            w8 = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-            xb, wb = x.bfloat16(), w.bfloat16()
-            totals[0] += median_ms(lambda: F.linear(x, w))
-            totals[1] += median_ms(lambda: packed(x))
-            totals[2] += median_ms(lambda: torch._weight_int8pack_mm(x, w8, scales))
-            totals[3] += median_ms(lambda: F.linear(xb, wb))
-        print(f"| {rows} | " + " | ".join(f"{t * LAYERS:.1f}" for t in totals) + " |")
+            half = Linear(w.clone(), None, weights="fp16")
+            timed = [lambda: F.linear(x, w), lambda: packed(x), lambda: half(x)]
+            if slow:
+                scales = w.abs().amax(dim=1) / 127
+                w8 = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+                xb, wb = x.bfloat16(), w.bfloat16()
+                timed += [lambda: torch._weight_int8pack_mm(x, w8, scales), lambda: F.linear(xb, wb)]
+            for i, fn in enumerate(timed):
+                totals[i] += median_ms(fn, calls)  # type: ignore[operator]
+        cells = ["-" if t is None else f"{t * LAYERS:.1f}" for t in totals]
+        rates = [flops_per_row * rows / (t * LAYERS / 1e3) / 1e9 for t in totals[1:3]]  # type: ignore[operator]
+        print(f"| {rows} | " + " | ".join(cells) + f" | {rates[0]:.0f} / {rates[1]:.0f} |")
     return 0
 
 
