@@ -46,6 +46,10 @@ are all the cut needs, and any sort gives the same ones); both give the
 `torch.sort` path's cut bit for bit. Off the CPU every row with a cut sorts
 whole with `torch.sort`, so the single sync stays the only one.
 
+Each request's state is a `RowSampler` (`models.sampler_rows`, made at admission); the penalties, the
+bias, grammar masks and log-probabilities are `models.logit_transforms`, each vectorised over the rows
+that use it. This module chooses the tokens.
+
 Grammars (`models.grammar`): a constrained row's mask applies after the
 penalties and the bias; its grammar consumes each token it samples, and a
 row whose grammar is complete after its token gets `GrammarComplete`.
@@ -54,27 +58,23 @@ Reasoning budgets (out of scope here) would plug in the same way.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ferrox_batch.errors import DecodeError, GrammarConstraint, TokenOutOfVocab
+from ferrox_batch.errors import GrammarConstraint
 from ferrox_batch.generation_types import SamplingParams
-from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.models.logit_transforms import biased, masked, penalised, token_logprobs
+from ferrox_batch.models.sampler_rows import MIN_TEMPERATURE, RowSampler, SamplingError, new_row
+from ferrox_batch.models.sampling_cuts import cuts
 from ferrox_batch.scheduler.plan import GrammarComplete, Sampled
 
 if TYPE_CHECKING:
     from ferrox_batch.models.grammar import Grammars
-from ferrox_batch.models.sampling_cuts import cuts
 
 __all__ = ["MIN_TEMPERATURE", "BatchSampler", "RowSampler", "SamplingError"]
 
-#: Below this a temperature is treated as greedy.
-MIN_TEMPERATURE = 1e-5
-_MAX_SEED = 2**64 - 1
 # Row status codes carried through the single host sync (index 0 = fine).
 _PROBLEMS = (
     "",
@@ -82,53 +82,6 @@ _PROBLEMS = (
     "the model's logits contain +inf",
     "every logit is -inf, so no token can be sampled",
 )
-
-
-class SamplingError(DecodeError):
-    """A row's logits could not be sampled; `row` is its index in the batch handed to `sample`."""
-
-    http_status = 500
-    error_code = "sampling_error"
-    _fields = ("row", "detail")
-
-    def __init__(self, row: int, detail: str) -> None:
-        self.row = row
-        self.detail = detail
-        super().__init__(f"sampling failed: {detail}")
-
-
-@dataclass(slots=True, eq=False)
-class RowSampler:
-    """One request's sampling state, made at admission by `BatchSampler.new_row`.
-
-    `generator` exists only for non-greedy rows; `counts` (float32 `[vocab]` on
-    the device, occurrences over prompt ++ generated) only when a penalty is on.
-    `seed` is the seed the generator was given (drawn from OS entropy when the
-    request had none), so an unseeded answer can still be replayed.
-    """
-
-    params: SamplingParams
-    generator: torch.Generator | None
-    counts: torch.Tensor | None
-    seed: int | None
-    logprobs: int | None = None  # alternatives per token when the request asked for log-probabilities
-    bias: torch.Tensor | None = None  # float32 [vocab] added to the logits (`logit_bias`), when any
-    matcher: Any = None  # the request's grammar state (`models.grammar`), when its output is constrained
-
-    @property
-    def greedy(self) -> bool:
-        return self.generator is None
-
-    def record(self, token: int) -> None:
-        """Count `token` into the penalty window (`sample` does this for the tokens it returns)."""
-        if self.counts is not None:
-            if not 0 <= token < self.counts.shape[0]:
-                raise ValueError(f"token {token} is outside the vocabulary of {self.counts.shape[0]}")
-            self.counts[token] += 1
-
-
-def _penalised(params: SamplingParams) -> bool:
-    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 class BatchSampler:
@@ -143,45 +96,9 @@ class BatchSampler:
 
     def new_row(self, params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
                 logprobs: int | None = None, grammar: str | None = None) -> RowSampler:
-        """The state for one admitted request; `prompt_ids` opens its penalty window; `logprobs`: how many
-        alternatives its tokens' log-probabilities carry (None: it gets none); `grammar`: the compiled
-        grammar its output must follow (`Grammars.compile`)."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be a SamplingParams, got {params!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
-            raise ValueError(f"seed must be None or an integer in [0, 2**64 - 1], got {seed!r}")
-        generator = None
-        if params.temperature >= MIN_TEMPERATURE:
-            if seed is None:
-                seed = int.from_bytes(os.urandom(8), "little")
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(seed)
-        else:
-            seed = None
-        counts = None
-        if _penalised(params):
-            ids = list(prompt_ids)
-            bad = [t for t in ids if not 0 <= t < self.vocab_size]
-            if bad:
-                raise TokenOutOfVocab(bad[0], self.vocab_size)
-            counts = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
-            if ids:
-                # index_add_, not bincount: bincount on CUDA syncs to size its output.
-                index = torch.tensor(ids, dtype=torch.long, device=self.device)
-                counts.index_add_(0, index, torch.ones(len(ids), dtype=torch.float32, device=self.device))
-        bias = None
-        if params.logit_bias:
-            ids, values = zip(*params.logit_bias)
-            if max(ids) >= self.vocab_size:
-                raise TokenOutOfVocab(max(ids), self.vocab_size)
-            bias = torch.zeros(self.vocab_size, dtype=torch.float32, device=self.device)
-            bias[torch.tensor(ids, device=self.device)] = torch.tensor(values, dtype=torch.float32, device=self.device)
-        matcher = None
-        if grammar is not None:
-            if self.grammars is None:
-                raise GrammarConstraint("this sampler has no grammar engine")
-            matcher = self.grammars.matcher(grammar)
-        return RowSampler(params, generator, counts, seed, logprobs, bias, matcher)
+        """The state for one admitted request (`sampler_rows.new_row` on this sampler's vocabulary, device
+        and grammar engine)."""
+        return new_row(params, seed, prompt_ids, self.vocab_size, self.device, logprobs, grammar, self.grammars)
 
     def grammar_masks(self, rows: Sequence[RowSampler]) -> tuple[list[int], torch.Tensor] | None:
         """(indices, `[len(indices), vocab]` allowed tokens) of the rows whose output follows a grammar; None
@@ -213,10 +130,10 @@ class BatchSampler:
         status = torch.where(top.isnan(), 1, torch.where(top == float("inf"), 2, torch.where(top == float("-inf"), 3, 0)))
         if masks is None and any(row.matcher is not None for row in rows):
             masks = self.grammar_masks(rows)
-        tokens = self._choose(self._masked(self._biased(self._penalise(x, rows), rows), masks), rows)
+        tokens = self._choose(masked(biased(penalised(x, rows), rows), masks), rows)
         host = torch.where(status == 0, tokens, -status).tolist()  # the one sync every call makes
         scored = [i for i, row in enumerate(rows) if row.logprobs is not None and host[i] >= 0]
-        logprobs = self._logprobs(x, tokens, host, rows, scored) if scored else {}
+        logprobs = token_logprobs(x, tokens, host, rows, scored) if scored else {}
         out: list[Sampled] = []
         for i, (token, row) in enumerate(zip(host, rows)):
             if token < 0:
@@ -230,15 +147,6 @@ class BatchSampler:
         return out
 
     @staticmethod
-    def _masked(x: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None) -> torch.Tensor:
-        """Tokens outside a constrained row's grammar set to -inf (out of place); other rows untouched."""
-        if masks is None:
-            return x
-        index, allowed = masks
-        rows = torch.tensor(index, device=x.device)
-        return x.index_copy(0, rows, x.index_select(0, rows).masked_fill(~allowed, float("-inf")))
-
-    @staticmethod
     def _advance(matcher: Any, token: int, outcome: Sampled) -> Sampled:
         """Feed the sampled token to the row's grammar: the outcome, marked complete when the grammar is."""
         if matcher.is_stopped():  # a row finishes with the token that completes it: never sampled after
@@ -247,31 +155,12 @@ class BatchSampler:
             return GrammarConstraint(f"token {token} does not continue the grammar: {matcher.get_error()}")
         return GrammarComplete(outcome) if matcher.is_stopped() else outcome  # type: ignore[arg-type]
 
-    def _logprobs(self, x: torch.Tensor, tokens: torch.Tensor, host: list[int], rows: Sequence[RowSampler],
-                  scored: list[int]) -> dict[int, TokenLogprob]:
-        """The model's log-probabilities (of the raw logits `x`: before penalties and every sampling
-        transform) of each scored row's token, with its top alternatives; computed for those rows only."""
-        index = torch.tensor(scored, device=x.device)
-        lp = x.index_select(0, index).log_softmax(dim=-1)
-        chosen = lp.gather(1, tokens.index_select(0, index).unsqueeze(1)).squeeze(1).tolist()
-        k = max(rows[i].logprobs or 0 for i in scored)
-        top_v: list[list[float]] = [[] for _ in scored]
-        top_i: list[list[int]] = [[] for _ in scored]
-        if k:
-            values, ids = lp.topk(k, dim=-1)
-            top_v, top_i = values.tolist(), ids.tolist()
-        out = {}
-        for n, i in enumerate(scored):
-            want = rows[i].logprobs or 0
-            out[i] = TokenLogprob(host[i], chosen[n], tuple(zip(top_i[n][:want], top_v[n][:want])))
-        return out
-
     def distribution(self, logits: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
         """The `[B, vocab_size]` distribution `sample` would draw from (one-hot for greedy rows).
 
         Draws nothing and records nothing; for tests and log-probabilities.
         """
-        x = self._biased(self._penalise(self._checked(logits, rows), rows), rows)
+        x = biased(penalised(self._checked(logits, rows), rows), rows)
         out = torch.zeros_like(x)
         if not rows:
             return out
@@ -298,41 +187,6 @@ class BatchSampler:
             raise ValueError(f"logits are on {dev} but this sampler runs on {self.device}")
         # Padded lm-head columns are cut here, so no later step can pick them.
         return logits[:, : self.vocab_size].float()
-
-    def _penalise(self, x: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
-        pen = [i for i, row in enumerate(rows) if row.counts is not None]
-        if not pen:
-            return x
-        counts = torch.stack([rows[i].counts for i in pen])  # type: ignore[misc]
-        q = torch.tensor(
-            [[p.repetition_penalty, p.presence_penalty, p.frequency_penalty] for p in (rows[i].params for i in pen)],
-            dtype=torch.float32, device=x.device,
-        )
-        rep, presence, frequency = (c.unsqueeze(1) for c in q.unbind(1))
-        every = len(pen) == len(rows)
-        index = None if every else torch.tensor(pen, device=x.device)
-        l = x if index is None else x.index_select(0, index)
-        seen = counts > 0
-        # Each penalty is one or two full passes over [rows, vocab]: skip the ones no row uses.
-        if any(rows[i].params.repetition_penalty != 1.0 for i in pen):
-            l = torch.where(seen, torch.where(l > 0, l / rep, l * rep), l)
-        if any(rows[i].params.frequency_penalty != 0.0 for i in pen):
-            l = l - frequency * counts
-        if any(rows[i].params.presence_penalty != 0.0 for i in pen):
-            l = l - presence * seen
-        # Out of place: `x` may be a view of the caller's logits.
-        return l if index is None else x.index_copy(0, index, l)
-
-    @staticmethod
-    def _biased(x: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
-        """`logit_bias` added to the rows that have one, in one op (out of place, as the penalties)."""
-        biased = [i for i, row in enumerate(rows) if row.bias is not None]
-        if not biased:
-            return x
-        bias = torch.stack([rows[i].bias for i in biased])  # type: ignore[misc]
-        if len(biased) == len(rows):
-            return x + bias
-        return x.index_add(0, torch.tensor(biased, device=x.device), bias)
 
     def _choose(self, x: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
         sampled = [i for i, row in enumerate(rows) if not row.greedy]
