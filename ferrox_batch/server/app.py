@@ -43,13 +43,8 @@ from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.server.access import REQUEST_ID_HEADER, AccessMiddleware
 from ferrox_batch.server.errors import error_body, error_response
-from ferrox_batch.server.generation import (
-    CLIENT_CLOSED_REQUEST,
-    DEFAULT_BODY_READ_TIMEOUT_SECS,
-    Generations,
-    Limits,
-    read_body,
-)
+from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
+from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST, Generations, Limits
 from ferrox_batch.server.metrics import CONTENT_TYPE
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
 from ferrox_batch.server.tokenization import detokenize, tokenize

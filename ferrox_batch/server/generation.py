@@ -47,7 +47,8 @@ from ferrox_batch.errors import BatcherClosed, DecodeError, InvalidRequest
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.usage import Usage
 from ferrox_batch.server.access import request_id
-from ferrox_batch.server.errors import ModelNotFound, RequestTooLarge, ServerBusy, error_body, error_response
+from ferrox_batch.server.body import BodyReadTimedOut, read_body
+from ferrox_batch.server.errors import ModelNotFound, ServerBusy, error_body, error_response
 from ferrox_batch.server.choices import best, candidate_params, merged
 from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.requests import (
@@ -77,25 +78,6 @@ log = logging.getLogger("ferrox_batch.server")
 SHUTDOWN_JOIN_SECS = 10.0
 #: nginx's "client closed request": nobody reads it, but access logs then say what happened.
 CLIENT_CLOSED_REQUEST = 499
-#: Seconds a generation request may take to send its whole body before it gets 408. Generous for any
-#: honest client (the 4 MiB body cap in 30 s is about 140 KB/s), short enough that uploads which stall
-#: hand their open-request slots back long before anyone would wait on a 503 that long.
-DEFAULT_BODY_READ_TIMEOUT_SECS = 30.0
-
-
-class BodyReadTimedOut(DecodeError):
-    """The request body did not arrive within the server's deadline (408: the client may send it again)."""
-
-    http_status = 408
-    error_type = "invalid_request_error"
-    error_code = "request_timeout"
-    _fields = ("timeout_secs",)
-
-    def __init__(self, timeout_secs: float) -> None:
-        self.timeout_secs = timeout_secs
-        super().__init__(f"the request body did not arrive within {timeout_secs:g} s")
-
-
 @dataclass(frozen=True, slots=True)
 class Limits:
     """The knobs of `create_app` that shape generation requests."""
@@ -358,28 +340,3 @@ def _cancel_orphan(future: asyncio.Future) -> None:
     if not future.cancelled() and future.exception() is None:
         for bridge in future.result().bridges:
             bridge.abandon()
-
-
-async def read_body(request: Request, limit: int, timeout: float) -> bytes:
-    """The whole body, or `RequestTooLarge` once it passes `limit` (the rest is read and dropped).
-
-    `BodyReadTimedOut` if the whole body (the dropped rest of a too-large one included) has
-    not arrived `timeout` seconds after the handler started reading it. The deadline is on
-    the whole body, not on the gap between two parts: a client sending a byte now and then
-    would otherwise keep its slot forever.
-    """
-    async def read() -> bytes:
-        parts: list[bytes] = []
-        size = 0
-        async for part in request.stream():
-            size += len(part)
-            if size <= limit:
-                parts.append(part)
-        if size > limit:
-            raise RequestTooLarge(size, limit)
-        return b"".join(parts)
-
-    try:
-        return await asyncio.wait_for(read(), timeout)
-    except asyncio.TimeoutError:  # not the builtin TimeoutError before Python 3.11
-        raise BodyReadTimedOut(timeout) from None
