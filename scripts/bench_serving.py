@@ -118,8 +118,10 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
     source = llama_source(args.work)
     server = args.llama_server or build_llama_server(source)
-    peers = [f"llama.cpp-{t}={llama_command(server, gguf(source, Path(args.model), t, args.work, args.convert_python), args.shape == 'c', args.threads)}"
-             for t in args.ggufs.split(",") if t]
+    peers = []
+    for outtype in filter(None, args.ggufs.split(",")):
+        model = gguf(source, Path(args.model), outtype, args.work, args.convert_python)
+        peers.append(f"llama.cpp-{outtype}={llama_command(server, model, args.shape == 'c', args.threads)}")
     argv = ["--model", args.model, "--shape", args.shape, "--repeats", str(args.repeats)]
     for spec in args.ours or ["ours="]:
         argv += ["--config", spec]
