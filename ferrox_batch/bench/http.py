@@ -9,6 +9,11 @@ medians and each configuration's throughput over the first one's. tok/s = comple
 stream's usage) / (first submit -> last finish). TTFT: submit -> first streamed text. ITL: gaps between
 a request's consecutive streamed chunks, pooled.
 
+`--peer NAME=COMMAND` adds another OpenAI-compatible server to the table, started from its own command
+line (`{port}` is filled in; `bench.servers`). For our servers the table also says where the worker's
+time went between two `GET /stats` snapshots around the run: idle, its own Python, forwards, and the
+part of the forwards with the worker thread off its core (`batch.worker_time`).
+
 Shape c is a multi-turn chat (`bench.conversations`): 16 conversations x 4 turns sharing a system prompt,
 each turn's prompt the chat so far (our tokenizer's chat template, earlier replies as the server streamed
 them), sent as token ids once the previous reply is in; per run it adds the prefix cache's hit rate, from
@@ -148,16 +153,17 @@ def get_stats(port: int) -> dict | None:
 
 
 #: `/stats` fields of the worker's time (`batch.worker_time`), in ms, and the run keys they become.
-WORKER_FIELDS = {"worker_idle_ms": "worker_idle", "worker_scheduling_ms": "worker_scheduling",
-                 "worker_forward_ms": "worker_forward", "worker_forward_off_cpu_ms": "worker_off_cpu"}
+WORKER_FIELDS = (("worker_idle_ms", "worker_idle"), ("worker_scheduling_ms", "worker_scheduling"),
+                 ("worker_forward_ms", "worker_forward"), ("worker_forward_off_cpu_ms", "worker_off_cpu"))
+WORKER_KEYS = tuple(key for _, key in WORKER_FIELDS)
 
 
-def worker_split(before: dict | None, after: dict | None, wall_s: float) -> dict:
-    """The worker's idle, scheduling, forward and off-CPU-in-forward time over a run, as fractions of its wall
-    time; None each where the server has no such stats (a peer)."""
-    if not (before and after and wall_s > 0 and all(k in before and k in after for k in WORKER_FIELDS)):
-        return {key: None for key in WORKER_FIELDS.values()}
-    return {key: (after[field] - before[field]) / 1e3 / wall_s for field, key in WORKER_FIELDS.items()}
+def worker_split(before: dict | None, after: dict | None, window_s: float) -> dict:
+    """The worker's idle, scheduling, forward and off-CPU-in-forward time between two `/stats` snapshots
+    taken `window_s` apart, as fractions of it; None each where the server has no such stats (a peer)."""
+    if not (before and after and window_s > 0 and all(f in before and f in after for f, _ in WORKER_FIELDS)):
+        return {key: None for key in WORKER_KEYS}
+    return {key: (after[field] - before[field]) / 1e3 / window_s for field, key in WORKER_FIELDS}
 
 
 def chat_loop(port: int, tokenizer, plan: conversations.Plan, timeout: float) -> dict:
@@ -183,10 +189,13 @@ def run_one(args: argparse.Namespace, spec: ServerSpec, requests: list[Request],
     try:
         server.wait_ready()
         closed_loop(server.port, [Request(r.prompt[:16], 4) for r in requests[:2]], args.timeout)  # warm-up
+        window = time.perf_counter()
         before = get_stats(server.port)
         measured = closed_loop(server.port, requests, args.timeout) if chat is None else \
             chat_loop(server.port, *chat, args.timeout)
-        return {"config": name, **measured, **worker_split(before, get_stats(server.port), measured["wall_s"])}
+        after = get_stats(server.port)
+        # Over the time between the two snapshots, which is what their differences cover.
+        return {"config": name, **measured, **worker_split(before, after, time.perf_counter() - window)}
     except Exception as error:  # noqa: BLE001 - a failed run is reported in the table, not raised
         return {"config": name, "failed": f"{type(error).__name__}: {error}"}
     finally:
@@ -202,7 +211,7 @@ def report(names: list[str], runs: list[dict]) -> list[str]:
     for name in names:
         good = [r for r in runs if r["config"] == name and "failed" not in r]
         keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "prefix_hit_rate",
-                *WORKER_FIELDS.values())
+                *WORKER_KEYS)
         med = {k: median_of(good, k) for k in keys}
         first = med["tok_s"] if first is None else first
         ratio = None if not first or med["tok_s"] is None else med["tok_s"] / first
@@ -216,7 +225,7 @@ def report(names: list[str], runs: list[dict]) -> list[str]:
 def worker_cell(med: dict) -> str:
     if med["worker_forward"] is None:
         return "-"
-    pct = {key: 100 * med[key] for key in WORKER_FIELDS.values()}
+    pct = {key: 100 * med[key] for key in WORKER_KEYS}
     return (f"{pct['worker_idle']:.0f}% / {pct['worker_scheduling']:.0f}% / {pct['worker_forward']:.0f}% "
             f"({pct['worker_off_cpu']:.0f}%)")
 

@@ -21,6 +21,7 @@ import torch
 
 from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.decoder import Decoder
+from ferrox_batch.models.loader import LoadedModel
 
 #: Positions per KV block of the throwaway store a perplexity pass uses.
 _BLOCK = 16
@@ -65,7 +66,7 @@ def agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]
     return Agreement(matched / total if total else 1.0, identical / len(reference))
 
 
-def greedy_outputs(model, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+def greedy_outputs(model: LoadedModel, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
     """Every prompt's greedy continuation from the served batcher, all submitted at once."""
     from ferrox_batch.batch.config import BatcherConfig
     from ferrox_batch.batch.handle import ContinuousBatcher

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 
 def free_port() -> int:
+    """A loopback port nothing listens on now (bound to port 0, then released)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]

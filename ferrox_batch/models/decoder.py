@@ -91,7 +91,8 @@ class Decoder:
     def linear_kinds(self) -> dict[str, int]:
         """How many linear layers run each kernel (`Linear.kind`): what the load actually got."""
         kinds: dict[str, int] = {}
-        for linear in [self.lm_head, *(getattr(l, n) for l in self.layers for n in ("qkv", "o", "gate_up", "down"))]:
+        names = ("qkv", "o", "gate_up", "down")
+        for linear in [self.lm_head, *(getattr(layer, name) for layer in self.layers for name in names)]:
             kinds[linear.kind] = kinds.get(linear.kind, 0) + 1
         return kinds
 

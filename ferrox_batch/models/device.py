@@ -12,9 +12,10 @@ model's linears (x86 with fbgemm). All three hold the quality bound
 `QUALITY_BOUND` on the default model (a test measures it). `auto` therefore
 decides from what the CPU and the torch build report, never from a timing
 race: a race run at load flips under load, and the same machine then serves
-in a different precision from one start to the next. Only where neither
-native bf16 nor fbgemm is there (a processor that is not x86-64) does a
-timing decide, and then bf16 must win clearly, else fp32.
+in a different precision from one start to the next. An x86-64 CPU with
+neither native bf16 nor fbgemm (no AVX2) gets fp32 from its flags. Only a
+processor that is not x86-64 is timed, and then bf16 must win clearly, else
+fp32.
 
 Every choice carries its reason, which the loader logs and the benchmark
 prints beside its table.

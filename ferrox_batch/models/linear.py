@@ -69,9 +69,14 @@ class Linear:
         return self._kind
 
     def _try_pack_fp16(self) -> None:
+        # fp16 holds magnitudes up to 65504; a weight past that stays fp32 rather than saturate.
+        if bool((self.weight.abs() > torch.finfo(torch.float16).max).any()):
+            return
         try:
             rounded = self.weight.half().float()
-            packed = torch.ops.quantized.linear_prepack_fp16(self.weight, self.bias)
+            # fbgemm's prepack clamps the tensor it is given in place: give it a copy, so a shared
+            # weight (a tied embedding) and the fp32 fallback keep the caller's values.
+            packed = torch.ops.quantized.linear_prepack_fp16(self.weight.clone(), self.bias)
             self._packed, self._kind = packed, "fbgemm_fp16"
             probe = _probe(self.weight)
             if not _agree(self(probe), probe, rounded, self.bias):
@@ -111,6 +116,8 @@ def _agree(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch
     and once more if the bias is added after). A broken kernel misses by far more than this.
     """
     want = F.linear(x, weight, bias).double()
+    if not bool(want.isfinite().all()):  # no bound is meaningful past the format's range
+        return False
     k = x.shape[-1] + 1
     u = torch.finfo(torch.float32).eps / 2
     gamma = k * u / (1 - k * u)

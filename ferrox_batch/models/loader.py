@@ -82,9 +82,14 @@ def _build(
     chosen = choose_dtype_reasoned(dtype, chosen_device, config)
     decoder = Decoder(config, weights, device=chosen_device, dtype=chosen.dtype, weights_format=chosen.weights)
     kinds = ", ".join(f"{count} {kind}" for kind, count in decoder.linear_kinds.items())
-    log.info("%s runs in %s on %s (linear kernels: %s): %s", source.name, chosen.name, chosen_device, kinds,
-             chosen.reason)
-    return LoadedModel(config, decoder, tokenizer, source, chosen.reason, chosen.name)
+    precision, reason = chosen.name, chosen.reason
+    if chosen.weights == "fp16" and "fbgemm_fp16" not in decoder.linear_kinds:
+        # Every layer fell back (no fbgemm here): say what runs, not what was asked.
+        precision, reason = "fp32", f"{reason}; fbgemm's fp16 linear is not available here, so fp32 weights"
+        log.warning("%s: fp16 weights were asked for but fbgemm's fp16 linear did not load; running fp32",
+                    source.name)
+    log.info("%s runs in %s on %s (linear kernels: %s): %s", source.name, precision, chosen_device, kinds, reason)
+    return LoadedModel(config, decoder, tokenizer, source, reason, precision)
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -30,6 +30,8 @@ def test_an_fp32_mismatch_of_ours_fails_and_any_other_only_warns() -> None:
     assert any(n.startswith("WARNING ids, shape a: cb") for n in notes)
     notes, failed = check_ids("bf16", ["a"], runs)
     assert not failed and all("FAILED" not in n for n in notes)
+    notes, failed = check_ids("fp16w", ["a"], runs)  # static ran fp32: the warning says so
+    assert not failed and any("ours (fp16w) != static (fp32)" in n for n in notes)
     notes, failed = check_ids("fp32", ["a"], [run("static", 1, static), run("ours", 1, static)])
     assert not failed and notes == ["ids check, shape a: ours == static on the first 4 requests"]
     assert check_ids("fp32", ["a"], [run("ours", 1, other)]) == ([], False)  # nothing to compare with

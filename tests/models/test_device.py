@@ -112,3 +112,22 @@ def test_the_cpu_description_names_the_model_and_the_flags_that_matter():
     assert cpu_description(CPUINFO) == "AMD EPYC 7B13; flags: avx2 fma avx512f avx512_bf16"
     assert "flags: none of" in cpu_description("model name : Something\nflags : sse\n")
     assert cpu_description()  # the running machine's, whatever it is
+
+
+def test_fp16_weights_that_cannot_load_are_named_for_what_runs(tiny_llama_dir, monkeypatch, caplog):
+    def missing(*args, **kwargs):
+        raise RuntimeError("no fbgemm here")
+
+    monkeypatch.setattr(torch.ops.quantized, "linear_prepack_fp16", missing, raising=False)
+    with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
+        model = load_model(tiny_llama_dir, device="cpu", dtype="fp16w")
+    assert "fbgemm_fp16" not in model.decoder.linear_kinds
+    assert model.precision == "fp32" and "not available" in model.dtype_reason
+    assert any("fp16 weights were asked for" in r.getMessage() for r in caplog.records)
+
+
+def test_fp16_weights_load_as_asked_where_fbgemm_runs(tiny_llama_dir):
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        pytest.skip("this torch build has no fbgemm")
+    model = load_model(tiny_llama_dir, device="cpu", dtype="fp16w")
+    assert model.precision == "fp16w" and set(model.decoder.linear_kinds) == {"fbgemm_fp16"}

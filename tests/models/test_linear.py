@@ -77,7 +77,7 @@ def test_fp16_weights_give_f_linear_of_the_rounded_weight(with_bias):
     bias = torch.randn(96, generator=gen) if with_bias else None
     layer = Linear(weight, bias, weights="fp16")
     assert layer.kind == ("fbgemm_fp16" if FBGEMM else "mkldnn" if torch.backends.mkldnn.is_available() else "plain")
-    assert layer.weight is None  # the fp32 copy is not kept
+    assert (layer.weight is None) == (layer.kind != "plain")  # a packed layer keeps no fp32 copy
     used = weight.half().float() if layer.kind == "fbgemm_fp16" else weight
     for batch in (1, 3, 32, 33, 257):
         x = torch.randn(batch, 40, generator=gen)
@@ -108,3 +108,21 @@ def test_a_tied_fp16_layer_keeps_the_shared_tensor():
     weight = torch.randn(32, 16)
     layer = Linear(weight, keep_weight=True, weights="fp16")
     assert layer.weight is weight
+
+
+def test_a_weight_past_fp16s_range_stays_fp32_and_untouched():
+    weight = torch.randn(16, 8)
+    weight[3, 2] = 1e5
+    kept = weight.clone()
+    layer = Linear(weight, keep_weight=True, weights="fp16")
+    assert layer.kind in ("mkldnn", "plain")
+    assert torch.equal(weight, kept)  # nothing clamped the caller's tensor
+    x = torch.randn(2, 8)
+    assert_same_linear(layer(x), x, kept, None)
+
+
+def test_packing_fp16_leaves_a_shared_weight_as_it_was():
+    weight = torch.randn(32, 16)
+    kept = weight.clone()
+    Linear(weight, keep_weight=True, weights="fp16")
+    assert torch.equal(weight, kept)

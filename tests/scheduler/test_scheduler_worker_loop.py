@@ -157,7 +157,11 @@ def test_the_worker_accounts_its_time_idle_scheduling_and_forwarding_off_and_on_
     worker = make_loop(bench, runner)
     thread = threading.Thread(target=worker.run)
     thread.start()
-    time.sleep(0.1)  # idle: nothing submitted yet
+    before = worker.time.snapshot()
+    time.sleep(0.1)  # idle (or about to be): nothing submitted yet
+    # A wait still in progress counts up to the snapshot: all 0.1 s are idle once the worker is waiting.
+    while worker.time.snapshot().idle_s == before.idle_s:
+        time.sleep(0.01)
     request = bench.submit([1], 3, drained=False)
     worker.jobs.put(request)
     worker.lifecycle.close(worker.jobs)
@@ -166,9 +170,26 @@ def test_the_worker_accounts_its_time_idle_scheduling_and_forwarding_off_and_on_
     times = worker.time.snapshot()
     forwards = runner.forwards
     assert forwards >= 3
-    assert times.idle_s >= 0.09
+    assert times.idle_s > 0
     # Every forward's wall time counts, its sleep as off-CPU time and its spin as on-CPU time.
     assert times.forward_s >= forwards * 0.03 * 0.99
     assert times.forward_off_cpu_s >= forwards * 0.02 * 0.99
     assert times.forward_s - times.forward_off_cpu_s >= forwards * 0.01 * 0.99
     assert times.scheduling_s > 0
+
+
+def test_an_idle_wait_in_progress_counts_up_to_each_snapshot():
+    from ferrox_batch.batch.worker_time import WorkerTime
+
+    now = [10.0]
+    clock = WorkerTime(clock=lambda: now[0])
+    clock.begin_idle()
+    now[0] = 12.5
+    assert clock.snapshot().idle_s == 2.5  # still waiting: counted to now
+    now[0] = 13.0
+    clock.end_idle()
+    now[0] = 20.0
+    assert clock.snapshot().idle_s == 3.0  # the wait ended at 13
+    clock.add_forward(1.0, 0.25)
+    clock.add_scheduling(0.5)
+    assert clock.snapshot() == type(clock.snapshot())(3.0, 0.5, 1.0, 0.75)
