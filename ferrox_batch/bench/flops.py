@@ -66,12 +66,14 @@ def gemm_peak(size: int = 2048, repeats: int = 5) -> GemmPeak:
     """The machine's GEMM rates at `size` x `size` x `size` (fast minimum of `repeats`)."""
     import torch
 
+    from ferrox_batch.models.device import fbgemm_fp16_available
+
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)
     flops = 2 * size ** 3
     fp32 = _rate(flops, lambda: torch.mm(a, b), repeats)
     fp16 = None
-    if "fbgemm" in torch.backends.quantized.supported_engines:
+    if fbgemm_fp16_available():
         packed = torch.ops.quantized.linear_prepack_fp16(b, None)
         fp16 = _rate(flops, lambda: torch.ops.quantized.linear_dynamic_fp16(a, packed), repeats)
     return GemmPeak(fp32, fp16)

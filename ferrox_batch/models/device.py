@@ -83,10 +83,11 @@ class CpuFeatures:
     def probe(cls) -> CpuFeatures:
         """The running CPU, as torch's cpuinfo sees it (independent of ATEN_CPU_CAPABILITY)."""
         return cls(platform.machine(), _torch_cpu_flag("_is_avx512_bf16_supported"),
-                   _torch_cpu_flag("_is_amx_tile_supported"), _fbgemm_fp16_available())
+                   _torch_cpu_flag("_is_amx_tile_supported"), fbgemm_fp16_available())
 
 
-def _fbgemm_fp16_available() -> bool:
+def fbgemm_fp16_available() -> bool:
+    """Whether this torch build runs fbgemm's fp16-weight linear on this CPU."""
     # fbgemm dispatches on the CPU itself (AVX2 at least), independent of ATEN_CPU_CAPABILITY.
     return ("fbgemm" in torch.backends.quantized.supported_engines
             and hasattr(torch.ops.quantized, "linear_dynamic_fp16"))
