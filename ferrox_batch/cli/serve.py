@@ -36,6 +36,7 @@ from ferrox_batch.batch.config import (
     SERVING_STEP_TARGET_MS,
     BatcherConfig,
 )
+from ferrox_batch.cli.replicas import add_replica_flags, check_replica_flags, serve_replicas
 from ferrox_batch.cli.common import (
     _TRACE,
     DEFAULT_CHAT_MAX_TOKENS,
@@ -109,6 +110,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
         examples="  ferrox-batch serve                                   # the default model on 127.0.0.1:8000\n"
                  "  ferrox-batch serve --model ./Qwen2.5-0.5B-Instruct --port 8123 --kv-memory 4GiB\n"
                  "  FERROX_CB_MAX_SEQS=16 ferrox-batch serve --model model.gguf --host 0.0.0.0\n"
+                 "  ferrox-batch serve --replicas 2                      # two replicas on a local Ray Serve\n"
                  "  curl -s http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                  "       -d '{\"messages\": [{\"role\": \"user\", \"content\": \"Hi!\"}], \"max_tokens\": 32}'")
     _add_model_flags(parser)
@@ -153,6 +155,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                         help=f"KV memory budget, e.g. 512MiB or 2GiB: as many blocks as fit in the loaded "
                              f"model's KV dtype; used when no block count is set (${ENV_KV_MEMORY}; "
                              f"default: {DEFAULT_KV_MEMORY})")
+    add_replica_flags(parser)
     parser.set_defaults(handler=cmd_serve)
 
 
@@ -243,10 +246,14 @@ def cmd_serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     config = batcher_config(args, env)
     memory = kv_memory(args, env) if config.kv_blocks is None else None
     key = api_key(args, env)
+    check_replica_flags(args)
     _setup_logging(args.log_level)
     _signals_unwind()
     try:
-        _serve(args, env, config, memory, key)
+        if args.replicas is not None:
+            serve_replicas(args, env, config, memory, key)
+        else:
+            _serve(args, env, config, memory, key)
     except (KeyboardInterrupt, _Terminated):
         # Being told to stop is how a server ends: a clean stop is a success, as for gunicorn or nginx
         # (and `make serve` reports no error for a Ctrl-C).

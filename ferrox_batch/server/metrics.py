@@ -8,7 +8,8 @@ Why it is shaped this way:
   collector; nothing is updated on the request hot path for them.
 * The gauges request routers already read are exported under vLLM's names
   (`vllm:num_requests_waiting`, `vllm:num_requests_running`,
-  `vllm:kv_cache_usage_perc`, labelled `model_name` as vLLM does), next to
+  `vllm:kv_cache_usage_perc`, labelled `model_name` as vLLM does, and the
+  block geometry as `vllm:cache_config_info`'s labels), next to
   one `ferrox_batch_<field>` gauge per `BatcherStats` field.
 * Counters and histograms are updated once per request, when its final event
   reaches the loop (`request_finished`), or when a request is refused.
@@ -94,6 +95,11 @@ class _BatcherCollector:
                          max(0, in_flight - stats.queue_depth))
         yield self._vllm("vllm:kv_cache_usage_perc", "KV cache usage as a fraction (1 = every block reserved).",
                          kv_cache_usage(stats))
+        # vLLM's info gauge (value 1): routers read the block geometry from its labels.
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache configuration.",
+                                 labels=["block_size", "num_gpu_blocks"])
+        info.add_metric([str(stats.kv_block_size), str(stats.kv_blocks_total)], 1.0)
+        yield info
         # vLLM's prefix-cache counters, in tokens: the hit rate is hits / queries over any window.
         for name, doc, value in (
             ("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens.", stats.prefix_cache_queries),

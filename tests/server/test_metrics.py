@@ -60,6 +60,27 @@ def test_every_batcher_stat_and_the_vllm_gauges_are_exported(server):
         assert (name, tuple(VLLM.items())) in samples
 
 
+#: The vLLM metrics that routers and autoscalers outside Ray read (the llm-d endpoint picker, the Prometheus
+#: adapter), with the type vLLM gives each.
+VLLM_TYPES = {
+    "vllm:num_requests_waiting": "gauge", "vllm:num_requests_running": "gauge",
+    "vllm:kv_cache_usage_perc": "gauge", "vllm:cache_config_info": "gauge",
+    "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+    "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
+    "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
+}
+
+
+def test_the_vllm_metrics_routers_read_have_vllms_types_and_labels(server):
+    base_url, _ = server
+    response = httpx.get(f"{base_url}/metrics", timeout=DEADLINE)
+    families = {f.name: f for f in text_string_to_metric_families(response.text)}
+    for name, kind in VLLM_TYPES.items():
+        assert name in families and families[name].type == kind, (name, families.get(name))
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.labels == {"block_size": "16", "num_gpu_blocks": "64"} and info.value == 1.0
+
+
 def test_counters_and_histograms_move_as_requests_are_served(server):
     base_url, _ = server
     before = scrape(base_url)

@@ -1,0 +1,64 @@
+"""`ferrox-batch serve --replicas N`: the same server as N replicas on a local Ray Serve instance.
+
+The flags are `serve`'s, checked the same way before anything starts; each replica loads the model and
+sizes its own KV budget. The default checkpoint is fetched here, once, before any replica starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import threading
+from collections.abc import Mapping
+
+from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.cli.common import CliError, model_path, positive_int
+from ferrox_batch.deploy import ROUTERS
+
+
+def add_replica_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group(
+        "replicas (Ray Serve; needs `pip install 'ferrox-batch[ray]'`)",
+        "With --replicas, a local Ray instance serves the same API from N replicas behind one HTTP port.")
+    group.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                       help="serve N replicas, each with its own batcher (default: one process, no Ray)")
+    group.add_argument("--max-replicas", type=positive_int, default=None, metavar="M",
+                       help="autoscale between --replicas and M on requests in flight per replica "
+                            "(default: a fixed N)")
+    group.add_argument("--router", choices=ROUTERS, default="affinity",
+                       help="affinity: requests sharing a prompt prefix go to the replica that holds it; "
+                            "default: Serve's power-of-two choices (default: affinity)")
+    group.add_argument("--replica-cpus", type=float, default=None, metavar="C",
+                       help="CPUs per replica, its torch threads (default: the machine's CPUs / N, at least 1)")
+
+
+def check_replica_flags(args: argparse.Namespace) -> None:
+    if args.replicas is None:
+        if args.max_replicas is not None or args.replica_cpus is not None:
+            raise CliError("--max-replicas and --replica-cpus need --replicas", status=2)
+        return
+    if args.max_replicas is not None and args.max_replicas < args.replicas:
+        raise CliError(f"--max-replicas ({args.max_replicas}) must be at least --replicas ({args.replicas})",
+                       status=2)
+    if args.replica_cpus is not None and not (math.isfinite(args.replica_cpus) and args.replica_cpus > 0):
+        raise CliError(f"--replica-cpus must be a positive number, got {args.replica_cpus}", status=2)
+
+
+def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,
+                   key: str | None) -> None:
+    """Run the replicated server until Ctrl-C or SIGTERM unwinds it (`serve`'s signal handling)."""
+    try:
+        from ferrox_batch.deploy.ray_serve import ReplicaSpec, build_application, run_local
+    except ImportError as err:
+        raise CliError(f"--replicas needs Ray Serve ({err}): pip install 'ferrox-batch[ray]'") from None
+    cpus = args.replica_cpus or max(1, (os.cpu_count() or 1) // args.replicas)
+    spec = ReplicaSpec(str(model_path(args, env)), args.model_name, args.device, args.dtype, config, memory, {
+        "default_max_tokens": args.default_max_tokens, "default_chat_max_tokens": args.default_chat_max_tokens,
+        "max_concurrent_requests": args.max_concurrent_requests, "api_key": key,
+        "allowed_origins": args.allowed_origins})
+    app = build_application(spec, args.replicas, max_replicas=args.max_replicas, router=args.router,
+                            replica_cpus=cpus)
+    # Enough logical CPUs for every replica autoscaling may start, on a machine with fewer cores.
+    logical = max(os.cpu_count() or 1, math.ceil((args.max_replicas or args.replicas) * cpus))
+    run_local(app, host=args.host, port=args.port, stop=threading.Event(), num_cpus=logical)

@@ -1,0 +1,166 @@
+"""Which replica most likely holds a prompt's prefix in its KV cache: the prefix-affinity router's index.
+
+Each replica's prefix cache holds the prompts it served recently. Asking every replica per request would
+cost a round trip, so the router keeps its own approximate view: every prompt it routed, cut into fixed-size
+chunks, each chunk named by a chained hash (chunk i's hash covers chunks 0..i, as the KV cache's block
+hashes do), mapped to the replicas it sent that prefix to. Matching a new prompt walks its chain while some
+replica holds the next link, so the replica holding the longest chain holds the longest shared prefix, to
+within one chunk. Only whole chunks count: a replica caches whole KV blocks, never a partial one.
+
+Prompts are read from the request's JSON as the server would: a completion's `prompt` (text or token ids;
+of a batch, the first) and a chat's `messages` (each role and text in order, so a conversation's next turn
+extends its previous one). Text is chunked in characters and ids in ids, each about one KV block.
+
+What it promises: pure Python over ints and strings (no Ray, no tokenizer, no model); memory bounded by
+`capacity` chunk links, the least recently used forgotten first; a replica that leaves is forgotten at once.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TypeVar
+
+R = TypeVar("R", bound=Hashable)
+
+#: Characters per chunk of a text prompt, and ids per chunk of a token-id prompt: both about one KV block
+#: of 16 positions (English text is about 4 characters a token).
+TEXT_CHUNK = 64
+IDS_CHUNK = 16
+#: Chunk links remembered, across all replicas: 65,536 links of 64 characters is about 4 M characters of
+#: prompt, more than two replicas' default KV caches hold.
+DEFAULT_CAPACITY = 65_536
+#: Affinity yields to load balance once the best-matching replica has this many more requests in flight
+#: than the least loaded one: a cache hit saves a prefill, a long queue costs every request in it.
+DEFAULT_IMBALANCE = 8
+
+Units = str | tuple[int, ...]
+
+
+def prompt_units(path: str, body: bytes) -> Units | None:
+    """The prompt a request to `path` carries, as text or token ids; None for other routes or bodies."""
+    if not (path.endswith("/v1/completions") or path.endswith("/v1/chat/completions")):
+        return None
+    try:
+        request = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(request, dict):
+        return None
+    if path.endswith("/v1/chat/completions"):
+        return _chat_text(request.get("messages"))
+    return _completion_prompt(request.get("prompt"))
+
+
+def _completion_prompt(prompt: object) -> Units | None:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return tuple(prompt)
+        return _completion_prompt(prompt[0])  # a batch: its first prompt stands for it
+    return None
+
+
+def _chat_text(messages: object) -> str | None:
+    if not isinstance(messages, list):
+        return None
+    parts: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            return None
+        content = message.get("content")
+        if isinstance(content, list):  # content parts: their text, in order
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and
+                              isinstance(p.get("text"), str))
+        # Separators that text cannot contain keep "ab"+"c" apart from "a"+"bc".
+        parts.append(f"{message.get('role')}\x1f{content if isinstance(content, str) else ''}\x1e")
+    return "".join(parts)
+
+
+def chunk_size(units: Units) -> int:
+    return TEXT_CHUNK if isinstance(units, str) else IDS_CHUNK
+
+
+def chain(units: Units) -> list[int]:
+    """The chained hash of each whole chunk of `units`, in order."""
+    size = chunk_size(units)
+    links: list[int] = []
+    previous = hash(type(units).__name__)  # text and ids never share a chain
+    for start in range(0, len(units) - size + 1, size):
+        previous = hash((previous, units[start:start + size]))
+        links.append(previous)
+    return links
+
+
+class PrefixIndex:
+    """Chunk links -> the replicas they were routed to, least recently used first; not thread-safe (the
+    router calls it from its one event loop)."""
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive integer, got {capacity!r}")
+        self.capacity = capacity
+        self._links: OrderedDict[int, set[Hashable]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._links)
+
+    def match(self, units: Units) -> dict[Hashable, int]:
+        """For each replica holding at least the first chunk, the units of `units` it holds from the start."""
+        size = chunk_size(units)
+        matched: dict[Hashable, int] = {}
+        holders: set[Hashable] | None = None
+        for i, link in enumerate(chain(units)):
+            found = self._links.get(link)
+            if not found:
+                break
+            holders = set(found) if holders is None else holders & found
+            if not holders:
+                break
+            self._links.move_to_end(link)
+            for replica in holders:
+                matched[replica] = (i + 1) * size
+        return matched
+
+    def record(self, units: Units, replica: Hashable) -> None:
+        """`units` was sent to `replica`: it will hold their whole chunks."""
+        for link in chain(units):
+            self._links.setdefault(link, set()).add(replica)
+            self._links.move_to_end(link)
+        while len(self._links) > self.capacity:
+            self._links.popitem(last=False)
+
+    def forget(self, replica: Hashable) -> None:
+        """`replica` left: nothing routes to it for its cache any more."""
+        for link in [link for link, holders in self._links.items() if replica in holders]:
+            holders = self._links[link]
+            holders.discard(replica)
+            if not holders:
+                del self._links[link]
+
+    def replicas(self) -> set[Hashable]:
+        return set().union(*self._links.values()) if self._links else set()
+
+
+def rank(candidates: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, int | None],
+         imbalance: int = DEFAULT_IMBALANCE) -> list[list[R]]:
+    """Candidates in ranks, most preferred first, for a prompt each candidate holds `matched[c]` units of.
+
+    The replicas sharing the longest match come first, unless the least loaded of them has more than
+    `imbalance` requests in flight beyond the least loaded candidate (then affinity yields: one rank, and
+    the least loaded wins). Without any match, one rank: the caller picks the least loaded. An unknown
+    load (None) counts as zero, as a replica that just started has none.
+    """
+    if not candidates:
+        return []
+    best = max((matched.get(c, 0) for c in candidates), default=0)
+    if best <= 0:
+        return [list(candidates)]
+    load = {c: loads.get(c) or 0 for c in candidates}
+    first = [c for c in candidates if matched.get(c, 0) == best]
+    if min(load[c] for c in first) > min(load.values()) + imbalance:
+        return [list(candidates)]
+    rest = [c for c in candidates if c not in first]
+    return [first, rest] if rest else [first]

@@ -1,0 +1,241 @@
+"""ferrox-batch as a Ray Serve application: N replicas, each one `ContinuousBatcher` behind its own app.
+
+Two deployments:
+
+* `FerroxReplica` (N of them, or autoscaled): loads the checkpoint, owns one batcher, and serves the same
+  FastAPI app as `ferrox-batch serve` (`server.create_app`), run in process by `relay.InProcessApp`. Its
+  health check is the batcher's `worker_alive`, so Serve replaces a replica whose worker died. It answers
+  with `relay.REPLICA_HEADER` naming itself.
+* `FerroxIngress` (one, no CPU reserved): Serve's HTTP entry. It reads each request whole and hands it to a
+  replica through a handle whose router is `router.PrefixAffinityRouter` (or Serve's default,
+  power-of-two choices, with `router="default"`), then replays the replica's answer (`relay`).
+
+The replica settings follow from the batcher's: `max_ongoing_requests` lets a replica hold its whole batch
+and queue (Serve's default of 5 would starve the batch), a refusal's 503 and `Retry-After` reach the client
+untouched, and autoscaling (with `max_replicas`) targets requests in flight per replica.
+
+`build_application` is the Python entry; `app_builder` is the one `serve run` / `serve deploy` call with a
+config file's `args` (`deploy/serve_config.yaml`); `run_local` is `ferrox-batch serve --replicas N`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+from ray.serve.deployment import Application
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Message
+
+from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.deploy import ROUTERS
+from ferrox_batch.deploy.relay import InProcessApp, RelayedRequest, relayed_response
+from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
+
+log = logging.getLogger("ferrox_batch.deploy")
+
+#: The Serve application's default name, and its deployments'.
+APP_NAME = "ferrox"
+REPLICA_DEPLOYMENT = "FerroxReplica"
+INGRESS_DEPLOYMENT = "FerroxIngress"
+#: Requests in flight per replica that autoscaling aims at when the batcher has no `max_seqs`: one
+#: batch of rows that a small CPU replica still decodes in well under a second a step.
+DEFAULT_TARGET_ONGOING = 32
+#: Seconds between a replica's health checks, and how long one may take before it counts as failed.
+HEALTH_CHECK_PERIOD_S = 5.0
+HEALTH_CHECK_TIMEOUT_S = 30.0
+#: Seconds a stopping replica lets its requests finish before it is killed.
+GRACEFUL_SHUTDOWN_S = 20.0
+#: The app keywords a spec may carry (`server.create_app`'s).
+APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_concurrent_requests", "api_key",
+                "allowed_origins")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """Everything a replica needs to load and serve its model (picklable: it travels to each replica)."""
+
+    model: str
+    model_name: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    batcher: BatcherConfig = field(default_factory=BatcherConfig.serving)
+    #: KV memory per replica in bytes when `batcher.kv_blocks` is None; None: the device's default.
+    kv_memory: int | None = None
+    #: `create_app` keywords (APP_KEYWORDS).
+    app: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        unknown = set(self.app) - set(APP_KEYWORDS)
+        if unknown:
+            raise ValueError(f"unknown app settings {sorted(unknown)}; known: {', '.join(APP_KEYWORDS)}")
+
+    def max_ongoing_requests(self) -> int:
+        """Requests Serve may hand one replica at once: its whole batch plus its queue, within the app's cap."""
+        cap = int(self.app.get("max_concurrent_requests", DEFAULT_MAX_CONCURRENT_REQUESTS))
+        if self.batcher.unlimited_seqs:
+            return cap  # rows bounded by KV blocks only: the app's own cap is the limit
+        return min(cap, self.batcher.max_seqs + self.batcher.max_queue)
+
+    def target_ongoing_requests(self) -> int:
+        return DEFAULT_TARGET_ONGOING if self.batcher.unlimited_seqs else self.batcher.max_seqs
+
+
+class FerroxReplica:
+    """One replica: a loaded model, its batcher, and the server's app run in process."""
+
+    def __init__(self, spec: ReplicaSpec) -> None:
+        from ferrox_batch.batch.handle import ContinuousBatcher
+        from ferrox_batch.cli.serve import with_kv_budget
+        from ferrox_batch.models.loader import load_model
+        from ferrox_batch.models.memory import default_kv_memory
+        from ferrox_batch.server.app import create_app
+        from ferrox_batch.server.run import default_model_name
+
+        loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype)
+        config = spec.batcher
+        if config.kv_blocks is None:
+            memory = spec.kv_memory if spec.kv_memory is not None else default_kv_memory(loaded.decoder.device).bytes
+            config = with_kv_budget(config, memory, loaded)
+        self.batcher = ContinuousBatcher.from_model(loaded, config)
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        app = create_app(self.batcher, model_name=spec.model_name or default_model_name(loaded.source),
+                         **dict(spec.app))
+        self.relay = InProcessApp(app, self.replica)
+        log.info("replica %s serves %s with %d KV blocks", self.replica, loaded.source, config.kv_blocks)
+
+    async def forward(self, request: RelayedRequest) -> AsyncIterator[Message]:
+        async for message in self.relay.stream(request):
+            yield message
+
+    def check_health(self) -> None:
+        if not self.batcher.stats().worker_alive:
+            raise RuntimeError(f"replica {self.replica}: the batch scheduler's worker is not running")
+
+    def __del__(self) -> None:
+        batcher = getattr(self, "batcher", None)
+        if batcher is not None:
+            batcher.close(GRACEFUL_SHUTDOWN_S)
+
+
+def is_replica_failure(error: BaseException) -> bool:
+    """The replica's process is gone or unreachable (not a bug in what it ran)."""
+    return isinstance(error, (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError))
+
+
+class FerroxIngress:
+    """Serve's HTTP entry: each request, read whole, relayed to a replica the router picks."""
+
+    def __init__(self, replicas: DeploymentHandle) -> None:
+        self.replicas = replicas.options(stream=True)
+
+    async def __call__(self, request: Request) -> Response:
+        relayed = await RelayedRequest.read(request)
+        stream = self.replicas.forward.remote(relayed)
+        # Serve's proxy sets X-Request-Id itself, to the id it sent in (which the app echoes).
+        return await relayed_response(stream, is_replica_failure, stream.cancel, frozenset({b"x-request-id"}))
+
+
+def replica_options(spec: ReplicaSpec, replicas: int = 1, *, max_replicas: int | None = None,
+                    router: str = "affinity", replica_cpus: float = 1.0,
+                    router_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """`FerroxReplica`'s deployment options: fixed `replicas`, or autoscaled from it up to `max_replicas`."""
+    if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+        raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
+    if max_replicas is not None and (isinstance(max_replicas, bool) or not isinstance(max_replicas, int)
+                                     or max_replicas < replicas):
+        raise ValueError(f"max_replicas must be an integer of at least replicas ({replicas}), got {max_replicas!r}")
+    if router not in ROUTERS:
+        raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
+    if isinstance(replica_cpus, bool) or not isinstance(replica_cpus, (int, float)) or not replica_cpus > 0:
+        raise ValueError(f"replica_cpus must be a positive number, got {replica_cpus!r}")
+    options: dict[str, Any] = {
+        "name": REPLICA_DEPLOYMENT, "max_ongoing_requests": spec.max_ongoing_requests(),
+        "ray_actor_options": {"num_cpus": replica_cpus},
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S, "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
+        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
+    }
+    if max_replicas is not None:
+        options["autoscaling_config"] = {"min_replicas": replicas, "max_replicas": max_replicas,
+                                         "target_ongoing_requests": spec.target_ongoing_requests()}
+    else:
+        options["num_replicas"] = replicas
+    if router == "affinity":
+        options["request_router_config"] = RequestRouterConfig(
+            request_router_class="ferrox_batch.deploy.router:PrefixAffinityRouter",
+            request_router_kwargs=dict(router_kwargs or {}))
+    return options
+
+
+def build_application(spec: ReplicaSpec, replicas: int = 1, **layout: Any) -> Application:
+    """The Serve application: the replicas (`replica_options` takes `layout`) and one ingress in front."""
+    options = replica_options(spec, replicas, **layout)
+    engine = serve.deployment(FerroxReplica).options(**options).bind(spec)
+    # The ingress relays every request in flight on every replica: room for all of them.
+    most = layout.get("max_replicas") or replicas
+    ingress = serve.deployment(FerroxIngress).options(
+        name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=options["max_ongoing_requests"] * most,
+        ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engine)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """`serve run ferrox_batch.deploy.ray_serve:app_builder model=... replicas=2`, or a config file's `args`.
+
+    Keys: `model` (a checkpoint folder or .gguf; required), `model_name`, `device`, `dtype`, `kv_memory`
+    (e.g. "512MiB"), any `BatcherConfig` field (`max_seqs`, `prefill_chunk`, ...), the app's keywords
+    (APP_KEYWORDS), and `replicas`, `max_replicas`, `router`, `replica_cpus`.
+    """
+    from ferrox_batch.cli.common import parse_memory_size
+
+    args = dict(args)
+    if "model" not in args:
+        raise ValueError("the application needs `model`: a checkpoint folder or .gguf file on every node")
+    layout = {k: args.pop(k) for k in ("replicas", "max_replicas", "router", "replica_cpus") if k in args}
+    app = {k: args.pop(k) for k in APP_KEYWORDS if k in args}
+    fields = {f.name for f in dataclasses.fields(BatcherConfig)}
+    batcher = {k: args.pop(k) for k in list(args) if k in fields}
+    memory = args.pop("kv_memory", None)
+    spec_keys = {"model", "model_name", "device", "dtype"}
+    unknown = set(args) - spec_keys
+    if unknown:
+        raise ValueError(f"unknown application args {sorted(unknown)}")
+    spec = ReplicaSpec(str(Path(args["model"]).expanduser()), args.get("model_name"), args.get("device", "auto"),
+                       args.get("dtype", "auto"), dataclasses.replace(BatcherConfig.serving(), **batcher),
+                       parse_memory_size(str(memory)) if memory is not None else None, app)
+    return build_application(spec, int(layout.get("replicas", 1)),
+                             max_replicas=int(layout["max_replicas"]) if "max_replicas" in layout else None,
+                             router=str(layout.get("router", "affinity")),
+                             replica_cpus=float(layout.get("replica_cpus", 1.0)))
+
+
+def replica_ids(app_name: str = APP_NAME) -> list[str]:
+    """The ids of the application's running replicas (what `relay.REPLICA_HEADER` names)."""
+    names = ray.util.list_named_actors(all_namespaces=True)
+    prefix = f"SERVE_REPLICA::{app_name}#{REPLICA_DEPLOYMENT}#"
+    return sorted(n["name"][len(prefix):] for n in names if n["name"].startswith(prefix))
+
+
+def run_local(app: Application, *, host: str, port: int, stop: threading.Event, num_cpus: int | None = None,
+              app_name: str = APP_NAME) -> None:
+    """Start a local Ray instance with `num_cpus` logical CPUs (None: the machine's), serve `app` on
+    `host:port` until `stop` is set (or a signal's exception unwinds the wait), then shut both down."""
+    ray.init(num_cpus=num_cpus, include_dashboard=False)
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(app, name=app_name, route_prefix="/")
+        log.info("serving %s on http://%s:%d with Ray Serve", app_name, host, port)
+        stop.wait()
+    finally:
+        serve.shutdown()
+        ray.shutdown()

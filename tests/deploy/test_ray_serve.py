@@ -1,0 +1,130 @@
+"""Two replicas of a tiny checkpoint on a local Ray Serve instance, driven through the official client.
+
+One Ray instance for the module (starting it costs about 15 s). The tests run in order: both replicas
+serve a concurrent load; then one replica is killed mid-load, the requests it held fail typed, the rest
+succeed, Serve replaces it, and every replica's blocks are free again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+from process_helpers import free_port
+from server_helpers import MODEL_NAME, openai_client
+
+from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.deploy.relay import REPLICA_HEADER
+
+ray = pytest.importorskip("ray", reason="the Ray tests need the test extra (ray[serve])")
+from ray import serve  # noqa: E402
+
+from ferrox_batch.deploy.ray_serve import (  # noqa: E402
+    APP_NAME,
+    REPLICA_DEPLOYMENT,
+    ReplicaSpec,
+    build_application,
+    replica_ids,
+)
+
+pytestmark = pytest.mark.slow
+#: Seconds anything here may take before the test calls it a hang (a replica restart included).
+PATIENCE = 120.0
+CONFIG = BatcherConfig(kv_block_size=16, kv_blocks=256, max_seqs=16, prefix_cache=True)
+
+
+@pytest.fixture(scope="module")
+def base_url(tiny_batch_dir):
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, object_store_memory=100 * 2**20)
+    try:
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        spec = ReplicaSpec(str(tiny_batch_dir), model_name=MODEL_NAME, device="cpu", dtype="float32",
+                           batcher=CONFIG)
+        serve.run(build_application(spec, 2), name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def pinned_stats(base_url: str, replica: str) -> dict:
+    """`/stats` of one replica: the router honours the header once it knows the replica."""
+    deadline = time.monotonic() + PATIENCE
+    while True:
+        response = httpx.get(f"{base_url}/stats", headers={REPLICA_HEADER: replica}, timeout=PATIENCE)
+        if response.status_code == 200 and response.headers[REPLICA_HEADER] == replica:
+            return response.json()
+        assert time.monotonic() < deadline, f"replica {replica} never answered"
+        time.sleep(0.2)
+
+
+def test_both_replicas_serve_a_concurrent_load_through_the_openai_client(base_url):
+    replicas = replica_ids()
+    assert len(replicas) == 2
+
+    def one(i: int) -> str:
+        with openai_client(base_url, timeout=PATIENCE) as client:
+            raw = client.completions.with_raw_response.create(
+                model=MODEL_NAME, prompt=f"request number {i}: tell me something", max_tokens=16, temperature=0,
+                extra_body={"ignore_eos": True})
+            assert raw.parse().usage.completion_tokens == 16
+            return raw.headers[REPLICA_HEADER]
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        served_by = list(pool.map(one, range(32), timeout=PATIENCE))
+    assert set(served_by) == set(replicas), served_by
+    metrics = httpx.get(f"{base_url}/metrics", timeout=PATIENCE)
+    assert metrics.status_code == 200 and "vllm:num_requests_running" in metrics.text
+    refused = httpx.post(f"{base_url}/v1/completions", json={"model": MODEL_NAME, "prompt": "x " * 600},
+                         timeout=PATIENCE)
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_a_replica_killed_mid_load_fails_only_its_requests_typed_and_is_replaced(base_url):
+    victim = replica_ids()[0]
+    on_victim = threading.Semaphore(0)
+    killed = threading.Event()
+
+    def one(i: int) -> tuple[str, str | None]:
+        with openai_client(base_url, timeout=PATIENCE) as client:
+            try:
+                raw = client.completions.with_raw_response.create(
+                    model=MODEL_NAME, prompt=f"stream {i} goes on and on", max_tokens=300, stream=True,
+                    temperature=0, extra_body={"ignore_eos": True})
+                replica = raw.headers[REPLICA_HEADER]
+                for n, _ in enumerate(raw.parse()):
+                    if n == 1 and replica == victim and not killed.is_set():
+                        on_victim.release()
+                return "ok", replica
+            except openai.APIError as error:
+                return f"error:{error.code}", None
+
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        futures = [pool.submit(one, i) for i in range(32)]
+        for _ in range(4):  # a few of the victim's streams are under way
+            assert on_victim.acquire(timeout=PATIENCE), "no stream reached the victim"
+        ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{REPLICA_DEPLOYMENT}#{victim}", namespace="serve"),
+                 no_restart=True)
+        killed.set()
+        outcomes = [f.result(timeout=PATIENCE) for f in futures]  # nothing hangs
+    errors = [kind for kind, _ in outcomes if kind != "ok"]
+    assert errors and set(errors) == {"error:replica_failed"}, outcomes
+    assert any(kind == "ok" and replica != victim for kind, replica in outcomes), outcomes
+
+    deadline = time.monotonic() + PATIENCE
+    while victim in replica_ids() or len(replica_ids()) != 2 or \
+            serve.status().applications[APP_NAME].status != "RUNNING":
+        assert time.monotonic() < deadline, "Serve did not replace the killed replica"
+        time.sleep(0.5)
+    with openai_client(base_url, timeout=PATIENCE) as client:
+        for i in range(4):
+            assert client.completions.create(model=MODEL_NAME, prompt=f"after {i}", max_tokens=4).choices
+    for replica in replica_ids():
+        stats = pinned_stats(base_url, replica)
+        assert stats["worker_alive"] and stats["queue_depth"] == 0
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"], (replica, stats)
