@@ -1,0 +1,83 @@
+"""The replica settings follow from the batcher's, and bad settings fail before anything starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from ferrox_batch.batch.config import BatcherConfig
+
+pytest.importorskip("ray", reason="needs the test extra (ray[serve])")
+from ferrox_batch.deploy.ray_serve import (  # noqa: E402
+    DEFAULT_TARGET_ONGOING,
+    FerroxReplica,
+    ReplicaSpec,
+    app_builder,
+    replica_options,
+)
+from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS  # noqa: E402
+
+
+def spec(**batcher) -> ReplicaSpec:
+    return ReplicaSpec("/models/m", batcher=dataclasses.replace(BatcherConfig.serving(), **batcher))
+
+
+def test_a_replica_takes_its_whole_batch_and_queue_never_serves_default_of_five():
+    options = replica_options(spec(max_seqs=16, max_queue=100), 2)
+    assert options["max_ongoing_requests"] == 116 and options["num_replicas"] == 2
+    assert replica_options(spec(), 1)["max_ongoing_requests"] == DEFAULT_MAX_CONCURRENT_REQUESTS
+    capped = ReplicaSpec("/m", batcher=BatcherConfig(max_seqs=64, max_queue=4096),
+                         app={"max_concurrent_requests": 500})
+    assert replica_options(capped)["max_ongoing_requests"] == 500  # the app refuses beyond its own cap
+
+
+def test_autoscaling_targets_requests_in_flight_per_replica():
+    scaled = replica_options(spec(max_seqs=24), 2, max_replicas=5)
+    assert scaled["autoscaling_config"] == {"min_replicas": 2, "max_replicas": 5, "target_ongoing_requests": 24}
+    assert "num_replicas" not in scaled
+    unlimited = replica_options(spec(), 1, max_replicas=2)["autoscaling_config"]
+    assert unlimited["target_ongoing_requests"] == DEFAULT_TARGET_ONGOING
+
+
+def test_the_router_is_serves_extension_point_or_serves_default():
+    affinity = replica_options(spec(), 2)["request_router_config"]
+    assert affinity.request_router_class == "ferrox_batch.deploy.router:PrefixAffinityRouter"
+    assert "request_router_config" not in replica_options(spec(), 2, router="default")
+
+
+@pytest.mark.parametrize("layout", [{"replicas": 0}, {"replicas": True}, {"max_replicas": 1, "replicas": 2},
+                                    {"router": "random"}, {"replica_cpus": 0}, {"replica_cpus": float("nan")}])
+def test_bad_layouts_are_refused(layout):
+    with pytest.raises(ValueError):
+        replica_options(spec(), **layout)
+
+
+def test_unknown_settings_are_refused_by_name():
+    with pytest.raises(ValueError, match="bogus"):
+        ReplicaSpec("/m", app={"bogus": 1})
+    with pytest.raises(ValueError, match="needs `model`"):
+        app_builder({})
+    with pytest.raises(ValueError, match="typo"):
+        app_builder({"model": "/m", "typo": 1})
+    with pytest.raises(ValueError):
+        app_builder({"model": "/m", "max_seqs": 0})
+
+
+def test_the_health_check_is_the_batchers_worker_alive():
+    class Stats:
+        worker_alive = True
+
+    class Batcher:
+        def stats(self):
+            return Stats()
+
+        def close(self, _timeout):
+            return True
+
+    replica = FerroxReplica.__new__(FerroxReplica)
+    replica.batcher, replica.replica = Batcher(), "r1"
+    replica.check_health()
+    Stats.worker_alive = False
+    with pytest.raises(RuntimeError, match="worker is not running"):
+        replica.check_health()

@@ -1,0 +1,45 @@
+"""`ferrox-batch serve --replicas 2`, as a process: it starts Ray, answers, and stops cleanly on SIGINT."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from process_helpers import free_port, server_process, wait_healthy, wait_port_free
+
+from ferrox_batch.deploy.relay import REPLICA_HEADER
+
+pytest.importorskip("ray", reason="needs the test extra (ray[serve])")
+pytestmark = pytest.mark.slow
+
+
+def test_serve_with_replicas_answers_and_stops_cleanly_on_sigint(tiny_batch_dir: Path) -> None:
+    port = free_port()
+    argv = [sys.executable, "-m", "ferrox_batch.cli", "serve", "--model", str(tiny_batch_dir), "--port", str(port),
+            "--kv-memory", "1MiB", "--dtype", "float32", "--device", "cpu", "--model-name", "tiny-cli",
+            "--replicas", "2", "--max-seqs", "8"]
+    with server_process(argv) as server:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_healthy(base_url, server, timeout=180)
+        client = openai.OpenAI(base_url=f"{base_url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list()] == ["tiny-cli"]
+        raw = client.chat.completions.with_raw_response.create(
+            model="tiny-cli", max_tokens=8, temperature=0, messages=[{"role": "user", "content": "Hi"}],
+            extra_body={"ignore_eos": True})
+        assert raw.parse().usage.completion_tokens == 8 and raw.headers[REPLICA_HEADER]
+        stats = httpx.get(f"{base_url}/stats", timeout=30).json()
+        assert stats["max_seqs"] == 8 and stats["worker_alive"]
+    assert server.stopped_by == "SIGINT", server.output()[-3000:]
+    assert server.proc.returncode == 0
+    assert "Traceback" not in server.output()
+    assert wait_port_free(port)
+
+
+def test_replica_flags_need_replicas() -> None:
+    from ferrox_batch.cli import main
+
+    assert main(["serve", "--max-replicas", "3"], {}) == 2
+    assert main(["serve", "--replicas", "3", "--max-replicas", "2"], {}) == 2
