@@ -35,7 +35,7 @@ DEFAULT_CAPACITY = 65_536
 #: otherwise prefill: a placement saves prefill where a replica holds the prefix, and pays in sharing a
 #: busier batch. With a shared system prompt first seen by one replica, this also lets the others take new
 #: conversations once that one holds a few (at a pure longest-match rule they would all pile onto it).
-DEFAULT_LOAD_COST_TOKENS = 64
+DEFAULT_LOAD_COST_TOKENS = 32
 
 Units = str | tuple[int, ...]
 

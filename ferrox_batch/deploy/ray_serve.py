@@ -33,14 +33,17 @@ from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.deployment import Application
 from ray.serve.handle import DeploymentHandle
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Message
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.deploy import ROUTERS
 from ferrox_batch.deploy.relay import InProcessApp, RelayedRequest, relayed_response
+from ferrox_batch.errors import DecodeError
 from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
+from ferrox_batch.server.errors import error_response
+from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST
 
 log = logging.getLogger("ferrox_batch.deploy")
 
@@ -140,7 +143,12 @@ class FerroxIngress:
         self.replicas = replicas.options(stream=True)
 
     async def __call__(self, request: Request) -> Response:
-        relayed = await RelayedRequest.read(request)
+        try:
+            relayed = await RelayedRequest.read(request)
+        except DecodeError as refusal:  # too large, or too slow to arrive: answered here, as a replica would
+            return error_response(refusal)
+        except ClientDisconnect:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         stream = self.replicas.forward.remote(relayed)
         # Serve's proxy sets X-Request-Id itself, to the id it sent in (which the app echoes).
         return await relayed_response(stream, is_replica_failure, stream.cancel, frozenset({b"x-request-id"}))

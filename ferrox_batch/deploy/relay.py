@@ -31,6 +31,8 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message
 
 from ferrox_batch.errors import DecodeError
+from ferrox_batch.server.app import DEFAULT_MAX_BODY_BYTES
+from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
 from ferrox_batch.server.errors import error_response
 from ferrox_batch.server.responses import DONE, sse
 
@@ -71,10 +73,13 @@ class RelayedRequest:
     client: tuple[str, int] | None = None
 
     @classmethod
-    async def read(cls, request: Request) -> RelayedRequest:
+    async def read(cls, request: Request, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                   timeout: float = DEFAULT_BODY_READ_TIMEOUT_SECS) -> RelayedRequest:
+        """The request with its whole body, under the server's own cap and deadline (`RequestTooLarge`,
+        `BodyReadTimedOut`): the ingress never holds more of a body than a replica would accept."""
         client = (request.client.host, request.client.port) if request.client else None
         return cls(request.method, request.url.path, request.scope.get("query_string", b""),
-                   tuple(request.scope.get("headers", ())), await request.body(), client)
+                   tuple(request.scope.get("headers", ())), await read_body(request, max_body_bytes, timeout), client)
 
     def header(self, name: str) -> str | None:
         key = name.lower().encode("latin-1")

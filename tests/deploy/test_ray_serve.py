@@ -1,8 +1,8 @@
 """Two replicas of a tiny checkpoint on a local Ray Serve instance, driven through the official client.
 
-One Ray instance for the module (starting it costs about 15 s). The tests run in order: both replicas
-serve a concurrent load; then one replica is killed mid-load, the requests it held fail typed, the rest
-succeed, Serve replaces it, and every replica's blocks are free again.
+One test, in two phases on one Ray instance (starting it costs about 15 s): both replicas serve 32
+concurrent requests; then one replica is killed under 32 concurrent streams, the requests it held fail
+typed, the rest succeed, Serve replaces it, and every replica's blocks are free again.
 """
 
 from __future__ import annotations
@@ -63,7 +63,12 @@ def pinned_stats(base_url: str, replica: str) -> dict:
         time.sleep(0.2)
 
 
-def test_both_replicas_serve_a_concurrent_load_through_the_openai_client(base_url):
+def test_two_replicas_serve_a_concurrent_load_and_survive_one_killed_mid_load(base_url):
+    both_replicas_serve_a_concurrent_load(base_url)
+    a_replica_killed_mid_load_fails_only_its_requests_typed_and_is_replaced(base_url)
+
+
+def both_replicas_serve_a_concurrent_load(base_url: str) -> None:
     replicas = replica_ids()
     assert len(replicas) == 2
 
@@ -85,7 +90,7 @@ def test_both_replicas_serve_a_concurrent_load_through_the_openai_client(base_ur
     assert refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
 
 
-def test_a_replica_killed_mid_load_fails_only_its_requests_typed_and_is_replaced(base_url):
+def a_replica_killed_mid_load_fails_only_its_requests_typed_and_is_replaced(base_url: str) -> None:
     victim = replica_ids()[0]
     on_victim = threading.Semaphore(0)
     killed = threading.Event()

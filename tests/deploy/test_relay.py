@@ -186,3 +186,25 @@ def test_a_client_that_goes_away_cancels_the_replicas_stream():
 
 async def drive_relayed(messages):
     return await drive(await relayed_response(messages, gone, lambda: None))
+
+
+def test_the_ingress_reads_no_more_of_a_body_than_a_replica_would_accept():
+    from starlette.requests import Request
+
+    from ferrox_batch.server.errors import RequestTooLarge
+
+    parts = [{"type": "http.request", "body": b"x" * 600, "more_body": True},
+             {"type": "http.request", "body": b"y" * 600, "more_body": False}]
+
+    async def receive() -> dict:
+        return parts.pop(0)
+
+    async def scenario() -> None:
+        scope = post("/v1/completions").scope()
+        small = await RelayedRequest.read(Request(dict(scope), receive), max_body_bytes=2000)
+        assert small.body == b"x" * 600 + b"y" * 600 and small.path == "/v1/completions"
+        parts.extend([{"type": "http.request", "body": b"z" * 1200, "more_body": False}])
+        with pytest.raises(RequestTooLarge):
+            await RelayedRequest.read(Request(dict(scope), receive), max_body_bytes=1000)
+
+    asyncio.run(scenario())
