@@ -13,8 +13,6 @@ the replicas. `--single` adds one replica holding all their CPUs: the same hardw
 from __future__ import annotations
 
 import argparse
-import http.client
-import json
 import os
 import sys
 import time
@@ -30,33 +28,17 @@ from ferrox_batch.bench.report import fmt
 from ferrox_batch.bench.workloads import Request, latency_summary
 from ferrox_batch.cli.common import parse_memory_size
 from ferrox_batch.deploy import ROUTERS
-from ferrox_batch.deploy.ray_serve import APP_NAME, ReplicaSpec, build_application, replica_ids
-from ferrox_batch.deploy.relay import REPLICA_HEADER
+from ferrox_batch.deploy.ray_serve import APP_NAME, ReplicaSpec, build_application, replica_ids, replica_stats
 from ferrox_batch.models.device import cpu_description
 from ferrox_batch.models.fetch import default_model_dir, ferrox_home_from_env
 from ferrox_batch.models.tokenizer import Tokenizer
 
 
-def replica_stats(port: int, replica: str, patience: float = 60.0) -> dict:
-    deadline = time.monotonic() + patience
-    while True:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=patience)
-        conn.request("GET", "/stats", headers={REPLICA_HEADER: replica})
-        response = conn.getresponse()
-        body = response.read()
-        conn.close()
-        if response.status == 200 and response.getheader(REPLICA_HEADER) == replica:
-            return json.loads(body)
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"replica {replica} did not answer /stats")
-        time.sleep(0.2)
-
-
 def all_stats(port: int) -> dict[str, dict]:
-    return {r: replica_stats(port, r) for r in replica_ids()}
+    return {r: replica_stats(f"http://127.0.0.1:{port}", r) for r in replica_ids()}
 
 
-def run(port: int, tokenizer, plan, timeout: float) -> dict:
+def run(port: int, tokenizer: Tokenizer, plan: conversations.Plan, timeout: float) -> dict:
     def send(prompt: list[int], max_tokens: int) -> conversations.Reply:
         times, tokens, text = stream_completion(port, Request(prompt, max_tokens), timeout)
         return conversations.Reply(text, tokens, times)

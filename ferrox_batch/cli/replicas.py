@@ -1,7 +1,9 @@
 """`ferrox-batch serve --replicas N`: the same server as N replicas on a local Ray Serve instance.
 
-The flags are `serve`'s, checked the same way before anything starts; each replica loads the model and
-sizes its own KV budget. The default checkpoint is fetched here, once, before any replica starts.
+The flags are `serve`'s, checked the same way before anything starts (the device too); each replica
+loads the model and sizes its own KV budget (`--kv-memory` each, or an equal share of the machine's
+default). The default checkpoint is fetched here, once, before any replica starts. On CUDA each replica
+takes one GPU.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import math
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.cli.common import CliError, model_path, positive_int
@@ -26,7 +28,7 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-replicas", type=positive_int, default=None, metavar="M",
                        help="autoscale between --replicas and M on requests in flight per replica "
                             "(default: a fixed N)")
-    group.add_argument("--router", choices=ROUTERS, default="affinity",
+    group.add_argument("--router", choices=ROUTERS, default=None,
                        help="affinity: requests sharing a prompt prefix go to the replica that holds it; "
                             "default: Serve's power-of-two choices (default: affinity)")
     group.add_argument("--replica-cpus", type=float, default=None, metavar="C",
@@ -35,8 +37,8 @@ def add_replica_flags(parser: argparse.ArgumentParser) -> None:
 
 def check_replica_flags(args: argparse.Namespace) -> None:
     if args.replicas is None:
-        if args.max_replicas is not None or args.replica_cpus is not None:
-            raise CliError("--max-replicas and --replica-cpus need --replicas", status=2)
+        if args.max_replicas is not None or args.replica_cpus is not None or args.router is not None:
+            raise CliError("--max-replicas, --router and --replica-cpus need --replicas", status=2)
         return
     if args.max_replicas is not None and args.max_replicas < args.replicas:
         raise CliError(f"--max-replicas ({args.max_replicas}) must be at least --replicas ({args.replicas})",
@@ -46,19 +48,30 @@ def check_replica_flags(args: argparse.Namespace) -> None:
 
 
 def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,
-                   key: str | None) -> None:
-    """Run the replicated server until Ctrl-C or SIGTERM unwinds it (`serve`'s signal handling)."""
+                   key: str | None, restore_signals: Callable[[], None]) -> None:
+    """Run the replicated server until Ctrl-C or SIGTERM unwinds it; `restore_signals` puts `serve`'s
+    handlers back after Ray installed its own."""
     try:
         from ferrox_batch.deploy.ray_serve import ReplicaSpec, build_application, run_local
     except ImportError as err:
         raise CliError(f"--replicas needs Ray Serve ({err}): pip install 'ferrox-batch[ray]'") from None
+    from ferrox_batch.models.device import choose_device
+
+    try:
+        device = choose_device(args.device)  # a device torch cannot see is a bad setting: say so before Ray
+    except ValueError as err:
+        raise CliError(f"--device: {err}", status=2) from None
     cpus = args.replica_cpus or max(1, (os.cpu_count() or 1) // args.replicas)
     spec = ReplicaSpec(str(model_path(args, env)), args.model_name, args.device, args.dtype, config, memory, {
         "default_max_tokens": args.default_max_tokens, "default_chat_max_tokens": args.default_chat_max_tokens,
         "max_concurrent_requests": args.max_concurrent_requests, "api_key": key,
         "allowed_origins": args.allowed_origins})
-    app = build_application(spec, args.replicas, max_replicas=args.max_replicas, router=args.router,
-                            replica_cpus=cpus)
+    app = build_application(spec, args.replicas, max_replicas=args.max_replicas, router=args.router or "affinity",
+                            replica_cpus=cpus, replica_gpus=1.0 if device.type == "cuda" else 0.0)
     # Enough logical CPUs for every replica autoscaling may start, on a machine with fewer cores.
     logical = max(os.cpu_count() or 1, math.ceil((args.max_replicas or args.replicas) * cpus))
-    run_local(app, host=args.host, port=args.port, stop=threading.Event(), num_cpus=logical)
+    try:
+        run_local(app, host=args.host, port=args.port, stop=threading.Event(), num_cpus=logical,
+                  after_init=restore_signals)
+    except Exception as err:  # noqa: BLE001 - a replica that cannot start (a bad checkpoint, say) is one line
+        raise CliError(f"the replicas did not start: {err}") from None

@@ -36,7 +36,6 @@ from ferrox_batch.batch.config import (
     SERVING_STEP_TARGET_MS,
     BatcherConfig,
 )
-from ferrox_batch.cli.replicas import add_replica_flags, check_replica_flags, serve_replicas
 from ferrox_batch.cli.common import (
     _TRACE,
     DEFAULT_CHAT_MAX_TOKENS,
@@ -57,6 +56,7 @@ from ferrox_batch.cli.common import (
     parse_memory_size,
     positive_int,
 )
+from ferrox_batch.cli.replicas import add_replica_flags, check_replica_flags, serve_replicas
 
 if TYPE_CHECKING:  # the CLI imports torch only once a command needs it: `--help` stays quick
     from ferrox_batch.models.loader import LoadedModel
@@ -251,7 +251,7 @@ def cmd_serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     _signals_unwind()
     try:
         if args.replicas is not None:
-            serve_replicas(args, env, config, memory, key)
+            serve_replicas(args, env, config, memory, key, _signals_unwind)
         else:
             _serve(args, env, config, memory, key)
     except (KeyboardInterrupt, _Terminated):

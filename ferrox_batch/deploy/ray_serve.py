@@ -20,10 +20,16 @@ config file's `args` (`deploy/serve_config.yaml`); `run_local` is `ferrox-batch 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import logging
+import math
 import threading
-from collections.abc import AsyncIterator, Mapping
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +45,7 @@ from starlette.types import Message
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.deploy import ROUTERS
-from ferrox_batch.deploy.relay import InProcessApp, RelayedRequest, relayed_response
+from ferrox_batch.deploy.relay import REPLICA_HEADER, InProcessApp, RelayedRequest, relayed_response
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
 from ferrox_batch.server.errors import error_response
@@ -60,8 +66,8 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
 #: Seconds a stopping replica lets its requests finish before it is killed.
 GRACEFUL_SHUTDOWN_S = 20.0
 #: The app keywords a spec may carry (`server.create_app`'s).
-APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_concurrent_requests", "api_key",
-                "allowed_origins")
+COUNT_APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_concurrent_requests")
+APP_KEYWORDS = (*COUNT_APP_KEYWORDS, "api_key", "allowed_origins")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,11 +83,16 @@ class ReplicaSpec:
     kv_memory: int | None = None
     #: `create_app` keywords (APP_KEYWORDS).
     app: Mapping[str, Any] = field(default_factory=dict)
+    #: Replicas sharing one machine's default KV budget (`models.memory.default_kv_memory`), when neither
+    #: `kv_memory` nor `batcher.kv_blocks` is set: each takes this share of it.
+    kv_share: int = 1
 
     def __post_init__(self) -> None:
         unknown = set(self.app) - set(APP_KEYWORDS)
         if unknown:
             raise ValueError(f"unknown app settings {sorted(unknown)}; known: {', '.join(APP_KEYWORDS)}")
+        if isinstance(self.kv_share, bool) or not isinstance(self.kv_share, int) or self.kv_share < 1:
+            raise ValueError(f"kv_share must be a positive integer, got {self.kv_share!r}")
 
     def max_ongoing_requests(self) -> int:
         """Requests Serve may hand one replica at once: its whole batch plus its queue, within the app's cap."""
@@ -108,27 +119,36 @@ class FerroxReplica:
         loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype)
         config = spec.batcher
         if config.kv_blocks is None:
-            memory = spec.kv_memory if spec.kv_memory is not None else default_kv_memory(loaded.decoder.device).bytes
+            memory = spec.kv_memory
+            if memory is None:
+                memory = default_kv_memory(loaded.decoder.device).bytes // spec.kv_share
             config = with_kv_budget(config, memory, loaded)
         self.batcher = ContinuousBatcher.from_model(loaded, config)
         self.replica = serve.get_replica_context().replica_id.unique_id
-        app = create_app(self.batcher, model_name=spec.model_name or default_model_name(loaded.source),
-                         **dict(spec.app))
-        self.relay = InProcessApp(app, self.replica)
+        self.app = create_app(self.batcher, model_name=spec.model_name or default_model_name(loaded.source),
+                              **dict(spec.app))
+        self.relay = InProcessApp(self.app, self.replica)
         log.info("replica %s serves %s with %d KV blocks", self.replica, loaded.source, config.kv_blocks)
 
     async def forward(self, request: RelayedRequest) -> AsyncIterator[Message]:
-        async for message in self.relay.stream(request):
-            yield message
+        # Closed as soon as Serve cancels this call, so the app sees its client's disconnect at once.
+        async with contextlib.aclosing(self.relay.stream(request)) as messages:
+            async for message in messages:
+                yield message
 
     def check_health(self) -> None:
         if not self.batcher.stats().worker_alive:
             raise RuntimeError(f"replica {self.replica}: the batch scheduler's worker is not running")
 
     def __del__(self) -> None:
-        batcher = getattr(self, "batcher", None)
-        if batcher is not None:
-            batcher.close(GRACEFUL_SHUTDOWN_S)
+        """Serve's replica shutdown, once its graceful period is over: cancel what is left, then stop the
+        batcher (its worker exits at once with nothing in flight)."""
+        app, batcher = getattr(self, "app", None), getattr(self, "batcher", None)
+        if app is not None:
+            app.state.ferrox.generations.abandon_all()
+        if batcher is not None and not batcher.close(GRACEFUL_SHUTDOWN_S):
+            log.warning("replica %s: the batcher's worker did not exit within %.0f s", self.replica,
+                        GRACEFUL_SHUTDOWN_S)
 
 
 def is_replica_failure(error: BaseException) -> bool:
@@ -151,11 +171,12 @@ class FerroxIngress:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         stream = self.replicas.forward.remote(relayed)
         # Serve's proxy sets X-Request-Id itself, to the id it sent in (which the app echoes).
-        return await relayed_response(stream, is_replica_failure, stream.cancel, frozenset({b"x-request-id"}))
+        return await relayed_response(stream, is_replica_failure, stream.cancel, frozenset({b"x-request-id"}),
+                                      relayed.header(REPLICA_HEADER))
 
 
 def replica_options(spec: ReplicaSpec, replicas: int = 1, *, max_replicas: int | None = None,
-                    router: str = "affinity", replica_cpus: float = 1.0,
+                    router: str = "affinity", replica_cpus: float = 1.0, replica_gpus: float = 0.0,
                     router_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """`FerroxReplica`'s deployment options: fixed `replicas`, or autoscaled from it up to `max_replicas`."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
@@ -167,9 +188,11 @@ def replica_options(spec: ReplicaSpec, replicas: int = 1, *, max_replicas: int |
         raise ValueError(f"router must be one of {', '.join(ROUTERS)}, got {router!r}")
     if isinstance(replica_cpus, bool) or not isinstance(replica_cpus, (int, float)) or not replica_cpus > 0:
         raise ValueError(f"replica_cpus must be a positive number, got {replica_cpus!r}")
+    if isinstance(replica_gpus, bool) or not isinstance(replica_gpus, (int, float)) or not 0 <= replica_gpus < math.inf:
+        raise ValueError(f"replica_gpus must be a non-negative number, got {replica_gpus!r}")
     options: dict[str, Any] = {
         "name": REPLICA_DEPLOYMENT, "max_ongoing_requests": spec.max_ongoing_requests(),
-        "ray_actor_options": {"num_cpus": replica_cpus},
+        "ray_actor_options": {"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         "health_check_period_s": HEALTH_CHECK_PERIOD_S, "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
     }
@@ -186,11 +209,17 @@ def replica_options(spec: ReplicaSpec, replicas: int = 1, *, max_replicas: int |
 
 
 def build_application(spec: ReplicaSpec, replicas: int = 1, **layout: Any) -> Application:
-    """The Serve application: the replicas (`replica_options` takes `layout`) and one ingress in front."""
+    """The Serve application: the replicas (`replica_options` takes `layout`) and one ingress in front.
+
+    With no KV size given, the replicas split the machine's default budget as if all ran on one machine
+    (as `serve --replicas` does); on a cluster, give `kv_memory`.
+    """
     options = replica_options(spec, replicas, **layout)
+    most = layout.get("max_replicas") or replicas
+    if spec.kv_memory is None and spec.batcher.kv_blocks is None:
+        spec = dataclasses.replace(spec, kv_share=most)
     engine = serve.deployment(FerroxReplica).options(**options).bind(spec)
     # The ingress relays every request in flight on every replica: room for all of them.
-    most = layout.get("max_replicas") or replicas
     ingress = serve.deployment(FerroxIngress).options(
         name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=options["max_ongoing_requests"] * most,
         ray_actor_options={"num_cpus": 0})
@@ -202,29 +231,66 @@ def app_builder(args: dict[str, Any]) -> Application:
 
     Keys: `model` (a checkpoint folder or .gguf; required), `model_name`, `device`, `dtype`, `kv_memory`
     (e.g. "512MiB"), any `BatcherConfig` field (`max_seqs`, `prefill_chunk`, ...), the app's keywords
-    (APP_KEYWORDS), and `replicas`, `max_replicas`, `router`, `replica_cpus`.
+    (APP_KEYWORDS), and `replicas`, `max_replicas`, `router`, `replica_cpus`, `replica_gpus`. Values may be
+    strings, as `serve run key=value` passes them; an unknown key or a malformed value is a ValueError.
     """
     from ferrox_batch.cli.common import parse_memory_size
 
     args = dict(args)
     if "model" not in args:
         raise ValueError("the application needs `model`: a checkpoint folder or .gguf file on every node")
-    layout = {k: args.pop(k) for k in ("replicas", "max_replicas", "router", "replica_cpus") if k in args}
-    app = {k: args.pop(k) for k in APP_KEYWORDS if k in args}
     fields = {f.name for f in dataclasses.fields(BatcherConfig)}
-    batcher = {k: args.pop(k) for k in list(args) if k in fields}
-    memory = args.pop("kv_memory", None)
-    spec_keys = {"model", "model_name", "device", "dtype"}
-    unknown = set(args) - spec_keys
+    batcher = {k: (_flag(k, v) if k == "prefix_cache" else _whole(k, v, optional=True))
+               for k, v in args.items() if k in fields}
+    app: dict[str, Any] = {k: _whole(k, args[k]) for k in COUNT_APP_KEYWORDS if k in args}
+    if "api_key" in args:
+        app["api_key"] = str(args["api_key"])
+    if "allowed_origins" in args:
+        origins = args["allowed_origins"]
+        app["allowed_origins"] = tuple(o.strip() for o in origins.split(",") if o.strip()) \
+            if isinstance(origins, str) else tuple(origins)
+    known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_memory", "replicas",
+                                          "max_replicas", "router", "replica_cpus", "replica_gpus"}
+    unknown = set(args) - known
     if unknown:
         raise ValueError(f"unknown application args {sorted(unknown)}")
-    spec = ReplicaSpec(str(Path(args["model"]).expanduser()), args.get("model_name"), args.get("device", "auto"),
-                       args.get("dtype", "auto"), dataclasses.replace(BatcherConfig.serving(), **batcher),
+    memory = args.get("kv_memory")
+    spec = ReplicaSpec(str(Path(str(args["model"])).expanduser()), args.get("model_name"),
+                       str(args.get("device", "auto")), str(args.get("dtype", "auto")),
+                       dataclasses.replace(BatcherConfig.serving(), **batcher),
                        parse_memory_size(str(memory)) if memory is not None else None, app)
-    return build_application(spec, int(layout.get("replicas", 1)),
-                             max_replicas=int(layout["max_replicas"]) if "max_replicas" in layout else None,
-                             router=str(layout.get("router", "affinity")),
-                             replica_cpus=float(layout.get("replica_cpus", 1.0)))
+    return build_application(
+        spec, _whole("replicas", args.get("replicas", 1)),
+        max_replicas=_whole("max_replicas", args["max_replicas"]) if "max_replicas" in args else None,
+        router=str(args.get("router", "affinity")), replica_cpus=_number("replica_cpus", args.get("replica_cpus", 1)),
+        replica_gpus=_number("replica_gpus", args.get("replica_gpus", 0)))
+
+
+def _whole(key: str, value: Any, optional: bool = False) -> Any:
+    if optional and value is None:
+        return None
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    raise ValueError(f"{key} must be a whole number, got {value!r}")
+
+
+def _number(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{key} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{key} must be a number, got {value!r}") from None
+
+
+def _flag(key: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
+        return value.strip().lower() in ("true", "1", "yes")
+    raise ValueError(f"{key} must be true or false, got {value!r}")
 
 
 def replica_ids(app_name: str = APP_NAME) -> list[str]:
@@ -234,12 +300,33 @@ def replica_ids(app_name: str = APP_NAME) -> list[str]:
     return sorted(n["name"][len(prefix):] for n in names if n["name"].startswith(prefix))
 
 
+def replica_stats(base_url: str, replica: str, patience: float = 60.0) -> dict[str, Any]:
+    """One replica's `/stats` through the ingress (pinned with `REPLICA_HEADER`), retried for `patience`
+    seconds while the router does not know that replica yet."""
+    deadline = time.monotonic() + patience
+    while True:
+        request = urllib.request.Request(f"{base_url}/stats", headers={REPLICA_HEADER: replica})
+        try:
+            with urllib.request.urlopen(request, timeout=patience) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as refused:
+            if refused.code != 503 or time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
 def run_local(app: Application, *, host: str, port: int, stop: threading.Event, num_cpus: int | None = None,
-              app_name: str = APP_NAME) -> None:
-    """Start a local Ray instance with `num_cpus` logical CPUs (None: the machine's), serve `app` on
-    `host:port` until `stop` is set (or a signal's exception unwinds the wait), then shut both down."""
-    ray.init(num_cpus=num_cpus, include_dashboard=False)
+              app_name: str = APP_NAME, after_init: Callable[[], None] | None = None) -> None:
+    """Start a new local Ray instance with `num_cpus` logical CPUs (None: the machine's), serve `app` on
+    `host:port` until `stop` is set (or a signal's exception unwinds the wait), then shut both down.
+
+    `after_init` runs once Ray is up: `ray.init` installs its own SIGTERM handler (exit at once), and a
+    caller that stops cleanly on SIGTERM puts its own back there.
+    """
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
     try:
+        if after_init is not None:
+            after_init()
         serve.start(http_options={"host": host, "port": port})
         serve.run(app, name=app_name, route_prefix="/")
         log.info("serving %s on http://%s:%d with Ray Serve", app_name, host, port)

@@ -13,7 +13,9 @@ What it promises:
 * a client that goes away is a disconnect to the app, which cancels its requests in the batcher;
 * a replica that fails before answering is a 503 `replica_failed` with `Retry-After` (another replica
   can serve the retry); one that fails mid-stream ends an event stream with that error in-band, as the
-  app reports its own failures mid-stream. Nothing is left waiting either way.
+  app reports its own failures mid-stream (a plain body cut short breaks the connection instead, since
+  its length was promised). Nothing is left waiting either way;
+* a request pinned to a replica is answered by that replica or refused (503 `replica_unavailable`).
 
 Pure ASGI and Starlette; nothing here imports Ray.
 """
@@ -44,6 +46,23 @@ REPLICA_HEADER = "x-ferrox-replica"
 #: Seconds the app gets to finish a request whose client went away (it cancels the request in the batcher
 #: at once; this only bounds how long a stuck handler is waited for before it is cancelled).
 DISCONNECT_GRACE_SECS = 5.0
+
+
+class PinnedReplicaUnavailable(DecodeError):
+    """A request pinned to a replica (`REPLICA_HEADER`) was answered by another: that replica is not
+    running, or the router does not know it yet, or the router is Serve's default, which ignores pins."""
+
+    retry_after_secs = 1
+    http_status = 503
+    error_code = "replica_unavailable"
+    _fields = ("replica", "answered_by")
+
+    def __init__(self, replica: str, answered_by: str) -> None:
+        self.replica = replica
+        self.answered_by = answered_by
+        super().__init__(f"replica {replica} did not take this request (replica {answered_by} did, and its "
+                         f"answer was dropped): it is not running, the router does not know it yet, or the "
+                         f"router ignores pins (only the affinity router honours them); retry shortly")
 
 
 class ReplicaFailed(DecodeError):
@@ -152,11 +171,13 @@ def _retrieve(task: asyncio.Task[None]) -> None:
 
 
 async def relayed_response(messages: AsyncIterator[Message], is_replica_failure: Callable[[BaseException], bool],
-                           cancel: Callable[[], None], drop_headers: frozenset[bytes] = frozenset()) -> Response:
+                           cancel: Callable[[], None], drop_headers: frozenset[bytes] = frozenset(),
+                           pinned: str | None = None) -> Response:
     """The client's response from a replica's `InProcessApp.stream` messages.
 
     `is_replica_failure` tells a lost replica from a bug; `cancel` stops the replica's stream when the
-    client goes away first; `drop_headers` (lower-case) are the app's headers the front adds itself.
+    client goes away first; `drop_headers` (lower-case) are the app's headers the front adds itself;
+    `pinned`, the replica the request asked for: another replica's answer is refused.
     """
     try:
         start = await anext(messages)
@@ -164,15 +185,20 @@ async def relayed_response(messages: AsyncIterator[Message], is_replica_failure:
         cancel()
         raise
     except Exception as error:
+        cancel()
         if not is_replica_failure(error):
             raise
         log.warning("a replica failed before answering: %s", error)
         return error_response(ReplicaFailed("", type(error).__name__))
     if start.get("type") != "http.response.start":
+        cancel()
         raise RuntimeError(f"a replica answered {start.get('type')!r} before http.response.start")
     headers = [(bytes(k), bytes(v)) for k, v in start.get("headers", ()) if bytes(k).lower() not in drop_headers]
     event_stream = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
     replica = next((v.decode("latin-1") for k, v in headers if k.lower() == REPLICA_HEADER.encode()), "")
+    if pinned and replica != pinned:
+        cancel()
+        return error_response(PinnedReplicaUnavailable(pinned, replica))
 
     async def body() -> AsyncIterator[bytes]:
         done = False
@@ -188,9 +214,11 @@ async def relayed_response(messages: AsyncIterator[Message], is_replica_failure:
             if not is_replica_failure(error):
                 raise
             log.warning("replica %s failed mid-response: %s", replica, error)
-            if event_stream:  # reported in-band, as the app reports its own failures mid-stream
-                yield sse(ReplicaFailed(replica, type(error).__name__).to_dict())
-                yield DONE
+            if not event_stream:  # a body cut short under its Content-Length: the connection breaks
+                raise
+            # Reported in-band, as the app reports its own failures mid-stream.
+            yield sse(ReplicaFailed(replica, type(error).__name__).to_dict())
+            yield DONE
             done = True
         finally:
             if not done:

@@ -302,10 +302,14 @@ class Generations:
             self.metrics.refused("internal_error")
             log.error("a request failed outside the DecodeError family", exc_info=final.error)
 
-    async def shutdown(self) -> None:
-        """Cancel what is still in flight (its clients are gone by now) and join the prepare pool."""
+    def abandon_all(self) -> None:
+        """Cancel what is still in flight (its clients are gone by now); new submissions still go through."""
         for bridge in list(self.in_flight):
             bridge.abandon()
+
+    async def shutdown(self) -> None:
+        """Cancel what is still in flight (its clients are gone by now) and join the prepare pool."""
+        self.abandon_all()
 
         def join() -> None:
             self.prepare_pool.shutdown(wait=True, cancel_futures=True)

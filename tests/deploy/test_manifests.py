@@ -52,8 +52,10 @@ def test_the_container_runs_a_valid_serve_command_on_its_declared_port(manifests
 
 
 def test_termination_waits_for_the_servers_own_clean_stop(manifests):
-    grace = manifests["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace >= DEFAULT_GRACEFUL_SHUTDOWN_SECS + BATCHER_CLOSE_SECS
+    pod = manifests["Deployment"]["spec"]["template"]["spec"]
+    pre_stop = container(manifests)["lifecycle"]["preStop"]["sleep"]["seconds"]
+    # The grace period counts from the preStop hook: the sleep, then the server's own stop.
+    assert pod["terminationGracePeriodSeconds"] >= pre_stop + DEFAULT_GRACEFUL_SHUTDOWN_SECS + BATCHER_CLOSE_SECS
 
 
 def test_every_probe_and_metric_the_manifests_use_is_served(manifests, server):

@@ -29,6 +29,7 @@ from ferrox_batch.deploy.ray_serve import (  # noqa: E402
     ReplicaSpec,
     build_application,
     replica_ids,
+    replica_stats,
 )
 
 pytestmark = pytest.mark.slow
@@ -50,17 +51,6 @@ def base_url(tiny_batch_dir):
     finally:
         serve.shutdown()
         ray.shutdown()
-
-
-def pinned_stats(base_url: str, replica: str) -> dict:
-    """`/stats` of one replica: the router honours the header once it knows the replica."""
-    deadline = time.monotonic() + PATIENCE
-    while True:
-        response = httpx.get(f"{base_url}/stats", headers={REPLICA_HEADER: replica}, timeout=PATIENCE)
-        if response.status_code == 200 and response.headers[REPLICA_HEADER] == replica:
-            return response.json()
-        assert time.monotonic() < deadline, f"replica {replica} never answered"
-        time.sleep(0.2)
 
 
 def test_two_replicas_serve_a_concurrent_load_and_survive_one_killed_mid_load(base_url):
@@ -99,7 +89,7 @@ def a_replica_killed_mid_load_fails_only_its_requests_typed_and_is_replaced(base
         with openai_client(base_url, timeout=PATIENCE) as client:
             try:
                 raw = client.completions.with_raw_response.create(
-                    model=MODEL_NAME, prompt=f"stream {i} goes on and on", max_tokens=300, stream=True,
+                    model=MODEL_NAME, prompt=f"stream {i} goes on and on", max_tokens=450, stream=True,
                     temperature=0, extra_body={"ignore_eos": True})
                 replica = raw.headers[REPLICA_HEADER]
                 for n, _ in enumerate(raw.parse()):
@@ -130,6 +120,6 @@ def a_replica_killed_mid_load_fails_only_its_requests_typed_and_is_replaced(base
         for i in range(4):
             assert client.completions.create(model=MODEL_NAME, prompt=f"after {i}", max_tokens=4).choices
     for replica in replica_ids():
-        stats = pinned_stats(base_url, replica)
+        stats = replica_stats(base_url, replica, PATIENCE)
         assert stats["worker_alive"] and stats["queue_depth"] == 0
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"], (replica, stats)

@@ -26,6 +26,7 @@ def spec(**batcher) -> ReplicaSpec:
 def test_a_replica_takes_its_whole_batch_and_queue_never_serves_default_of_five():
     options = replica_options(spec(max_seqs=16, max_queue=100), 2)
     assert options["max_ongoing_requests"] == 116 and options["num_replicas"] == 2
+    assert options["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.0}
     assert replica_options(spec(), 1)["max_ongoing_requests"] == DEFAULT_MAX_CONCURRENT_REQUESTS
     capped = ReplicaSpec("/m", batcher=BatcherConfig(max_seqs=64, max_queue=4096),
                          app={"max_concurrent_requests": 500})
@@ -47,10 +48,27 @@ def test_the_router_is_serves_extension_point_or_serves_default():
 
 
 @pytest.mark.parametrize("layout", [{"replicas": 0}, {"replicas": True}, {"max_replicas": 1, "replicas": 2},
-                                    {"router": "random"}, {"replica_cpus": 0}, {"replica_cpus": float("nan")}])
+                                    {"router": "random"}, {"replica_cpus": 0}, {"replica_cpus": float("nan")},
+                                    {"replica_gpus": -1}])
 def test_bad_layouts_are_refused(layout):
     with pytest.raises(ValueError):
         replica_options(spec(), **layout)
+
+
+def test_the_serve_command_lines_strings_are_read_as_their_types(tiny_batch_dir):
+    app = app_builder({"model": str(tiny_batch_dir), "max_seqs": "12", "max_queue": "30", "prefix_cache": "false",
+                       "replicas": "2", "replica_cpus": "0.5", "allowed_origins": "https://a.example, https://b.example",
+                       "max_concurrent_requests": "100"})
+    deployment = app._bound_deployment.init_args[0]._bound_deployment
+    spec = deployment.init_args[0]
+    assert spec.batcher.max_seqs == 12 and spec.batcher.prefix_cache is False
+    assert spec.app["allowed_origins"] == ("https://a.example", "https://b.example")
+    assert deployment.max_ongoing_requests == 42 and deployment.num_replicas == 2
+    assert deployment.ray_actor_options["num_cpus"] == 0.5
+    assert spec.kv_share == 2  # no KV size given: the two replicas split one machine's default
+    for bad in ({"max_seqs": "12.5"}, {"prefix_cache": "maybe"}, {"replica_cpus": "lots"}, {"replicas": "-1"}):
+        with pytest.raises(ValueError):
+            app_builder({"model": "/m", **bad})
 
 
 def test_unknown_settings_are_refused_by_name():
@@ -75,7 +93,7 @@ def test_the_health_check_is_the_batchers_worker_alive():
         def close(self, _timeout):
             return True
 
-    replica = FerroxReplica.__new__(FerroxReplica)
+    replica = FerroxReplica.__new__(FerroxReplica)  # no model: only the check itself
     replica.batcher, replica.replica = Batcher(), "r1"
     replica.check_health()
     Stats.worker_alive = False

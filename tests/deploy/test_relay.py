@@ -208,3 +208,24 @@ def test_the_ingress_reads_no_more_of_a_body_than_a_replica_would_accept():
             await RelayedRequest.read(Request(dict(scope), receive), max_body_bytes=1000)
 
     asyncio.run(scenario())
+
+
+def test_a_pinned_request_answered_by_another_replica_is_refused():
+    messages = _messages(_start(b"application/json"), {"type": "http.response.body", "body": b"{}"})
+    cancelled = []
+
+    async def scenario():
+        return await drive(await relayed_response(messages, gone, lambda: cancelled.append(True), pinned="r1"))
+
+    status, headers, body = asyncio.run(scenario())
+    assert status == 503 and headers["retry-after"] == "1" and cancelled == [True]
+    assert json.loads(body)["error"]["code"] == "replica_unavailable"
+    assert asyncio.run(drive(asyncio.run(relayed_response(  # the pinned replica's own answer passes
+        _messages(_start(b"application/json"), {"type": "http.response.body", "body": b"{}"}), gone,
+        lambda: None, pinned="r2"))))[0] == 200
+
+
+def test_a_plain_body_cut_short_breaks_the_connection_rather_than_ending_normally():
+    chunk = {"type": "http.response.body", "body": b'{"partial', "more_body": True}
+    with pytest.raises(ReplicaGone):
+        asyncio.run(drive_relayed(_messages(_start(b"application/json"), chunk, ReplicaGone())))

@@ -1,8 +1,12 @@
-"""`ferrox-batch serve --replicas 2`, as a process: it starts Ray, answers, and stops cleanly on SIGINT."""
+"""`ferrox-batch serve --replicas 2`, as a process: it starts Ray, answers, and stops cleanly on SIGTERM
+(what Kubernetes and systemd send; Ray installs its own handler, which `serve` replaces)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
+import time
 from pathlib import Path
 
 import httpx
@@ -16,7 +20,7 @@ pytest.importorskip("ray", reason="needs the test extra (ray[serve])")
 pytestmark = pytest.mark.slow
 
 
-def test_serve_with_replicas_answers_and_stops_cleanly_on_sigint(tiny_batch_dir: Path) -> None:
+def test_serve_with_replicas_answers_and_stops_cleanly_on_sigterm(tiny_batch_dir: Path) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "ferrox_batch.cli", "serve", "--model", str(tiny_batch_dir), "--port", str(port),
             "--kv-memory", "1MiB", "--dtype", "float32", "--device", "cpu", "--model-name", "tiny-cli",
@@ -32,7 +36,12 @@ def test_serve_with_replicas_answers_and_stops_cleanly_on_sigint(tiny_batch_dir:
         assert raw.parse().usage.completion_tokens == 8 and raw.headers[REPLICA_HEADER]
         stats = httpx.get(f"{base_url}/stats", timeout=30).json()
         assert stats["max_seqs"] == 8 and stats["worker_alive"]
-    assert server.stopped_by == "SIGINT", server.output()[-3000:]
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while server.proc.poll() is None:
+            assert time.monotonic() < deadline, "serve --replicas did not stop on SIGTERM"
+            time.sleep(0.1)
+    assert server.stopped_by == "already", server.output()[-3000:]
     assert server.proc.returncode == 0
     assert "Traceback" not in server.output()
     assert wait_port_free(port)
@@ -43,3 +52,4 @@ def test_replica_flags_need_replicas() -> None:
 
     assert main(["serve", "--max-replicas", "3"], {}) == 2
     assert main(["serve", "--replicas", "3", "--max-replicas", "2"], {}) == 2
+    assert main(["serve", "--router", "default"], {}) == 2
