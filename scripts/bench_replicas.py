@@ -23,9 +23,9 @@ from ray import serve
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.bench import conversations
-from ferrox_batch.bench.http import stream_completion
+from ferrox_batch.bench.http import chat_loop, stream_completion
 from ferrox_batch.bench.report import fmt
-from ferrox_batch.bench.workloads import Request, latency_summary
+from ferrox_batch.bench.workloads import Request
 from ferrox_batch.cli.common import parse_memory_size
 from ferrox_batch.deploy import ROUTERS
 from ferrox_batch.deploy.ray_serve import APP_NAME, ReplicaSpec, build_application, replica_ids, replica_stats
@@ -34,24 +34,19 @@ from ferrox_batch.models.fetch import default_model_dir, ferrox_home_from_env
 from ferrox_batch.models.tokenizer import Tokenizer
 
 
-def all_stats(port: int) -> dict[str, dict]:
-    return {r: replica_stats(f"http://127.0.0.1:{port}", r) for r in replica_ids()}
-
-
 def run(port: int, tokenizer: Tokenizer, plan: conversations.Plan, timeout: float) -> dict:
-    def send(prompt: list[int], max_tokens: int) -> conversations.Reply:
-        times, tokens, text = stream_completion(port, Request(prompt, max_tokens), timeout)
-        return conversations.Reply(text, tokens, times)
+    """bench-http's shape (c) loop, its prefix-cache counters summed over every replica's `/stats`."""
+    snapshots: list[dict[str, dict]] = []
 
-    before = all_stats(port)
-    raw = conversations.flatten(tokenizer, plan, conversations.run_chats(tokenizer, plan, send, timeout))
-    after = all_stats(port)
-    summed = [{k: sum(s[k] for s in snap.values()) for k in ("prefix_cache_queries", "prefix_cache_hits")}
-              for snap in (before, after)]
-    split = [after[r]["prefix_cache_queries"] - before[r]["prefix_cache_queries"] for r in sorted(after)]
-    wall, tokens = raw["end"] - raw["start"], sum(raw["tokens"])
-    return {"tok_s": tokens / wall, "errors": raw["errors"][:5], "split": split,
-            **latency_summary(raw["ttfts"], raw["times"]), **conversations.chat_extra(raw, *summed)}
+    def summed() -> dict:
+        snapshots.append({r: replica_stats(f"http://127.0.0.1:{port}", r) for r in replica_ids()})
+        return {k: sum(s[k] for s in snapshots[-1].values()) for k in ("prefix_cache_queries", "prefix_cache_hits")}
+
+    result = chat_loop(port, tokenizer, plan, timeout, summed)
+    before, after = snapshots
+    result["split"] = [after[r]["prefix_cache_queries"] - before.get(r, {}).get("prefix_cache_queries", 0)
+                       for r in sorted(after)]
+    return result
 
 
 def main() -> int:

@@ -35,7 +35,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from ferrox_batch.bench import conversations
@@ -166,15 +166,18 @@ def worker_split(before: dict | None, after: dict | None, window_s: float) -> di
     return {key: (after[field] - before[field]) / 1e3 / window_s for field, key in WORKER_FIELDS}
 
 
-def chat_loop(port: int, tokenizer, plan: conversations.Plan, timeout: float) -> dict:
-    """Shape c: the conversations' turns as streamed completions, and the prefix cache's hits over the run."""
+def chat_loop(port: int, tokenizer, plan: conversations.Plan, timeout: float,
+              stats: Callable[[], dict | None] | None = None) -> dict:
+    """Shape c: the conversations' turns as streamed completions, and the prefix cache's hits over the run
+    (between two `stats()`, by default the server's `GET /stats`)."""
     def send(prompt: list[int], max_tokens: int) -> conversations.Reply:
         times, tokens, text = stream_completion(port, Request(prompt, max_tokens), timeout)
         return conversations.Reply(text, tokens, times)
 
-    before = get_stats(port)
+    read = stats if stats is not None else lambda: get_stats(port)
+    before = read()
     raw = conversations.flatten(tokenizer, plan, conversations.run_chats(tokenizer, plan, send, timeout))
-    after = get_stats(port)
+    after = read()
     wall, tokens = raw["end"] - raw["start"], sum(raw["tokens"])
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall if wall > 0 else 0.0, "errors": raw["errors"][:10],
             "short": [i for i, (t, r) in enumerate(zip(raw["tokens"], raw["requests"])) if t != r.max_tokens][:20],

@@ -31,9 +31,11 @@ IDS_CHUNK = 16
 #: Chunk links remembered, across all replicas: 65,536 links of 64 characters is about 4 M characters of
 #: prompt, more than two replicas' default KV caches hold.
 DEFAULT_CAPACITY = 65_536
-#: Affinity yields to load balance once the best-matching replica has this many more requests in flight
-#: than the least loaded one: a cache hit saves a prefill, a long queue costs every request in it.
-DEFAULT_IMBALANCE = 8
+#: What one request already in flight on a replica costs a new one there, in prompt tokens it would
+#: otherwise prefill: a placement saves prefill where a replica holds the prefix, and pays in sharing a
+#: busier batch. With a shared system prompt first seen by one replica, this also lets the others take new
+#: conversations once that one holds a few (at a pure longest-match rule they would all pile onto it).
+DEFAULT_LOAD_COST_TOKENS = 64
 
 Units = str | tuple[int, ...]
 
@@ -144,23 +146,27 @@ class PrefixIndex:
         return set().union(*self._links.values()) if self._links else set()
 
 
-def rank(candidates: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, int | None],
-         imbalance: int = DEFAULT_IMBALANCE) -> list[list[R]]:
-    """Candidates in ranks, most preferred first, for a prompt each candidate holds `matched[c]` units of.
+def load_cost_units(units: Units, load_cost_tokens: int = DEFAULT_LOAD_COST_TOKENS) -> int:
+    """`load_cost_tokens` in the units of `units`: text counts characters, about 4 to a token."""
+    return load_cost_tokens * (TEXT_CHUNK // IDS_CHUNK if isinstance(units, str) else 1)
 
-    The replicas sharing the longest match come first, unless the least loaded of them has more than
-    `imbalance` requests in flight beyond the least loaded candidate (then affinity yields: one rank, and
-    the least loaded wins). Without any match, one rank: the caller picks the least loaded. An unknown
-    load (None) counts as zero.
+
+def rank(candidates: Sequence[R], matched: Mapping[R, int], loads: Mapping[R, int | None], length: int,
+         load_cost: int) -> list[list[R]]:
+    """Candidates in ranks, most preferred first, for a prompt of `length` units that each candidate holds
+    `matched[c]` units of from the start.
+
+    A candidate's cost is what it would prefill (`length - matched`) plus `load_cost` per request it has in
+    flight; the cheapest come first, the others after. Without any match, one rank: the caller picks the
+    least loaded by fresh queue lengths. An unknown load (None) counts as zero, as a replica that just
+    started has none.
     """
     if not candidates:
         return []
-    best = max((matched.get(c, 0) for c in candidates), default=0)
-    if best <= 0:
+    if max((matched.get(c, 0) for c in candidates), default=0) <= 0:
         return [list(candidates)]
-    load = {c: loads.get(c) or 0 for c in candidates}
-    first = [c for c in candidates if matched.get(c, 0) == best]
-    if min(load[c] for c in first) > min(load.values()) + imbalance:
-        return [list(candidates)]
-    rest = [c for c in candidates if c not in first]
+    cost = {c: length - matched.get(c, 0) + load_cost * (loads.get(c) or 0) for c in candidates}
+    cheapest = min(cost.values())
+    first = [c for c in candidates if cost[c] == cheapest]
+    rest = [c for c in candidates if cost[c] != cheapest]
     return [first, rest] if rest else [first]

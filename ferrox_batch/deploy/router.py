@@ -1,9 +1,9 @@
 """`PrefixAffinityRouter`: Ray Serve's request-router extension point, placing each request by its prompt.
 
 It runs in every process that holds a handle to the replicas (the ingress), one per handle. For a request
-relayed with its body (`relay.RelayedRequest`) it ranks the replicas with `affinity.rank`: those that were
-sent the longest prefix of this prompt first, unless they have more requests in flight than the least
-loaded replica by more than the imbalance allowance. Serve then probes the first rank's queue lengths and
+relayed with its body (`relay.RelayedRequest`) it ranks the replicas with `affinity.rank`: cheapest first,
+where a replica costs the part of the prompt it was never sent plus a fixed price per request it has in
+flight. Serve then probes the first rank's queue lengths and
 sends the request to the least loaded replica that accepts it, falling back to the next rank when all of
 the first are full. Once a request is placed, its prompt is recorded for that replica.
 
@@ -22,7 +22,15 @@ from collections import OrderedDict
 
 from ray.serve.request_router import PendingRequest, ReplicaID, ReplicaResult, RequestRouter, RunningReplica
 
-from ferrox_batch.deploy.affinity import DEFAULT_CAPACITY, DEFAULT_IMBALANCE, PrefixIndex, Units, prompt_units, rank
+from ferrox_batch.deploy.affinity import (
+    DEFAULT_CAPACITY,
+    DEFAULT_LOAD_COST_TOKENS,
+    PrefixIndex,
+    Units,
+    load_cost_units,
+    prompt_units,
+    rank,
+)
 from ferrox_batch.deploy.relay import REPLICA_HEADER, RelayedRequest
 
 #: Prompts kept for requests being routed, and ids of requests that ended before their routed hook ran
@@ -39,10 +47,11 @@ def _relayed(pending: PendingRequest | None) -> RelayedRequest | None:
 class PrefixAffinityRouter(RequestRouter):
     """Ranks replicas by the prompt prefix they were sent (see the module docstring)."""
 
-    def initialize_state(self, imbalance: int = DEFAULT_IMBALANCE, capacity: int = DEFAULT_CAPACITY) -> None:
-        if isinstance(imbalance, bool) or not isinstance(imbalance, int) or imbalance < 0:
-            raise ValueError(f"imbalance must be a non-negative integer, got {imbalance!r}")
-        self.imbalance = imbalance
+    def initialize_state(self, load_cost_tokens: int = DEFAULT_LOAD_COST_TOKENS,
+                         capacity: int = DEFAULT_CAPACITY) -> None:
+        if isinstance(load_cost_tokens, bool) or not isinstance(load_cost_tokens, int) or load_cost_tokens < 0:
+            raise ValueError(f"load_cost_tokens must be a non-negative integer, got {load_cost_tokens!r}")
+        self.load_cost_tokens = load_cost_tokens
         self.index = PrefixIndex(capacity)
         self.in_flight: dict[ReplicaID, set[str]] = {}
         self._prompts: OrderedDict[str, Units | None] = OrderedDict()
@@ -64,7 +73,8 @@ class PrefixAffinityRouter(RequestRouter):
         matched = self.index.match(units)
         by_id = {r.replica_id: r for r in candidate_replicas}
         ranks = rank(list(by_id), {rid: matched.get(rid, 0) for rid in by_id},
-                     {rid: len(self.in_flight.get(rid, ())) for rid in by_id}, self.imbalance)
+                     {rid: len(self.in_flight.get(rid, ())) for rid in by_id}, len(units),
+                     load_cost_units(units, self.load_cost_tokens))
         return [[by_id[rid] for rid in group] for group in ranks]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,

@@ -14,6 +14,7 @@ from ferrox_batch.deploy.affinity import (
     PrefixIndex,
     chain,
     chunk_size,
+    load_cost_units,
     prompt_units,
     rank,
 )
@@ -114,26 +115,26 @@ def test_capacity_must_be_positive():
 replicas = st.lists(st.sampled_from("abcdef"), min_size=1, max_size=6, unique=True)
 
 
-@given(replicas, st.data(), st.integers(0, 10))
-def test_ranks_hold_every_candidate_once_longest_match_first_unless_it_is_too_busy(candidates, data, imbalance):
-    matched = {c: data.draw(st.integers(0, 3), label=f"match {c}") * 16 for c in candidates}
+@given(replicas, st.data(), st.integers(1, 400), st.integers(0, 100))
+def test_ranks_hold_every_candidate_once_cheapest_first(candidates, data, length, load_cost):
+    matched = {c: data.draw(st.integers(0, length), label=f"match {c}") for c in candidates}
     loads = {c: data.draw(st.one_of(st.none(), st.integers(0, 30)), label=f"load {c}") for c in candidates}
-    ranks = rank(candidates, matched, loads, imbalance)
+    ranks = rank(candidates, matched, loads, length, load_cost)
     assert sorted(c for group in ranks for c in group) == sorted(candidates)
-    best = max(matched.values())
-    first = {c for c in candidates if matched[c] == best}
-    load = {c: loads[c] or 0 for c in candidates}
-    balanced = min(load[c] for c in first) <= min(load.values()) + imbalance
-    if best > 0 and balanced:
-        assert set(ranks[0]) == first and all(c not in first for group in ranks[1:] for c in group)
-    else:
+    if max(matched.values()) == 0:
         assert ranks == [list(candidates)]
+        return
+    cost = {c: length - matched[c] + load_cost * (loads[c] or 0) for c in candidates}
+    assert {cost[c] for c in ranks[0]} == {min(cost.values())}
+    assert all(cost[c] > min(cost.values()) for group in ranks[1:] for c in group)
 
 
-def test_a_held_conversation_stays_until_its_replica_is_too_busy():
-    for extra, ranks in ((0, [["a"], ["b"]]), (8, [["a"], ["b"]]), (9, [["a", "b"]])):
-        assert rank(["a", "b"], {"a": 380, "b": 64}, {"a": extra, "b": 0}, 8) == ranks
+def test_a_held_conversation_stays_unless_its_replica_is_much_busier():
+    # 400 units, 380 held by "a": "a" wins until it has (380 / 64 =) 5.9 more requests in flight than "b".
+    for extra, winner in ((0, "a"), (5, "a"), (6, "b")):
+        assert rank(["a", "b"], {"a": 380, "b": 0}, {"a": extra, "b": 0}, 400, 64)[0] == [winner]
+    assert load_cost_units("text") == 4 * load_cost_units((1, 2))
 
 
 def test_no_candidates_no_ranks():
-    assert rank([], {}, {}) == []
+    assert rank([], {}, {}, 10, 64) == []
