@@ -14,8 +14,9 @@ The replica settings follow from the batcher's: `max_ongoing_requests` lets a re
 and queue (Serve's default of 5 would starve the batch), a refusal's 503 and `Retry-After` reach the client
 untouched, and autoscaling (with `max_replicas`) targets requests in flight per replica.
 
-`build_application` is the Python entry; `app_builder` is the one `serve run` / `serve deploy` call with a
-config file's `args` (`deploy/serve_config.yaml`); `run_local` is `ferrox-batch serve --replicas N`.
+`build_application` is the Python entry; `serve_args.app_builder` is the one `serve run` / `serve deploy`
+call with a config file's `args` (`deploy/serve_config.yaml`); `run_local` is `ferrox-batch serve
+--replicas N`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -86,6 +86,8 @@ class ReplicaSpec:
     #: Replicas sharing one machine's default KV budget (`models.memory.default_kv_memory`), when neither
     #: `kv_memory` nor `batcher.kv_blocks` is set: each takes this share of it.
     kv_share: int = 1
+    #: The level of the replica's `ferrox_batch` loggers (None: Ray's default for a replica).
+    log_level: int | None = None
 
     def __post_init__(self) -> None:
         unknown = set(self.app) - set(APP_KEYWORDS)
@@ -116,6 +118,8 @@ class FerroxReplica:
         from ferrox_batch.server.app import create_app
         from ferrox_batch.server.run import default_model_name
 
+        if spec.log_level is not None:
+            logging.getLogger("ferrox_batch").setLevel(spec.log_level)
         loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype)
         config = spec.batcher
         if config.kv_blocks is None:
@@ -224,73 +228,6 @@ def build_application(spec: ReplicaSpec, replicas: int = 1, **layout: Any) -> Ap
         name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=options["max_ongoing_requests"] * most,
         ray_actor_options={"num_cpus": 0})
     return ingress.bind(engine)
-
-
-def app_builder(args: dict[str, Any]) -> Application:
-    """`serve run ferrox_batch.deploy.ray_serve:app_builder model=... replicas=2`, or a config file's `args`.
-
-    Keys: `model` (a checkpoint folder or .gguf; required), `model_name`, `device`, `dtype`, `kv_memory`
-    (e.g. "512MiB"), any `BatcherConfig` field (`max_seqs`, `prefill_chunk`, ...), the app's keywords
-    (APP_KEYWORDS), and `replicas`, `max_replicas`, `router`, `replica_cpus`, `replica_gpus`. Values may be
-    strings, as `serve run key=value` passes them; an unknown key or a malformed value is a ValueError.
-    """
-    from ferrox_batch.cli.common import parse_memory_size
-
-    args = dict(args)
-    if "model" not in args:
-        raise ValueError("the application needs `model`: a checkpoint folder or .gguf file on every node")
-    fields = {f.name for f in dataclasses.fields(BatcherConfig)}
-    batcher = {k: (_flag(k, v) if k == "prefix_cache" else _whole(k, v, optional=True))
-               for k, v in args.items() if k in fields}
-    app: dict[str, Any] = {k: _whole(k, args[k]) for k in COUNT_APP_KEYWORDS if k in args}
-    if "api_key" in args:
-        app["api_key"] = str(args["api_key"])
-    if "allowed_origins" in args:
-        origins = args["allowed_origins"]
-        app["allowed_origins"] = tuple(o.strip() for o in origins.split(",") if o.strip()) \
-            if isinstance(origins, str) else tuple(origins)
-    known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_memory", "replicas",
-                                          "max_replicas", "router", "replica_cpus", "replica_gpus"}
-    unknown = set(args) - known
-    if unknown:
-        raise ValueError(f"unknown application args {sorted(unknown)}")
-    memory = args.get("kv_memory")
-    spec = ReplicaSpec(str(Path(str(args["model"])).expanduser()), args.get("model_name"),
-                       str(args.get("device", "auto")), str(args.get("dtype", "auto")),
-                       dataclasses.replace(BatcherConfig.serving(), **batcher),
-                       parse_memory_size(str(memory)) if memory is not None else None, app)
-    return build_application(
-        spec, _whole("replicas", args.get("replicas", 1)),
-        max_replicas=_whole("max_replicas", args["max_replicas"]) if "max_replicas" in args else None,
-        router=str(args.get("router", "affinity")), replica_cpus=_number("replica_cpus", args.get("replica_cpus", 1)),
-        replica_gpus=_number("replica_gpus", args.get("replica_gpus", 0)))
-
-
-def _whole(key: str, value: Any, optional: bool = False) -> Any:
-    if optional and value is None:
-        return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    raise ValueError(f"{key} must be a whole number, got {value!r}")
-
-
-def _number(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ValueError(f"{key} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except ValueError:
-        raise ValueError(f"{key} must be a number, got {value!r}") from None
-
-
-def _flag(key: str, value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, str) and value.strip().lower() in ("true", "1", "yes", "false", "0", "no"):
-        return value.strip().lower() in ("true", "1", "yes")
-    raise ValueError(f"{key} must be true or false, got {value!r}")
 
 
 def replica_ids(app_name: str = APP_NAME) -> list[str]:

@@ -13,9 +13,9 @@ from ferrox_batch.deploy.ray_serve import (  # noqa: E402
     DEFAULT_TARGET_ONGOING,
     FerroxReplica,
     ReplicaSpec,
-    app_builder,
     replica_options,
 )
+from ferrox_batch.deploy.serve_args import app_builder  # noqa: E402
 from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS  # noqa: E402
 
 

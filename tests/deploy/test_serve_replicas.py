@@ -36,7 +36,9 @@ def test_serve_with_replicas_answers_and_stops_cleanly_on_sigterm(tiny_batch_dir
         assert raw.parse().usage.completion_tokens == 8 and raw.headers[REPLICA_HEADER]
         stats = httpx.get(f"{base_url}/stats", timeout=30).json()
         assert stats["max_seqs"] == 8 and stats["worker_alive"]
-        os.killpg(server.proc.pid, signal.SIGTERM)
+        # To the serve process alone, as Kubernetes signals a container's first process: it drains the
+        # replicas through Ray. (A whole-group signal kills Ray's own processes under it first.)
+        os.kill(server.proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 60
         while server.proc.poll() is None:
             assert time.monotonic() < deadline, "serve --replicas did not stop on SIGTERM"
