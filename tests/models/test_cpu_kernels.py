@@ -143,6 +143,27 @@ def test_bfloat16_matches_the_reference_to_bf16_rounding(kernels, seed) -> None:
     assert alike.double().mean() > 0.5
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    seed=st.integers(0, 2**20),
+    pool_dtype=st.sampled_from([torch.float16, torch.bfloat16]),
+    d=st.sampled_from([4, 24, 64]),  # 4 takes the one-slot-at-a-time path, the others the tiled one on AVX2
+    tiny=st.booleans(),
+)
+def test_a_narrower_pool_is_widened_exactly(kernels, seed, pool_dtype, d, tiny) -> None:
+    """A KV cache stored in fp16 or bf16 under float32 queries: the result is the float32 one over the
+    pool's values widened, within the same bound (widening is exact; fp16 subnormals included)."""
+    q, pool, tables, lo, hi = random_case(random.Random(seed), 4, 3, 3, d, 16, None, torch.float32)
+    narrow = (pool * (1e-5 if tiny else 1.0)).to(pool_dtype)
+    if tiny and pool_dtype == torch.float16:
+        assert bool(((narrow != 0) & (narrow.abs() < torch.finfo(torch.float16).tiny)).any())  # subnormals
+    got = kernels.paged_decode(q, narrow, tables, lo, hi, 16, d ** -0.5)
+    assert got.dtype == torch.float32 and got.shape == q.shape
+    wide = narrow.float()
+    want = reference(q, wide, tables, lo, hi, 16)
+    assert bool(((got.double() - want).abs() <= decode_error_bound(q, wide, tables, lo, hi, 16, d ** -0.5)).all())
+
+
 def test_the_scale_is_applied(kernels) -> None:
     q, pool, tables, lo, hi = random_case(random.Random(1), 3, 2, 2, 16, 4, None, torch.float32)
     flat = kernels.paged_decode(q, pool, tables, lo, hi, 4, 0.0)  # zero scale: a plain mean of the values
@@ -161,10 +182,10 @@ def test_the_scale_is_applied(kernels) -> None:
 
 def test_bad_inputs_are_clear_errors(kernels) -> None:
     q, pool, tables, lo, hi = random_case(random.Random(2), 2, 2, 2, 8, 4, None, torch.float32)
+    with pytest.raises(ValueError, match="a pool in one of"):
+        kernels.paged_decode(q, pool.double(), tables, lo, hi, 4, 1.0)
     with pytest.raises(ValueError, match="one dtype"):
-        kernels.paged_decode(q.to(torch.bfloat16), pool, tables, lo, hi, 4, 1.0)
-    with pytest.raises(ValueError, match="one dtype"):
-        kernels.paged_decode(q.double(), pool.double(), tables, lo, hi, 4, 1.0)
+        kernels.paged_decode(q.double(), pool, tables, lo, hi, 4, 1.0)
     with pytest.raises(ValueError, match="expected"):
         kernels.paged_decode(q, pool[:, :1], tables, lo, hi, 4, 1.0)
     with pytest.raises(ValueError, match="int64"):

@@ -7,107 +7,229 @@
  * sequences on the calling thread's OpenMP team; within a sequence every query head is
  * scored against a slot's key rows while they are in cache (GQA without copies).
  *
- * Layouts (element type T is float32 or bfloat16, chosen by `is_bf16`):
+ * Layouts (q and out are float32 or bfloat16, chosen by `is_bf16`; the pool's element type
+ * is `pool_kind`, half.h: float32, bfloat16 or fp16):
  *   q      [n, kv, g, d]        the new token's query heads, grouped by KV head
  *   pool   [slots, 2, kv, d]    this layer's pool: slot s holds K (index 0) and V (index 1)
  *   tables [n, max_blocks]      int64 block ids; position p lives in slot
  *                               tables[i][p / block_size] * block_size + p % block_size
  *   lo, hi [n]                  int64: sequence i attends to positions lo[i] .. hi[i] - 1
- *   out    [n, kv, g, d]        T
- * Accumulation is float32; bfloat16 output is rounded to nearest even, as torch does. A
- * sequence with no key to attend (lo == hi) gets zeros (SDPA would give NaN); the decoder never
- * asks for one. `threads` is the team size (torch's intra-op thread count).
+ *   out    [n, kv, g, d]        like q
+ * Pool elements are widened exactly and all arithmetic is float32; bfloat16 output is
+ * rounded to nearest even, as torch does. A sequence with no key to attend (lo == hi) gets
+ * zeros (SDPA would give NaN); the decoder never asks for one. `threads` is the team size
+ * (torch's intra-op thread count).
+ *
+ * Two paths compute the same sums. The generic one scores one slot at a time, a
+ * horizontal sum per dot product. The AVX2 one (x86 with AVX2 + FMA, head sizes that are
+ * a multiple of 8) widens 8 slots at a time into a float32 tile, scores all 8 against a
+ * query head at once (one transposing reduction for 8 dot products) and accumulates the
+ * values with the head's accumulator in registers across the tile: the generic loop is
+ * bound by its reductions, not by memory, so halving the pool's bytes (fp16) gains nothing
+ * there and about 2x here.
  * Returns 0, or -1 when scratch memory could not be had (out is then unspecified).
  */
-#include "bf16.h"
+#include "half.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define FERROX_TILE_PATH 1
+#else
+#define FERROX_TILE_PATH 0
+#endif
+
+/* The slot that holds position p of a sequence. */
+static inline int64_t slot_of(const int64_t *table, int64_t p, int64_t block_size) {
+    return table[p / block_size] * block_size + p % block_size;
+}
+
+static void softmax_rows(float *scores, int64_t heads, int64_t longest, int64_t len, float *inv_sum) {
+    for (int64_t j = 0; j < heads; ++j) {
+        float *sj = scores + j * longest;
+        float m = -3.4028235e38f;
+        for (int64_t t = 0; t < len; ++t) m = sj[t] > m ? sj[t] : m;
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < len; ++t) {
+            sj[t] = expf(sj[t] - m);
+            sum += sj[t];
+        }
+        inv_sum[j] = len > 0 ? 1.0f / sum : 0.0f; /* applied at the end */
+    }
+}
+
+/* One sequence, one slot at a time: any head size, any element type. */
+static void sequence_generic(const float *qf, const void *pool, int kind, const int64_t *table, int64_t first,
+                             int64_t len, int64_t block_size, int64_t kv, int64_t g, int64_t d, float scale,
+                             int64_t longest, float *scores, float *acc, float *rows, float *inv_sum) {
+    const int64_t heads = kv * g, slot_stride = 2 * kv * d;
+    const int64_t elem = kind == ELEM_F32 ? 4 : 2;
+    for (int64_t part = 0; part < 2; ++part) { /* 0: scores from K, 1: values from V */
+        if (part == 1) {
+            softmax_rows(scores, heads, longest, len, inv_sum);
+            memset(acc, 0, sizeof(float) * (size_t)(heads * d));
+        }
+        for (int64_t t = 0; t < len; ++t) {
+            const int64_t slot = slot_of(table, first + t, block_size);
+            if (t + 4 < len) { /* the next slots are rarely adjacent across blocks */
+                const int64_t ahead = slot_of(table, first + t + 4, block_size);
+                const char *at = (const char *)pool + (ahead * slot_stride + part * kv * d) * elem;
+                for (int64_t b = 0; b < kv * d * elem; b += 64) __builtin_prefetch(at + b, 0, 0);
+            }
+            elems_f32(pool, slot * slot_stride + part * kv * d, kv * d, kind, rows);
+            for (int64_t j = 0; j < heads; ++j) {
+                const float *row = rows + (j / g) * d;
+                if (part == 0) {
+                    const float *qj = qf + j * d;
+                    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                    for (int64_t e = 0; e < d; ++e) s += qj[e] * row[e];
+                    scores[j * longest + t] = s * scale;
+                } else {
+                    const float w = scores[j * longest + t];
+                    float *aj = acc + j * d;
+#pragma omp simd
+                    for (int64_t e = 0; e < d; ++e) aj[e] += w * row[e];
+                }
+            }
+        }
+    }
+}
+
+#if FERROX_TILE_PATH
+#define TILE 8
+
+static inline __m256 load8(const void *base, int64_t offset, int kind) {
+    if (kind == ELEM_F32) return _mm256_loadu_ps((const float *)base + offset);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + offset));
+#if defined(__F16C__)
+    if (kind == ELEM_F16) return _mm256_cvtph_ps(h);
+#endif
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bfloat16 */
+}
+
+/* The 8 sums of 8 vectors' lanes, in order: one transposing reduction instead of 8 horizontal sums. */
+static inline __m256 sums_of_8(const __m256 *v) {
+    const __m256 s01 = _mm256_hadd_ps(v[0], v[1]), s23 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 s45 = _mm256_hadd_ps(v[4], v[5]), s67 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 lo = _mm256_hadd_ps(s01, s23), hi = _mm256_hadd_ps(s45, s67);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+/* Rows `part` (0: K, 1: V) of up to TILE slots, every KV head, widened into tile[TILE][kv * d]. */
+static inline void load_tile(const void *pool, int kind, const int64_t *slots, int64_t count, int64_t part,
+                             int64_t width, int64_t slot_stride, float *tile) {
+    const int64_t elem = kind == ELEM_F32 ? 4 : 2;
+    for (int64_t u = 0; u < count; ++u) {
+        const int64_t base = slots[u] * slot_stride + part * width;
+        for (int64_t e = 0; e < width; e += 8) _mm256_storeu_ps(tile + u * width + e, load8(pool, base + e, kind));
+    }
+    for (int64_t u = 0; u < count; ++u) { /* the tile after next: its rows are rarely adjacent */
+        if (slots[u + 2 * TILE] < 0) break;
+        const char *at = (const char *)pool + (slots[u + 2 * TILE] * slot_stride + part * width) * elem;
+        for (int64_t b = 0; b < width * elem; b += 64) __builtin_prefetch(at + b, 0, 0);
+    }
+}
+
+/* One sequence, TILE slots at a time; `slots` holds its len slot ids followed by 2 * TILE of -1. */
+static void sequence_tiled(const float *qf, const void *pool, int kind, const int64_t *slots, int64_t len,
+                           int64_t kv, int64_t g, int64_t d, float scale, int64_t longest, float *scores,
+                           float *acc, float *tile, float *inv_sum) {
+    const int64_t heads = kv * g, width = kv * d, slot_stride = 2 * width;
+    const __m256 scaled = _mm256_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t count = len - t0 < TILE ? len - t0 : TILE;
+        load_tile(pool, kind, slots + t0, count, 0, width, slot_stride, tile);
+        for (int64_t j = 0; j < heads; ++j) {
+            const float *qj = qf + j * d, *kh = tile + (j / g) * d;
+            __m256 dots[TILE];
+            for (int64_t u = 0; u < TILE; ++u) {
+                __m256 a = _mm256_setzero_ps();
+                if (u < count)
+                    for (int64_t e = 0; e < d; e += 8)
+                        a = _mm256_fmadd_ps(_mm256_loadu_ps(kh + u * width + e), _mm256_loadu_ps(qj + e), a);
+                dots[u] = a;
+            }
+            float got[TILE];
+            _mm256_storeu_ps(got, _mm256_mul_ps(sums_of_8(dots), scaled));
+            memcpy(scores + j * longest + t0, got, sizeof(float) * (size_t)count);
+        }
+    }
+    softmax_rows(scores, heads, longest, len, inv_sum);
+    memset(acc, 0, sizeof(float) * (size_t)(heads * d));
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t count = len - t0 < TILE ? len - t0 : TILE;
+        load_tile(pool, kind, slots + t0, count, 1, width, slot_stride, tile);
+        for (int64_t j = 0; j < heads; ++j) {
+            const float *vh = tile + (j / g) * d, *w = scores + j * longest + t0;
+            float *aj = acc + j * d;
+            for (int64_t e = 0; e < d; e += 8) {
+                __m256 a = _mm256_loadu_ps(aj + e);
+                for (int64_t u = 0; u < count; ++u)
+                    a = _mm256_fmadd_ps(_mm256_set1_ps(w[u]), _mm256_loadu_ps(vh + u * width + e), a);
+                _mm256_storeu_ps(aj + e, a);
+            }
+        }
+    }
+}
+#endif
 
 int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, int64_t max_blocks,
                         const int64_t *lo, const int64_t *hi, void *out, int64_t n, int64_t kv, int64_t g,
-                        int64_t d, int64_t block_size, float scale, int is_bf16, int threads) {
+                        int64_t d, int64_t block_size, float scale, int is_bf16, int pool_kind, int threads) {
     int failed = 0;
-    const int64_t slot_stride = 2 * kv * d; /* elements from one slot to the next */
-    const int64_t heads = kv * g;           /* query heads of one sequence */
-    const int64_t elem = is_bf16 ? 2 : 4;
+    const int64_t heads = kv * g; /* query heads of one sequence */
+    int tiled = FERROX_TILE_PATH && d % 8 == 0;
+#if !defined(__F16C__)
+    if (pool_kind == ELEM_F16) tiled = 0;
+#endif
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         int64_t longest = 0;
         for (int64_t i = 0; i < n; ++i)
             if (hi[i] - lo[i] > longest) longest = hi[i] - lo[i];
-        /* Per thread: scores [heads, longest], the query and accumulators [heads, d], one slot's
-         * K (or V) rows for every KV head [kv, d], and 1 / sum per query head. */
-        float *scratch = (float *)malloc(sizeof(float) * (size_t)(heads * longest + 2 * heads * d + kv * d + heads + 16));
+        /* Per thread: scores [heads, longest], the query and accumulators [heads, d], the widened
+         * rows (one slot [kv, d], or a tile of them), 1 / sum per query head, and the tiled path's
+         * slot ids (longest + 2 tiles of int64, as floats' room: 2 floats each). */
+        const int64_t rows_len = tiled ? 8 * kv * d : kv * d;
+        const int64_t slots_len = tiled ? 2 * (longest + 16) : 0;
+        float *scratch = (float *)malloc(sizeof(float) * (size_t)(heads * longest + 2 * heads * d + rows_len + heads
+                                                                   + slots_len + 16));
         float *scores = scratch;
         float *qf = scores + heads * longest;
         float *acc = qf + heads * d;
         float *rows = acc + heads * d;
-        float *inv_sum = rows + kv * d;
-        /* One task per sequence: a slot's K rows for all KV heads are one contiguous run (and its
-         * V rows the next), so each pass streams whole slots in position order. Every thread of
-         * the team must reach the worksharing loop, so a thread without scratch enters it too
-         * and fails the tasks it is handed. */
+        float *inv_sum = rows + rows_len;
+        int64_t *slots = (int64_t *)(void *)(((uintptr_t)(inv_sum + heads) + 7u) & ~(uintptr_t)7u);
+        /* One task per sequence. Every thread of the team must reach the worksharing loop, so a
+         * thread without scratch enters it too and fails the tasks it is handed. */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t i = 0; i < n; ++i) {
             if (scratch == NULL) {
                 failed = 1;
                 continue;
             }
-            {
-                const int64_t first = lo[i], len = hi[i] - lo[i];
-                const int64_t *table = tables + i * max_blocks;
-                row_f32(q, i * heads * d, heads * d, is_bf16, qf);
-                for (int64_t part = 0; part < 2; ++part) { /* 0: scores from K, 1: values from V */
-                    if (part == 1) {
-                        /* Softmax per query head (1 / sum is applied at the end). */
-                        for (int64_t j = 0; j < heads; ++j) {
-                            float *sj = scores + j * longest;
-                            float m = -3.4028235e38f;
-                            for (int64_t t = 0; t < len; ++t) m = sj[t] > m ? sj[t] : m;
-                            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-                            for (int64_t t = 0; t < len; ++t) {
-                                sj[t] = expf(sj[t] - m);
-                                sum += sj[t];
-                            }
-                            inv_sum[j] = len > 0 ? 1.0f / sum : 0.0f;
-                        }
-                        memset(acc, 0, sizeof(float) * (size_t)(heads * d));
-                    }
-                    for (int64_t t = 0; t < len; ++t) {
-                        const int64_t p = first + t;
-                        const int64_t slot = table[p / block_size] * block_size + p % block_size;
-                        if (t + 4 < len) { /* the next slots are rarely adjacent across blocks */
-                            const int64_t pn = p + 4;
-                            const int64_t ahead = table[pn / block_size] * block_size + pn % block_size;
-                            const char *at = (const char *)pool + (ahead * slot_stride + part * kv * d) * elem;
-                            for (int64_t b = 0; b < kv * d * elem; b += 64) __builtin_prefetch(at + b, 0, 0);
-                        }
-                        row_f32(pool, slot * slot_stride + part * kv * d, kv * d, is_bf16, rows);
-                        for (int64_t j = 0; j < heads; ++j) {
-                            const float *row = rows + (j / g) * d;
-                            if (part == 0) {
-                                const float *qj = qf + j * d;
-                                float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                                for (int64_t e = 0; e < d; ++e) s += qj[e] * row[e];
-                                scores[j * longest + t] = s * scale;
-                            } else {
-                                const float w = scores[j * longest + t];
-                                float *aj = acc + j * d;
-#pragma omp simd
-                                for (int64_t e = 0; e < d; ++e) aj[e] += w * row[e];
-                            }
-                        }
-                    }
-                }
-                for (int64_t j = 0; j < heads; ++j) {
-                    const float *aj = acc + j * d;
-                    if (is_bf16) {
-                        uint16_t *dst = (uint16_t *)out + (i * heads + j) * d;
-                        for (int64_t e = 0; e < d; ++e) dst[e] = bf16_round(aj[e] * inv_sum[j]);
-                    } else {
-                        float *dst = (float *)out + (i * heads + j) * d;
-                        for (int64_t e = 0; e < d; ++e) dst[e] = aj[e] * inv_sum[j];
-                    }
+            const int64_t first = lo[i], len = hi[i] - lo[i];
+            const int64_t *table = tables + i * max_blocks;
+            row_f32(q, i * heads * d, heads * d, is_bf16, qf);
+#if FERROX_TILE_PATH
+            if (tiled) {
+                for (int64_t t = 0; t < len; ++t) slots[t] = slot_of(table, first + t, block_size);
+                for (int64_t t = len; t < len + 16; ++t) slots[t] = -1;
+                sequence_tiled(qf, pool, pool_kind, slots, len, kv, g, d, scale, longest, scores, acc, rows,
+                               inv_sum);
+            } else
+#endif
+                sequence_generic(qf, pool, pool_kind, table, first, len, block_size, kv, g, d, scale, longest,
+                                 scores, acc, rows, inv_sum);
+            for (int64_t j = 0; j < heads; ++j) {
+                const float *aj = acc + j * d;
+                if (is_bf16) {
+                    uint16_t *dst = (uint16_t *)out + (i * heads + j) * d;
+                    for (int64_t e = 0; e < d; ++e) dst[e] = bf16_round(aj[e] * inv_sum[j]);
+                } else {
+                    float *dst = (float *)out + (i * heads + j) * d;
+                    for (int64_t e = 0; e < d; ++e) dst[e] = aj[e] * inv_sum[j];
                 }
             }
         }
