@@ -13,7 +13,7 @@ Two hot spots of a CPU decode step are not worth torch's generic kernels:
   per 8 dot products): 1.9x the one-slot loop with the pool in cache (2-core
   AVX2 EPYC, 32 sequences x 142 positions). The pool may be stored narrower
   than the queries (fp16 or bf16 under float32), widened exactly on load;
-  from DRAM an fp16 pool measured 0.98-1.47x the float32 one over four runs
+  from DRAM an fp16 pool measured 0.98-1.47x the float32 one over three runs
   (`scripts/bench_decode_attention.py`), within this machine's noise, so the
   decoder still stores KV in its own dtype.
 * RMSNorm with the residual add before it (`csrc/rms_norm.c`): one call

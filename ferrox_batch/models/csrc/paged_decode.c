@@ -24,12 +24,16 @@
  * horizontal sum per dot product. The AVX2 one (x86 with AVX2 + FMA, head sizes that are
  * a multiple of 8) widens 8 slots at a time into a float32 tile, scores all 8 against a
  * query head at once (one transposing reduction for 8 dot products) and accumulates the
- * values with the head's accumulator in registers across the tile: the generic loop is
- * bound by its reductions, not by memory, so halving the pool's bytes (fp16) gains nothing
- * there and about 2x here.
+ * values with the head's accumulator in registers across the tile. The generic loop is
+ * bound by its reductions, not by memory, so a narrower pool (fp16) gains it nothing; the
+ * tiled one is about 2x as fast with the pool in cache, and from DRAM an fp16 pool measured
+ * 0.98-1.47x a float32 one (scripts/bench_decode_attention.py).
  * Returns 0, or -1 when scratch memory could not be had (out is then unspecified).
  */
 #include "half.h"
+
+/* Slots the tiled path widens and scores at once (one AVX2 vector of scores). */
+#define TILE 8
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -97,8 +101,6 @@ static void sequence_generic(const float *qf, const void *pool, int kind, const 
 }
 
 #if FERROX_TILE_PATH
-#define TILE 8
-
 static inline __m256 load8(const void *base, int64_t offset, int kind) {
     if (kind == ELEM_F32) return _mm256_loadu_ps((const float *)base + offset);
     const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + offset));
@@ -191,8 +193,8 @@ int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, 
         /* Per thread: scores [heads, longest], the query and accumulators [heads, d], the widened
          * rows (one slot [kv, d], or a tile of them), 1 / sum per query head, and the tiled path's
          * slot ids (longest + 2 tiles of int64, as floats' room: 2 floats each). */
-        const int64_t rows_len = tiled ? 8 * kv * d : kv * d;
-        const int64_t slots_len = tiled ? 2 * (longest + 16) : 0;
+        const int64_t rows_len = tiled ? TILE * kv * d : kv * d;
+        const int64_t slots_len = tiled ? 2 * (longest + 2 * TILE) : 0;
         float *scratch = (float *)malloc(sizeof(float) * (size_t)(heads * longest + 2 * heads * d + rows_len + heads
                                                                    + slots_len + 16));
         float *scores = scratch;
@@ -215,7 +217,7 @@ int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, 
 #if FERROX_TILE_PATH
             if (tiled) {
                 for (int64_t t = 0; t < len; ++t) slots[t] = slot_of(table, first + t, block_size);
-                for (int64_t t = len; t < len + 16; ++t) slots[t] = -1;
+                for (int64_t t = len; t < len + 2 * TILE; ++t) slots[t] = -1;
                 sequence_tiled(qf, pool, pool_kind, slots, len, kv, g, d, scale, longest, scores, acc, rows,
                                inv_sum);
             } else
