@@ -19,7 +19,6 @@ says so.
 
 from __future__ import annotations
 
-import queue
 import threading
 import weakref
 from typing import Any, Callable, Sequence

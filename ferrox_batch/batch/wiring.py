@@ -85,7 +85,7 @@ def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> P
     try:
         return decoder.new_store(config.kv_block_size, num_blocks=config.kv_blocks, prefix_cache=config.prefix_cache)
     except (MemoryError, torch.OutOfMemoryError) as failed:
-        size = config.kv_blocks * PagedKvStore.bytes_per_block(decoder.config, config.kv_block_size, decoder.dtype)
+        size = config.kv_blocks * PagedKvStore.bytes_per_block(decoder.config, config.kv_block_size, decoder.kv_dtype)
         raise MemoryError(f"could not allocate the KV pool of {config.kv_blocks} blocks x {config.kv_block_size} "
                           f"positions ({size / 2**30:.2f} GiB) on {decoder.device}: {failed}; give a smaller "
                           "kv_blocks (or --kv-memory)") from failed
@@ -94,7 +94,7 @@ def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> P
 def default_kv_blocks(decoder, block_size: int) -> int:
     """Blocks of `block_size` positions in the default KV memory budget of the decoder's device (logged)."""
     budget = default_kv_memory(decoder.device)
-    per_block = PagedKvStore.bytes_per_block(decoder.config, block_size, decoder.dtype)
+    per_block = PagedKvStore.bytes_per_block(decoder.config, block_size, decoder.kv_dtype)
     blocks = budget.bytes // per_block
     if blocks < 1:
         raise MemoryError(f"no KV block of {block_size} positions ({per_block} bytes) fits in {budget.reason}")

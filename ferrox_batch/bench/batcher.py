@@ -84,6 +84,8 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16w"),
                    help="auto: what `ferrox-batch serve` would pick on this machine (default)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=("auto", "fp32", "fp16", "bf16"),
+                   help="what our KV cache stores (auto: as `ferrox-batch serve` picks)")
     p.add_argument("--quick", action="store_true",
                    help="4 requests x 8 tokens (c: 2 conversations x 2 turns x 8 tokens), 1 repeat")
     p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
@@ -175,7 +177,8 @@ def child_main(args: argparse.Namespace) -> int:
 
 def child_argv(args: argparse.Namespace, method: str, shape: str, out: str, kv: int, cb: int) -> list[str]:
     argv = [sys.executable, "-m", CHILD_MODULE, "--child", f"{method}:{shape}", "--out", out,
-            "--model", args.model, "--dtype", args.dtype, "--seed", str(args.seed), "--threads", str(args.threads),
+            "--model", args.model, "--dtype", args.dtype, "--kv-cache-dtype", args.kv_cache_dtype,
+            "--seed", str(args.seed), "--threads", str(args.threads),
             "--timeout", str(args.timeout), "--max-seqs", str(args.max_seqs),
             "--prefill-chunk", str(args.prefill_chunk), "--max-batch-tokens", str(args.max_batch_tokens),
             "--max-prefills-per-tick", str(args.max_prefills_per_tick), "--step-target-ms", str(args.step_target_ms),

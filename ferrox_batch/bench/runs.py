@@ -40,7 +40,7 @@ def run_ours(args, requests: list[Request], kv_blocks: int, chat=None, *, prefix
     from ferrox_batch.generation_types import GenerationParams
     from ferrox_batch.models.loader import load_model
 
-    model = load_model(args.model, device="cpu", dtype=args.dtype)
+    model = load_model(args.model, device="cpu", dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     loaded = peak_rss_mb()
     config = BatcherConfig(max_seqs=args.max_seqs or UNLIMITED, prefill_chunk=args.prefill_chunk,
                            max_batch_tokens=args.max_batch_tokens, kv_block_size=args.kv_block_size,

@@ -34,6 +34,8 @@ ENV_HOME = "FERROX_HOME"
 #: `--dtype` values: `models.device.PRECISION_NAMES` plus auto (spelled out so that `--help` needs no
 #: torch; a test keeps the two equal).
 DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "fp16w")
+#: `--kv-cache-dtype`: auto and `models.device.KV_CACHE_DTYPES` (a test keeps them equal).
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp32", "fp16", "bf16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 #: `create_app`'s defaults, repeated so that building the parser imports no server (nor torch); a test
 #: keeps them equal to `server.requests` and `server.app`.
@@ -145,9 +147,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", type=_device, default="auto",
                        help="auto (CUDA if torch sees a GPU, else the CPU), cpu, cuda, cuda:N (default: auto)")
     group.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                       help="weights and KV precision; fp16w is fp32 with the linear weights in fp16 (a CPU "
+                       help="compute precision; fp16w is fp32 with the linear weights in fp16 (a CPU "
                             "without native bf16). auto is bf16 on CUDA; on the CPU bf16 where it has native bf16 "
                             "matmuls, else fp16w where fbgemm runs, else fp32 (default: auto)")
+    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
+                       help="what the KV cache stores; auto is fp16 under fp32 compute on the CPU (half the bytes "
+                            "per position, widened exactly when read), else the compute dtype (default: auto)")
     _add_home_flag(group)
     group.add_argument("--no-progress", action="store_true", help="no progress bars while fetching")
 
@@ -195,7 +200,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str]) -> LoadedModel:
         raise CliError(f"--device: {err}", status=2) from None
     path = model_path(args, env)
     try:
-        return load_model(path, device=args.device, dtype=args.dtype)
+        return load_model(path, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     except (ModelLoadError, ValueError, OSError) as err:  # UnsupportedArchitecture is a ModelLoadError
         message = str(err)
         raise CliError(message if str(path) in message else f"cannot load {path}: {message}") from None

@@ -66,7 +66,8 @@ def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: Bat
     spec = ReplicaSpec(str(model_path(args, env)), args.model_name, args.device, args.dtype, config, memory, {
         "default_max_tokens": args.default_max_tokens, "default_chat_max_tokens": args.default_chat_max_tokens,
         "max_concurrent_requests": args.max_concurrent_requests, "api_key": key,
-        "allowed_origins": args.allowed_origins}, log_level=logging.getLogger("ferrox_batch").level)
+        "allowed_origins": args.allowed_origins}, log_level=logging.getLogger("ferrox_batch").level,
+        kv_cache_dtype=args.kv_cache_dtype)
     app = build_application(spec, args.replicas, max_replicas=args.max_replicas, router=args.router or "affinity",
                             replica_cpus=cpus, replica_gpus=1.0 if device.type == "cuda" else 0.0)
     # Enough logical CPUs for every replica autoscaling may start, on a machine with fewer cores.

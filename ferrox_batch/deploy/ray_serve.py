@@ -47,6 +47,7 @@ from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.deploy import ROUTERS
 from ferrox_batch.deploy.relay import REPLICA_HEADER, InProcessApp, RelayedRequest, relayed_response
 from ferrox_batch.errors import DecodeError
+from ferrox_batch.models.device import KV_CACHE_DTYPES
 from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
 from ferrox_batch.server.errors import error_response
 from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST
@@ -83,6 +84,8 @@ class ReplicaSpec:
     kv_memory: int | None = None
     #: `create_app` keywords (APP_KEYWORDS).
     app: Mapping[str, Any] = field(default_factory=dict)
+    #: What the KV cache stores (`--kv-cache-dtype`).
+    kv_cache_dtype: str = "auto"
     #: Replicas sharing one machine's default KV budget (`models.memory.default_kv_memory`), when neither
     #: `kv_memory` nor `batcher.kv_blocks` is set: each takes this share of it.
     kv_share: int = 1
@@ -95,6 +98,9 @@ class ReplicaSpec:
             raise ValueError(f"unknown app settings {sorted(unknown)}; known: {', '.join(APP_KEYWORDS)}")
         if isinstance(self.kv_share, bool) or not isinstance(self.kv_share, int) or self.kv_share < 1:
             raise ValueError(f"kv_share must be a positive integer, got {self.kv_share!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of auto, "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
 
     def max_ongoing_requests(self) -> int:
         """Requests Serve may hand one replica at once: its whole batch plus its queue, within the app's cap."""
@@ -120,7 +126,7 @@ class FerroxReplica:
 
         if spec.log_level is not None:
             logging.getLogger("ferrox_batch").setLevel(spec.log_level)
-        loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype)
+        loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
         config = spec.batcher
         if config.kv_blocks is None:
             memory = spec.kv_memory

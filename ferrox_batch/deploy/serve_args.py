@@ -41,8 +41,8 @@ def app_builder(args: dict[str, Any]) -> Application:
         origins = args["allowed_origins"]
         app["allowed_origins"] = tuple(o.strip() for o in origins.split(",") if o.strip()) \
             if isinstance(origins, str) else tuple(origins)
-    known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_memory", "replicas",
-                                          "max_replicas", "router", "replica_cpus", "replica_gpus"}
+    known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "kv_memory",
+                                          "replicas", "max_replicas", "router", "replica_cpus", "replica_gpus"}
     unknown = set(args) - known
     if unknown:
         raise ValueError(f"unknown application args {sorted(unknown)}")
@@ -50,7 +50,8 @@ def app_builder(args: dict[str, Any]) -> Application:
     spec = ReplicaSpec(str(Path(str(args["model"])).expanduser()), args.get("model_name"),
                        str(args.get("device", "auto")), str(args.get("dtype", "auto")),
                        dataclasses.replace(BatcherConfig.serving(), **batcher),
-                       parse_memory_size(str(memory)) if memory is not None else None, app)
+                       parse_memory_size(str(memory)) if memory is not None else None, app,
+                       kv_cache_dtype=str(args.get("kv_cache_dtype", "auto")))
     return build_application(
         spec, _whole("replicas", args.get("replicas", 1)),
         max_replicas=_whole("max_replicas", args["max_replicas"]) if "max_replicas" in args else None,

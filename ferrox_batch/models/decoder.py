@@ -18,6 +18,10 @@ Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
 matmuls, prepacked at load on the CPU (`models.linear`): for oneDNN, or in
 fp16 for fbgemm when the precision is `fp16w`. The decoder is stateless between calls; all per-sequence state is in
 the store.
+
+The store may hold K/V narrower than the decoder computes (`kv_dtype`: fp16 under `fp16w`, chosen by
+`models.device.choose_kv_dtype`): they are rounded once, when written, and widened wherever read (exactly, in
+the C kernel; by a copy of the gathered context on the torch path).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.errors import ModelLoadError
 from ferrox_batch.models.linear import Linear
 from ferrox_batch.models.cpu_kernels import CpuKernels, cpu_kernels
+from ferrox_batch.models.device import KV_CACHE_DTYPES
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.rope import apply_rope, rope_tables
 
@@ -59,12 +64,19 @@ class Decoder:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         weights_format: str = "dtype",
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         """`weights_format` is how the linear layers (the lm head included) store their weights:
-        in `dtype`, or "fp16" (an fp32 model on the CPU; `models.linear`)."""
+        in `dtype`, or "fp16" (an fp32 model on the CPU; `models.linear`). `kv_dtype` is what the KV
+        store holds (`dtype` when None): K and V are rounded to it once, when written."""
+        if kv_dtype is None:
+            kv_dtype = dtype
+        if kv_dtype not in KV_CACHE_DTYPES.values():
+            raise ValueError(f"a KV store holds one of {', '.join(KV_CACHE_DTYPES)}; got {kv_dtype}")
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
+        self.kv_dtype = kv_dtype
         self.weights_format = weights_format
         take = _Taker(weights, self.device, dtype)
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
@@ -79,9 +91,14 @@ class Decoder:
         if unused:
             raise ModelLoadError(f"checkpoint has tensors this architecture does not use: {sorted(unused)[:5]}")
         self.cos, self.sin = rope_tables(config, self.device, dtype)
-        self.kernels: CpuKernels | None = None
-        if self.device.type == "cpu" and CpuKernels.supports(dtype):
-            self.kernels = cpu_kernels()
+        self.kernels = self.kernels_for(self.device, dtype)
+
+    @staticmethod
+    def kernels_for(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
+        """The C kernels a decoder on `device` computing in `dtype` runs (None: torch's ops only)."""
+        if device.type == "cpu" and CpuKernels.supports(dtype):
+            return cpu_kernels()
+        return None
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 keep_weight: bool = False) -> Linear:
@@ -136,10 +153,10 @@ class Decoder:
         if (num_blocks is None) == (memory_bytes is None):
             raise ValueError("give exactly one of num_blocks and memory_bytes")
         if num_blocks is not None:
-            return PagedKvStore(self.config, num_blocks, block_size, device=self.device, dtype=self.dtype,
+            return PagedKvStore(self.config, num_blocks, block_size, device=self.device, dtype=self.kv_dtype,
                                 prefix_cache=prefix_cache)
         return PagedKvStore.from_memory_budget(
-            self.config, int(memory_bytes), block_size, device=self.device, dtype=self.dtype,
+            self.config, int(memory_bytes), block_size, device=self.device, dtype=self.kv_dtype,
             prefix_cache=prefix_cache,
         )
 
@@ -153,9 +170,9 @@ class Decoder:
         """`forward`, and for each chunk index in `every` (ascending) the `[len(chunk), vocab]` logits of
         every one of its positions (what a prompt's own log-probabilities are read from)."""
         c = self.config
-        if store.dtype != self.dtype or store.device != self.device:
+        if store.dtype != self.kv_dtype or store.device != self.device:
             raise ValueError(
-                f"store is {store.dtype} on {store.device} but the decoder runs {self.dtype} on {self.device}"
+                f"store holds {store.dtype} on {store.device} but the decoder's KV is {self.kv_dtype} on {self.device}"
             )
         kernel = self.kernels
         inputs = build_inputs(chunks, store, c.vocab_size, c.sliding_window, decode_gather=kernel is None)
@@ -184,7 +201,7 @@ class Decoder:
             q = qk[:, :heads]
             v = qkv[:, q_width + kv_width:].view(n_tok, kv_heads, c.head_dim)
             pool = store.kv[index]
-            pool.index_copy_(0, inputs.slots, torch.stack((qk[:, heads:], v), dim=1))
+            pool.index_copy_(0, inputs.slots, torch.stack((qk[:, heads:], v), dim=1).to(pool.dtype))
             parts = []
             n_dec = 0
             if inputs.decode is not None:
@@ -235,7 +252,7 @@ class Decoder:
         else:
             # Gather each sequence's K and V, `[N, kv_heads, L, head_dim]`, with one `index_select`;
             # the query heads that share a KV head are its "query length" (GQA without expansion).
-            ctx = pool.index_select(0, group.ctx_slots).view(n, -1, 2, c.num_kv_heads, c.head_dim)
+            ctx = pool.index_select(0, group.ctx_slots).to(q.dtype).view(n, -1, 2, c.num_kv_heads, c.head_dim)
             k, v = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
             out = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask)
         return out.reshape(n, c.num_heads * c.head_dim)
@@ -248,7 +265,7 @@ class Decoder:
         for chunk in chunks:
             qc = q[row:row + chunk.length].transpose(0, 1)[None]  # [1, heads, len, hd]
             row += chunk.length
-            ctx = pool.index_select(0, chunk.ctx_slots)  # [L, 2, kv, hd]
+            ctx = pool.index_select(0, chunk.ctx_slots).to(q.dtype)  # [L, 2, kv, hd]
             k, v = ctx[:, 0].transpose(0, 1)[None], ctx[:, 1].transpose(0, 1)[None]  # [1, kv, L, hd]
             out = F.scaled_dot_product_attention(qc, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                                  enable_gqa=c.group_size > 1)

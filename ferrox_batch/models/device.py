@@ -159,6 +159,50 @@ def choose_dtype_reasoned(
                                       f"{speedup:.2f}x fp32 here, short of the {BF16_CLEAR_LEAD}x that would pick it")
 
 
+#: What `--kv-cache-dtype` accepts besides auto: the element type the paged KV store holds.
+KV_CACHE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class KvDtypeChoice:
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        """The KV element type as `--kv-cache-dtype` spells it."""
+        return next(name for name, dtype in KV_CACHE_DTYPES.items() if dtype == self.dtype)
+
+
+def choose_kv_dtype(asked: str | torch.dtype | None, precision: DtypeChoice, device: torch.device,
+                    reads_in_place: bool) -> KvDtypeChoice:
+    """What the KV store holds, and why: a named type as asked, else `auto`'s rule.
+
+    `auto` stores fp16 K/V in the `fp16w` precision (fp32 arithmetic over 16-bit storage) when
+    the decode attention reads K/V from the pool in place (`reads_in_place`: the CPU's C kernel,
+    which widens fp16 exactly): a decode step then reads half the KV bytes, the pool holds twice
+    the positions in the same memory, and the quality bound holds (a test measures it; llama.cpp's
+    server stores f16 K/V by default too). Everywhere else the store holds the compute dtype: plain
+    `fp32` stays fp32 throughout (what the tests compare with transformers token for token), the
+    torch path gathers the context and would pay a widening copy, and bf16 or fp16 compute is
+    already 16 bits.
+    """
+    if isinstance(asked, torch.dtype):
+        if asked not in KV_CACHE_DTYPES.values():
+            raise ValueError(f"a KV cache holds one of {', '.join(KV_CACHE_DTYPES)}; got {asked}")
+        return KvDtypeChoice(asked, "asked for")
+    if asked is not None and asked != "auto":
+        try:
+            return KvDtypeChoice(KV_CACHE_DTYPES[asked], "asked for")
+        except KeyError:
+            raise ValueError(f"unknown KV cache dtype {asked!r}; use one of auto, "
+                             f"{', '.join(KV_CACHE_DTYPES)}") from None
+    if device.type == "cpu" and precision.name == FP16_WEIGHTS and reads_in_place:
+        return KvDtypeChoice(torch.float16, f"auto: {FP16_WEIGHTS} with the in-place decode kernel: fp16 K/V halve "
+                                            "the bytes a decode step reads and double the pool's positions")
+    return KvDtypeChoice(precision.dtype, "auto: the compute dtype")
+
+
 def choose_device(device: str | torch.device | None = None) -> torch.device:
     if device is None or str(device) == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

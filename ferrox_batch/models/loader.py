@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.decoder import Decoder
-from ferrox_batch.models.device import choose_device, choose_dtype_reasoned
+from ferrox_batch.models.device import KvDtypeChoice, choose_device, choose_dtype_reasoned, choose_kv_dtype
 from ferrox_batch.models.errors import ModelLoadError
 from ferrox_batch.models.kv import KvElem, KvShape
 from ferrox_batch.models.tokenizer import Tokenizer
@@ -39,10 +39,17 @@ class LoadedModel:
     dtype_reason: str = "asked for"
     #: The precision as `--dtype` spells it (`fp16w`: fp32 with fp16 linear weights).
     precision: str = "fp32"
+    #: Why the KV store holds `decoder.kv_dtype` (`auto`'s rule, or "asked for").
+    kv_dtype_reason: str = "asked for"
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """What the KV store holds, as `--kv-cache-dtype` spells it."""
+        return KvDtypeChoice(self.decoder.kv_dtype, self.kv_dtype_reason).name
 
     def kv_shape(self) -> KvShape:
         """KV bytes per position for the dtype the store will hold (the ceiling prices with it)."""
-        elem = KvElem.F32 if self.decoder.dtype == torch.float32 else KvElem.F16
+        elem = KvElem.F32 if self.decoder.kv_dtype == torch.float32 else KvElem.F16
         return KvShape.from_config(self.config, elem)
 
 
@@ -51,18 +58,21 @@ def load_model(
     *,
     device: str | torch.device | None = "auto",
     dtype: str | torch.dtype | None = "auto",
+    kv_cache_dtype: str | torch.dtype | None = "auto",
 ) -> LoadedModel:
+    """`dtype` is the precision (`models.device`); `kv_cache_dtype` what the KV store holds (auto, fp32,
+    fp16 or bf16: `device.choose_kv_dtype`)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"no model at {path}")
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, device, dtype)
+        return _load_gguf(path, device, dtype, kv_cache_dtype)
     if not path.is_dir():
         raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
     config = ModelConfig.from_file(path / "config.json")
     tokenizer = Tokenizer.from_dir(path)
     weights = _read_safetensors(path)
-    return _build(config, weights, tokenizer, path, device, dtype)
+    return _build(config, weights, tokenizer, path, device, dtype, kv_cache_dtype)
 
 
 def _build(
@@ -72,6 +82,7 @@ def _build(
     source: Path,
     device: str | torch.device | None,
     dtype: str | torch.dtype | None,
+    kv_cache_dtype: str | torch.dtype | None,
 ) -> LoadedModel:
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(
@@ -80,7 +91,10 @@ def _build(
     tokenizer.pad_to(config.vocab_size)
     chosen_device = choose_device(device)
     chosen = choose_dtype_reasoned(dtype, chosen_device, config)
-    decoder = Decoder(config, weights, device=chosen_device, dtype=chosen.dtype, weights_format=chosen.weights)
+    in_place = Decoder.kernels_for(chosen_device, chosen.dtype) is not None
+    kv = choose_kv_dtype(kv_cache_dtype, chosen, chosen_device, in_place)
+    decoder = Decoder(config, weights, device=chosen_device, dtype=chosen.dtype, weights_format=chosen.weights,
+                      kv_dtype=kv.dtype)
     kinds = ", ".join(f"{count} {kind}" for kind, count in decoder.linear_kinds.items())
     precision, reason = chosen.name, chosen.reason
     if chosen.weights == "fp16" and "fbgemm_fp16" not in decoder.linear_kinds:
@@ -88,8 +102,9 @@ def _build(
         precision, reason = "fp32", f"{reason}; fbgemm's fp16 linear is not available here, so fp32 weights"
         log.warning("%s: fp16 weights were asked for but fbgemm's fp16 linear did not load; running fp32",
                     source.name)
-    log.info("%s runs in %s on %s (linear kernels: %s): %s", source.name, precision, chosen_device, kinds, reason)
-    return LoadedModel(config, decoder, tokenizer, source, reason, precision)
+    log.info("%s runs in %s on %s (linear kernels: %s): %s; KV cache in %s: %s", source.name, precision,
+             chosen_device, kinds, reason, kv.name, kv.reason)
+    return LoadedModel(config, decoder, tokenizer, source, reason, precision, kv.reason)
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -114,7 +129,8 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _load_gguf(
-    path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None
+    path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None,
+    kv_cache_dtype: str | torch.dtype | None,
 ) -> LoadedModel:
     from ferrox_batch.models.gguf_convert import read_gguf
 
@@ -128,4 +144,4 @@ def _load_gguf(
         source=str(path),
     )
     weights = {name: torch.from_numpy(array) for name, array in ckpt.tensors.items()}
-    return _build(config, weights, tokenizer, path, device, dtype)
+    return _build(config, weights, tokenizer, path, device, dtype, kv_cache_dtype)

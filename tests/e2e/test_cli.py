@@ -130,8 +130,20 @@ def test_the_budget_applies_only_without_a_block_count(tiny_batch_model) -> None
     assert cli.with_kv_budget(dataclasses.replace(config, kv_blocks=9), per_block, tiny_batch_model).kv_blocks == 9
 
 
+def test_the_budget_holds_twice_the_blocks_when_the_kv_cache_stores_16_bits(tiny_batch_dir) -> None:
+    from ferrox_batch.models.loader import load_model
+
+    wide = load_model(tiny_batch_dir, device="cpu", dtype="fp32", kv_cache_dtype="fp32")
+    narrow = load_model(tiny_batch_dir, device="cpu", dtype="fp32", kv_cache_dtype="fp16")
+    per_block = PagedKvStore.bytes_per_block(wide.config, 16, torch.float32)
+    config = BatcherConfig(kv_block_size=16)
+    assert cli.with_kv_budget(config, 3 * per_block, wide).kv_blocks == 3
+    assert cli.with_kv_budget(config, 3 * per_block, narrow).kv_blocks == 6
+
+
 def test_constants_repeated_to_keep_help_light_match_their_sources() -> None:
-    from ferrox_batch.models.device import PRECISION_NAMES
+    from ferrox_batch.cli.common import KV_CACHE_DTYPE_CHOICES
+    from ferrox_batch.models.device import KV_CACHE_DTYPES, PRECISION_NAMES
     from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
     from ferrox_batch.server.requests import (
         DEFAULT_CHAT_MAX_TOKENS,
@@ -139,6 +151,7 @@ def test_constants_repeated_to_keep_help_light_match_their_sources() -> None:
     )
 
     assert cli.DTYPE_CHOICES == ("auto", *PRECISION_NAMES)
+    assert KV_CACHE_DTYPE_CHOICES == ("auto", *KV_CACHE_DTYPES)
     assert cli.DEFAULT_COMPLETION_MAX_TOKENS == DEFAULT_COMPLETION_MAX_TOKENS
     assert cli.DEFAULT_CHAT_MAX_TOKENS == DEFAULT_CHAT_MAX_TOKENS
     assert cli.DEFAULT_MAX_CONCURRENT_REQUESTS == DEFAULT_MAX_CONCURRENT_REQUESTS
@@ -172,6 +185,7 @@ def test_a_bad_environment_variable_exits_2_with_its_message(tmp_path: Path, cap
     ["serve", "--max-seqs", "0"], ["serve", "--port", "70000"], ["serve", "--kv-memory", "12X"],
     ["serve", "--kv-blocks", "4", "--kv-memory", "1GiB"], ["generate", "hi", "--max-tokens", "many"],
     ["generate", "hi", "--dtype", "int3"], ["generate", "hi", "--device", "toaster"],
+    ["serve", "--kv-cache-dtype", "fp8"],
 ])
 def test_bad_flags_exit_2_in_one_line(argv: list[str], capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
@@ -241,8 +255,9 @@ def test_serve_help_names_every_flag_and_variable(capsys) -> None:
     for flag, env_name, _default, _meaning in [*cli.BATCHER_FLAGS.values(), *cli.BATCHER_SWITCHES.values()]:
         assert flag in out and env_name in out
     assert "--no-prefix-cache" in out
-    for flag in ("--model", "--host", "--port", "--device", "--dtype", "--model-name", "--kv-memory",
-                 "--default-max-tokens", "--log-level", "FERROX_CB_KV_MEMORY", "default: 25 percent of available memory"):
+    for flag in ("--model", "--host", "--port", "--device", "--dtype", "--kv-cache-dtype", "--model-name",
+                 "--kv-memory", "--default-max-tokens", "--log-level", "FERROX_CB_KV_MEMORY",
+                 "default: 25 percent of available memory"):
         assert flag in out
 
 
@@ -363,8 +378,8 @@ def test_stop_strings_read_backslash_escapes() -> None:
 def test_serve_runs_answers_and_stops_cleanly_on_sigint(tiny_batch_dir: Path) -> None:
     port = free_port()
     argv = [sys.executable, "-m", "ferrox_batch.cli", "serve", "--model", str(tiny_batch_dir), "--port", str(port),
-            "--kv-memory", "1MiB", "--kv-block-size", "16", "--dtype", "float32", "--device", "cpu",
-            "--model-name", "tiny-cli"]
+            "--kv-memory", "1MiB", "--kv-block-size", "16", "--dtype", "float32", "--kv-cache-dtype", "fp16",
+            "--device", "cpu", "--model-name", "tiny-cli"]
     with server_process(argv) as server:
         wait_healthy(f"http://127.0.0.1:{port}", server, timeout=60)
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
@@ -379,8 +394,9 @@ def test_serve_runs_answers_and_stops_cleanly_on_sigint(tiny_batch_dir: Path) ->
     output = server.output()
     assert "Traceback" not in output and "Finished server process" in output
     per_block = PagedKvStore.bytes_per_block(ModelConfig.from_file(tiny_batch_dir / "config.json"), 16,
-                                             torch.float32)
+                                             torch.float16)
     assert f"KV budget {MiB // per_block} blocks x 16 positions" in output
+    assert "KV cache fp16: asked for" in output
     assert wait_port_free(port)
 
 

@@ -152,9 +152,10 @@ def test_a_batch_of_different_lengths_matches_each_sequence_alone(tiny_model):
 
 @pytest.mark.parametrize("variant", ["llama", "mistral-window"])
 @pytest.mark.parametrize("kernels", [True, False])
-def test_stale_pool_memory_never_reaches_the_logits(tiny_variant_dirs, device, variant, kernels):
+@pytest.mark.parametrize("kv", ["fp32", "fp16"])
+def test_stale_pool_memory_never_reaches_the_logits(tiny_variant_dirs, device, variant, kernels, kv):
     """The store never clears a lease: whatever the pool held (NaN here) must not matter."""
-    model = load_model(tiny_variant_dirs[variant], device=device, dtype="float32")
+    model = load_model(tiny_variant_dirs[variant], device=device, dtype="float32", kv_cache_dtype=kv)
     if not kernels:
         model.decoder.kernels = None  # the torch gather path, as on CUDA
     enc = [model.tokenizer.encode(p) for p in PROMPTS]  # different lengths: padded tables, masks
@@ -205,6 +206,36 @@ def test_bf16_runs_and_stays_close_to_fp32(tiny_llama_dir, device):
     assert b.dtype == torch.float32
     # bf16's own roundings along the forward, against float32 (whose error counts too).
     assert_logits_close(b, a, fp32.config, len(ids), torch.bfloat16)
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_an_fp16_kv_cache_stays_close_to_fp32(tiny_llama_dir, device, kernels):
+    """K and V rounded to fp16 once, when written; every read widens them back. The prefill (torch's
+    SDPA over the gathered context) and the decode steps (the C kernel, or torch's gather) both read
+    them, so the logits stay within fp16's own rounding along the forward of fp32's."""
+    fp32 = load_model(tiny_llama_dir, device=device, dtype="float32")
+    half = load_model(tiny_llama_dir, device=device, dtype="float32", kv_cache_dtype="fp16")
+    if not kernels:
+        half.decoder.kernels = None
+    ids = fp32.tokenizer.encode(PROMPTS[2])
+    steps = [5, 17, 3, 250]
+
+    def run(model):
+        store = model.decoder.new_store(4, num_blocks=64)
+        store.add_sequence(0, len(ids) + len(steps))
+        out = [model.decoder.forward([SeqChunk(0, ids)], store)[0]]
+        out += [model.decoder.forward([SeqChunk(0, [token])], store)[0] for token in steps]
+        return out, store
+
+    want, wide = run(fp32)
+    got, narrow = run(half)
+    assert narrow.kv.dtype == torch.float16
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert_logits_close(a, b, fp32.config, len(ids) + i, torch.float16, note=f"step {i}")
+    # The first layer's K and V come from identical inputs: the store holds exactly their fp16 rounding.
+    slots = narrow.seq(0).table.repeat_interleave(4)[: len(ids) + len(steps)]
+    slots = slots * 4 + torch.arange(len(slots)) % 4
+    assert torch.equal(narrow.kv[0][slots], wide.kv[0][slots].half())
 
 
 def test_a_token_outside_the_vocabulary_is_a_typed_error(tiny_model):

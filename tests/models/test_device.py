@@ -1,4 +1,5 @@
-"""`auto` picks the dtype from what the CPU reports, the same on every start, and says why."""
+"""`auto` picks the dtype (and what the KV cache stores) from what the CPU reports, the same on every start,
+and says why."""
 
 from __future__ import annotations
 
@@ -10,9 +11,12 @@ import torch
 from ferrox_batch.models import device as device_module
 from ferrox_batch.models.device import (
     BF16_CLEAR_LEAD,
+    KV_CACHE_DTYPES,
     CpuFeatures,
+    DtypeChoice,
     choose_dtype,
     choose_dtype_reasoned,
+    choose_kv_dtype,
     cpu_description,
     cpu_dtype_from_features,
 )
@@ -131,3 +135,46 @@ def test_fp16_weights_load_as_asked_where_fbgemm_runs(tiny_llama_dir):
         pytest.skip("this torch build has no fbgemm")
     model = load_model(tiny_llama_dir, device="cpu", dtype="fp16w")
     assert model.precision == "fp16w" and set(model.decoder.linear_kinds) == {"fbgemm_fp16"}
+
+
+FP16W = DtypeChoice(torch.float32, "asked for", "fp16")
+FP32 = DtypeChoice(torch.float32, "asked for")
+BF16 = DtypeChoice(torch.bfloat16, "asked for")
+
+
+@pytest.mark.parametrize("precision, device, in_place, want", [
+    (FP16W, CPU, True, torch.float16),     # 16-bit storage, fp32 arithmetic: the in-place kernel widens it
+    (FP16W, CPU, False, torch.float32),    # the torch path would gather and widen a copy every layer
+    (FP32, CPU, True, torch.float32),      # plain fp32 stays fp32 throughout
+    (BF16, CPU, True, torch.bfloat16),
+    (BF16, torch.device("cuda"), False, torch.bfloat16),
+])
+def test_auto_stores_fp16_kv_only_under_fp16_weights_with_the_in_place_kernel(precision, device, in_place, want):
+    chosen = choose_kv_dtype("auto", precision, device, in_place)
+    assert chosen.dtype == want and chosen.reason.startswith("auto")
+    assert choose_kv_dtype(None, precision, device, in_place).dtype == want
+
+
+def test_a_named_kv_dtype_is_taken_as_asked_and_a_bad_one_is_refused():
+    for name, dtype in KV_CACHE_DTYPES.items():
+        for asked in (name, dtype):
+            chosen = choose_kv_dtype(asked, FP32, CPU, True)
+            assert (chosen.dtype, chosen.reason, chosen.name) == (dtype, "asked for", name)
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'int8'; use one of auto, fp32, fp16, bf16"):
+        choose_kv_dtype("int8", FP32, CPU, True)
+    with pytest.raises(ValueError, match="a KV cache holds one of fp32, fp16, bf16"):
+        choose_kv_dtype(torch.int8, FP32, CPU, True)
+
+
+def test_the_loader_stores_kv_as_chosen_and_prices_positions_with_it(tiny_llama_dir):
+    fp32 = load_model(tiny_llama_dir, device="cpu", dtype="fp32")
+    half = load_model(tiny_llama_dir, device="cpu", dtype="fp32", kv_cache_dtype="fp16")
+    assert (fp32.decoder.kv_dtype, fp32.kv_dtype_name) == (torch.float32, "fp32")
+    assert (half.decoder.kv_dtype, half.kv_dtype_name, half.kv_dtype_reason) == (torch.float16, "fp16", "asked for")
+    assert half.decoder.new_store(4, num_blocks=2).kv.dtype == torch.float16
+    assert 2 * half.kv_shape().per_token_kv_bytes() == fp32.kv_shape().per_token_kv_bytes()
+    on_cpu = load_model(tiny_llama_dir, device="cpu", dtype="fp16w")
+    want = torch.float16 if on_cpu.decoder.kernels is not None else torch.float32
+    assert on_cpu.decoder.kv_dtype == want and on_cpu.kv_dtype_reason.startswith("auto")
+    with pytest.raises(ValueError, match="unknown KV cache dtype"):
+        load_model(tiny_llama_dir, device="cpu", kv_cache_dtype="fp8")

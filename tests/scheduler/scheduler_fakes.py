@@ -17,7 +17,7 @@ from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.counters import Counters
 from ferrox_batch.batch.queue import AbortInbox, QueueGate
 from ferrox_batch.budget import ContextCeiling
-from ferrox_batch.errors import DecodeError, KvAllocationFailed, KvPoolExhausted
+from ferrox_batch.errors import DecodeError, KvPoolExhausted
 from ferrox_batch.generation_types import GenerationParams, GenerationResult
 from ferrox_batch.models.kv import KvElem, KvShape
 from ferrox_batch.scheduler.plan import StepPlan
