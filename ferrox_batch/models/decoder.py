@@ -9,9 +9,10 @@ once for the decode group and once per prefill chunk in each layer (see
 share a KV head are folded into the query-length axis of
 `scaled_dot_product_attention`.
 
-On the CPU two hot spots run in small C kernels (`cpu_kernels`): the decode
-group's attention reads K/V straight from the pool, and each RMSNorm takes
-the residual add before it in the same call. Set `kernels = None` to use
+On the CPU three hot spots run in small C kernels (`cpu_kernels`): the decode
+group's attention reads K/V straight from the pool, each RMSNorm takes the
+residual add before it in the same call, and RoPE rotates q and k in place in
+the fused projection and writes K/V to the pool in the same pass. Set `kernels = None` to use
 torch's ops instead (CUDA always does); both paths agree to float rounding.
 
 Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
@@ -176,9 +177,6 @@ class Decoder:
             )
         kernel = self.kernels
         inputs = build_inputs(chunks, store, c.vocab_size, c.sliding_window, decode_gather=kernel is None)
-        if kernel is not None and inputs.decode is not None:  # once per forward; the kernel reads unchecked
-            d = inputs.decode
-            kernel.check_decode_ranges(d.tables, d.lo, d.hi, store.block_size, store.num_blocks)
         n_tok = inputs.tokens.numel()
         # From the host-side lengths, not `positions.max()`: no device sync on CUDA.
         top = max(length for _, length in inputs.new_lengths) - 1
@@ -186,8 +184,14 @@ class Decoder:
             raise ValueError(
                 f"position {top} is past this model's {c.max_position_embeddings} trained positions"
             )
-        cos = self.cos[inputs.positions][:, None, :]
-        sin = self.sin[inputs.positions][:, None, :]
+        if kernel is not None:  # once per forward; the kernels read and write unchecked
+            kernel.check_rope_store(inputs.positions, inputs.slots, self.cos.shape[0], store.kv.shape[1])
+            if inputs.decode is not None:
+                d = inputs.decode
+                kernel.check_decode_ranges(d.tables, d.lo, d.hi, store.block_size, store.num_blocks)
+        if kernel is None:
+            cos = self.cos[inputs.positions][:, None, :]
+            sin = self.sin[inputs.positions][:, None, :]
         heads, kv_heads = c.num_heads, c.num_kv_heads
         q_width, kv_width = heads * c.head_dim, kv_heads * c.head_dim
 
@@ -196,12 +200,16 @@ class Decoder:
         for index, layer in enumerate(self.layers):
             h, x = self._add_norm(h, pending, layer.input_norm, kernel)
             qkv = layer.qkv(x)
-            # RoPE on q and k in one pass: their heads are adjacent in the fused projection.
-            qk = apply_rope(qkv[:, : q_width + kv_width].view(n_tok, heads + kv_heads, c.head_dim), cos, sin)
-            q = qk[:, :heads]
-            v = qkv[:, q_width + kv_width:].view(n_tok, kv_heads, c.head_dim)
             pool = store.kv[index]
-            pool.index_copy_(0, inputs.slots, torch.stack((qk[:, heads:], v), dim=1).to(pool.dtype))
+            if kernel is not None:  # RoPE in place and the K/V write, in one call
+                kernel.rope_store(qkv, self.cos, self.sin, inputs.positions, inputs.slots, pool, heads, checked=True)
+                q = qkv[:, :q_width].view(n_tok, heads, c.head_dim)
+            else:
+                # RoPE on q and k in one pass: their heads are adjacent in the fused projection.
+                qk = apply_rope(qkv[:, : q_width + kv_width].view(n_tok, heads + kv_heads, c.head_dim), cos, sin)
+                q = qk[:, :heads]
+                v = qkv[:, q_width + kv_width:].view(n_tok, kv_heads, c.head_dim)
+                pool.index_copy_(0, inputs.slots, torch.stack((qk[:, heads:], v), dim=1).to(pool.dtype))
             parts = []
             n_dec = 0
             if inputs.decode is not None:
