@@ -24,10 +24,9 @@ Three hot spots of a CPU decode step are not worth torch's generic kernels:
   projection rotates q and k in place and writes K and V into the pool at
   their slots, rounded to the pool's dtype, instead of torch's slices,
   concatenation, products, stack, cast and `index_copy_` (about ten small
-  kernels a layer, most too small for torch to split over threads). In the
-  default model's 32-row decode step (fp16w, fp16 K/V, 2-core AVX2 EPYC) the
-  step's time outside the linears, attention and norms fell from 13-17 ms to
-  9-12 ms.
+  kernels a layer, most too small for torch to split over threads): 2.9-5.3x
+  torch's ops per layer of the default model at 32 and 1,024 rows
+  (`scripts/bench_rope_store.py`, 2-core AVX2 EPYC).
 
 How: the sources are compiled with the system's GCC when first asked
 for in a process (0.3 s here), into a private temporary folder, and
