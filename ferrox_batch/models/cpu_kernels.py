@@ -1,4 +1,4 @@
-"""The CPU kernels in `csrc/`: building them once per process and calling them.
+"""The CPU kernels in `csrc/`: their typed, checked entry points.
 
 Three hot spots of a CPU decode step are not worth torch's generic kernels:
 
@@ -28,68 +28,22 @@ Three hot spots of a CPU decode step are not worth torch's generic kernels:
   torch's ops per layer of the default model at 32 and 1,024 rows
   (`scripts/bench_rope_store.py`, 2-core AVX2 EPYC).
 
-How: the sources are compiled with the system's GCC when first asked
-for in a process (0.3 s here), into a private temporary folder, and
-loaded with ctypes; nothing is cached on disk, so there is no stale build to
-invalidate. They run on the calling thread's OpenMP team: the library's
-`libgomp.so.1` dependency resolves to the runtime torch already loaded (the
-same soname), so it shares the worker's threads instead of starting more.
-ctypes drops the GIL for each call.
-
-When GCC is missing (clang is not used: its `-fopenmp` brings LLVM's OpenMP
-runtime, a second thread pool) or the build fails, `cpu_kernels()` returns
-None (logged once) and the decoder keeps torch's ops; the two paths agree to
-float rounding (tested).
-
-Instruction sets: `COMPILE_FLAGS` are tried in order and the first set that
-compiles wins. On x86-64 that is the first, `-march=native
--mprefer-vector-width=512`: code for the CPU that builds it. On an AVX2-only
-machine that is AVX2 + FMA with 256-bit vectors (the 512-bit preference has
-nothing to apply to) and glibc's AVX2 `expf`; on an AVX-512 machine, AVX-512
-with 512-bit vectors and the AVX-512 `expf`. No bf16 instructions are used on
-either (bf16 is widened and rounded with integer bit operations, `bf16.h`), so
-`avx512_bf16` and AMX change nothing here. The later sets are for compilers
-that refuse the earlier flags (the vector-width flag is x86-only); the last
-targets the compiler's baseline (SSE2 on x86-64). Building for `native` is safe
-because the library is built in the process that runs it, on that machine, and
-never cached: no build reaches another CPU (only a process moved live onto an
-older CPU would be caught out, as torch's own dispatch would be). Machines do
-differ in summation order (vector width, FMA, the `expf` variant), so the
-tests compare with bounds derived from the arithmetic, never bits, and build
-and check every flag set on whatever machine runs them.
-
-`-ffast-math`: the objects are *compiled* with it, which lets GCC vectorize
-the reductions (reassociating the sums), contract into FMA, call glibc's
-vector `expf` (within 4 ulps) and compute `1.0f / sqrtf(v)` as `rsqrtss` and
-one Newton step; it also assumes finite values, so a norm row holding an
-infinity comes out all NaN. The library is *linked* without it, because
-linking a shared library with `-ffast-math` adds a constructor that turns on
-flush-to-zero for the whole process (a test checks denormals survive).
+They are built once per process by `kernel_build` (the system's GCC, flags
+for the CPU that runs them, nothing cached); `cpu_kernels()` returns None
+when they cannot be, and the decoder then keeps torch's ops (the two paths
+agree to float rounding, tested). They run on the calling thread's OpenMP
+team, and ctypes drops the GIL for each call.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import shutil
-import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 
-log = logging.getLogger("ferrox_batch.models")
+from ferrox_batch.models.kernel_build import build_library
 
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.c", "rms_norm.c", "rope_store.c")
-#: GCC flag sets tried in order: the first that compiles wins (x86 first, then any target).
-COMPILE_FLAGS = (
-    ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math"],
-    ["-O3", "-march=native", "-ffast-math"],
-    ["-O3", "-ffast-math"],
-)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 #: What the decode kernel's pool may hold (its `pool_kind`, csrc/half.h): the activation dtypes, or fp16.
 _POOL_DTYPES = {**_DTYPES, torch.float16: 2}
@@ -248,58 +202,4 @@ def _check_cpu_contiguous(*tensors: torch.Tensor) -> None:
 @functools.lru_cache(maxsize=1)  # one build per process; the result never changes
 def cpu_kernels() -> CpuKernels | None:
     """The compiled kernels, or None when this machine cannot build them (the reason is logged)."""
-    began = time.monotonic()
-    compiler = _gnu_compiler()
-    if compiler is None:
-        log.warning("no GCC found: the decoder uses torch's ops for attention and norms")
-        return None
-    with tempfile.TemporaryDirectory(prefix="ferrox-kernels-") as folder:
-        lib = Path(folder) / "libferrox_cpu_kernels.so"
-        errors = []
-        for flags in COMPILE_FLAGS:
-            objects = [Path(folder) / f"{Path(name).stem}.o" for name in SOURCES]
-            built = None
-            for name, obj in zip(SOURCES, objects):
-                built = built or _run([compiler, *flags, "-fopenmp", "-fPIC", "-I", str(CSRC), "-c",
-                                       str(CSRC / name), "-o", str(obj)])
-            built = built or _run([compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(lib), "-lm"])
-            if built is None:
-                try:
-                    # Loaded while the file exists; the mapping outlives the folder.
-                    kernels = CpuKernels(ctypes.CDLL(str(lib)))
-                    log.info("CPU kernels built with %s %s in %.1f s", compiler, " ".join(flags),
-                             time.monotonic() - began)
-                    return kernels
-                except (OSError, AttributeError) as error:
-                    built = f"load failed: {error}"
-            errors.append(f"{' '.join(flags)}: {built}")
-        log.warning("the CPU kernels did not build; the decoder uses torch's ops for attention and norms:\n%s",
-                    "\n".join(errors))
-        return None
-
-
-def _gnu_compiler() -> str | None:
-    """GCC, as `gcc` or as a `cc` that is GCC. Clang's `-fopenmp` links LLVM's OpenMP runtime,
-    which would start a second set of threads beside torch's libgomp."""
-    for name in ("gcc", "cc"):
-        path = shutil.which(name)
-        if path is None:
-            continue
-        try:
-            version = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
-        except (OSError, subprocess.TimeoutExpired):
-            continue
-        if "clang" not in version.lower() and ("gcc" in version.lower() or "free software foundation" in version.lower()):
-            return path
-    return None
-
-
-def _run(argv: list[str]) -> str | None:
-    """None on success, else the compiler's complaint (last lines)."""
-    try:
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return str(error)
-    if done.returncode == 0:
-        return None
-    return "\n".join((done.stderr or done.stdout).strip().splitlines()[-5:])
+    return build_library(CpuKernels)

@@ -4,25 +4,25 @@
 that mixes prefill chunks of several sequences with single-token decodes of
 others, returning the last-position logits of each sequence (float32, in the
 order given). Every projection runs once over the flat batch; attention runs
-once for the decode group and once per prefill chunk in each layer (see
-`batch_inputs`). GQA is computed without expanding K/V: the query heads that
-share a KV head are folded into the query-length axis of
-`scaled_dot_product_attention`.
+once for the decode group and once per prefill chunk in each layer
+(`models.attention`, over the inputs `batch_inputs` builds).
 
 On the CPU three hot spots run in small C kernels (`cpu_kernels`): the decode
 group's attention reads K/V straight from the pool, each RMSNorm takes the
 residual add before it in the same call, and RoPE rotates q and k in place in
-the fused projection and writes K/V to the pool in the same pass. Set `kernels = None` to use
-torch's ops instead (CUDA always does); both paths agree to float rounding.
+the fused projection and writes K/V to the pool in the same pass. Set
+`kernels = None` to use torch's ops instead (CUDA always does); both paths
+agree to float rounding.
 
 Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
 matmuls, prepacked at load on the CPU (`models.linear`): for oneDNN, or in
-fp16 for fbgemm when the precision is `fp16w`. The decoder is stateless between calls; all per-sequence state is in
-the store.
+fp16 for fbgemm when the precision is `fp16w`. The decoder is stateless
+between calls; all per-sequence state is in the store.
 
-The store may hold K/V narrower than the decoder computes (`kv_dtype`: fp16 under `fp16w`, chosen by
-`models.device.choose_kv_dtype`): they are rounded once, when written, and widened wherever read (exactly, in
-the C kernel; by a copy of the gathered context on the torch path).
+The store may hold K/V narrower than the decoder computes (`kv_dtype`: fp16
+under `fp16w`, chosen by `models.device.choose_kv_dtype`): they are rounded
+once, when written, and widened wherever read (exactly, in the C kernel; by a
+copy of the gathered context on the torch path).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from ferrox_batch.models.batch_inputs import DecodeGroup, PrefillChunk, SeqChunk, build_inputs
+from ferrox_batch.models.attention import attend_decode, attend_prefill
+from ferrox_batch.models.batch_inputs import SeqChunk, build_inputs
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.errors import ModelLoadError
 from ferrox_batch.models.linear import Linear
@@ -214,9 +215,9 @@ class Decoder:
             n_dec = 0
             if inputs.decode is not None:
                 n_dec = inputs.decode.count
-                parts.append(self._attend_decode(q[:n_dec], pool, inputs.decode, store.block_size, kernel))
+                parts.append(attend_decode(q[:n_dec], pool, inputs.decode, store.block_size, c, kernel))
             if inputs.prefill:
-                parts.append(self._attend_prefill(q[n_dec:], pool, inputs.prefill))
+                parts.append(attend_prefill(q[n_dec:], pool, inputs.prefill, c))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             h, x = self._add_norm(h, layer.o(attn), layer.post_norm, kernel)
             gate, up = layer.gate_up(x).chunk(2, dim=-1)
@@ -247,38 +248,6 @@ class Decoder:
         if residual is not None:
             h = h + residual
         return h, _rms_norm(h, weight, eps)
-
-    def _attend_decode(
-        self, q: torch.Tensor, pool: torch.Tensor, group: DecodeGroup, block_size: int, kernels: CpuKernels | None
-    ) -> torch.Tensor:
-        c = self.config
-        n = group.count
-        qd = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
-        if kernels is not None:  # read once per forward: build_inputs skipped the gather for it
-            out = kernels.paged_decode(qd, pool, group.tables, group.lo, group.hi, block_size,
-                                            c.head_dim ** -0.5, ranges_checked=True)
-        else:
-            # Gather each sequence's K and V, `[N, kv_heads, L, head_dim]`, with one `index_select`;
-            # the query heads that share a KV head are its "query length" (GQA without expansion).
-            ctx = pool.index_select(0, group.ctx_slots).to(q.dtype).view(n, -1, 2, c.num_kv_heads, c.head_dim)
-            k, v = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
-            out = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask)
-        return out.reshape(n, c.num_heads * c.head_dim)
-
-    def _attend_prefill(self, q: torch.Tensor, pool: torch.Tensor, chunks: list[PrefillChunk]) -> torch.Tensor:
-        """One SDPA call per chunk, at its own length, over its own gathered context."""
-        c = self.config
-        outs = []
-        row = 0
-        for chunk in chunks:
-            qc = q[row:row + chunk.length].transpose(0, 1)[None]  # [1, heads, len, hd]
-            row += chunk.length
-            ctx = pool.index_select(0, chunk.ctx_slots).to(q.dtype)  # [L, 2, kv, hd]
-            k, v = ctx[:, 0].transpose(0, 1)[None], ctx[:, 1].transpose(0, 1)[None]  # [1, kv, L, hd]
-            out = F.scaled_dot_product_attention(qc, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                                 enable_gqa=c.group_size > 1)
-            outs.append(out[0].transpose(0, 1).reshape(chunk.length, c.num_heads * c.head_dim))
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrox_batch.models import cpu_kernels as kernels_module
+from ferrox_batch.models import kernel_build as build_module
 from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.loader import load_model
 from ferrox_batch.models.openmp import loaded_openmp_runtimes
@@ -355,7 +356,7 @@ def test_in_bfloat16_the_kernel_and_gather_and_sdpa_stay_within_bf16_rounding_of
 
 
 def test_without_a_compiler_the_decoder_falls_back(monkeypatch, caplog) -> None:
-    monkeypatch.setattr(kernels_module.shutil, "which", lambda _name: None)
+    monkeypatch.setattr(build_module.shutil, "which", lambda _name: None)
     with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
         assert kernels_module.cpu_kernels.__wrapped__() is None
     assert "no GCC found" in caplog.text
@@ -366,17 +367,17 @@ def test_clang_is_not_used(monkeypatch, tmp_path) -> None:
     fake = tmp_path / "cc"
     fake.write_text("#!/bin/sh\necho 'clang version 17.0.6'\n")
     fake.chmod(0o755)
-    monkeypatch.setattr(kernels_module.shutil, "which", lambda name: str(fake) if name == "cc" else None)
-    assert kernels_module._gnu_compiler() is None
+    monkeypatch.setattr(build_module.shutil, "which", lambda name: str(fake) if name == "cc" else None)
+    assert build_module._gnu_compiler() is None
     fake.write_text("#!/bin/sh\necho 'cc (Debian 12.2.0-14) 12.2.0'; echo 'Copyright (C) 2022 Free Software Foundation, Inc.'\n")
-    assert kernels_module._gnu_compiler() == str(fake)
+    assert build_module._gnu_compiler() == str(fake)
 
 
 def test_a_source_that_does_not_compile_falls_back_with_the_reason(monkeypatch, tmp_path, caplog) -> None:
     broken = tmp_path / "broken.c"
     broken.write_text("this is not C\n")
-    monkeypatch.setattr(kernels_module, "CSRC", tmp_path)
-    monkeypatch.setattr(kernels_module, "SOURCES", ("broken.c",))
+    monkeypatch.setattr(build_module, "CSRC", tmp_path)
+    monkeypatch.setattr(build_module, "SOURCES", ("broken.c",))
     with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
         assert kernels_module.cpu_kernels.__wrapped__() is None
     assert "did not build" in caplog.text and "broken.c" in caplog.text
@@ -404,17 +405,17 @@ def check_against_the_references(built: CpuKernels) -> None:
             assert bool(((got - want).abs() <= bound).all())
 
 
-@pytest.mark.parametrize("flags", kernels_module.COMPILE_FLAGS, ids=" ".join)
+@pytest.mark.parametrize("flags", build_module.COMPILE_FLAGS, ids=" ".join)
 def test_every_flag_set_builds_kernels_that_match_the_references(monkeypatch, flags) -> None:
     """The first flag set that compiles is the one used: on x86-64, `-march=native` code for the CPU
     that builds it (AVX-512 on an AVX-512 machine, AVX2 + FMA on an AVX2 one). The later sets are
     what a machine gets where the earlier do not compile; the last targets the compiler's baseline
     (SSE2 on x86-64). Each is built and checked here, so every machine also tests the code another
     CPU would run. On x86-64 GCC takes every set; elsewhere the last must build."""
-    monkeypatch.setattr(kernels_module, "COMPILE_FLAGS", (flags,))
+    monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
     built = kernels_module.cpu_kernels.__wrapped__()
     if built is None:
-        assert platform.machine() not in ("x86_64", "AMD64") and flags != kernels_module.COMPILE_FLAGS[-1], flags
+        assert platform.machine() not in ("x86_64", "AMD64") and flags != build_module.COMPILE_FLAGS[-1], flags
         return
     check_against_the_references(built)
 

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrox_batch.models import cpu_kernels as kernels_module
+from ferrox_batch.models import kernel_build as build_module
 from ferrox_batch.models.cpu_kernels import CpuKernels, cpu_kernels
 from ferrox_batch.models.rope import apply_rope
 from numerics import gamma, steps
@@ -165,14 +166,14 @@ def test_a_team_of_threads_gives_the_same_bits(kernels) -> None:
     assert torch.equal(qkv, alone_qkv) and torch.equal(pool, alone_pool)
 
 
-@pytest.mark.parametrize("flags", kernels_module.COMPILE_FLAGS, ids=" ".join)
+@pytest.mark.parametrize("flags", build_module.COMPILE_FLAGS, ids=" ".join)
 def test_every_flag_set_builds_a_kernel_that_rounds_and_rotates_like_torch(monkeypatch, flags) -> None:
     """As for the other kernels (test_cpu_kernels): each flag set another CPU would get is built and
     checked here; the last has no F16C, so fp16 goes through the scalar rounding alone."""
-    monkeypatch.setattr(kernels_module, "COMPILE_FLAGS", (flags,))
+    monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
     built = kernels_module.cpu_kernels.__wrapped__()
     if built is None:
-        assert flags != kernels_module.COMPILE_FLAGS[-1], flags
+        assert flags != build_module.COMPILE_FLAGS[-1], flags
         return
     for d in (6, 64):
         check_fp16_rounding(built, d)
