@@ -91,6 +91,23 @@ def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> P
                           "kv_blocks (or --kv-memory)") from failed
 
 
+def kv_blocks_in_budget(decoder, block_size: int, memory_bytes: int) -> int:
+    """Whole KV blocks of `block_size` positions that `memory_bytes` holds for the decoder's model, stored
+    in its KV dtype; ValueError when not even one does."""
+    per_block = PagedKvStore.bytes_per_block(decoder.config, block_size, decoder.kv_dtype)
+    if memory_bytes < per_block:
+        raise ValueError(f"a KV memory budget of {memory_bytes / 2**20:,.1f} MiB holds no block of {block_size} "
+                         f"positions ({per_block / 2**20:,.2f} MiB each for this model)")
+    return int(memory_bytes // per_block)
+
+
+def with_kv_budget(config: BatcherConfig, memory_bytes: int, decoder) -> BatcherConfig:
+    """`config`, with `kv_blocks` derived from a memory budget when it sets no block count."""
+    if config.kv_blocks is not None:
+        return config
+    return dataclasses.replace(config, kv_blocks=kv_blocks_in_budget(decoder, config.kv_block_size, memory_bytes))
+
+
 def default_kv_blocks(decoder, block_size: int) -> int:
     """Blocks of `block_size` positions in the default KV memory budget of the decoder's device (logged)."""
     budget = default_kv_memory(decoder.device)

@@ -42,7 +42,6 @@ from ferrox_batch.cli.serve import (
     BATCHER_SWITCHES,
     _add_serve,
     batcher_config,
-    kv_blocks_for_memory,
     kv_memory,
     with_kv_budget,
 )
@@ -52,7 +51,7 @@ from ferrox_batch.cli.tools import _add_bench, _add_bench_http, _add_fetch
 __all__ = [
     "BATCHER_FLAGS", "BATCHER_SWITCHES", "DEFAULT_CHAT_MAX_TOKENS", "DEFAULT_COMPLETION_MAX_TOKENS", "DEFAULT_KV_MEMORY",
     "DEFAULT_MAX_CONCURRENT_REQUESTS", "DTYPE_CHOICES", "CliError", "Handler", "_unescape", "batcher_config",
-    "build_parser", "kv_blocks_for_memory", "kv_memory", "main", "parse_memory_size", "with_kv_budget",
+    "build_parser", "kv_memory", "main", "parse_memory_size", "with_kv_budget",
 ]
 
 

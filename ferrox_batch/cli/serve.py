@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ferrox_batch.batch.config import (
     DEFAULT_MAX_QUEUE,
@@ -206,25 +206,15 @@ def kv_memory(args: argparse.Namespace, env: Mapping[str, str]) -> int | None:
         raise CliError(f"{ENV_KV_MEMORY}: {err}", status=2) from None
 
 
-def kv_blocks_for_memory(model_config: Any, block_size: int, dtype: Any, memory_bytes: int) -> int:
-    """Whole KV blocks of `block_size` positions that fit in `memory_bytes` for this model in `dtype`."""
-    from ferrox_batch.models.paged_kv import PagedKvStore
-
-    blocks = PagedKvStore.blocks_in_memory(model_config, memory_bytes, block_size, dtype)
-    if blocks < 1:
-        per_block = PagedKvStore.bytes_per_block(model_config, block_size, dtype)
-        raise CliError(f"a KV memory budget of {_size(memory_bytes)} holds no block of {block_size} positions "
-                       f"({_size(per_block)} each for this model): raise --kv-memory or lower --kv-block-size",
-                       status=2)
-    return blocks
-
-
 def with_kv_budget(config: BatcherConfig, memory_bytes: int, model: LoadedModel) -> BatcherConfig:
-    """`config`, with `kv_blocks` derived from the memory budget when no block count was set."""
-    if config.kv_blocks is not None:
-        return config
-    blocks = kv_blocks_for_memory(model.config, config.kv_block_size, model.decoder.kv_dtype, memory_bytes)
-    return dataclasses.replace(config, kv_blocks=blocks)
+    """`config`, with `kv_blocks` derived from the memory budget when no block count was set
+    (`batch.wiring.with_kv_budget`); a budget too small for one block is a usage error."""
+    from ferrox_batch.batch.wiring import with_kv_budget as derive
+
+    try:
+        return derive(config, memory_bytes, model.decoder)
+    except ValueError as err:
+        raise CliError(f"{err}: raise --kv-memory or lower --kv-block-size", status=2) from None
 
 
 def _size(size: int) -> str:

@@ -118,7 +118,7 @@ class FerroxReplica:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         from ferrox_batch.batch.handle import ContinuousBatcher
-        from ferrox_batch.cli.serve import with_kv_budget
+        from ferrox_batch.batch.wiring import with_kv_budget
         from ferrox_batch.models.loader import load_model
         from ferrox_batch.models.memory import default_kv_memory
         from ferrox_batch.server.app import create_app
@@ -132,7 +132,7 @@ class FerroxReplica:
             memory = spec.kv_memory
             if memory is None:
                 memory = default_kv_memory(loaded.decoder.device).bytes // spec.kv_share
-            config = with_kv_budget(config, memory, loaded)
+            config = with_kv_budget(config, memory, loaded.decoder)
         self.batcher = ContinuousBatcher.from_model(loaded, config)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.app = create_app(self.batcher, model_name=spec.model_name or default_model_name(loaded.source),

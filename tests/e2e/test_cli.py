@@ -9,6 +9,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import openai
 import pytest
@@ -19,6 +20,7 @@ from process_helpers import free_port, server_process, wait_healthy, wait_port_f
 from ferrox_batch import cli
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.batch.wiring import kv_blocks_in_budget
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.errors import FetchError
@@ -111,15 +113,20 @@ def test_bad_memory_sizes(text: str) -> None:
         cli.parse_memory_size(text)
 
 
-def test_blocks_derived_from_a_memory_budget(tiny_batch_dir: Path) -> None:
+def test_blocks_derived_from_a_memory_budget(tiny_batch_dir: Path, tiny_batch_model) -> None:
     config = ModelConfig.from_file(tiny_batch_dir / "config.json")
     per_block_f32 = 2 * config.num_layers * 16 * config.num_kv_heads * config.head_dim * 4
     assert per_block_f32 == PagedKvStore.bytes_per_block(config, 16, torch.float32)
-    assert cli.kv_blocks_for_memory(config, 16, torch.float32, 10 * per_block_f32 + 1) == 10
-    assert cli.kv_blocks_for_memory(config, 16, torch.bfloat16, 10 * per_block_f32) == 20  # half the bytes
-    assert cli.kv_blocks_for_memory(config, 16, torch.float32, GiB) == GiB // per_block_f32
-    with pytest.raises(cli.CliError, match="holds no block of 16 positions") as err:
-        cli.kv_blocks_for_memory(config, 16, torch.float32, per_block_f32 - 1)
+    f32, bf16 = (SimpleNamespace(config=config, kv_dtype=dtype) for dtype in (torch.float32, torch.bfloat16))
+    assert kv_blocks_in_budget(f32, 16, 10 * per_block_f32 + 1) == 10
+    assert kv_blocks_in_budget(bf16, 16, 10 * per_block_f32) == 20  # half the bytes
+    assert kv_blocks_in_budget(f32, 16, GiB) == GiB // per_block_f32
+    with pytest.raises(ValueError, match="holds no block of 16 positions"):
+        kv_blocks_in_budget(f32, 16, per_block_f32 - 1)
+    # The command line says which flags to change, as a usage error.
+    assert tiny_batch_model.decoder.kv_dtype == torch.float32
+    with pytest.raises(cli.CliError, match="holds no block of 16 positions .*: raise --kv-memory") as err:
+        cli.with_kv_budget(BatcherConfig(kv_block_size=16), per_block_f32 - 1, tiny_batch_model)
     assert err.value.status == 2
 
 
