@@ -5,8 +5,10 @@ For every precision: perplexity on the fixed text the tests use (`tests/data/per
 greedy agreement with fp32 on the benchmark's shape (a) prompts (32 prompts, 64 tokens each, EOS ignored,
 through the served batcher): the fraction of generated tokens before each request's first divergence, and
 the fraction of requests identical throughout. bf16 on a CPU without bf16 instructions is emulated, so slow.
+A precision may name its KV cache after a colon (`fp16w:fp32`); without one it gets what `--kv-cache-dtype
+auto` picks (fp16 K/V under fp16w where the CPU kernels build). The baseline is fp32 with fp32 K/V.
 
-    python scripts/bench_quality.py [--precisions fp32,fp16w,bf16] [--tokens 64]
+    python scripts/bench_quality.py [--precisions fp32,fp16w,fp16w:fp32,bf16] [--tokens 64]
 """
 
 from __future__ import annotations
@@ -30,16 +32,18 @@ def main() -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=default_model(os.environ))
-    p.add_argument("--precisions", default="fp32,fp16w,bf16")
+    p.add_argument("--precisions", default="fp32,fp16w,fp16w:fp32,bf16")
     p.add_argument("--tokens", type=int, default=64)
     args = p.parse_args()
     text = (ROOT / "tests" / "data" / "perplexity_text.txt").read_text()
     print(f"# cpu: {cpu_description()}; model {args.model}; bound: perplexity within {QUALITY_BOUND:.0%} of fp32")
-    print("| precision | linear kernels | perplexity | vs fp32 | greedy tokens before divergence | requests identical |")
-    print("|---|---|---|---|---|---|")
+    print("| precision | KV cache | linear kernels | perplexity | vs fp32 | greedy tokens before divergence | "
+          "requests identical |")
+    print("|---|---|---|---|---|---|---|")
     base_ppl = base_out = None
-    for name in ["fp32", *(n for n in args.precisions.split(",") if n != "fp32")]:
-        model = load_model(args.model, device="cpu", dtype=name)
+    for name in ["fp32:fp32", *(n for n in args.precisions.split(",") if n not in ("fp32", "fp32:fp32"))]:
+        dtype, _, kv = name.partition(":")
+        model = load_model(args.model, device="cpu", dtype=dtype, kv_cache_dtype=kv or "auto")
         ids = model.tokenizer.encode(text)
         prompts = [r.prompt for r in build_requests("a", model.tokenizer.encode)]
         ppl = perplexity(model.decoder, ids)
@@ -48,7 +52,7 @@ def main() -> int:
             base_ppl, base_out = ppl, out
         agree = agreement(base_out, out)
         kinds = ", ".join(f"{c} {k}" for k, c in model.decoder.linear_kinds.items())
-        print(f"| {name} | {kinds} | {ppl:.3f} | {(ppl / base_ppl - 1) * 100:+.3f}% | "
+        print(f"| {dtype} | {model.kv_dtype_name} | {kinds} | {ppl:.3f} | {(ppl / base_ppl - 1) * 100:+.3f}% | "
               f"{agree.prefix_fraction:.1%} | {agree.identical_fraction:.1%} |", flush=True)
     return 0
 

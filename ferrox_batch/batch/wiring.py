@@ -38,9 +38,10 @@ log = logging.getLogger("ferrox_batch.batch")
 
 def config_ceiling(decoder, config: BatcherConfig) -> ContextCeiling:
     """`config.max_context` capped at the trained context (positions past it cannot be computed),
-    priced with the model's f32 `KvShape`."""
+    priced with the model's `KvShape` in the bytes its KV store holds."""
     limit = config.context_limit(decoder.config.max_position_embeddings)
-    return ContextCeiling(limit, KvShape.from_config(decoder.config, KvElem.F32))
+    elem = KvElem.F32 if decoder.kv_dtype == torch.float32 else KvElem.F16
+    return ContextCeiling(limit, KvShape.from_config(decoder.config, elem))
 
 
 def build_worker(
@@ -76,6 +77,8 @@ def _store_for(decoder, config: BatcherConfig, paged: PagedKvConfig | None) -> P
                 f"the paged store's block size ({store.block_size}) must equal kv_block_size "
                 f"({config.kv_block_size}): the ledger and the store count the same blocks"
             )
+        if store.dtype != decoder.kv_dtype:
+            raise ValueError(f"the paged store holds {store.dtype} but the decoder's KV cache is {decoder.kv_dtype}")
         if config.kv_blocks is not None and config.kv_blocks > store.num_blocks:
             raise ValueError(
                 f"kv_blocks ({config.kv_blocks}) is more than the paged store holds ({store.num_blocks})"

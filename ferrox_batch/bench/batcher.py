@@ -266,7 +266,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
                 print(f"# [{rep + 1}/{args.repeats}] {method} {shape}: {state} ({r['process_s']:.0f} s process)",
                       file=sys.stderr, flush=True)
     lines, summary = report(shapes, methods, runs)
-    notes, failed = check_ids(args.dtype, shapes, runs)
+    notes, failed = check_ids(args.dtype, shapes, runs, kv_cache_dtype=args.kv_cache_dtype)
     print("\n".join(lines + [""] + [f"# {n}" for n in notes]))
     for r in runs:
         if r.get("failed") or r.get("errors") or r.get("wrong_length"):

@@ -151,8 +151,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                             "without native bf16). auto is bf16 on CUDA; on the CPU bf16 where it has native bf16 "
                             "matmuls, else fp16w where fbgemm runs, else fp32 (default: auto)")
     group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPE_CHOICES, default="auto",
-                       help="what the KV cache stores; auto is fp16 under fp32 compute on the CPU (half the bytes "
-                            "per position, widened exactly when read), else the compute dtype (default: auto)")
+                       help="what the KV cache stores; auto is fp16 under fp16w where the CPU decode kernel reads "
+                            "the pool in place (half the bytes per position, widened exactly when read), else the "
+                            "compute dtype: plain fp32 keeps fp32 K/V (default: auto)")
     _add_home_flag(group)
     group.add_argument("--no-progress", action="store_true", help="no progress bars while fetching")
 

@@ -142,6 +142,9 @@ class CpuKernels:
         if pool.dim() != 4 or pool.shape[1] != 2:
             raise ValueError(f"pool is {tuple(pool.shape)}, expected [slots, 2, kv, d]")
         kv, d = pool.shape[2], pool.shape[3]
+        if heads < 1 or kv < 1 or d < 2:
+            raise ValueError(f"rope store needs at least one query head and one KV head of size 2 or more; got "
+                             f"{heads} query heads and a pool of {tuple(pool.shape)}")
         if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv) * d or d % 2:
             raise ValueError(f"qkv is {tuple(qkv.shape)}, expected [n, {(heads + 2 * kv) * d}] for {heads} query "
                              f"heads and {kv} KV heads of an even size {d}")
@@ -161,13 +164,16 @@ class CpuKernels:
 
     @staticmethod
     def check_rope_store(positions: torch.Tensor, slots: torch.Tensor, num_positions: int, num_slots: int) -> None:
-        """Raise unless every position indexes the rope tables and every slot the pool."""
+        """Raise unless every position indexes the rope tables and every slot the pool, each slot once
+        (rows are written by different threads: two rows on one slot would mix)."""
         if positions.numel() == 0:
             return
         if int(positions.min()) < 0 or int(positions.max()) >= num_positions:
             raise ValueError(f"a position is outside the rope tables' {num_positions}")
         if int(slots.min()) < 0 or int(slots.max()) >= num_slots:
             raise ValueError(f"a slot is outside the KV pool's {num_slots}")
+        if slots.unique().numel() != slots.numel():
+            raise ValueError("two rows would write the same KV slot")
 
     def rms_norm(self, h: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -69,7 +69,7 @@ def build_library(load: Callable[[ctypes.CDLL], Loaded]) -> Loaded | None:
     began = time.monotonic()
     compiler = _gnu_compiler()
     if compiler is None:
-        log.warning("no GCC found: the decoder uses torch's ops for attention and norms")
+        log.warning("no GCC found: the decoder uses torch's ops instead")
         return None
     with tempfile.TemporaryDirectory(prefix="ferrox-kernels-") as folder:
         lib = Path(folder) / "libferrox_cpu_kernels.so"
@@ -91,7 +91,7 @@ def build_library(load: Callable[[ctypes.CDLL], Loaded]) -> Loaded | None:
                 except (OSError, AttributeError) as error:
                     built = f"load failed: {error}"
             errors.append(f"{' '.join(flags)}: {built}")
-        log.warning("the CPU kernels did not build; the decoder uses torch's ops for attention and norms:\n%s",
+        log.warning("the CPU kernels did not build; the decoder uses torch's ops instead:\n%s",
                     "\n".join(errors))
         return None
 

@@ -21,7 +21,13 @@ from safetensors.torch import load_file
 
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.decoder import Decoder
-from ferrox_batch.models.device import KvDtypeChoice, choose_device, choose_dtype_reasoned, choose_kv_dtype
+from ferrox_batch.models.device import (
+    DtypeChoice,
+    KvDtypeChoice,
+    choose_device,
+    choose_dtype_reasoned,
+    choose_kv_dtype,
+)
 from ferrox_batch.models.errors import ModelLoadError
 from ferrox_batch.models.kv import KvElem, KvShape
 from ferrox_batch.models.tokenizer import Tokenizer
@@ -102,6 +108,9 @@ def _build(
         precision, reason = "fp32", f"{reason}; fbgemm's fp16 linear is not available here, so fp32 weights"
         log.warning("%s: fp16 weights were asked for but fbgemm's fp16 linear did not load; running fp32",
                     source.name)
+        # `auto`'s K/V follow the precision that runs: plain fp32 keeps fp32 K/V.
+        kv = choose_kv_dtype(kv_cache_dtype, DtypeChoice(torch.float32, reason), chosen_device, in_place)
+        decoder.kv_dtype = kv.dtype  # no store exists yet
     log.info("%s runs in %s on %s (linear kernels: %s): %s; KV cache in %s: %s", source.name, precision,
              chosen_device, kinds, reason, kv.name, kv.reason)
     return LoadedModel(config, decoder, tokenizer, source, reason, precision, kv.reason)

@@ -30,6 +30,10 @@ def test_an_fp32_mismatch_of_ours_fails_and_any_other_only_warns() -> None:
     assert any(n.startswith("WARNING ids, shape a: cb") for n in notes)
     notes, failed = check_ids("bf16", ["a"], runs)
     assert not failed and all("FAILED" not in n for n in notes)
+    notes, failed = check_ids("fp32", ["a"], runs, kv_cache_dtype="fp32")  # fp32 K/V, as asked: still exact
+    assert failed
+    notes, failed = check_ids("fp32", ["a"], runs, kv_cache_dtype="fp16")  # narrower K/V may flip a near-tie
+    assert not failed and any("ours != static (fp32, fp16 K/V)" in n for n in notes)
     notes, failed = check_ids("fp16w", ["a"], runs)  # static ran fp32: the warning says so
     assert not failed and any("ours (fp16w) != static (fp32)" in n for n in notes)
     notes, failed = check_ids("fp32", ["a"], [run("static", 1, static), run("ours", 1, static)])

@@ -131,7 +131,7 @@ def test_blocks_derived_from_a_memory_budget(tiny_batch_dir: Path, tiny_batch_mo
 
 
 def test_the_budget_applies_only_without_a_block_count(tiny_batch_model) -> None:
-    per_block = PagedKvStore.bytes_per_block(tiny_batch_model.config, 16, tiny_batch_model.decoder.dtype)
+    per_block = PagedKvStore.bytes_per_block(tiny_batch_model.config, 16, tiny_batch_model.decoder.kv_dtype)
     config = BatcherConfig(kv_block_size=16)
     assert cli.with_kv_budget(config, 3 * per_block, tiny_batch_model).kv_blocks == 3
     assert cli.with_kv_budget(dataclasses.replace(config, kv_blocks=9), per_block, tiny_batch_model).kv_blocks == 9

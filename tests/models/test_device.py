@@ -127,6 +127,7 @@ def test_fp16_weights_that_cannot_load_are_named_for_what_runs(tiny_llama_dir, m
         model = load_model(tiny_llama_dir, device="cpu", dtype="fp16w")
     assert "fbgemm_fp16" not in model.decoder.linear_kinds
     assert model.precision == "fp32" and "not available" in model.dtype_reason
+    assert model.decoder.kv_dtype == torch.float32  # auto's K/V follow what runs: plain fp32
     assert any("fp16 weights were asked for" in r.getMessage() for r in caplog.records)
 
 

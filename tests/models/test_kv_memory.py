@@ -41,7 +41,7 @@ def test_the_default_is_a_fraction_of_what_is_available_and_says_so():
 
 def test_a_batcher_given_no_budget_sizes_one_from_memory_and_logs_it(tiny_batch_model, monkeypatch, caplog):
     monkeypatch.setattr(memory, "host_available_memory", lambda: 64 * 2**20)
-    per_block = PagedKvStore.bytes_per_block(tiny_batch_model.config, 16, tiny_batch_model.decoder.dtype)
+    per_block = PagedKvStore.bytes_per_block(tiny_batch_model.config, 16, tiny_batch_model.decoder.kv_dtype)
     want = int(64 * 2**20 * CPU_KV_FRACTION) // per_block
     with caplog.at_level(logging.INFO, logger="ferrox_batch.batch"):
         batcher = spawn(tiny_batch_model, BatcherConfig(kv_block_size=16))

@@ -150,6 +150,10 @@ def test_positions_slots_and_shapes_are_checked(kernels) -> None:
         kernels.rope_store(qkv, cos, sin, pos, slots, pool.double(), 3)
     with pytest.raises(ValueError, match="rope tables"):
         kernels.rope_store(qkv, cos[:, :4], sin[:, :4], pos, slots, pool, 3)
+    with pytest.raises(ValueError, match="at least one query head"):  # -1 + 2 * 3 heads of 8 fit the width
+        kernels.rope_store(qkv, cos, sin, pos, slots, pool.expand(-1, -1, 3, -1).contiguous(), -1)
+    with pytest.raises(ValueError, match="the same KV slot"):
+        kernels.rope_store(qkv, cos, sin, pos, torch.tensor([0, 1, 1, 2]), pool, 3)
 
 
 def test_a_team_of_threads_gives_the_same_bits(kernels) -> None:

@@ -27,7 +27,7 @@ class RecordingDecoder:
     def __init__(self, inner) -> None:
         self.inner = inner
         self.config, self.vocab_size = inner.config, inner.vocab_size
-        self.device, self.dtype = inner.device, inner.dtype
+        self.device, self.dtype, self.kv_dtype = inner.device, inner.dtype, inner.kv_dtype
         self.forwards: list[tuple[int, list[int]]] = []
 
     def new_store(self, *args, **kwargs):

@@ -54,6 +54,7 @@ class FaultyDecoder:
         self.vocab_size = inner.vocab_size
         self.device = inner.device
         self.dtype = inner.dtype
+        self.kv_dtype = inner.kv_dtype
         self.fail_on = fail_on  # 1-based forward number that raises
         self.after_forward = after_forward  # called with (call number, chunks, store) once the forward ran
         self.poison = poison  # (first prompt token, decode step) whose logits become NaN
