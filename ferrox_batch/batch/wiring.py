@@ -24,7 +24,6 @@ from ferrox_batch.batch.lifecycle import Lifecycle
 from ferrox_batch.batch.queue import AbortInbox, QueueGate
 from ferrox_batch.batch.worker import Worker
 from ferrox_batch.budget import ContextCeiling
-from ferrox_batch.models.kv import KvElem, KvShape
 from ferrox_batch.models.memory import default_kv_memory
 from ferrox_batch.models.paged_kv import PagedKvConfig, PagedKvStore
 from ferrox_batch.models.runner import ModelRunner
@@ -40,8 +39,7 @@ def config_ceiling(decoder, config: BatcherConfig) -> ContextCeiling:
     """`config.max_context` capped at the trained context (positions past it cannot be computed),
     priced with the model's `KvShape` in the bytes its KV store holds."""
     limit = config.context_limit(decoder.config.max_position_embeddings)
-    elem = KvElem.F32 if decoder.kv_dtype == torch.float32 else KvElem.F16
-    return ContextCeiling(limit, KvShape.from_config(decoder.config, elem))
+    return ContextCeiling(limit, PagedKvStore.kv_shape(decoder.config, decoder.kv_dtype))
 
 
 def build_worker(

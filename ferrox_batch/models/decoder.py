@@ -190,7 +190,7 @@ class Decoder:
             if inputs.decode is not None:
                 d = inputs.decode
                 kernel.check_decode_ranges(d.tables, d.lo, d.hi, store.block_size, store.num_blocks)
-        if kernel is None:
+        else:
             cos = self.cos[inputs.positions][:, None, :]
             sin = self.sin[inputs.positions][:, None, :]
         heads, kv_heads = c.num_heads, c.num_kv_heads

@@ -29,7 +29,8 @@ from ferrox_batch.models.device import (
     choose_kv_dtype,
 )
 from ferrox_batch.models.errors import ModelLoadError
-from ferrox_batch.models.kv import KvElem, KvShape
+from ferrox_batch.models.kv import KvShape
+from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.tokenizer import Tokenizer
 
 log = logging.getLogger("ferrox_batch.models")
@@ -55,8 +56,7 @@ class LoadedModel:
 
     def kv_shape(self) -> KvShape:
         """KV bytes per position for the dtype the store will hold (the ceiling prices with it)."""
-        elem = KvElem.F32 if self.decoder.kv_dtype == torch.float32 else KvElem.F16
-        return KvShape.from_config(self.config, elem)
+        return PagedKvStore.kv_shape(self.config, self.decoder.kv_dtype)
 
 
 def load_model(

@@ -36,6 +36,7 @@ import torch
 from ferrox_batch.batch.block_budget import blocks_for
 from ferrox_batch.models.block_pool import BlockAllocator, BlockPool, BlockPoolExhausted, block_keys
 from ferrox_batch.models.config import ModelConfig
+from ferrox_batch.models.kv import KvElem, KvShape
 
 
 __all__ = ["BlockAllocator", "BlockPoolExhausted", "PagedKvConfig", "PagedKvStore", "SeqKv"]
@@ -78,6 +79,11 @@ class PagedKvStore:
         # 6.5 ms per admitted 1,088-position request (SmolLM2 bf16), 42 ms at 8,192.
         self.kv = torch.empty(shape, device=self.device, dtype=dtype)
         self._seqs: dict[Hashable, SeqKv] = {}
+
+    @staticmethod
+    def kv_shape(config: ModelConfig, dtype: torch.dtype) -> KvShape:
+        """What one position costs in a store holding `dtype` (fp32, or a 16-bit type)."""
+        return KvShape.from_config(config, KvElem.F32 if dtype == torch.float32 else KvElem.F16)
 
     @classmethod
     def bytes_per_block(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
