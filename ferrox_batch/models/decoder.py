@@ -16,7 +16,7 @@ agree to float rounding.
 
 Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
 matmuls, prepacked at load on the CPU (`models.linear`): for oneDNN, or in
-fp16 for fbgemm when the precision is `fp16w`. The decoder is stateless
+fp16 when the precision is `fp16w` (for the fp16-weight C kernel, or fbgemm). The decoder is stateless
 between calls; all per-sequence state is in the store.
 
 The store may hold K/V narrower than the decoder computes (`kv_dtype`: fp16
@@ -80,6 +80,7 @@ class Decoder:
         self.dtype = dtype
         self.kv_dtype = kv_dtype
         self.weights_format = weights_format
+        self.kernels = self.kernels_for(self.device, dtype)
         take = _Taker(weights, self.device, dtype)
         self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
         if config.tie_word_embeddings and "lm_head.weight" not in weights:
@@ -93,7 +94,6 @@ class Decoder:
         if unused:
             raise ModelLoadError(f"checkpoint has tensors this architecture does not use: {sorted(unused)[:5]}")
         self.cos, self.sin = rope_tables(config, self.device, dtype)
-        self.kernels = self.kernels_for(self.device, dtype)
 
     @staticmethod
     def kernels_for(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
@@ -104,7 +104,7 @@ class Decoder:
 
     def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 keep_weight: bool = False) -> Linear:
-        return Linear(weight, bias, keep_weight=keep_weight, weights=self.weights_format)
+        return Linear(weight, bias, keep_weight=keep_weight, weights=self.weights_format, kernels=self.kernels)
 
     @property
     def linear_kinds(self) -> dict[str, int]:

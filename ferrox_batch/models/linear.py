@@ -17,43 +17,55 @@ orders can differ by, and falls back to `F.linear` if the op is missing or
 disagrees. CUDA weights stay plain (cuBLAS needs no packing).
 
 fp16 weights (`weights="fp16"`, for CPUs without native bf16): the weight is
-stored in fp16 and packed for fbgemm's fp16 GEMM (`quantized::linear_dynamic_fp16`),
-which widens it to fp32 inside the kernel; activations, accumulation and
-the result stay fp32. The model's linears per forward measured 1.1-1.7x faster
-than packed fp32 at 1-1024 rows on a 2-core AVX2 EPYC, for half the weight
-bytes (`scripts/bench_weight_formats.py`). The load-time check compares it with
-`F.linear` over the fp16-rounded weight; where fbgemm is missing (not x86) or
-disagrees, the layer falls back to the fp32 kernels above with the weight
-unrounded.
+stored in fp16 and widened to fp32 inside the GEMM; activations, accumulation
+and the result stay fp32. Two kernels can run it: our own
+(`cpu_kernels.CpuKernels.f16_linear`, "fp16_panels"), where the C kernels
+built with AVX2, FMA and F16C, else fbgemm's (`quantized::linear_dynamic_fp16`,
+"fbgemm_fp16"). Ours measured 1.05-1.36x fbgemm's at 32 rows and 1.4-3.2x at
+one row on a 2-core AVX2 EPYC (`scripts/bench_weight_formats.py`); fbgemm's
+was itself 1.1-1.7x packed fp32 at 1-1024 rows, for half the weight bytes.
+The load-time check compares either with `F.linear` over the fp16-rounded
+weight; where neither loads or agrees, the layer falls back to the fp32
+kernels above with the weight unrounded.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from ferrox_batch.models.cpu_kernels import CpuKernels
 
 # Batch-size hint for the packing; the packed weight serves every batch size.
 _PACK_HINT = 32
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: How a layer may store its weight: in the model's dtype, or (fp32 models on the CPU) in fp16.
 WEIGHT_FORMATS = ("dtype", "fp16")
+#: The kernels that run fp16 weights (`Linear.kind`), ours first.
+FP16_KINDS = ("fp16_panels", "fbgemm_fp16")
 
 
 class Linear:
-    __slots__ = ("weight", "bias", "_packed", "_kind")
+    __slots__ = ("weight", "bias", "_packed", "_kind", "_kernels", "_out_features")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True, keep_weight: bool = False,
-        weights: str = "dtype",
+        weights: str = "dtype", kernels: CpuKernels | None = None,
     ) -> None:
         """`keep_weight=False` lets a packed layer drop its plain weight (half the memory or less);
-        pass True when the tensor is shared (a tied embedding). `weights` is one of `WEIGHT_FORMATS`."""
+        pass True when the tensor is shared (a tied embedding). `weights` is one of `WEIGHT_FORMATS`;
+        `kernels` (the compiled CPU kernels, when built) may run fp16 weights."""
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight format {weights!r}; use one of {', '.join(WEIGHT_FORMATS)}")
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self._packed: torch.Tensor | None = None
         self._kind = "plain"
+        self._kernels = kernels
+        self._out_features = weight.shape[0]
         on_cpu = pack and weight.device.type == "cpu"
         if on_cpu and weights == "fp16" and weight.dtype == torch.float32:
             self._try_pack_fp16()
@@ -64,16 +76,22 @@ class Linear:
 
     @property
     def kind(self) -> str:
-        """Which kernel runs: "fbgemm_fp16" (fp16 weight, fbgemm), "mkldnn" (packed for oneDNN) or
-        "plain" (`F.linear`)."""
+        """Which kernel runs: "fp16_panels" (fp16 weight, our kernel), "fbgemm_fp16" (fp16 weight,
+        fbgemm), "mkldnn" (packed for oneDNN) or "plain" (`F.linear`)."""
         return self._kind
 
     def _try_pack_fp16(self) -> None:
         # fp16 holds magnitudes up to 65504; a weight past that stays fp32 rather than saturate.
         if bool((self.weight.abs() > torch.finfo(torch.float16).max).any()):
             return
+        rounded = self.weight.half().float()
+        if preferred_fp16_kind(self._kernels) == "fp16_panels":
+            self._packed, self._kind = self._kernels.pack_f16_panels(self.weight), "fp16_panels"
+            probe = _probe(self.weight)
+            if _agree(self(probe), probe, rounded, self.bias):
+                return
+            self._packed, self._kind = None, "plain"
         try:
-            rounded = self.weight.half().float()
             # fbgemm's prepack clamps the tensor it is given in place: give it a copy, so a shared
             # weight (a tied embedding) and the fp32 fallback keep the caller's values.
             packed = torch.ops.quantized.linear_prepack_fp16(self.weight.clone(), self.bias)
@@ -95,11 +113,20 @@ class Linear:
             self._packed, self._kind = None, "plain"
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kind == "fp16_panels":
+            out = self._kernels.f16_linear(x, self._packed, self._out_features)
+            return out if self.bias is None else out.add_(self.bias)
         if self._kind == "fbgemm_fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         if self._kind == "mkldnn":
             return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+def preferred_fp16_kind(kernels: CpuKernels | None) -> str:
+    """The kernel an fp16-weight layer tries first: ours where `kernels` were built vectorised (AVX2,
+    FMA and F16C), else fbgemm's. Either falls back when it does not load or disagrees."""
+    return "fp16_panels" if kernels is not None and kernels.f16_gemm_vectorised else "fbgemm_fp16"
 
 
 def _probe(weight: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from ferrox_batch.models.device import (
     choose_kv_dtype,
 )
 from ferrox_batch.models.errors import ModelLoadError
+from ferrox_batch.models.linear import FP16_KINDS
 from ferrox_batch.models.kv import KvShape
 from ferrox_batch.models.paged_kv import PagedKvStore
 from ferrox_batch.models.tokenizer import Tokenizer
@@ -103,10 +104,10 @@ def _build(
                       kv_dtype=kv.dtype)
     kinds = ", ".join(f"{count} {kind}" for kind, count in decoder.linear_kinds.items())
     precision, reason = chosen.name, chosen.reason
-    if chosen.weights == "fp16" and "fbgemm_fp16" not in decoder.linear_kinds:
-        # Every layer fell back (no fbgemm here): say what runs, not what was asked.
-        precision, reason = "fp32", f"{reason}; fbgemm's fp16 linear is not available here, so fp32 weights"
-        log.warning("%s: fp16 weights were asked for but fbgemm's fp16 linear did not load; running fp32",
+    if chosen.weights == "fp16" and not set(FP16_KINDS) & set(decoder.linear_kinds):
+        # Every layer fell back (no fp16-weight kernel here): say what runs, not what was asked.
+        precision, reason = "fp32", f"{reason}; no fp16-weight linear kernel is available here, so fp32 weights"
+        log.warning("%s: fp16 weights were asked for but no fp16-weight linear kernel loaded; running fp32",
                     source.name)
         # `auto`'s K/V follow the precision that runs: plain fp32 keeps fp32 K/V.
         kv = choose_kv_dtype(kv_cache_dtype, DtypeChoice(torch.float32, reason), chosen_device, in_place)

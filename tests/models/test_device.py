@@ -20,6 +20,8 @@ from ferrox_batch.models.device import (
     cpu_description,
     cpu_dtype_from_features,
 )
+from ferrox_batch.models.cpu_kernels import cpu_kernels
+from ferrox_batch.models.linear import FP16_KINDS, preferred_fp16_kind
 from ferrox_batch.models.loader import load_model
 
 CPU = torch.device("cpu")
@@ -123,10 +125,12 @@ def test_fp16_weights_that_cannot_load_are_named_for_what_runs(tiny_llama_dir, m
         raise RuntimeError("no fbgemm here")
 
     monkeypatch.setattr(torch.ops.quantized, "linear_prepack_fp16", missing, raising=False)
+    if cpu_kernels() is not None:  # and our kernel, as where it was built without AVX2, FMA and F16C
+        monkeypatch.setattr(cpu_kernels(), "f16_gemm_vectorised", False)
     with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
         model = load_model(tiny_llama_dir, device="cpu", dtype="fp16w")
-    assert "fbgemm_fp16" not in model.decoder.linear_kinds
-    assert model.precision == "fp32" and "not available" in model.dtype_reason
+    assert not set(FP16_KINDS) & set(model.decoder.linear_kinds)
+    assert model.precision == "fp32" and "no fp16-weight linear kernel" in model.dtype_reason
     assert model.decoder.kv_dtype == torch.float32  # auto's K/V follow what runs: plain fp32
     assert any("fp16 weights were asked for" in r.getMessage() for r in caplog.records)
 
@@ -135,7 +139,7 @@ def test_fp16_weights_load_as_asked_where_fbgemm_runs(tiny_llama_dir):
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         pytest.skip("this torch build has no fbgemm")
     model = load_model(tiny_llama_dir, device="cpu", dtype="fp16w")
-    assert model.precision == "fp16w" and set(model.decoder.linear_kinds) == {"fbgemm_fp16"}
+    assert model.precision == "fp16w" and set(model.decoder.linear_kinds) == {preferred_fp16_kind(cpu_kernels())}
 
 
 FP16W = DtypeChoice(torch.float32, "asked for", "fp16")

@@ -19,6 +19,8 @@ import torch
 from ferrox_batch.bench.quality import agreement, greedy_outputs, perplexity
 from ferrox_batch.bench.workloads import build_requests
 from ferrox_batch.models.device import QUALITY_BOUND
+from ferrox_batch.models.cpu_kernels import cpu_kernels
+from ferrox_batch.models.linear import preferred_fp16_kind
 from ferrox_batch.models.loader import load_model
 
 pytestmark = pytest.mark.real_model
@@ -46,8 +48,8 @@ def test_the_text_is_long_enough_to_measure(fp32):
 def test_perplexity_within_the_bound(real_model_dir, fp32, precision, kv):
     ids, base, _, _ = fp32
     model = load_model(real_model_dir, device="cpu", dtype=precision, kv_cache_dtype=kv)
-    if precision == "fp16w" and "fbgemm" in torch.backends.quantized.supported_engines:
-        assert set(model.decoder.linear_kinds) == {"fbgemm_fp16"}  # the fp16 weights are what is measured
+    if precision == "fp16w" and fp16_weights_run_here():  # the fp16 weights are what is measured
+        assert set(model.decoder.linear_kinds) == {preferred_fp16_kind(cpu_kernels())}
     assert abs(perplexity(model.decoder, ids) / base - 1) <= QUALITY_BOUND
 
 
@@ -58,10 +60,16 @@ def test_fp16_weights_and_kv_agree_with_fp32_greedy(real_model_dir, fp32):
     assert agreement(want, got).prefix_fraction >= MIN_AGREEMENT
 
 
-def test_the_fp16_weights_are_what_runs_where_fbgemm_is(real_model_dir):
+def fp16_weights_run_here() -> bool:
+    """Whether a kernel for fp16 weights loads here: ours built vectorised, or fbgemm."""
+    kind = preferred_fp16_kind(cpu_kernels())
+    return kind == "fp16_panels" or "fbgemm" in torch.backends.quantized.supported_engines
+
+
+def test_the_fp16_weights_are_what_runs_where_a_kernel_for_them_is(real_model_dir):
     model = load_model(real_model_dir, device="cpu", dtype="fp16w")
     layers = len(model.decoder.layers) * 4 + 1  # four per layer and the lm head
-    if "fbgemm" in torch.backends.quantized.supported_engines:
-        assert model.decoder.linear_kinds == {"fbgemm_fp16": layers}
+    if fp16_weights_run_here():
+        assert model.decoder.linear_kinds == {preferred_fp16_kind(cpu_kernels()): layers}
     else:  # the fp32 kernels, with the weights unrounded
         assert set(model.decoder.linear_kinds) <= {"mkldnn", "plain"}

@@ -1,0 +1,158 @@
+"""The fp16-weight linear kernel: the panel layout, its sums against exact arithmetic, and its refusals."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ferrox_batch.models import cpu_kernels as kernels_module
+from ferrox_batch.models import kernel_build as build_module
+from ferrox_batch.models.cpu_kernels import F16_PANEL, CpuKernels, cpu_kernels
+from ferrox_batch.models.linear import Linear
+from numerics import gamma
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="the kernels are built with the system C compiler")
+#: The last flag set (the compiler's baseline), read before a test narrows the list to one set.
+BASELINE_FLAGS = build_module.COMPILE_FLAGS[-1]
+
+
+@pytest.fixture(scope="module")
+def kernels() -> CpuKernels:
+    built = cpu_kernels()
+    assert built is not None, "a C compiler is on PATH, so the kernels must build"
+    return built
+
+
+def case(seed: int, m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+
+
+def assert_sums_of_the_rounded_weight(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
+    """The kernel sums the k products of each output in float32, once each and in order (FMA or not):
+    within gamma(k) of their magnitudes from the exact sum over the fp16-rounded weight."""
+    rounded = weight.half().double()
+    exact = x.double() @ rounded.T
+    bound = gamma(x.shape[-1]) * (x.double().abs() @ rounded.abs().T)
+    assert got.dtype == torch.float32 and got.shape == exact.shape
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+def check_kernel(built: CpuKernels, seed: int, m: int, k: int, n: int) -> None:
+    x, weight = case(seed, m, k, n)
+    assert_sums_of_the_rounded_weight(built.f16_linear(x, built.pack_f16_panels(weight), n), x, weight)
+
+
+def test_panels_hold_the_weight_rounded_to_fp16_eight_columns_at_a_time(kernels):
+    weight = torch.randn(19, 5) * 1000  # rounds visibly in fp16
+    panels = kernels.pack_f16_panels(weight)
+    assert panels.dtype == torch.float16 and panels.shape == (3, 5, F16_PANEL)
+    for column in range(19):
+        assert torch.equal(panels[column // F16_PANEL, :, column % F16_PANEL], weight[column].half())
+    assert not bool(panels[2, :, 3:].any())  # columns 19-23 do not exist: zeros
+
+
+@settings(max_examples=60, deadline=None)
+@given(m=st.integers(0, 70), k=st.integers(1, 90), n=st.integers(1, 80), seed=st.integers(0, 2**16))
+def test_every_shape_sums_like_exact_arithmetic(kernels, m, k, n, seed):
+    """Row counts across the 4-row tiles and the 64-row blocks, widths across the 8-column panels and
+    the 24-column slices, and a last panel that ends early."""
+    check_kernel(kernels, seed, m, k, n)
+
+
+@pytest.mark.parametrize("m, k, n", [(1, 576, 960), (32, 576, 3072), (150, 1536, 61), (200, 64, 8)])
+def test_the_model_shapes_and_more_rows_than_a_block(kernels, m, k, n):
+    check_kernel(kernels, 3, m, k, n)
+
+
+def test_leading_dimensions_and_strided_inputs(kernels):
+    x, weight = case(5, 12, 40, 24)
+    panels = kernels.pack_f16_panels(weight)
+    got = kernels.f16_linear(x.view(3, 4, 40), panels, 24)
+    assert got.shape == (3, 4, 24)
+    assert_sums_of_the_rounded_weight(got.view(12, 24), x, weight)
+    wide = torch.randn(12, 80)
+    assert_sums_of_the_rounded_weight(kernels.f16_linear(wide[:, :40], panels, 24), wide[:, :40], weight)
+
+
+def test_results_do_not_depend_on_the_thread_count(kernels):
+    """Each output is one thread's sum, in the order of k, whatever the split of columns."""
+    x, weight = case(6, 33, 100, 200)
+    panels = kernels.pack_f16_panels(weight)
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            outs.append(kernels.f16_linear(x, panels, 200))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_bad_inputs_are_refused(kernels):
+    x, weight = case(7, 4, 16, 9)
+    panels = kernels.pack_f16_panels(weight)
+    with pytest.raises(ValueError, match="float32 input"):
+        kernels.f16_linear(x.double(), panels, 9)
+    with pytest.raises(ValueError, match="float32 input"):
+        kernels.f16_linear(x, panels.float(), 9)
+    with pytest.raises(ValueError, match="do not hold"):
+        kernels.f16_linear(x[:, :15], panels, 9)
+    with pytest.raises(ValueError, match="do not hold"):
+        kernels.f16_linear(x, panels, 17)  # three panels' worth, two given
+    with pytest.raises(ValueError, match="2-D floating-point CPU weight"):
+        kernels.pack_f16_panels(torch.ones(3, 4, 5))
+    with pytest.raises(ValueError, match="2-D floating-point CPU weight"):
+        kernels.pack_f16_panels(torch.ones(3, 4, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("flags", build_module.COMPILE_FLAGS, ids=" ".join)
+def test_every_flag_set_builds_a_kernel_that_sums_like_exact_arithmetic(monkeypatch, flags):
+    """As for the other kernels: each flag set another CPU would get is built and checked here. The
+    last targets the compiler's baseline: no AVX2, FMA or F16C, so its loops are the scalar ones,
+    and it says so (a layer then prefers fbgemm)."""
+    monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
+    built = kernels_module.cpu_kernels.__wrapped__()
+    if built is None:
+        assert platform.machine() not in ("x86_64", "AMD64") and flags != BASELINE_FLAGS, flags
+        return
+    if flags == BASELINE_FLAGS:
+        assert not built.f16_gemm_vectorised
+    for m, k, n in ((1, 7, 5), (9, 64, 61), (70, 33, 24)):
+        check_kernel(built, 8, m, k, n)
+
+
+def test_a_layer_runs_the_kernel_where_it_is_vectorised(kernels):
+    gen = torch.Generator().manual_seed(9)
+    weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+    layer = Linear(weight, bias, weights="fp16", kernels=kernels)
+    assert layer.kind == ("fp16_panels" if kernels.f16_gemm_vectorised else
+                          "fbgemm_fp16" if "fbgemm" in torch.backends.quantized.supported_engines else layer.kind)
+    if layer.kind != "fp16_panels":
+        pytest.skip("the kernel was built without AVX2, FMA and F16C here: layers prefer fbgemm")
+    assert layer.weight is None  # the panels are the only copy
+    x = torch.randn(5, 24, generator=gen)
+    got = layer(x)
+    # The bias is added after the sum: one more float32 rounding of the result.
+    exact = x.double() @ weight.half().double().T + bias.double()
+    bound = gamma(25) * (x.double().abs() @ weight.half().double().abs().T + bias.double().abs())
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+def test_a_layer_whose_kernel_disagrees_falls_back_to_fbgemm(kernels, monkeypatch):
+    if not kernels.f16_gemm_vectorised:
+        pytest.skip("the kernel was built without AVX2, FMA and F16C here: layers never pick it")
+    broken = CpuKernels.__new__(CpuKernels)
+    broken.f16_gemm_vectorised = True
+    broken.pack_f16_panels = kernels.pack_f16_panels
+    broken.f16_linear = lambda x, panels, n: torch.zeros(*x.shape[:-1], n)  # wrong sums
+    layer = Linear(torch.randn(16, 8) + 3, weights="fp16", kernels=broken)
+    assert layer.kind != "fp16_panels"
+    assert layer.kind in ("fbgemm_fp16", "mkldnn", "plain")
