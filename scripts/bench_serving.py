@@ -143,9 +143,9 @@ def peak_report(model: str, runs: list[dict], peak: GemmPeak) -> list[str]:
     requests = build_requests("a", Tokenizer.from_dir(model).encode)
     flops = workload_flops(ModelConfig.from_file(Path(model) / "config.json"),
                            [(len(r.prompt), r.max_tokens) for r in requests])
-    fp16 = "n/a" if peak.fp16_weights is None else f"{peak.fp16_weights:.0f}"
+    fp16, ours = ("n/a" if rate is None else f"{rate:.0f}" for rate in (peak.fp16_weights, peak.fp16_panels))
     lines = [f"# shape a: {flops / 1e12:.3f} TFLOP; GEMM peak here (2048^3): fp32 torch.mm {peak.fp32:.0f} GFLOP/s, "
-             f"fp16-weight fbgemm {fp16} GFLOP/s",
+             f"fp16-weight fbgemm {fp16} GFLOP/s, fp16-weight ours {ours} GFLOP/s",
              "| config | median wall s | GFLOP/s | of the fp32 GEMM peak | of the best GEMM peak |", "|---|---|---|---|---|"]
     for name in dict.fromkeys(r["config"] for r in runs):
         walls = [r["wall_s"] for r in runs if r["config"] == name and "wall_s" in r]

@@ -4,8 +4,9 @@
 fed token (the prompt, then each generated token but the last) through every linear layer and through
 attention over the positions before it, and one lm-head row per generated token. Norms, activations and
 sampling are left out: they are a few percent and no GEMM. `gemm_peak` times the GEMMs this machine
-offers at sizes where they run fastest (fp32 `torch.mm`, and fbgemm's fp16-weight linear where it is
-built), so `achieved / peak` says how much of the machine a run used.
+offers at sizes where they run fastest (fp32 `torch.mm`; fbgemm's fp16-weight linear where it is
+built; our fp16-weight kernel where it is built vectorised), so `achieved / peak` says how much of the
+machine a run used.
 """
 
 from __future__ import annotations
@@ -45,11 +46,12 @@ class GemmPeak:
     """GFLOP/s of the fastest GEMM of each kind measured here, and the best of them."""
 
     fp32: float
-    fp16_weights: float | None  # None where fbgemm is not built
+    fp16_weights: float | None  # fbgemm's; None where fbgemm is not built
+    fp16_panels: float | None = None  # ours (`csrc/f16_gemm.c`); None where it is not built vectorised
 
     @property
     def best(self) -> float:
-        return max(self.fp32, self.fp16_weights or 0.0)
+        return max(self.fp32, self.fp16_weights or 0.0, self.fp16_panels or 0.0)
 
 
 def _rate(flops: int, fn: Callable[[], object], repeats: int) -> float:
@@ -66,6 +68,7 @@ def gemm_peak(size: int = 2048, repeats: int = 5) -> GemmPeak:
     """The machine's GEMM rates at `size` x `size` x `size` (fast minimum of `repeats`)."""
     import torch
 
+    from ferrox_batch.models.cpu_kernels import cpu_kernels
     from ferrox_batch.models.device import fbgemm_fp16_available
 
     gen = torch.Generator().manual_seed(0)
@@ -76,4 +79,8 @@ def gemm_peak(size: int = 2048, repeats: int = 5) -> GemmPeak:
     if fbgemm_fp16_available():
         packed = torch.ops.quantized.linear_prepack_fp16(b, None)
         fp16 = _rate(flops, lambda: torch.ops.quantized.linear_dynamic_fp16(a, packed), repeats)
-    return GemmPeak(fp32, fp16)
+    ours, kernels = None, cpu_kernels()
+    if kernels is not None and kernels.f16_gemm_vectorised:
+        panels = kernels.pack_f16_panels(b.T)  # the weight is [out, in]: a @ b
+        ours = _rate(flops, lambda: kernels.f16_linear(a, panels, size), repeats)
+    return GemmPeak(fp32, fp16, ours)

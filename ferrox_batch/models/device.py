@@ -2,7 +2,8 @@
 
 A precision is the dtype of activations and KV plus how the linear layers
 store their weights (`models.linear`): `fp32`, `bf16`, `fp16`, or `fp16w`
-(fp32 activations and KV, linear weights in fp16 widened inside fbgemm's GEMM).
+(fp32 activations and KV, linear weights in fp16 widened inside the GEMM: our
+kernel where it builds with AVX2, FMA and F16C, else fbgemm's; `models.linear`).
 
 CUDA when there is a GPU (bf16 there). On the CPU, bf16 is about twice as fast
 as fp32 where the processor has native bf16 matmul instructions
@@ -124,7 +125,7 @@ def cpu_dtype_from_features(features: CpuFeatures) -> DtypeChoice | None:
     no_bf16 = "this CPU has no native bf16 matmuls (no avx512_bf16 or AMX): bf16 would be emulated, about 3x " \
               "slower than fp32"
     if features.fbgemm:
-        return DtypeChoice(torch.float32, f"{no_bf16}; fp32 with fp16 weights (fbgemm) runs the linears "
+        return DtypeChoice(torch.float32, f"{no_bf16}; fp32 with fp16 weights runs the linears "
                                           "1.1-1.7x faster than fp32", "fp16")
     return DtypeChoice(torch.float32, no_bf16)
 

@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrox_batch.bench.flops import gemm_peak, linear_params, workload_flops
+from ferrox_batch.models.cpu_kernels import cpu_kernels
 from ferrox_batch.models.config import ModelConfig
 
 TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=4, intermediate_size=6,
@@ -38,4 +39,6 @@ def test_the_gemm_peak_is_measured_for_each_kind_this_torch_has():
     peak = gemm_peak(size=128, repeats=2)
     assert peak.fp32 > 0
     assert (peak.fp16_weights is not None) == ("fbgemm" in torch.backends.quantized.supported_engines)
-    assert peak.best == max(peak.fp32, peak.fp16_weights or 0.0)
+    kernels = cpu_kernels()
+    assert (peak.fp16_panels is not None) == (kernels is not None and kernels.f16_gemm_vectorised)
+    assert peak.best == max(peak.fp32, peak.fp16_weights or 0.0, peak.fp16_panels or 0.0)
