@@ -4,9 +4,11 @@
 Every layer speaks these types -- the batcher's handle and worker, the HTTP
 server, the CLI and the benchmarks -- so they live in one small module that
 imports neither torch nor the scheduler, and any of those layers can import
-it without pulling in the others. The failures a request can end in are the
-`DecodeError` family in `ferrox_batch.errors`; the token counts and timings
-of an answer are `ferrox_batch.usage.Usage`.
+it without pulling in the others. `FinishReason` is defined in
+`ferrox_batch.finish_reason` and re-exported here, so either import works.
+The failures a request can end in are the `DecodeError` family in
+`ferrox_batch.errors`; the token counts and timings of an answer are
+`ferrox_batch.usage.Usage`.
 
 Python shape of these values:
 
@@ -25,73 +27,17 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.finish_reason import FinishReason
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ferrox_batch.structured import StructuredOutput
 from ferrox_batch.usage import Usage
 
 __all__ = ["FinishReason", "SamplingParams", "GenerationParams", "GenerationResult"]
-
-# ---------------------------------------------------------------------------
-# FinishReason (docs/upstream.md, Results and timing)
-# ---------------------------------------------------------------------------
-
-_FINISH_KINDS = ("stop", "stop_sequence", "length", "cancelled")
-
-
-@dataclass(frozen=True, slots=True)
-class FinishReason:
-    """Why a generation ended: `stop`, `stop_sequence` (with the caller's string), `length`, `cancelled`.
-
-    Use the constants `FinishReason.STOP`, `.LENGTH`, `.CANCELLED` and the
-    factory `FinishReason.stop_sequence(s)`; values compare by kind and string.
-    """
-
-    kind: str
-    stop: str | None = None
-
-    STOP: ClassVar[FinishReason]
-    LENGTH: ClassVar[FinishReason]
-    CANCELLED: ClassVar[FinishReason]
-
-    def __post_init__(self) -> None:
-        if self.kind not in _FINISH_KINDS:
-            raise ValueError(f"finish reason kind must be one of {_FINISH_KINDS}, got {self.kind!r}")
-        if (self.kind == "stop_sequence") != isinstance(self.stop, str):
-            raise ValueError(f"only a stop_sequence finish carries a stop string, got {self.kind!r} with {self.stop!r}")
-
-    @staticmethod
-    def stop_sequence(stop: str) -> FinishReason:
-        if not isinstance(stop, str):
-            raise TypeError(f"stop must be a string, got {stop!r}")
-        return FinishReason("stop_sequence", stop)
-
-    def as_str(self) -> str:
-        """The OpenAI `finish_reason`: a stop sequence reports as plain `"stop"`."""
-        return "stop" if self.kind == "stop_sequence" else self.kind
-
-    def matched_stop(self) -> str | None:
-        return self.stop
-
-    def completed(self) -> bool:
-        """True when the answer ran to a natural end (only those may be cached); False for Cancelled."""
-        return self.kind != "cancelled"
-
-    def __str__(self) -> str:
-        return self.as_str()
-
-    def __repr__(self) -> str:
-        return f"FinishReason.stop_sequence({self.stop!r})" if self.stop is not None else f"FinishReason.{self.kind.upper()}"
-
-
-FinishReason.STOP = FinishReason("stop")
-FinishReason.LENGTH = FinishReason("length")
-FinishReason.CANCELLED = FinishReason("cancelled")
-
 
 # ---------------------------------------------------------------------------
 # Request parameters (docs/upstream.md, Request parameters and sampling)

@@ -7,7 +7,7 @@ lists, so tests drive it with fake sampled ids and a fake KV lease table.
 `schedule()`:
 1. flush: every request that finished (stop, length, cancelled, failed)
    frees its KV lease, returns its blocks to the ledger and gets its one
-   reply;
+   reply (`exits`: every way a request leaves);
 2. refuse every waiting request whose queue deadline has passed
    (`QueueTimeout`: it is never admitted late), then admit by (priority,
    arrival) -- lower priority values first, first come first served within
@@ -37,9 +37,8 @@ Prompt order: with one prompt a tick an unfinished prompt goes to the back
 (round-robin, as the upstream tick); with several a tick the unfinished keep
 the front, so each prompt joins the decode batch as early as it can.
 
-Invariant, checked after every update when there is a block budget: the
-blocks the ledger has reserved equal the blocks the KV store leases to this
-scheduler's requests.
+After every update with a block budget the ledger is checked against the KV
+store's leases (`exits.check_ledger`).
 """
 
 from __future__ import annotations
@@ -58,18 +57,17 @@ from ferrox_batch.batch.queue import QueueGate
 from ferrox_batch.batch.status import BatchStatus, PoolUsage, PrefillSnapshot, StatusReporter
 from ferrox_batch.batch.step_budget import prefill_budget
 from ferrox_batch.batch.step_cost import StepCostModel
-from ferrox_batch.errors import DecodeError, QueueTimeout
+from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.scheduler import exits
 from ferrox_batch.scheduler.admission import accept, pick
 from ferrox_batch.scheduler.leases import KvLeases
 from ferrox_batch.scheduler.plan import GrammarComplete, PromptChunk, Sampled, StepPlan
-from ferrox_batch.scheduler.request import DecodeFn, Request, RequestStatus
+from ferrox_batch.scheduler.request import DecodeFn, Request
 from ferrox_batch.scheduler.waiting import WaitingQueue
 
 log = logging.getLogger("ferrox_batch.batch")
-
-
 
 
 class Scheduler:
@@ -118,52 +116,21 @@ class Scheduler:
         return [*self.decoding, *self.prefilling]
 
     def abort(self, fresh: Iterable[int]) -> int:
-        """Cancel the requests with these abort ids, wherever they are; how many were stopped.
-
-        A request is on the channel before its abort id can be (the cancel hook is registered after
-        the send), but the id may be drained first: an unmatched id is carried one tick, by which
-        time its request has been drained. An id still unmatched then belongs to a request already
-        answered (a cancel that raced its answer) and is dropped, so none pile up.
-        """
-        fresh = set(fresh)
-        self.carried |= fresh
-        if not self.carried:
-            return 0
-        stopped = 0
-        for request in [r for r in self.waiting if r.abort in self.carried]:
-            self.waiting.remove(request)
-            self.carried.discard(request.abort)
-            self.queue_gate.release()
-            request.cancel()
-            request.reply()
-            stopped += 1
-        for request in self.admitted():
-            if request.abort in self.carried and request.going:
-                request.cancel()  # answered by the next flush, which frees what it holds
-                self.carried.discard(request.abort)
-                stopped += 1
-        self.carried &= fresh
-        return stopped
+        """Cancel the requests with these abort ids, wherever they are; how many were stopped (`exits.cancel`:
+        an id that matches nothing yet is carried one tick)."""
+        return exits.cancel(self, fresh)
 
     # ---------------------------------------------------------- schedule
 
     def schedule(self) -> StepPlan:
         """Flush, refuse what waited too long, admit, and plan the next forward (empty when there is nothing to run)."""
         self.flush()
-        self._expire(self.clock())
+        exits.expire(self, self.clock())
         self._admit()
         decodes = list(self.decoding)
         tick_tokens = self.step_cost.tick_tokens(self.config.max_batch_tokens, len(decodes),
                                                  self.config.step_target_ms)
         return StepPlan.build(decodes, self._prompt_chunks(len(decodes), tick_tokens))
-
-    def _expire(self, now: float) -> None:
-        """Refuse every waiting request whose deadline is `now` or earlier (`QueueTimeout`)."""
-        for request in self.waiting.expired(now):
-            self.queue_gate.release()
-            assert request.deadline is not None
-            limit = request.deadline - request.queued_at
-            request.answer(QueueTimeout(round((now - request.queued_at) * 1000), round(limit * 1000)))
 
     def _admit(self) -> None:
         new_seqs = new_tokens = 0
@@ -295,68 +262,24 @@ class Scheduler:
                 self.prefilling.remove(request)
                 self.prefilling.append(request)
 
+    # ------------------------------------------------------------- exits
+
     def fail_step(self, plan: StepPlan, error: DecodeError) -> None:
         """The forward of `plan` failed: every request in it fails with `error`; the rest go on."""
-        for request in plan.requests:
-            request.fail(error)
-        self.flush()
-
-    # ------------------------------------------------------------- exits
+        exits.fail_step(self, plan, error)
 
     def flush(self) -> int:
         """Answer every admitted request that has finished, freeing its lease and blocks; how many left."""
-        done = [r for r in self.admitted() if not r.going]
-        if not done:
-            return 0
-        for request in done:
-            assert request.seq_id is not None
-            # Released while still listed: if releasing raises (a bug), a dying worker still finds the
-            # request and answers it.
-            if request.error is None:  # a failed request's KV may be partial: never offered to the cache
-                self.kv.publish(request.seq_id, request.computed_tokens())
-            self.budget.release(self.kv.release(request.seq_id))
-            if request.status is RequestStatus.DECODING:
-                self.decoding.remove(request)
-            else:
-                self.prefilling.remove(request)
-            request.reply()
-        return len(done)
+        return exits.flush(self)
 
-    def fail_all(self, error: DecodeError, safely=lambda action: action()) -> None:
-        """Answer every request this scheduler holds with `error` and return everything they hold.
-
-        `safely` runs each release (a crashed worker passes one that logs and goes on: the state may be
-        what broke, and answering callers matters more).
-        """
-        while self.waiting:
-            request = self.waiting.popleft()
-            safely(self.queue_gate.release)
-            request.answer(error)
-        for request in self.admitted():
-            seq_id = request.seq_id
-            # What its lease gives back; what it reserved if the store cannot say (the store may be
-            # what broke), so the ledger still comes back whole.
-            returned = [request.reserved]
-
-            def release_lease() -> None:
-                returned[0] = self.kv.release(seq_id)
-
-            if seq_id is not None:
-                safely(release_lease)
-            safely(lambda: self.budget.release(returned[0]))
-            request.answer(error)
-        self.prefilling.clear()
-        self.decoding.clear()
+    def fail_all(self, error: DecodeError, safely: exits.Safely = lambda action: action()) -> None:
+        """Answer every request this scheduler holds with `error` and return everything they hold; `safely`
+        runs each release (`exits.fail_all`)."""
+        exits.fail_all(self, error, safely)
 
     def check_ledger(self) -> None:
         """The ledger and the store agree: blocks reserved == blocks our requests lease (with a budget)."""
-        if self.budget.total is None:
-            return
-        reserved = self.budget.total - self.budget.free()
-        # Distinct blocks: a cached prefix block shared by several requests is reserved once.
-        held = len({block for r in self.admitted() if r.seq_id is not None for block in self.kv.blocks_of(r.seq_id)})
-        if reserved != held:
-            raise RuntimeError(f"block ledger says {reserved} blocks are reserved but the KV store leases {held}")
+        exits.check_ledger(self)
 
     # ------------------------------------------------------------ status
 

@@ -5,8 +5,9 @@
   stopped, then shut everything down (`server.run`; `ferrox-batch serve`).
 
 Module map: `requests` parses and checks bodies, `generation` serves the two
-generation endpoints, `streaming` bridges a blocking `Ticket` to the event
-loop and to server-sent events, `responses` holds OpenAI's wire shapes,
+generation endpoints, `preparation` turns a body into submitted requests and
+picks their answer shapes, `streaming` bridges a blocking `Ticket` to the
+event loop and to server-sent events, `responses` holds OpenAI's wire shapes,
 `metrics` the Prometheus registry, `errors` the HTTP-only refusals.
 """
 

@@ -7,9 +7,9 @@ The pipeline of one request, and why each step is where it is:
    of a connection reset). Reading it has a deadline (`body_read_timeout`,
    408 past it): the request already holds one of the open-request slots,
    and uploads that trickle in or never finish must not hold them all.
-2. On a small *prepare* pool: JSON parsing, validation, tokenizing or
-   templating, and `batcher.submit`, which raises every refusal before
-   anything is queued. A 1 MB prompt is tokenized there, never on the loop.
+2. On a small *prepare* pool (`preparation`): JSON parsing, validation,
+   tokenizing or templating, and `batcher.submit`, which raises every refusal
+   before anything is queued. A 1 MB prompt is tokenized there, never on the loop.
    A refusal is a JSON error with the error's own status (and `Retry-After`).
 3. The request is submitted with a `ReplyBridge` as its reply sink: the
    worker posts its text and its final event straight to the loop, so no
@@ -43,23 +43,16 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
 from ferrox_batch.batch.handle import ContinuousBatcher
-from ferrox_batch.errors import BatcherClosed, DecodeError, InvalidRequest
+from ferrox_batch.errors import BatcherClosed, DecodeError
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.usage import Usage
 from ferrox_batch.server.access import request_id
 from ferrox_batch.server.body import BodyReadTimedOut, read_body
-from ferrox_batch.server.errors import ModelNotFound, ServerBusy, error_body, error_response
-from ferrox_batch.server.choices import best, candidate_params, merged
+from ferrox_batch.server.errors import ServerBusy, error_body, error_response
+from ferrox_batch.server.choices import best, merged
 from ferrox_batch.server.metrics import ServerMetrics
-from ferrox_batch.server.requests import (
-    TOOL_PARSER,
-    ChatRequest,
-    CompletionRequest,
-    parse_chat_request,
-    parse_completion_request,
-    parse_json_object,
-)
-from ferrox_batch.server.responses import DONE, ChatFormat, CompletionFormat, WireFormat, finish_reason, sse
+from ferrox_batch.server.preparation import Prepared, Preparer
+from ferrox_batch.server.responses import DONE, WireFormat, finish_reason, sse
 from ferrox_batch.server.streaming import (
     Done,
     Event,
@@ -90,13 +83,6 @@ class Limits:
     body_read_timeout: float  # seconds
 
 
-@dataclass(frozen=True, slots=True)
-class _Prepared:
-    request: CompletionRequest | ChatRequest
-    bridges: list[ReplyBridge]  # one per choice (per `best_of` candidate), in order
-    ids: list[int]  # the prompt as submitted
-
-
 class Generations:
     """The generation endpoints of one app: its pools, its in-flight requests, its metrics."""
 
@@ -107,6 +93,8 @@ class Generations:
         self.limits = limits
         self.in_flight: set[ReplyBridge] = set()  # touched on the loop thread only
         self._preparing = 0  # requests reading their body or on the prepare pool, not yet in flight (loop thread)
+        self._preparer = Preparer(batcher, tokenizer, model_name, limits.default_max_tokens,
+                                  limits.default_chat_max_tokens)
         self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), model_name)
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"
@@ -151,7 +139,7 @@ class Generations:
             first = await self._next(events, disconnected, bridges)
             if isinstance(first, Response):
                 return first
-            fmt = self._wire_format(prepared, chat, rid)
+            fmt = self._preparer.wire_format(prepared, chat, rid)
             if prepared.request.stream:
                 handed_off = True
                 return EventStreamResponse(
@@ -186,26 +174,12 @@ class Generations:
             return _failure_response(got[1].error)
         return got  # type: ignore[return-value]
 
-    def _wire_format(self, prepared: _Prepared, chat: bool, rid: str) -> WireFormat:
-        """The request's answer shapes: its endpoint's, with what it asked for (log-probabilities, tool calls,
-        the echoed prompt)."""
-        request = prepared.request
-        asked = request.options.logprobs is not None
-        fmt: WireFormat = (ChatFormat if chat else CompletionFormat)(self.model_name, rid,
-                                                                      self.tokenizer if asked else None)
-        if isinstance(request, ChatRequest) and request.parses_tool_calls:
-            fmt.tool_parser = TOOL_PARSER  # type: ignore[attr-defined]
-        if isinstance(request, CompletionRequest) and request.echo:
-            prompt = request.prompt
-            fmt.echo = (prepared.ids, prompt if isinstance(prompt, str)  # type: ignore[attr-defined]
-                        else self.tokenizer.decode_text(prompt))
-        return fmt
-
-    async def _prepare(self, raw: bytes, chat: bool, arrival: float, rid: str) -> _Prepared:
+    async def _prepare(self, raw: bytes, chat: bool, arrival: float, rid: str) -> Prepared:
         """Parse, tokenize and submit on the prepare pool; a request whose handler was cancelled is cancelled."""
         loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(self.prepare_pool, self._prepare_sync, raw, chat, loop, arrival, rid)
+            future = loop.run_in_executor(self.prepare_pool, self._preparer.prepare, raw, chat, loop,
+                                          lambda bridge, final: self._answered(bridge, final, arrival, rid))
         except RuntimeError:  # the pool is shut down: the server is stopping
             raise BatcherClosed() from None
         try:
@@ -213,39 +187,6 @@ class Generations:
         except asyncio.CancelledError:
             future.add_done_callback(_cancel_orphan)
             raise
-
-    def _prepare_sync(self, raw: bytes, chat: bool, loop: asyncio.AbstractEventLoop, arrival: float,
-                      rid: str) -> _Prepared:
-        body = parse_json_object(raw)
-        request: CompletionRequest | ChatRequest
-        if chat:
-            request = parse_chat_request(body, default_max_tokens=self.limits.default_chat_max_tokens)
-        else:
-            request = parse_completion_request(body, default_max_tokens=self.limits.default_max_tokens)
-        if request.model is not None and request.model != self.model_name:
-            raise ModelNotFound(request.model, self.model_name)
-        if isinstance(request, ChatRequest):
-            ids = _chat_ids(self.tokenizer, request)
-        elif isinstance(request.prompt, str):
-            ids = self.tokenizer.encode(request.prompt)
-        else:
-            ids = list(request.prompt)
-        params = request.options.generation_params(self.tokenizer, request.max_tokens)
-        bridges: list[ReplyBridge] = []
-        try:
-            for candidate in candidate_params(params, request.best_of, request.best_of > request.n):
-                bridge = ReplyBridge(loop, forward_text=request.stream,
-                                     on_final=lambda b, final: self._answered(b, final, arrival, rid))
-                # Every choice after the first follows its prompt: admitted once that prompt is through,
-                # it adopts the prompt's cached blocks (`choices`).
-                bridge.ticket = self.batcher.submit(ids, candidate, self.tokenizer.stop_tokens, sink=bridge,
-                                                    after=bridges[0].ticket if bridges else None)
-                bridges.append(bridge)
-        except BaseException:
-            for bridge in bridges:  # a later candidate was refused: the request fails whole
-                bridge.abandon()
-            raise
-        return _Prepared(request, bridges, ids)
 
     @staticmethod
     async def _events(first: tuple[int, Text | Done], events: AsyncIterator[tuple[int, Event]], fmt: WireFormat,
@@ -318,18 +259,6 @@ class Generations:
             await asyncio.wait_for(asyncio.to_thread(join), SHUTDOWN_JOIN_SECS)
         except asyncio.TimeoutError:
             log.warning("shutdown: the prepare pool was still busy after %.0f s", SHUTDOWN_JOIN_SECS)
-
-
-def _chat_ids(tokenizer: Tokenizer, request: ChatRequest) -> list[int]:
-    """The templated conversation's ids; a template that refuses the messages is the client's 400."""
-    if request.tools and not tokenizer.supports_tools:
-        raise InvalidRequest("tools", [t["function"]["name"] for t in request.tools],
-                             "cannot be offered to this model: its chat template does not render tools")
-    try:
-        return tokenizer.encode_chat(request.messages, list(request.tools) or None)
-    except ValueError as bad:
-        raise InvalidRequest("messages", list(request.messages),
-                      f"could not be rendered by the checkpoint's chat template ({bad})") from None
 
 
 def _failure_response(error: BaseException) -> Response:
