@@ -34,7 +34,9 @@ Four hot spots of a CPU step are not worth torch's generic kernels:
   GEMM at 32 rows, 1.4-3.2x at one row and 0.93-1.48x at 512 rows
   (`scripts/bench_weight_formats.py`, 2-core AVX2 EPYC): fbgemm repacks
   every 6-row slice of the input in each thread and streams the weight past
-  each slice.
+  each slice. A gated variant computes the MLP's `silu(gate) * up` in the
+  same pass (`models.gate_up`), so the `[rows, 2n]` projection is never
+  written out.
 
 They are built once per process by `kernel_build` (the system's GCC, flags
 for the CPU that runs them, nothing cached); `cpu_kernels()` returns None
@@ -76,6 +78,9 @@ class CpuKernels:
         self._f16_gemm = library.ferrox_f16_gemm
         self._f16_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
         self._f16_gemm.restype = i32
+        self._f16_gemm_gated = library.ferrox_f16_gemm_gated
+        self._f16_gemm_gated.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
+        self._f16_gemm_gated.restype = i32
         #: Whether the fp16-weight linear was built with AVX2, FMA and F16C (else scalar: correct, slow).
         self.f16_gemm_vectorised = bool(library.ferrox_f16_gemm_vectorised())
         self._library = library  # keeps the mapping alive as long as the kernels
@@ -209,33 +214,55 @@ class CpuKernels:
         return out
 
     @staticmethod
-    def pack_f16_panels(weight: torch.Tensor) -> torch.Tensor:
+    def pack_f16_panels(weight: torch.Tensor, *, slices: bool = False) -> torch.Tensor:
         """A `[n, k]` weight in the layout `f16_linear` reads: rounded to fp16 (to nearest, as torch
-        casts), as `[ceil(n / 8), k, 8]` panels of 8 output columns, zero past column n."""
+        casts), as `[panels, k, 8]` panels of 8 output columns, zero past column n. `panels` is
+        ceil(n / 8), or with `slices` that rounded up to whole 24-column slices (a gated half)."""
         if weight.dim() != 2 or weight.device.type != "cpu" or not weight.is_floating_point():
             raise ValueError(f"fp16 panels pack a 2-D floating-point CPU weight; got {tuple(weight.shape)} "
                              f"{weight.dtype} on {weight.device}")
         n, k = weight.shape
-        panels = -(-n // F16_PANEL)
+        panels = _slice_panels(n) if slices else -(-n // F16_PANEL)
         padded = torch.zeros(panels * F16_PANEL, k, dtype=torch.float16)
         padded[:n] = weight
         return padded.view(panels, F16_PANEL, k).transpose(1, 2).contiguous()
 
+    @classmethod
+    def pack_f16_gated(cls, weight: torch.Tensor) -> torch.Tensor:
+        """A gated MLP's `[2n, k]` input weight (gate rows, then up rows) in the layout
+        `f16_gated_linear` reads: each half packed by `pack_f16_panels(..., slices=True)`, gate first."""
+        if weight.dim() != 2 or weight.shape[0] % 2:
+            raise ValueError(f"a gated weight has an even number of rows (gate, then up); got {tuple(weight.shape)}")
+        gate, up = weight.chunk(2)
+        return torch.cat([cls.pack_f16_panels(gate, slices=True), cls.pack_f16_panels(up, slices=True)])
+
     def f16_linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
         """`x @ w.T` for float32 `x` `[..., k]` and a weight packed by `pack_f16_panels` (its `n` is
         `out_features`), accumulated in float32 in the order of k."""
+        return self._f16_call(self._f16_gemm, x, panels, out_features, -(-out_features // F16_PANEL))
+
+    def f16_gated_linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+        """`silu(x @ gate.T) * (x @ up.T)` for a weight packed by `pack_f16_gated` (`out_features` = n,
+        the rows of each half): each half summed as `f16_linear` sums, the product formed in registers."""
+        return self._f16_call(self._f16_gemm_gated, x, panels, out_features, 2 * _slice_panels(out_features))
+
+    @staticmethod
+    def _f16_call(fn, x: torch.Tensor, panels: torch.Tensor, out_features: int, expected: int) -> torch.Tensor:
         k = x.shape[-1]
         if x.dtype != torch.float32 or panels.dtype != torch.float16 or panels.dim() != 3:
             raise ValueError(f"the fp16-weight linear takes float32 input and fp16 panels; got {x.dtype} "
                              f"and {panels.dtype} {tuple(panels.shape)}")
-        if panels.shape[1:] != (k, F16_PANEL) or panels.shape[0] != -(-out_features // F16_PANEL):
+        if panels.shape[1:] != (k, F16_PANEL) or panels.shape[0] != expected:
             raise ValueError(f"panels {tuple(panels.shape)} do not hold {out_features} outputs of {k} inputs")
         rows = x.reshape(-1, k).contiguous()
         _check_cpu_contiguous(rows, panels)
         out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-        self._f16_gemm(rows.data_ptr(), rows.shape[0], k, panels.data_ptr(), out_features, out.data_ptr(),
-                       torch.get_num_threads())
+        fn(rows.data_ptr(), rows.shape[0], k, panels.data_ptr(), out_features, out.data_ptr(), torch.get_num_threads())
         return out.view(*x.shape[:-1], out_features)
+
+def _slice_panels(n: int) -> int:
+    """Panels of n columns rounded up to whole slices of three (`csrc/f16_gemm.c`'s `slice_panels`)."""
+    return -(-n // (3 * F16_PANEL)) * 3
 
 
 def _check_dtypes(what: str, *tensors: torch.Tensor) -> None:

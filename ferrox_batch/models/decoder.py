@@ -16,7 +16,9 @@ agree to float rounding.
 
 Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
 matmuls, prepacked at load on the CPU (`models.linear`): for oneDNN, or in
-fp16 when the precision is `fp16w` (for the fp16-weight C kernel, or fbgemm). The decoder is stateless
+fp16 when the precision is `fp16w` (for the fp16-weight C kernel, or fbgemm);
+there the C kernel also applies the MLP's SiLU gate inside the gate/up
+projection (`models.gate_up`). The decoder is stateless
 between calls; all per-sequence state is in the store.
 
 The store may hold K/V narrower than the decoder computes (`kv_dtype`: fp16
@@ -37,6 +39,7 @@ from ferrox_batch.models.attention import attend_decode, attend_prefill
 from ferrox_batch.models.batch_inputs import SeqChunk, build_inputs
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.errors import ModelLoadError
+from ferrox_batch.models.gate_up import GateUp
 from ferrox_batch.models.linear import Linear
 from ferrox_batch.models.cpu_kernels import CpuKernels, cpu_kernels
 from ferrox_batch.models.device import KV_CACHE_DTYPES
@@ -50,7 +53,7 @@ class LayerWeights:
     qkv: Linear
     o: Linear
     post_norm: torch.Tensor
-    gate_up: Linear
+    gate_up: GateUp
     down: Linear
 
 
@@ -136,10 +139,10 @@ class Decoder:
             qkv=self._linear(qkv, bias),
             o=self._linear(take(p + "self_attn.o_proj.weight", (c.hidden_size, q_out))),
             post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=self._linear(torch.cat([
+            gate_up=GateUp(torch.cat([
                 take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
                 take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
-            ])),
+            ]), weights=self.weights_format, kernels=self.kernels),
             down=self._linear(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
         )
 
@@ -220,8 +223,7 @@ class Decoder:
                 parts.append(attend_prefill(q[n_dec:], pool, inputs.prefill, c))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             h, x = self._add_norm(h, layer.o(attn), layer.post_norm, kernel)
-            gate, up = layer.gate_up(x).chunk(2, dim=-1)
-            pending = layer.down(F.silu(gate) * up)
+            pending = layer.down(layer.gate_up(x))
 
         rows = inputs.last_rows
         if every:  # the last rows, then every row of the chunks asked for, through one norm and lm_head

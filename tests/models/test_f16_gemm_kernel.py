@@ -1,4 +1,5 @@
-"""The fp16-weight linear kernel: the panel layout, its sums against exact arithmetic, and its refusals."""
+"""The fp16-weight linear kernel and its gated variant: the panel layout, their sums against exact
+arithmetic, the layers that choose them, and their refusals."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrox_batch.models import cpu_kernels as kernels_module
 from ferrox_batch.models import kernel_build as build_module
 from ferrox_batch.models.cpu_kernels import F16_PANEL, CpuKernels, cpu_kernels
+from ferrox_batch.models.gate_up import GateUp, gated_agrees
 from ferrox_batch.models.linear import Linear
 from numerics import gamma
 
@@ -156,3 +159,86 @@ def test_a_layer_whose_kernel_disagrees_falls_back_to_fbgemm(kernels, monkeypatc
     layer = Linear(torch.randn(16, 8) + 3, weights="fp16", kernels=broken)
     assert layer.kind != "fp16_panels"
     assert layer.kind in ("fbgemm_fp16", "mkldnn", "plain")
+
+
+def check_gated(built: CpuKernels, seed: int, m: int, k: int, n: int, scale: float = 1.0) -> None:
+    x, weight = case(seed, m, k, 2 * n)
+    weight = weight * scale
+    got = built.f16_gated_linear(x, built.pack_f16_gated(weight), n)
+    assert got.shape == (m, n)
+    assert gated_agrees(got, x, weight.half().float())
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(0, 70), k=st.integers(1, 70), n=st.integers(1, 60), seed=st.integers(0, 2**16))
+def test_the_gated_kernel_is_silu_of_the_gate_times_the_up(kernels, m, k, n, seed):
+    check_gated(kernels, seed, m, k, n)
+
+
+def test_the_gated_kernel_past_exps_range(kernels):
+    """Gate sums of +-hundreds: silu goes to g, and to 0 (within 1e-35, where torch's exp overflows to a
+    signed zero), never NaN."""
+    check_gated(kernels, 11, 9, 64, 40, scale=30.0)
+    x = torch.ones(2, 1)
+    weight = torch.tensor([[-200.0], [200.0], [3.0], [3.0]])  # gates -200 and 200, ups 3 and 3
+    got = kernels.f16_gated_linear(x, kernels.pack_f16_gated(weight), 2)
+    assert bool((got[:, 0].abs() < 1e-35).all()) and torch.equal(got[:, 1], torch.tensor([600.0, 600.0]))
+
+
+def test_gated_panels_hold_each_half_in_whole_slices(kernels):
+    weight = torch.randn(2 * 30, 4)  # 30 columns a half: 4 panels, padded to 6 (two slices)
+    panels = kernels.pack_f16_gated(weight)
+    assert panels.shape == (12, 4, F16_PANEL)
+    assert torch.equal(panels[:6], kernels.pack_f16_panels(weight[:30], slices=True))
+    assert torch.equal(panels[6:], kernels.pack_f16_panels(weight[30:], slices=True))
+    assert not bool(panels[3, :, 6:].any()) and not bool(panels[4:6].any())
+    with pytest.raises(ValueError, match="even number of rows"):
+        kernels.pack_f16_gated(torch.randn(5, 4))
+    with pytest.raises(ValueError, match="do not hold"):
+        kernels.f16_gated_linear(torch.randn(2, 4), panels, 50)  # three slices a half, two given
+
+
+@pytest.mark.parametrize("flags", build_module.COMPILE_FLAGS, ids=" ".join)
+def test_every_flag_set_builds_a_gated_kernel_that_agrees(monkeypatch, flags):
+    monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
+    built = kernels_module.cpu_kernels.__wrapped__()
+    if built is None:
+        assert platform.machine() not in ("x86_64", "AMD64") and flags != BASELINE_FLAGS, flags
+        return
+    for m, k, n in ((1, 7, 5), (9, 64, 61), (70, 33, 24)):
+        check_gated(built, 12, m, k, n)
+    check_gated(built, 13, 5, 16, 8, scale=30.0)
+
+
+def test_a_gate_up_projection_fuses_where_the_kernel_is_vectorised(kernels):
+    gen = torch.Generator().manual_seed(14)
+    weight = torch.randn(2 * 40, 24, generator=gen)
+    fused = GateUp(weight, weights="fp16", kernels=kernels)
+    plain = GateUp(weight)  # fp32 weights: a Linear, then torch's silu and product
+    assert not plain.fused and plain.kind in ("mkldnn", "plain")
+    x = torch.randn(7, 24, generator=gen)
+    gate, up = F.linear(x, weight).chunk(2, dim=-1)
+    assert torch.allclose(plain(x), F.silu(gate) * up, rtol=0, atol=1e-5)
+    if not kernels.f16_gemm_vectorised:
+        assert not fused.fused
+        return
+    assert fused.fused and fused.kind == "fp16_panels"
+    assert gated_agrees(fused(x), x, weight.half().float())
+    assert fused(x.view(7, 1, 24)).shape == (7, 1, 40)
+    # A bias keeps the unfused path (the kernel has none).
+    assert not GateUp(weight, torch.randn(80), weights="fp16", kernels=kernels).fused
+
+
+def test_a_gate_up_whose_kernel_disagrees_keeps_the_unfused_path(kernels):
+    if not kernels.f16_gemm_vectorised:
+        pytest.skip("the kernel was built without AVX2, FMA and F16C here: nothing fuses")
+    broken = CpuKernels.__new__(CpuKernels)
+    broken.f16_gemm_vectorised = True
+    broken.pack_f16_gated = kernels.pack_f16_gated
+    broken.pack_f16_panels = kernels.pack_f16_panels
+    broken.f16_linear = kernels.f16_linear
+    broken.f16_gated_linear = lambda x, panels, n: torch.zeros(*x.shape[:-1], n)  # wrong products
+    layer = GateUp(torch.randn(16, 8) + 3, weights="fp16", kernels=broken)
+    assert not layer.fused and layer.kind == "fp16_panels"  # the Linear underneath still runs ours
+    with pytest.raises(ValueError, match="even number of rows"):
+        GateUp(torch.randn(5, 8))

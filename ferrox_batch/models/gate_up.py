@@ -1,0 +1,89 @@
+"""The gated MLP's input projection, `silu(x @ gate.T) * (x @ up.T)`, as one call where a kernel allows.
+
+Llama-family MLPs project the input twice (gate and up, held fused as one `[2n, k]` weight) and
+multiply the SiLU of one by the other. Through `Linear` that is a `[rows, 2n]` product written out,
+split, and read back by two elementwise kernels. Under `fp16w` with the C kernels built vectorised,
+`CpuKernels.f16_gated_linear` instead forms the product in registers, tile by tile, and writes only
+the `[rows, n]` result. Everywhere else (fp32, bf16, CUDA, fbgemm) the projection is a `Linear`
+followed by torch's `silu` and product. At load the fused kernel is checked against that
+reference on a probe input, within the bound its arithmetic allows, and dropped if it disagrees.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ferrox_batch.models.linear import Linear, preferred_fp16_kind
+
+if TYPE_CHECKING:
+    from ferrox_batch.models.cpu_kernels import CpuKernels
+
+#: What the fused path reports as its kernel (`GateUp.kind`).
+FUSED_KIND = "fp16_panels"
+
+
+class GateUp:
+    """`silu(gate(x)) * up(x)` for a fused `[2n, k]` weight (gate rows first)."""
+
+    __slots__ = ("_linear", "_panels", "_kernels", "_half")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weights: str = "dtype",
+                 kernels: CpuKernels | None = None) -> None:
+        """`weights` and `kernels` as for `Linear`; a bias keeps the unfused path."""
+        if weight.dim() != 2 or weight.shape[0] % 2:
+            raise ValueError(f"a gated projection's weight has an even number of rows; got {tuple(weight.shape)}")
+        self._half = weight.shape[0] // 2
+        self._kernels = kernels
+        self._panels: torch.Tensor | None = None
+        self._linear: Linear | None = None
+        fusable = (bias is None and weights == "fp16" and weight.dtype == torch.float32
+                   and weight.device.type == "cpu" and preferred_fp16_kind(kernels) == FUSED_KIND
+                   and not bool((weight.abs() > torch.finfo(torch.float16).max).any()))
+        if fusable:
+            self._panels = kernels.pack_f16_gated(weight)
+            probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+            if gated_agrees(self(probe), probe, weight.half().float()):
+                return
+            self._panels = None
+        self._linear = Linear(weight, bias, weights=weights, kernels=kernels)
+
+    @property
+    def kind(self) -> str:
+        """The kernel that runs the projection (`Linear.kind`'s names)."""
+        return FUSED_KIND if self._panels is not None else self._linear.kind
+
+    @property
+    def fused(self) -> bool:
+        """Whether the SiLU and the product run inside the projection's kernel."""
+        return self._panels is not None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._panels is not None:
+            return self._kernels.f16_gated_linear(x, self._panels, self._half)
+        gate, up = self._linear(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def gated_agrees(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `got` is `silu(x @ gate.T) * (x @ up.T)` over `weight` (float32, gate rows first), up to
+    how the two sides may round.
+
+    Each half's sum is within e = 2 gamma(k) |x| |w| of the other side's (each side within gamma(k) of
+    the exact sum). SiLU's slope is at most 1.1 in magnitude, so the products differ by at most
+    1.1 e_g (|u| + e_u) + |silu(g)| e_u, plus the roundings after the sums: exp within 4 ulps, the sum,
+    the quotient and the product one each, 8 steps of float32 at the value in all (each step eps).
+    """
+    gate_w, up_w = weight.double().chunk(2)
+    xd = x.double()
+    g, u = xd @ gate_w.T, xd @ up_w.T
+    want = F.silu(g) * u
+    k = x.shape[-1]
+    unit = torch.finfo(torch.float32).eps / 2
+    gamma = k * unit / (1 - k * unit)
+    e_g, e_u = 2 * gamma * (xd.abs() @ gate_w.abs().T), 2 * gamma * (xd.abs() @ up_w.abs().T)
+    silu_g = F.silu(g).abs()
+    bound = 1.1 * e_g * (u.abs() + e_u) + silu_g * e_u + 8 * (2 * unit) * (silu_g * u.abs())
+    return bool(((got.double() - want).abs() <= bound).all())
