@@ -2,13 +2,18 @@
 """What the default model's linear layers cost per forward in each weight format torch offers on this CPU.
 
 The four linears of one SmolLM2-135M layer (fused qkv 576->960, o 576->576, fused gate/up 576->3072,
-down 1536->576), times 30 layers, plus the lm head (576->49,152) once unless `--no-lm-head`, at 1 to 1,024 rows, random weights, medians of 30 calls (5 at 256 rows
-and more), side by side: fp32 `F.linear` (MKL); fp32 packed for oneDNN once (`models.linear.Linear`, what
-`--dtype fp32` runs); fp16 weights through fbgemm (`Linear(..., weights="fp16")`) and through our
-kernel (`csrc/f16_gemm.c`, `Linear(..., weights="fp16", kernels=...)`: what `--dtype fp16w` runs where
-the kernels build with AVX2, FMA and F16C); int8 weight-only (`torch._weight_int8pack_mm`, per-channel scales, fp32 activations); bf16
-weights and activations through `F.linear` (emulated on a CPU without avx512_bf16). Each row also gives
-the served kernel's GFLOP/s, so the rate at decode's small row counts can be read beside prefill's.
+down 1536->576), times 30 layers, plus the lm head (576->49,152) once unless `--no-lm-head`, at 1 to
+1,024 rows, random weights, medians of 30 calls (5 at 256 rows and more), side by side:
+- fp32 `F.linear` (MKL);
+- fp32 packed for oneDNN once (`models.linear.Linear`, what `--dtype fp32` runs);
+- fp16 weights through fbgemm (`Linear(..., weights="fp16")`);
+- fp16 weights through our kernel (`csrc/f16_gemm.c`, `Linear(..., weights="fp16", kernels=...)`: what
+  `--dtype fp16w` runs where the kernels build with AVX2, FMA and F16C; the gate/up projection is timed
+  as a plain product here, without the SiLU gate `models.gate_up` folds into it);
+- int8 weight-only (`torch._weight_int8pack_mm`, per-channel scales, fp32 activations);
+- bf16 weights and activations through `F.linear` (emulated on a CPU without avx512_bf16).
+Each row also gives the packed and fp16 kernels' GFLOP/s, so the rate at decode's small row counts can be
+read beside prefill's. A column whose kernel did not load here names the fallback that ran instead.
 
     python scripts/bench_weight_formats.py [--rows 1,32,256,1024]
 """

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 #: How many sqrt(K) * u a whole-forward tolerance allows per side. A logit's error is a sum of K
 #: rounding errors; modelled as independent, zero-mean and each at most u (of the logits' scale),
@@ -203,3 +204,18 @@ def assert_decisive(logits_per_step: list[torch.Tensor], config, context: int, n
         assert float(top[0] - top[1]) > 2 * tolerance, (
             f"{note}: step {i}'s top two logits are {float(top[0] - top[1]):.3g} apart, within twice the "
             f"tolerance {tolerance:.3g}: another machine could pick the other token")
+
+
+def assert_same_linear(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """`got` is `F.linear(x, weight, bias)` up to the two sides' summation orders and output roundings."""
+    want = F.linear(x, weight, bias)
+    # Both sides sum the k products in float32, in their own order (gamma_{k+1} of the magnitudes, the
+    # bias included, each), then round to the output dtype, at most twice (once more if the bias is
+    # added after); in fp32 that rounding is the accumulator's own, already counted in gamma.
+    magnitudes = x.float().abs() @ weight.float().abs().T + (0 if bias is None else bias.float().abs())
+    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
+    rounding = 0.0
+    if got.dtype != torch.float32:
+        rounding = steps(2, exact, got.dtype) + steps(2, want.float(), got.dtype)
+    bound = 2 * gamma(x.shape[-1] + 1) * magnitudes.double() + rounding
+    assert bool(((got.double() - want.double()).abs() <= bound).all())

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Callable
 
 import torch
 
@@ -247,7 +248,11 @@ class CpuKernels:
         return self._f16_call(self._f16_gemm_gated, x, panels, out_features, 2 * _slice_panels(out_features))
 
     @staticmethod
-    def _f16_call(fn, x: torch.Tensor, panels: torch.Tensor, out_features: int, expected: int) -> torch.Tensor:
+    def _f16_call(fn: Callable[..., int], x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                  expected: int) -> torch.Tensor:
+        if x.dim() == 0 or x.shape[-1] == 0 or out_features < 1:
+            raise ValueError(f"the fp16-weight linear needs input of at least one feature and at least one output; "
+                             f"got input {tuple(x.shape)} and {out_features} outputs")
         k = x.shape[-1]
         if x.dtype != torch.float32 or panels.dtype != torch.float16 or panels.dim() != 3:
             raise ValueError(f"the fp16-weight linear takes float32 input and fp16 panels; got {x.dtype} "
@@ -259,6 +264,7 @@ class CpuKernels:
         out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
         fn(rows.data_ptr(), rows.shape[0], k, panels.data_ptr(), out_features, out.data_ptr(), torch.get_num_threads())
         return out.view(*x.shape[:-1], out_features)
+
 
 def _slice_panels(n: int) -> int:
     """Panels of n columns rounded up to whole slices of three (`csrc/f16_gemm.c`'s `slice_panels`)."""

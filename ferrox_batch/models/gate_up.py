@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ferrox_batch.models.linear import Linear, preferred_fp16_kind
+from ferrox_batch.models.linear import PROBE_ROWS, Linear, preferred_fp16_kind
 
 if TYPE_CHECKING:
     from ferrox_batch.models.cpu_kernels import CpuKernels
@@ -44,7 +44,7 @@ class GateUp:
                    and not bool((weight.abs() > torch.finfo(torch.float16).max).any()))
         if fusable:
             self._panels = kernels.pack_f16_gated(weight)
-            probe = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0))
+            probe = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
             if gated_agrees(self(probe), probe, weight.half().float()):
                 return
             self._panels = None
@@ -69,12 +69,13 @@ class GateUp:
 
 def gated_agrees(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `got` is `silu(x @ gate.T) * (x @ up.T)` over `weight` (float32, gate rows first), up to
-    how the two sides may round.
+    how `got` may round.
 
-    Each half's sum is within e = 2 gamma(k) |x| |w| of the other side's (each side within gamma(k) of
-    the exact sum). SiLU's slope is at most 1.1 in magnitude, so the products differ by at most
-    1.1 e_g (|u| + e_u) + |silu(g)| e_u, plus the roundings after the sums: exp within 4 ulps, the sum,
-    the quotient and the product one each, 8 steps of float32 at the value in all (each step eps).
+    The reference is computed in float64 over the float32 inputs, exact to far below float32's steps, so
+    only `got`'s side rounds: each half's float32 sum of k products (with FMA or without) is within
+    e = gamma(k) |x| |w| of the exact sum. SiLU's slope is at most 1.1 in magnitude, so the products
+    differ by at most 1.1 e_g (|u| + e_u) + |silu(g)| e_u, plus the roundings after the sums: exp within
+    4 ulps, the sum, the quotient and the product one each, 8 steps of float32 at the value in all.
     """
     gate_w, up_w = weight.double().chunk(2)
     xd = x.double()
@@ -83,7 +84,7 @@ def gated_agrees(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bo
     k = x.shape[-1]
     unit = torch.finfo(torch.float32).eps / 2
     gamma = k * unit / (1 - k * unit)
-    e_g, e_u = 2 * gamma * (xd.abs() @ gate_w.abs().T), 2 * gamma * (xd.abs() @ up_w.abs().T)
+    e_g, e_u = gamma * (xd.abs() @ gate_w.abs().T), gamma * (xd.abs() @ up_w.abs().T)
     silu_g = F.silu(g).abs()
     bound = 1.1 * e_g * (u.abs() + e_u) + silu_g * e_u + 8 * (2 * unit) * (silu_g * u.abs())
     return bool(((got.double() - want).abs() <= bound).all())

@@ -1,4 +1,4 @@
-"""Linear layers with CPU weights prepacked once at load: for oneDNN, or in fp16 for fbgemm.
+"""Linear layers with CPU weights prepacked once at load: for oneDNN, or in fp16 (our kernel or fbgemm's).
 
 On the CPU, `F.linear` goes to MKL's GEMM, which lays the weight out anew
 (packs it) on every call. For the small batches of decoding that packing is
@@ -44,6 +44,8 @@ _PACK_HINT = 32
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: How a layer may store its weight: in the model's dtype, or (fp32 models on the CPU) in fp16.
 WEIGHT_FORMATS = ("dtype", "fp16")
+#: Rows of the input each layer is checked on at load (`_probe`).
+PROBE_ROWS = 7
 #: The kernels that run fp16 weights (`Linear.kind`), ours first.
 FP16_KINDS = ("fp16_panels", "fbgemm_fp16")
 
@@ -130,8 +132,9 @@ def preferred_fp16_kind(kernels: CpuKernels | None) -> str:
 
 
 def _probe(weight: torch.Tensor) -> torch.Tensor:
+    # Seven rows: a 4-row tile and a 3-row tail of the fp16-weight kernel both run at load.
     # A generator of its own: loading a model must not move the caller's global RNG.
-    return torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    return torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
 
 
 def _agree(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import platform
 import shutil
+import subprocess
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,7 +17,7 @@ from ferrox_batch.models import kernel_build as build_module
 from ferrox_batch.models.cpu_kernels import F16_PANEL, CpuKernels, cpu_kernels
 from ferrox_batch.models.gate_up import GateUp, gated_agrees
 from ferrox_batch.models.linear import Linear
-from numerics import gamma
+from numerics import assert_same_linear, gamma
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="the kernels are built with the system C compiler")
@@ -84,19 +84,24 @@ def test_leading_dimensions_and_strided_inputs(kernels):
     assert_sums_of_the_rounded_weight(kernels.f16_linear(wide[:, :40], panels, 24), wide[:, :40], weight)
 
 
-def test_results_do_not_depend_on_the_thread_count(kernels):
-    """Each output is one thread's sum, in the order of k, whatever the split of columns."""
-    x, weight = case(6, 33, 100, 200)
-    panels = kernels.pack_f16_panels(weight)
+@pytest.mark.parametrize("n", [8, 20, 200])  # one slice (fewer than the threads), one partial, nine
+def test_results_do_not_depend_on_the_thread_count(kernels, n):
+    """Each output is one thread's sum, in the order of k, whatever the split of columns: both kernels
+    give the same bits on teams of 1, 2 and 3 threads (the suite runs torch with one)."""
+    x, weight = case(6, 70, 100, 2 * n)
+    panels, gated = kernels.pack_f16_panels(weight), kernels.pack_f16_gated(weight)
     threads = torch.get_num_threads()
     try:
         outs = []
         for count in (1, 2, 3):
             torch.set_num_threads(count)
-            outs.append(kernels.f16_linear(x, panels, 200))
+            outs.append((kernels.f16_linear(x, panels, 2 * n), kernels.f16_gated_linear(x, gated, n)))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    for plain, fused in outs[1:]:
+        assert torch.equal(plain, outs[0][0]) and torch.equal(fused, outs[0][1])
+    assert_sums_of_the_rounded_weight(outs[1][0], x, weight)
+    assert gated_agrees(outs[1][1], x, weight.half().float())
 
 
 def test_bad_inputs_are_refused(kernels):
@@ -110,26 +115,45 @@ def test_bad_inputs_are_refused(kernels):
         kernels.f16_linear(x[:, :15], panels, 9)
     with pytest.raises(ValueError, match="do not hold"):
         kernels.f16_linear(x, panels, 17)  # three panels' worth, two given
+    for bad_x, outputs in ((torch.tensor(1.0), 9), (torch.ones(4, 0), 9), (x, 0), (x, -3)):
+        with pytest.raises(ValueError, match="at least one feature and at least one output"):
+            kernels.f16_linear(bad_x, panels, outputs)
     with pytest.raises(ValueError, match="2-D floating-point CPU weight"):
         kernels.pack_f16_panels(torch.ones(3, 4, 5))
     with pytest.raises(ValueError, match="2-D floating-point CPU weight"):
         kernels.pack_f16_panels(torch.ones(3, 4, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("flags", build_module.COMPILE_FLAGS, ids=" ".join)
+X86 = platform.machine() in ("x86_64", "AMD64")
+#: A build without AVX2, FMA and F16C on x86, whatever the compiler's default target: the scalar loops.
+SCALAR_FLAGS = ["-O3", "-ffast-math", "-mno-avx2", "-mno-fma", "-mno-f16c"]
+
+
+def compiler_vectorises(flags: list[str]) -> bool:
+    """Whether GCC defines AVX2, FMA and F16C under `flags` (what `f16_gemm_vectorised` must report)."""
+    compiler = build_module._gnu_compiler()
+    macros = subprocess.run([compiler, *flags, "-dM", "-E", "-"], input="", capture_output=True, text=True,
+                            check=True).stdout
+    return all(f"#define __{name}__ 1" in macros for name in ("AVX2", "FMA", "F16C"))
+
+
+@pytest.mark.parametrize("flags", [*build_module.COMPILE_FLAGS, *([SCALAR_FLAGS] if X86 else [])], ids=" ".join)
 def test_every_flag_set_builds_a_kernel_that_sums_like_exact_arithmetic(monkeypatch, flags):
-    """As for the other kernels: each flag set another CPU would get is built and checked here. The
-    last targets the compiler's baseline: no AVX2, FMA or F16C, so its loops are the scalar ones,
-    and it says so (a layer then prefers fbgemm)."""
+    """As for the other kernels: each flag set another CPU would get is built and checked here, and on
+    x86 one more without AVX2, FMA and F16C, so the scalar loops are checked even where the compiler's
+    baseline has them. Each build says which loops it has (a layer prefers fbgemm over scalar ones)."""
     monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
     built = kernels_module.cpu_kernels.__wrapped__()
     if built is None:
-        assert platform.machine() not in ("x86_64", "AMD64") and flags != BASELINE_FLAGS, flags
+        assert not X86 and flags != BASELINE_FLAGS, flags
         return
-    if flags == BASELINE_FLAGS:
+    assert built.f16_gemm_vectorised == compiler_vectorises(flags)
+    if flags is SCALAR_FLAGS:
         assert not built.f16_gemm_vectorised
     for m, k, n in ((1, 7, 5), (9, 64, 61), (70, 33, 24)):
         check_kernel(built, 8, m, k, n)
+        check_gated(built, 12, m, k, n)
+    check_gated(built, 13, 5, 16, 8, scale=30.0)
 
 
 def test_a_layer_runs_the_kernel_where_it_is_vectorised(kernels):
@@ -156,9 +180,23 @@ def test_a_layer_whose_kernel_disagrees_falls_back_to_fbgemm(kernels, monkeypatc
     broken.f16_gemm_vectorised = True
     broken.pack_f16_panels = kernels.pack_f16_panels
     broken.f16_linear = lambda x, panels, n: torch.zeros(*x.shape[:-1], n)  # wrong sums
-    layer = Linear(torch.randn(16, 8) + 3, weights="fp16", kernels=broken)
-    assert layer.kind != "fp16_panels"
+    weight = torch.randn(16, 8) + 3
+    layer = Linear(weight, weights="fp16", kernels=broken)
     assert layer.kind in ("fbgemm_fp16", "mkldnn", "plain")
+    x = torch.randn(5, 8)
+    used = weight.half().float() if layer.kind == "fbgemm_fp16" else weight
+    assert_same_linear(layer(x), x, used, None)
+
+
+def test_weights_past_fp16s_range_keep_the_fp32_kernels(kernels):
+    """fp16 saturates at 65504: such a weight is neither packed in fp16 nor fused, and runs unrounded."""
+    weight = torch.randn(16, 8)
+    weight[3, 2] = 1e5
+    layer, gated = Linear(weight, weights="fp16", kernels=kernels), GateUp(weight, weights="fp16", kernels=kernels)
+    assert layer.kind in ("mkldnn", "plain") and not gated.fused and gated.kind in ("mkldnn", "plain")
+    x = torch.randn(5, 8)
+    assert_same_linear(layer(x), x, weight, None)
+    assert gated_agrees(gated(x), x, weight)
 
 
 def check_gated(built: CpuKernels, seed: int, m: int, k: int, n: int, scale: float = 1.0) -> None:
@@ -176,8 +214,8 @@ def test_the_gated_kernel_is_silu_of_the_gate_times_the_up(kernels, m, k, n, see
 
 
 def test_the_gated_kernel_past_exps_range(kernels):
-    """Gate sums of +-hundreds: silu goes to g, and to 0 (within 1e-35, where torch's exp overflows to a
-    signed zero), never NaN."""
+    """Gate sums of +-hundreds (tens of the hypothesis cases' scale past exp's range): silu goes to g, and
+    to 0 (within 1e-35; torch's exp overflows to a signed zero there), never NaN."""
     check_gated(kernels, 11, 9, 64, 40, scale=30.0)
     x = torch.ones(2, 1)
     weight = torch.tensor([[-200.0], [200.0], [3.0], [3.0]])  # gates -200 and 200, ups 3 and 3
@@ -198,18 +236,6 @@ def test_gated_panels_hold_each_half_in_whole_slices(kernels):
         kernels.f16_gated_linear(torch.randn(2, 4), panels, 50)  # three slices a half, two given
 
 
-@pytest.mark.parametrize("flags", build_module.COMPILE_FLAGS, ids=" ".join)
-def test_every_flag_set_builds_a_gated_kernel_that_agrees(monkeypatch, flags):
-    monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
-    built = kernels_module.cpu_kernels.__wrapped__()
-    if built is None:
-        assert platform.machine() not in ("x86_64", "AMD64") and flags != BASELINE_FLAGS, flags
-        return
-    for m, k, n in ((1, 7, 5), (9, 64, 61), (70, 33, 24)):
-        check_gated(built, 12, m, k, n)
-    check_gated(built, 13, 5, 16, 8, scale=30.0)
-
-
 def test_a_gate_up_projection_fuses_where_the_kernel_is_vectorised(kernels):
     gen = torch.Generator().manual_seed(14)
     weight = torch.randn(2 * 40, 24, generator=gen)
@@ -217,8 +243,7 @@ def test_a_gate_up_projection_fuses_where_the_kernel_is_vectorised(kernels):
     plain = GateUp(weight)  # fp32 weights: a Linear, then torch's silu and product
     assert not plain.fused and plain.kind in ("mkldnn", "plain")
     x = torch.randn(7, 24, generator=gen)
-    gate, up = F.linear(x, weight).chunk(2, dim=-1)
-    assert torch.allclose(plain(x), F.silu(gate) * up, rtol=0, atol=1e-5)
+    assert gated_agrees(plain(x), x, weight)  # the Linear's sums, then torch's silu and product
     if not kernels.f16_gemm_vectorised:
         assert not fused.fused
         return

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from numerics import gamma, steps
+from numerics import assert_same_linear
 
 from ferrox_batch.models.linear import Linear
 
@@ -25,20 +25,6 @@ def test_packed_linear_matches_f_linear_at_every_batch_size(dtype, with_bias):
         assert_same_linear(layer(x), x, weight, bias)
     strided = torch.randn(8, 80, generator=gen).to(dtype)[:, :40]
     assert_same_linear(layer(strided), strided, weight, bias)
-
-
-def assert_same_linear(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    want = F.linear(x, weight, bias)
-    # Both sides sum the 40 products in float32, in their own order (gamma_41 of the magnitudes, the bias
-    # included, each), then round to the output dtype, at most twice (once more if the bias is added
-    # after); in fp32 that rounding is the accumulator's own, already counted in gamma.
-    magnitudes = x.float().abs() @ weight.float().abs().T + (0 if bias is None else bias.float().abs())
-    exact = x.double() @ weight.double().T + (0 if bias is None else bias.double())
-    rounding = 0.0
-    if got.dtype != torch.float32:
-        rounding = steps(2, exact, got.dtype) + steps(2, want.float(), got.dtype)
-    bound = 2 * gamma(41) * magnitudes.double() + rounding
-    assert bool(((got.double() - want.double()).abs() <= bound).all())
 
 
 def test_fp32_cpu_weights_are_packed_where_onednn_is_built():

@@ -49,7 +49,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
                                                        const uint16_t *b, int64_t k, float *c, int64_t ldc) {
     __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
     __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
-    const uint16_t *b0 = b, *b1 = b + k * PANEL, *b2 = b + 2 * k * PANEL;
+    /* Panels past np are never formed: a pointer beyond the weight's end is undefined even unread. */
+    const uint16_t *b0 = b, *b1 = np > 1 ? b + k * PANEL : b, *b2 = np > 2 ? b + 2 * k * PANEL : b;
     for (int64_t t = 0; t < k; ++t) {
         const __m256 w0 = widen(b0 + t * PANEL);
         const __m256 w1 = np > 1 ? widen(b1 + t * PANEL) : w0;
@@ -129,8 +130,8 @@ static int64_t slice_panels(int64_t n) {
  * slice in L1 across the block's rows, as the plain GEMM does (alternating the halves per tile measured
  * 0.93-0.95x the unfused pair at 256 rows). silu(g) = g / (1 + exp(-g)), torch's formula, with exp's
  * argument held at 88 (exp(88) is finite in float32): -ffast-math's vector expf is not defined past its
- * range. Below g = -88 silu is then g / 1.6e38, under 1e-35 in magnitude where torch's overflowing exp
- * gives a signed zero. */
+ * range. Below g = -88 silu is then g / 1.6e38 (|silu| <= |g| / 1.6e38, under 1e-30 for any gate a
+ * model computes) where torch's overflowing exp gives a signed zero. */
 static void gated_slice(int64_t rows, int np, int64_t width, const float *a, int64_t k, const uint16_t *gate,
                         const uint16_t *up, float *y, int64_t ldy) {
     float g[ROW_BLOCK * TILE_COLS], u[TILE_ROWS * TILE_COLS];
