@@ -5,8 +5,9 @@ own thread, in the upstream order: fit (clamp `max_tokens` to the context
 ceiling) -> held positions -> blocks -> `immovable_refusal` (context ceiling,
 then the whole block budget) -> queue reservation -> send -> cancel hook
 (registered only after a successful send) -> wait for its own reply queue.
-Nothing is queued for a request that can never fit. Chunks are delivered to
-`on_chunk` on the caller's thread.
+Nothing is queued for a request that can never fit (the argument checks and
+the sizing are `batch.intake`). Chunks are delivered to `on_chunk` on the
+caller's thread.
 
 Lifetime (a port-only choice, docs/upstream.md D6): Python cannot observe "the last clone was
 dropped", so the handle has `close()` (also `with ContinuousBatcher...:` and a
@@ -25,13 +26,14 @@ from typing import Any, Callable, Sequence
 
 from ferrox_batch.batch.config import BatcherConfig, decode_log_interval_from_env
 from ferrox_batch.batch.counters import BatcherStats
+from ferrox_batch.batch.intake import checked_prompt, size_request
 from ferrox_batch.batch.text import Messages, generate_text
 from ferrox_batch.batch.ticket import Ticket
 from ferrox_batch.batch.wiring import build_worker, config_ceiling
 from ferrox_batch.batch.worker import Worker
 from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.checks import check_seconds
-from ferrox_batch.errors import DecodeError, GrammarConstraint, InvalidRequest, QueueFull
+from ferrox_batch.errors import DecodeError, QueueFull
 from ferrox_batch.generation_types import GenerationParams, GenerationResult
 from ferrox_batch.models.loader import LoadedModel
 from ferrox_batch.models.openmp import release_thread_pool
@@ -209,30 +211,12 @@ class ContinuousBatcher:
         only once that one's prompt is through, so with the prefix cache it adopts the prompt's blocks
         instead of computing them again.
         """
-        prompt = _prompt_list(prompt_tokens)
-        if not isinstance(params, GenerationParams):
-            raise InvalidRequest("params", params, "must be a GenerationParams")
+        prompt = checked_prompt(prompt_tokens, params)
         refusal = self._lifecycle.refusal()
         if refusal is not None:
             raise refusal
-        fitted = self._budget.ceiling.fit(len(prompt), params.max_tokens)
-        if isinstance(fitted, DecodeError):
-            raise fitted
-        if fitted != params.max_tokens:
-            params = params.with_max_tokens(fitted)
-        max_seq_len = len(prompt) + params.max_tokens
-        # The paged store keeps every position (no window page recycling), so a row holds
-        # all of them, even for a sliding-window model.
-        positions = max_seq_len
-        blocks = self._budget.blocks_for(positions)
-        refusal = self._budget.immovable_refusal(positions)
-        if refusal is not None:
-            raise refusal
-        grammar = None
-        if params.structured is not None:
-            if self._grammars is None:
-                raise GrammarConstraint("this batcher has no grammar engine: build it with ContinuousBatcher.from_model")
-            grammar = self._grammars.compile(params.structured)  # an invalid schema is refused here
+        sized = size_request(prompt, params, self._budget, self._grammars)
+        params = sized.params  # `max_tokens` clamped to the context ceiling
         depth = self._queue.try_reserve()
         if depth is not None:
             raise QueueFull(depth, self._queue.cap)
@@ -240,10 +224,10 @@ class ContinuousBatcher:
         if stop_tokens is None:
             stop_tokens = self.tokenizer.stop_tokens if self.tokenizer is not None else StopTokens.default()
         replies = QueueSink() if sink is None else None
-        request = Request(prompt, params, stop_tokens, OnceSink(replies if sink is None else sink), abort, blocks,
-                          positions)
+        request = Request(prompt, params, stop_tokens, OnceSink(replies if sink is None else sink), abort,
+                          sized.blocks, sized.positions)
         request.queued(self._clock(), self._config.max_queue_wait_ms)
-        request.grammar = grammar
+        request.grammar = sized.grammar
         if after is not None:
             request.after = after.abort_id
         try:
@@ -294,16 +278,3 @@ class ContinuousBatcher:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _prompt_list(prompt_tokens: Sequence[int]) -> list[int]:
-    if isinstance(prompt_tokens, (str, bytes)):
-        raise InvalidRequest("prompt_tokens", prompt_tokens, "must be a sequence of token ids, not text")
-    try:
-        prompt = list(prompt_tokens)
-    except TypeError:
-        raise InvalidRequest("prompt_tokens", prompt_tokens, "must be a sequence of token ids") from None
-    for token in prompt:
-        if isinstance(token, bool) or not isinstance(token, int):
-            raise InvalidRequest("prompt_tokens", token, "must hold only integer token ids")
-    return prompt

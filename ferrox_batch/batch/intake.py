@@ -1,0 +1,80 @@
+"""A request's intake on its caller's thread: its arguments checked, and its size against what never changes.
+
+`ContinuousBatcher.submit` runs these before it takes anything it shares
+with the worker, so a request that could never run is refused without a
+queue slot, an abort id or a job on the channel. Everything here reads only what is
+fixed for the batcher's life (the context ceiling, the size of the whole
+block budget, the grammar engine), so it is safe on any number of caller
+threads at once; the only writes are the refusal counts, which the ceiling
+and the budget keep under their own locks.
+
+`submit` calls `checked_prompt` before its lifecycle refusal and
+`size_request` after it, which keeps the refusal order of the module
+docstring in `batch.handle`: a malformed call is refused as malformed even by
+a closed batcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from ferrox_batch.batch.block_budget import BlockBudget
+from ferrox_batch.errors import DecodeError, GrammarConstraint, InvalidRequest
+from ferrox_batch.generation_types import GenerationParams
+from ferrox_batch.models.grammar import Grammars
+
+
+@dataclass(frozen=True, slots=True)
+class SizedRequest:
+    """What the worker needs to know about a request's size, worked out before it is queued."""
+
+    params: GenerationParams  # `max_tokens` clamped to the context ceiling
+    positions: int  # KV positions its lease will hold
+    blocks: int  # KV blocks those positions take
+    grammar: str | None  # compiled `params.structured`, or None without it
+
+
+def checked_prompt(prompt_tokens: Sequence[int], params: GenerationParams) -> list[int]:
+    """The prompt as a list of token ids; `InvalidRequest` for text, a non-sequence, a non-integer id, or
+    `params` that are not a `GenerationParams`."""
+    if isinstance(prompt_tokens, (str, bytes)):
+        raise InvalidRequest("prompt_tokens", prompt_tokens, "must be a sequence of token ids, not text")
+    try:
+        prompt = list(prompt_tokens)
+    except TypeError:
+        raise InvalidRequest("prompt_tokens", prompt_tokens, "must be a sequence of token ids") from None
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise InvalidRequest("prompt_tokens", token, "must hold only integer token ids")
+    if not isinstance(params, GenerationParams):
+        raise InvalidRequest("params", params, "must be a GenerationParams")
+    return prompt
+
+
+def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudget,
+                 grammars: Grammars | None) -> SizedRequest:
+    """Fit `params.max_tokens` to the context ceiling, price the request in blocks, and compile its grammar.
+
+    Raises, in this order, the ceiling's refusal of the prompt, `immovable_refusal` (context ceiling,
+    then the whole block budget), and `GrammarConstraint` for structured output the batcher cannot
+    follow (no grammar engine, or an invalid schema).
+    """
+    fitted = budget.ceiling.fit(len(prompt), params.max_tokens)
+    if isinstance(fitted, DecodeError):
+        raise fitted
+    if fitted != params.max_tokens:
+        params = params.with_max_tokens(fitted)
+    # The paged store keeps every position (no window page recycling), so a row holds
+    # all of them, even for a sliding-window model.
+    positions = len(prompt) + params.max_tokens
+    blocks = budget.blocks_for(positions)
+    refusal = budget.immovable_refusal(positions)
+    if refusal is not None:
+        raise refusal
+    grammar = None
+    if params.structured is not None:
+        if grammars is None:
+            raise GrammarConstraint("this batcher has no grammar engine: build it with ContinuousBatcher.from_model")
+        grammar = grammars.compile(params.structured)  # an invalid schema is refused here
+    return SizedRequest(params=params, positions=positions, blocks=blocks, grammar=grammar)
