@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import platform
 import random
-import shutil
 import threading
 from pathlib import Path
 
@@ -22,18 +21,14 @@ from ferrox_batch.models.loader import load_model
 from ferrox_batch.models.openmp import loaded_openmp_runtimes
 from ferrox_batch.models.cpu_kernels import CpuKernels, cpu_kernels
 from numerics import gamma, logits_tolerance, rounds_alike, steps, steps_apart, unit_roundoff
+from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="the kernels are built with the system C compiler")
-#: The last flag set (the compiler's baseline), read before a test narrows the list to one set.
-BASELINE_FLAGS = build_module.COMPILE_FLAGS[-1]
+pytestmark = needs_compiler
 
 
 @pytest.fixture(scope="module")
 def kernels() -> CpuKernels:
-    built = cpu_kernels()
-    assert built is not None, "a C compiler is on PATH, so the kernels must build"
-    return built
+    return built_kernels()
 
 
 def random_case(rng: random.Random, n: int, kv: int, g: int, d: int, block: int, window: int | None, dtype):

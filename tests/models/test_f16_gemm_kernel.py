@@ -4,7 +4,6 @@ arithmetic, the layers that choose them, and their refusals."""
 from __future__ import annotations
 
 import platform
-import shutil
 import subprocess
 
 import pytest
@@ -14,22 +13,18 @@ from hypothesis import strategies as st
 
 from ferrox_batch.models import cpu_kernels as kernels_module
 from ferrox_batch.models import kernel_build as build_module
-from ferrox_batch.models.cpu_kernels import F16_PANEL, CpuKernels, cpu_kernels
+from ferrox_batch.models.cpu_kernels import F16_PANEL, CpuKernels
 from ferrox_batch.models.gate_up import GateUp, gated_agrees
 from ferrox_batch.models.linear import Linear
 from numerics import assert_same_linear, gamma
+from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="the kernels are built with the system C compiler")
-#: The last flag set (the compiler's baseline), read before a test narrows the list to one set.
-BASELINE_FLAGS = build_module.COMPILE_FLAGS[-1]
+pytestmark = needs_compiler
 
 
 @pytest.fixture(scope="module")
 def kernels() -> CpuKernels:
-    built = cpu_kernels()
-    assert built is not None, "a C compiler is on PATH, so the kernels must build"
-    return built
+    return built_kernels()
 
 
 def case(seed: int, m: int, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:

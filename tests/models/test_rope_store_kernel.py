@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -11,23 +10,19 @@ from hypothesis import strategies as st
 
 from ferrox_batch.models import cpu_kernels as kernels_module
 from ferrox_batch.models import kernel_build as build_module
-from ferrox_batch.models.cpu_kernels import CpuKernels, cpu_kernels
+from ferrox_batch.models.cpu_kernels import CpuKernels
 from ferrox_batch.models.rope import apply_rope
 from numerics import gamma, steps
+from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
 
-pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
-                                reason="the kernels are built with the system C compiler")
-#: The last flag set (the compiler's baseline), read before a test narrows the list to one set.
-BASELINE_FLAGS = build_module.COMPILE_FLAGS[-1]
+pytestmark = needs_compiler
 
 POOL_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 @pytest.fixture(scope="module")
 def kernels() -> CpuKernels:
-    built = cpu_kernels()
-    assert built is not None, "a C compiler is on PATH, so the kernels must build"
-    return built
+    return built_kernels()
 
 
 def case(seed: int, n: int, heads: int, kv: int, d: int, dtype: torch.dtype, pool_dtype: torch.dtype,
