@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ferrox_batch.batch.config import (
@@ -55,7 +56,7 @@ if TYPE_CHECKING:  # the CLI imports torch only once a command needs it: `--help
 
 #: BatcherConfig field -> (flag, environment variable, default shown in --help, meaning). The README's
 #: configuration table lists the same rows. The defaults are the serving ones (`BatcherConfig.serving()`).
-BATCHER_FLAGS: dict[str, tuple[str, str, str, str]] = {
+BATCHER_FLAGS: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
     "max_seqs": ("--max-seqs", ENV_MAX_SEQS, "unlimited", "sequences decoded at once"),
     "prefill_chunk": ("--prefill-chunk", ENV_PREFILL_CHUNK, str(SERVING_PREFILL_CHUNK),
                       "prompt tokens per prefill chunk"),
@@ -78,13 +79,13 @@ BATCHER_FLAGS: dict[str, tuple[str, str, str, str]] = {
     "max_queue_wait_ms": ("--max-queue-wait-ms", ENV_MAX_QUEUE_WAIT_MS, "none",
                           "a request still waiting for admission this many milliseconds after it arrived is "
                           "refused with 503 queue_timeout (a request's max_queue_wait_ms wins); 0: no limit"),
-}
+})
 #: BatcherConfig field -> (flag, environment variable (0 or 1), default shown in --help, meaning), for the
 #: on/off settings: each gets `--flag` and `--no-flag`.
-BATCHER_SWITCHES: dict[str, tuple[str, str, str, str]] = {
+BATCHER_SWITCHES: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
     "prefix_cache": ("--prefix-cache", ENV_PREFIX_CACHE, "on",
                      "reuse the KV of cached prompt prefixes (full blocks) instead of computing them again"),
-}
+})
 #: Flags whose 0 means "none" (the variable, like every FERROX_CB_* one, must still be positive).
 _ZERO_IS_NONE = ("step_target_ms", "max_queue_wait_ms")
 
