@@ -30,8 +30,8 @@ Four hot spots of a CPU step are not worth torch's generic kernels:
 * linear layers with fp16 weights (`csrc/f16_gemm.c`): the weight stored in
   fp16 panels of 8 output columns and widened in registers, float32
   arithmetic, each thread sweeping its rows past one slice of its own columns
-  at a time. The default model's linears measured 1.05-1.36x fbgemm's fp16
-  GEMM at 32 rows, 1.4-3.2x at one row and 0.93-1.48x at 512 rows
+  at a time. A forward's linears of the default model measured 1.07-1.20x
+  fbgemm's fp16 GEMM at 32-1,024 rows and 0.99-1.24x at one row
   (`scripts/bench_weight_formats.py`, 2-core AVX2 EPYC): fbgemm repacks
   every 6-row slice of the input in each thread and streams the weight past
   each slice. A gated variant computes the MLP's `silu(gate) * up` in the

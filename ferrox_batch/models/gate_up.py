@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ferrox_batch.models.linear import PROBE_ROWS, Linear, preferred_fp16_kind
+from ferrox_batch.models.linear import Linear, fits_fp16, preferred_fp16_kind, probe_input
 
 if TYPE_CHECKING:
     from ferrox_batch.models.cpu_kernels import CpuKernels
@@ -41,10 +41,10 @@ class GateUp:
         self._linear: Linear | None = None
         fusable = (bias is None and weights == "fp16" and weight.dtype == torch.float32
                    and weight.device.type == "cpu" and preferred_fp16_kind(kernels) == FUSED_KIND
-                   and not bool((weight.abs() > torch.finfo(torch.float16).max).any()))
+                   and fits_fp16(weight))
         if fusable:
             self._panels = kernels.pack_f16_gated(weight)
-            probe = torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0))
+            probe = probe_input(weight)
             if gated_agrees(self(probe), probe, weight.half().float()):
                 return
             self._panels = None

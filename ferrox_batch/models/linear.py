@@ -21,8 +21,9 @@ stored in fp16 and widened to fp32 inside the GEMM; activations, accumulation
 and the result stay fp32. Two kernels can run it: our own
 (`cpu_kernels.CpuKernels.f16_linear`, "fp16_panels"), where the C kernels
 built with AVX2, FMA and F16C, else fbgemm's (`quantized::linear_dynamic_fp16`,
-"fbgemm_fp16"). Ours measured 1.05-1.36x fbgemm's at 32 rows and 1.4-3.2x at
-one row on a 2-core AVX2 EPYC (`scripts/bench_weight_formats.py`); fbgemm's
+"fbgemm_fp16"). A forward's linears measured 1.07-1.20x fbgemm's at 32-1,024
+rows and 0.99-1.24x at one row on a 2-core AVX2 EPYC
+(`scripts/bench_weight_formats.py`); fbgemm's
 was itself 1.1-1.7x packed fp32 at 1-1024 rows, for half the weight bytes.
 The load-time check compares either with `F.linear` over the fp16-rounded
 weight; where neither loads or agrees, the layer falls back to the fp32
@@ -44,7 +45,7 @@ _PACK_HINT = 32
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 #: How a layer may store its weight: in the model's dtype, or (fp32 models on the CPU) in fp16.
 WEIGHT_FORMATS = ("dtype", "fp16")
-#: Rows of the input each layer is checked on at load (`_probe`).
+#: Rows of the input each layer is checked on at load (`probe_input`).
 PROBE_ROWS = 7
 #: The kernels that run fp16 weights (`Linear.kind`), ours first.
 FP16_KINDS = ("fp16_panels", "fbgemm_fp16")
@@ -83,13 +84,12 @@ class Linear:
         return self._kind
 
     def _try_pack_fp16(self) -> None:
-        # fp16 holds magnitudes up to 65504; a weight past that stays fp32 rather than saturate.
-        if bool((self.weight.abs() > torch.finfo(torch.float16).max).any()):
+        if not fits_fp16(self.weight):
             return
         rounded = self.weight.half().float()
         if preferred_fp16_kind(self._kernels) == "fp16_panels":
             self._packed, self._kind = self._kernels.pack_f16_panels(self.weight), "fp16_panels"
-            probe = _probe(self.weight)
+            probe = probe_input(self.weight)
             if _agree(self(probe), probe, rounded, self.bias):
                 return
             self._packed, self._kind = None, "plain"
@@ -98,7 +98,7 @@ class Linear:
             # weight (a tied embedding) and the fp32 fallback keep the caller's values.
             packed = torch.ops.quantized.linear_prepack_fp16(self.weight.clone(), self.bias)
             self._packed, self._kind = packed, "fbgemm_fp16"
-            probe = _probe(self.weight)
+            probe = probe_input(self.weight)
             if not _agree(self(probe), probe, rounded, self.bias):
                 raise RuntimeError("fbgemm's fp16 linear disagrees with F.linear")
         except (AttributeError, RuntimeError, NotImplementedError):
@@ -107,7 +107,7 @@ class Linear:
     def _try_pack(self) -> None:
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_HINT)
-            probe = _probe(self.weight)
+            probe = probe_input(self.weight)
             self._packed, self._kind = packed, "mkldnn"
             if not _agree(self(probe), probe, self.weight, self.bias):
                 raise RuntimeError("packed linear disagrees with F.linear")
@@ -131,7 +131,14 @@ def preferred_fp16_kind(kernels: CpuKernels | None) -> str:
     return "fp16_panels" if kernels is not None and kernels.f16_gemm_vectorised else "fbgemm_fp16"
 
 
-def _probe(weight: torch.Tensor) -> torch.Tensor:
+def fits_fp16(weight: torch.Tensor) -> bool:
+    """Whether fp16 holds the weight without saturating (magnitudes up to 65504); a weight past that stays
+    in its own dtype rather than lose its large entries."""
+    return not bool((weight.abs() > torch.finfo(torch.float16).max).any())
+
+
+def probe_input(weight: torch.Tensor) -> torch.Tensor:
+    """The input a layer of this weight is checked on at load, in the weight's dtype."""
     # Seven rows: a 4-row tile and a 3-row tail of the fp16-weight kernel both run at load.
     # A generator of its own: loading a model must not move the caller's global RNG.
     return torch.randn(PROBE_ROWS, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
