@@ -9,9 +9,11 @@ Four hot spots of a CPU step are not worth torch's generic kernels:
   per task so each pass streams whole slots. Inside the real model's decode
   step (bf16, batch 32, contexts of 70-260, 2 threads): 0.47 ms per layer,
   and the whole step 56 ms against 67-73 ms with gather + SDPA. On x86 with
-  AVX2 it scores and accumulates 8 slots at a time (one transposing reduction
-  per 8 dot products): 1.9x the one-slot loop with the pool in cache (2-core
-  AVX2 EPYC, 32 sequences x 142 positions). The pool may be stored narrower
+  AVX2 it is register-blocked: up to three query heads of a KV head are scored
+  against 4 slots at once and their values accumulated in registers across the
+  whole sequence, with each slot prefetched ahead: 1.4x its earlier 8-slot form
+  per 32-row step from DRAM on an fp16 pool (2-core AVX2 EPYC, 32 sequences x
+  142 positions, `scripts/bench_decode_attention.py`). The pool may be stored narrower
   than the queries (fp16 or bf16 under float32), widened exactly on load;
   from DRAM an fp16 pool measured 0.98-1.47x the float32 one over three runs
   (`scripts/bench_decode_attention.py`), within this machine's noise; inside
