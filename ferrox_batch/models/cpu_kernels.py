@@ -51,17 +51,15 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
 
 import torch
 
 from ferrox_batch.models.kernel_build import build_library
+from ferrox_batch.models.packed_gemm import F16_PANEL, PackedF16Gemm
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 #: What the decode kernel's pool may hold (its `pool_kind`, csrc/half.h): the activation dtypes, or fp16.
 _POOL_DTYPES = {**_DTYPES, torch.float16: 2}
-#: Output columns per panel of an fp16 weight (`csrc/f16_gemm.c`: one AVX2 vector).
-F16_PANEL = 8
 
 
 class CpuKernels:
@@ -242,30 +240,20 @@ class CpuKernels:
     def f16_linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
         """`x @ w.T` for float32 `x` `[..., k]` and a weight packed by `pack_f16_panels` (its `n` is
         `out_features`), accumulated in float32 in the order of k."""
-        return self._f16_call(self._f16_gemm, x, panels, out_features, -(-out_features // F16_PANEL))
+        return self.bind_f16_linear(panels, out_features)(x)
 
     def f16_gated_linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
         """`silu(x @ gate.T) * (x @ up.T)` for a weight packed by `pack_f16_gated` (`out_features` = n,
         the rows of each half): each half summed as `f16_linear` sums, the product formed in registers."""
-        return self._f16_call(self._f16_gemm_gated, x, panels, out_features, 2 * _slice_panels(out_features))
+        return self.bind_f16_gated_linear(panels, out_features)(x)
 
-    @staticmethod
-    def _f16_call(fn: Callable[..., int], x: torch.Tensor, panels: torch.Tensor, out_features: int,
-                  expected: int) -> torch.Tensor:
-        if x.dim() == 0 or x.shape[-1] == 0 or out_features < 1:
-            raise ValueError(f"the fp16-weight linear needs input of at least one feature and at least one output; "
-                             f"got input {tuple(x.shape)} and {out_features} outputs")
-        k = x.shape[-1]
-        if x.dtype != torch.float32 or panels.dtype != torch.float16 or panels.dim() != 3:
-            raise ValueError(f"the fp16-weight linear takes float32 input and fp16 panels; got {x.dtype} "
-                             f"and {panels.dtype} {tuple(panels.shape)}")
-        if panels.shape[1:] != (k, F16_PANEL) or panels.shape[0] != expected:
-            raise ValueError(f"panels {tuple(panels.shape)} do not hold {out_features} outputs of {k} inputs")
-        rows = x.reshape(-1, k).contiguous()
-        _check_cpu_contiguous(rows, panels)
-        out = torch.empty(rows.shape[0], out_features, dtype=torch.float32)
-        fn(rows.data_ptr(), rows.shape[0], k, panels.data_ptr(), out_features, out.data_ptr(), torch.get_num_threads())
-        return out.view(*x.shape[:-1], out_features)
+    def bind_f16_linear(self, panels: torch.Tensor, out_features: int) -> PackedF16Gemm:
+        """`f16_linear` bound to one packed weight, checked now rather than on every call (`packed_gemm`)."""
+        return PackedF16Gemm(self._f16_gemm, panels, out_features, -(-out_features // F16_PANEL))
+
+    def bind_f16_gated_linear(self, panels: torch.Tensor, out_features: int) -> PackedF16Gemm:
+        """`f16_gated_linear` bound to one packed weight, as `bind_f16_linear`."""
+        return PackedF16Gemm(self._f16_gemm_gated, panels, out_features, 2 * _slice_panels(out_features))
 
 
 def _slice_panels(n: int) -> int:

@@ -20,6 +20,7 @@ from ferrox_batch.models.linear import Linear, fits_fp16, preferred_fp16_kind, p
 
 if TYPE_CHECKING:
     from ferrox_batch.models.cpu_kernels import CpuKernels
+    from ferrox_batch.models.packed_gemm import PackedF16Gemm
 
 #: What the fused path reports as its kernel (`GateUp.kind`).
 FUSED_KIND = "fp16_panels"
@@ -28,7 +29,7 @@ FUSED_KIND = "fp16_panels"
 class GateUp:
     """`silu(gate(x)) * up(x)` for a fused `[2n, k]` weight (gate rows first)."""
 
-    __slots__ = ("_linear", "_panels", "_kernels", "_half")
+    __slots__ = ("_linear", "_fused", "_half")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weights: str = "dtype",
                  kernels: CpuKernels | None = None) -> None:
@@ -36,33 +37,32 @@ class GateUp:
         if weight.dim() != 2 or weight.shape[0] % 2:
             raise ValueError(f"a gated projection's weight has an even number of rows; got {tuple(weight.shape)}")
         self._half = weight.shape[0] // 2
-        self._kernels = kernels
-        self._panels: torch.Tensor | None = None
+        self._fused: PackedF16Gemm | None = None
         self._linear: Linear | None = None
         fusable = (bias is None and weights == "fp16" and weight.dtype == torch.float32
                    and weight.device.type == "cpu" and preferred_fp16_kind(kernels) == FUSED_KIND
                    and fits_fp16(weight))
         if fusable:
-            self._panels = kernels.pack_f16_gated(weight)
+            self._fused = kernels.bind_f16_gated_linear(kernels.pack_f16_gated(weight), self._half)
             probe = probe_input(weight)
             if gated_agrees(self(probe), probe, weight.half().float()):
                 return
-            self._panels = None
+            self._fused = None
         self._linear = Linear(weight, bias, weights=weights, kernels=kernels)
 
     @property
     def kind(self) -> str:
         """The kernel that runs the projection (`Linear.kind`'s names)."""
-        return FUSED_KIND if self._panels is not None else self._linear.kind
+        return FUSED_KIND if self._fused is not None else self._linear.kind
 
     @property
     def fused(self) -> bool:
         """Whether the SiLU and the product run inside the projection's kernel."""
-        return self._panels is not None
+        return self._fused is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._panels is not None:
-            return self._kernels.f16_gated_linear(x, self._panels, self._half)
+        if self._fused is not None:
+            return self._fused(x)  # a `PackedF16Gemm`, checked when it was bound
         gate, up = self._linear(x).chunk(2, dim=-1)
         return F.silu(gate) * up
 

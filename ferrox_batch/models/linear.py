@@ -88,7 +88,9 @@ class Linear:
             return
         rounded = self.weight.half().float()
         if preferred_fp16_kind(self._kernels) == "fp16_panels":
-            self._packed, self._kind = self._kernels.pack_f16_panels(self.weight), "fp16_panels"
+            panels = self._kernels.pack_f16_panels(self.weight)
+            self._packed = self._kernels.bind_f16_linear(panels, self._out_features)
+            self._kind = "fp16_panels"
             probe = probe_input(self.weight)
             if _agree(self(probe), probe, rounded, self.bias):
                 return
@@ -116,7 +118,7 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kind == "fp16_panels":
-            out = self._kernels.f16_linear(x, self._packed, self._out_features)
+            out = self._packed(x)  # a `PackedF16Gemm`: the weight was checked when it was bound
             return out if self.bias is None else out.add_(self.bias)
         if self._kind == "fbgemm_fp16":
             return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)

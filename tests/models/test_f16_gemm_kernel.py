@@ -99,6 +99,29 @@ def test_results_do_not_depend_on_the_thread_count(kernels, n):
     assert gated_agrees(outs[1][1], x, weight.half().float())
 
 
+def test_a_bound_weight_computes_what_the_checked_call_does(kernels):
+    """A layer binds its packed weight once (`bind_f16_linear`, `bind_f16_gated_linear`); each call then
+    checks only its input. Same results, bit for bit, on 2-D, 3-D and strided input."""
+    x, weight = case(11, 6, 40, 2 * 24)
+    panels, gated = kernels.pack_f16_panels(weight), kernels.pack_f16_gated(weight)
+    linear, fused = kernels.bind_f16_linear(panels, 48), kernels.bind_f16_gated_linear(gated, 24)
+    assert linear.in_features == fused.in_features == 40
+    wide = torch.randn(6, 80)
+    for given_x in (x, x.view(2, 3, 40), wide[:, ::2]):
+        assert torch.equal(linear(given_x), kernels.f16_linear(given_x, panels, 48))
+        assert torch.equal(fused(given_x), kernels.f16_gated_linear(given_x, gated, 24))
+    assert linear(x.view(2, 3, 40)).shape == (2, 3, 48)
+    assert_sums_of_the_rounded_weight(linear(wide[:, ::2]), wide[:, ::2], weight)
+    with pytest.raises(ValueError, match="do not hold input of 39 features"):
+        linear(x[:, :39])
+    with pytest.raises(ValueError, match="float32 input"):
+        fused(x.half())
+    with pytest.raises(ValueError, match="at least one feature"):
+        linear(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="do not hold"):
+        kernels.bind_f16_gated_linear(gated, 25)  # one slice a half: 24 outputs, not 25
+
+
 def test_bad_inputs_are_refused(kernels):
     x, weight = case(7, 4, 16, 9)
     panels = kernels.pack_f16_panels(weight)
@@ -174,7 +197,7 @@ def test_a_layer_whose_kernel_disagrees_falls_back_to_fbgemm(kernels, monkeypatc
     broken = CpuKernels.__new__(CpuKernels)
     broken.f16_gemm_vectorised = True
     broken.pack_f16_panels = kernels.pack_f16_panels
-    broken.f16_linear = lambda x, panels, n: torch.zeros(*x.shape[:-1], n)  # wrong sums
+    broken.bind_f16_linear = lambda panels, n: lambda x: torch.zeros(*x.shape[:-1], n)  # wrong sums
     weight = torch.randn(16, 8) + 3
     layer = Linear(weight, weights="fp16", kernels=broken)
     assert layer.kind in ("fbgemm_fp16", "mkldnn", "plain")
@@ -256,8 +279,8 @@ def test_a_gate_up_whose_kernel_disagrees_keeps_the_unfused_path(kernels):
     broken.f16_gemm_vectorised = True
     broken.pack_f16_gated = kernels.pack_f16_gated
     broken.pack_f16_panels = kernels.pack_f16_panels
-    broken.f16_linear = kernels.f16_linear
-    broken.f16_gated_linear = lambda x, panels, n: torch.zeros(*x.shape[:-1], n)  # wrong products
+    broken.bind_f16_linear = kernels.bind_f16_linear
+    broken.bind_f16_gated_linear = lambda panels, n: lambda x: torch.zeros(*x.shape[:-1], n)  # wrong products
     layer = GateUp(torch.randn(16, 8) + 3, weights="fp16", kernels=broken)
     assert not layer.fused and layer.kind == "fp16_panels"  # the Linear underneath still runs ours
     with pytest.raises(ValueError, match="even number of rows"):
