@@ -118,7 +118,7 @@ class CpuKernels:
         if pool.dim() != 4 or pool.shape[1:] != (2, kv, d):
             raise ValueError(f"pool is {tuple(pool.shape)}, expected [slots, 2, {kv}, {d}]")
         for name, t in (("tables", tables), ("lo", lo), ("hi", hi)):
-            if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous():
+            if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous int64 CPU tensor")
         if tables.dim() != 2 or tables.shape[0] != n or lo.shape != (n,) or hi.shape != (n,):
             raise ValueError(f"tables {tuple(tables.shape)}, lo {tuple(lo.shape)}, hi {tuple(hi.shape)} "
@@ -172,7 +172,7 @@ class CpuKernels:
         if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != d:
             raise ValueError(f"rope tables {tuple(cos.shape)} and {tuple(sin.shape)}, expected [positions, {d}]")
         for name, t in (("positions", positions), ("slots", slots)):
-            if t.dtype != torch.int64 or t.device.type != "cpu" or not t.is_contiguous() or t.shape != (n,):
+            if t.dtype != torch.int64 or not t.is_cpu or not t.is_contiguous() or t.shape != (n,):
                 raise ValueError(f"{name} must be a contiguous int64 CPU tensor of {n}")
         if not checked:
             self.check_rope_store(positions, slots, cos.shape[0], pool.shape[0])
@@ -262,13 +262,16 @@ def _slice_panels(n: int) -> int:
 
 
 def _check_dtypes(what: str, *tensors: torch.Tensor) -> None:
+    # Called a few hundred times a decode step, so the common case is a few identity tests.
+    first = tensors[0].dtype
+    if first in _DTYPES and all(t.dtype is first for t in tensors):
+        return
     dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1 or not dtypes <= set(_DTYPES):
-        raise ValueError(f"{what} needs tensors of one dtype in {list(_DTYPES)}; got {sorted(map(str, dtypes))}")
+    raise ValueError(f"{what} needs tensors of one dtype in {list(_DTYPES)}; got {sorted(map(str, dtypes))}")
 
 
 def _check_cpu_contiguous(*tensors: torch.Tensor) -> None:
-    if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
+    if not all(t.is_cpu and t.is_contiguous() for t in tensors):
         raise ValueError("the CPU kernels take contiguous CPU tensors")
 
 
