@@ -4,7 +4,9 @@
   through each block table (`cpu_kernels`); elsewhere one `index_select` gathers every sequence's
   context and SDPA runs over it, with the query heads that share a KV head folded into the query
   axis (GQA without expanding K/V).
-* prefill group: one SDPA call per chunk, at its own length, over its own gathered context.
+* prefill group: on the CPU one kernel call for all the chunks (`csrc/prefill_attention.c`: each
+  chunk's keys and values widened once, then query rows x KV head tasks scored against them in
+  registers); elsewhere one SDPA call per chunk, at its own length, over its own gathered context.
 
 The pool may hold K/V narrower than the queries (an fp16 KV cache): the gathered context is widened
 to the query's dtype before SDPA, and the kernel widens what it reads. Both functions return the
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from ferrox_batch.models.batch_inputs import DecodeGroup, PrefillChunk
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.cpu_kernels import CpuKernels
+from ferrox_batch.models.prefill_plan import PrefillPlan
 
 
 def attend_decode(q: torch.Tensor, pool: torch.Tensor, group: DecodeGroup, block_size: int, config: ModelConfig,
@@ -39,10 +42,14 @@ def attend_decode(q: torch.Tensor, pool: torch.Tensor, group: DecodeGroup, block
     return out.reshape(n, c.num_heads * c.head_dim)
 
 
-def attend_prefill(q: torch.Tensor, pool: torch.Tensor, chunks: list[PrefillChunk],
-                   config: ModelConfig) -> torch.Tensor:
-    """The prefill chunks' queries (their rows in order) over their contexts: one SDPA call per chunk."""
+def attend_prefill(q: torch.Tensor, pool: torch.Tensor, chunks: list[PrefillChunk], config: ModelConfig,
+                   kernels: CpuKernels | None = None, plan: PrefillPlan | None = None) -> torch.Tensor:
+    """The prefill chunks' queries `[rows, heads, head_dim]` (their rows in order) over their contexts: on
+    the CPU one kernel call for every chunk (`plan`, its slots checked once per forward), elsewhere one
+    SDPA call per chunk."""
     c = config
+    if kernels is not None and plan is not None:
+        return kernels.prefill_attention(q, pool, plan, c.head_dim ** -0.5, c.sliding_window, plan_checked=True)
     outs = []
     row = 0
     for chunk in chunks:

@@ -4,11 +4,14 @@
 that mixes prefill chunks of several sequences with single-token decodes of
 others, returning the last-position logits of each sequence (float32, in the
 order given). Every projection runs once over the flat batch; attention runs
-once for the decode group and once per prefill chunk in each layer
-(`models.attention`, over the inputs `batch_inputs` builds).
+once for the decode group and, in each layer, once for all the prefill chunks
+on the CPU or once per chunk elsewhere (`models.attention`, over the inputs
+`batch_inputs` builds).
 
-On the CPU three hot spots run in small C kernels (`cpu_kernels`): the decode
-group's attention reads K/V straight from the pool, each RMSNorm takes the
+On the CPU four hot spots run in small C kernels (`cpu_kernels`): the decode
+group's attention reads K/V straight from the pool, the prefill chunks'
+attention widens each chunk's K/V once and scores query tiles against it in
+registers (`prefill_plan` describes the chunks to it), each RMSNorm takes the
 residual add before it in the same call, and RoPE rotates q and k in place in
 the fused projection and writes K/V to the pool in the same pass. Set
 `kernels = None` to use torch's ops instead (CUDA always does); both paths
@@ -44,6 +47,7 @@ from ferrox_batch.models.linear import Linear
 from ferrox_batch.models.cpu_kernels import CpuKernels, cpu_kernels
 from ferrox_batch.models.device import KV_CACHE_DTYPES
 from ferrox_batch.models.paged_kv import PagedKvStore
+from ferrox_batch.models.prefill_plan import PrefillPlan
 from ferrox_batch.models.rope import apply_rope, rope_tables
 
 
@@ -188,11 +192,15 @@ class Decoder:
             raise ValueError(
                 f"position {top} is past this model's {c.max_position_embeddings} trained positions"
             )
+        plan: PrefillPlan | None = None
         if kernel is not None:  # once per forward; the kernels read and write unchecked
             kernel.check_rope_store(inputs.positions, inputs.slots, self.cos.shape[0], store.kv.shape[1])
             if inputs.decode is not None:
                 d = inputs.decode
                 kernel.check_decode_ranges(d.tables, d.lo, d.hi, store.block_size, store.num_blocks)
+            if inputs.prefill:
+                plan = PrefillPlan.of(inputs.prefill)
+                plan.check(store.kv.shape[1])
         else:
             cos = self.cos[inputs.positions][:, None, :]
             sin = self.sin[inputs.positions][:, None, :]
@@ -220,7 +228,7 @@ class Decoder:
                 n_dec = inputs.decode.count
                 parts.append(attend_decode(q[:n_dec], pool, inputs.decode, store.block_size, c, kernel))
             if inputs.prefill:
-                parts.append(attend_prefill(q[n_dec:], pool, inputs.prefill, c))
+                parts.append(attend_prefill(q[n_dec:], pool, inputs.prefill, c, kernel, plan))
             attn = parts[0] if len(parts) == 1 else torch.cat(parts)
             h, x = self._add_norm(h, layer.o(attn), layer.post_norm, kernel)
             pending = layer.down(layer.gate_up(x))

@@ -1,4 +1,5 @@
-"""The CPU kernels (paged decode attention, RMSNorm): against float64 references, inside the decoder, their build."""
+"""The CPU kernels (paged decode attention, RMSNorm): against float64 references, inside the decoder, their build
+(each flag set's build is also checked on the prefill-attention kernel, tested in test_prefill_attention_kernel)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,7 +20,9 @@ from ferrox_batch.models.batch_inputs import SeqChunk
 from ferrox_batch.models.loader import load_model
 from ferrox_batch.models.openmp import loaded_openmp_runtimes
 from ferrox_batch.models.cpu_kernels import CpuKernels, cpu_kernels
+from ferrox_batch.models.prefill_plan import PrefillPlan
 from numerics import gamma, logits_tolerance, rounds_alike, steps, steps_apart, unit_roundoff
+from attention_reference import decode_error_bound, prefill_as_decode, prefill_case, random_case, reference
 from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
 
 pytestmark = needs_compiler
@@ -29,78 +31,6 @@ pytestmark = needs_compiler
 @pytest.fixture(scope="module")
 def kernels() -> CpuKernels:
     return built_kernels()
-
-
-def random_case(rng: random.Random, n: int, kv: int, g: int, d: int, block: int, window: int | None, dtype):
-    """A pool with randomly placed blocks, and what each sequence attends to."""
-    lens = [rng.randint(1, 40) for _ in range(n)]
-    blocks = [-(-length // block) for length in lens]
-    order = list(range(1, sum(blocks) + 3))  # block 0 stays unused, as in the store
-    rng.shuffle(order)
-    tables = torch.zeros(n, max(blocks), dtype=torch.long)
-    used = 0
-    for i, count in enumerate(blocks):
-        tables[i, :count] = torch.tensor(order[used:used + count])
-        used += count
-    gen = torch.Generator().manual_seed(rng.randint(0, 2**31))
-    pool = torch.randn((sum(blocks) + 3) * block, 2, kv, d, generator=gen).to(dtype)
-    q = torch.randn(n, kv, g, d, generator=gen).to(dtype)
-    hi = torch.tensor(lens)
-    lo = torch.zeros(n, dtype=torch.long) if window is None else (hi - window).clamp(min=0)
-    return q, pool, tables, lo, hi
-
-
-def reference(q, pool, tables, lo, hi, block, scale=None):
-    """Gather each sequence's keys and values and attend in float64 (exact next to float32)."""
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for i in range(q.shape[0]):
-        k, v = context(pool, tables, lo, hi, block, i)
-        out[i] = F.scaled_dot_product_attention(q[i].double(), k, v, scale=scale)
-    return out
-
-
-def context(pool, tables, lo, hi, block, i):
-    """Sequence i's keys and values, `[kv, L, d]` each, in float64."""
-    pos = torch.arange(int(lo[i]), int(hi[i]))
-    ctx = pool.double()[tables[i, pos // block] * block + pos % block]  # [L, 2, kv, d]
-    return ctx[:, 0].transpose(0, 1), ctx[:, 1].transpose(0, 1)
-
-
-#: The kernel's expf is glibc's vector expf (what -ffast-math lets GCC call), within 4 ulps; its scalar
-#: expf, for a loop's tail, is within 1.
-KERNEL_EXP_ULPS = 4
-
-
-def decode_error_bound(q, pool, tables, lo, hi, block, scale):
-    """Per output element, how far the kernel's float32 attention may be from the exact one (to first
-    order; the products of two rounding errors are below u**2 and left out).
-
-    The kernel computes s_t = (q . k_t) * scale, w_t = exp(s_t - max s), out = (sum_t w_t v_t) / sum_t w_t,
-    summing in any order (vectorised, maybe with FMA). Errors, u = 2**-24:
-    * a score: gamma_{d+1} * |scale| * sum_e |q_e k_te| (d products summed, then the scale);
-    * a weight, relative: its score's error and the max's, u * (max - s_t) from the subtraction, and exp's
-      KERNEL_EXP_ULPS (2u each). A relative error eps_t of w_t moves the output by
-      p_t * eps_t * (v_t - out), p the exact softmax;
-    * the two sums over the L positions: gamma_L * sum_t p_t |v_t| and gamma_L * |out|;
-    * 1 / sum and the final product: 2u * |out|.
-    """
-    u = unit_roundoff(torch.float32)
-    n, kv, g, d = q.shape
-    bound = torch.empty(q.shape, dtype=torch.float64)
-    for i in range(n):
-        k, v = context(pool, tables, lo, hi, block, i)  # [kv, L, d]
-        qi = q[i].double()  # [kv, g, d]
-        s = torch.einsum("hgd,hld->hgl", qi, k) * scale
-        score_error = gamma(d + 1) * abs(scale) * torch.einsum("hgd,hld->hgl", qi.abs(), k.abs())
-        p = torch.softmax(s, -1)  # [kv, g, L]
-        out = torch.einsum("hgl,hld->hgd", p, v)
-        weight_error = (score_error + score_error.amax(-1, keepdim=True)
-                        + u * (s.amax(-1, keepdim=True) - s) + 2 * KERNEL_EXP_ULPS * u)
-        spread = (v[:, None, :, :] - out[:, :, None, :]).abs()  # [kv, g, L, d]
-        moved = torch.einsum("hgl,hgld->hgd", p * weight_error, spread)
-        summed = gamma(k.shape[1]) * (torch.einsum("hgl,hld->hgd", p, v.abs()) + out.abs())
-        bound[i] = moved + summed + 2 * u * out.abs()
-    return bound
 
 
 @settings(max_examples=60, deadline=None)
@@ -381,12 +311,20 @@ def test_a_source_that_does_not_compile_falls_back_with_the_reason(monkeypatch, 
 
 
 def check_against_the_references(built: CpuKernels) -> None:
-    """Both kernels, in float32 and bf16, within the bounds the tests above derive."""
+    """The attention kernels and the norm, in float32 and bf16, within the bounds their tests derive."""
     for dtype in (torch.float32, torch.bfloat16):
         q, pool, tables, lo, hi = random_case(random.Random(11), 5, 3, 3, 64, 16, 9, dtype)
         got = built.paged_decode(q, pool, tables, lo, hi, 16, 0.125).double()
         want = reference(q, pool, tables, lo, hi, 16, 0.125)
         bound = decode_error_bound(q, pool, tables, lo, hi, 16, 0.125)
+        if dtype == torch.bfloat16:
+            bound = bound + steps(0.5, want.abs() + bound, dtype)
+        assert bool(((got - want).abs() <= bound).all()), dtype
+        q, pool, chunks = prefill_case(random.Random(12), 3, 3, 64, dtype, pool_dtype=torch.float16)
+        got = built.prefill_attention(q, pool, PrefillPlan.of(chunks), 0.125, 9).double().view(q.shape)
+        qd, tables, lo, hi = prefill_as_decode(q, pool, chunks, 9)
+        want = reference(qd, pool.float(), tables, lo, hi, 1, 0.125).view(q.shape)
+        bound = decode_error_bound(qd, pool.float(), tables, lo, hi, 1, 0.125).view(q.shape)
         if dtype == torch.bfloat16:
             bound = bound + steps(0.5, want.abs() + bound, dtype)
         assert bool(((got - want).abs() <= bound).all()), dtype
