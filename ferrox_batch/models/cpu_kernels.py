@@ -89,6 +89,10 @@ class CpuKernels:
         self._prefill = library.ferrox_prefill_attention
         self._prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, f32, i32, i32, i32]
         self._prefill.restype = i32
+        self._layer_stack = library.ferrox_layer_stack
+        self._layer_stack.argtypes = [ptr] * 7 + [i64] * 4 + [ptr, ptr, i64, i32] + [ptr] * 4 + [i64] * 3 + [f32, f32] \
+            + [i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i32]
+        self._layer_stack.restype = i32
         self._f16_gemm = library.ferrox_f16_gemm
         self._f16_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
         self._f16_gemm.restype = i32
@@ -98,6 +102,12 @@ class CpuKernels:
         #: Whether the fp16-weight linear was built with AVX2, FMA and F16C (else scalar: correct, slow).
         self.f16_gemm_vectorised = bool(library.ferrox_f16_gemm_vectorised())
         self._library = library  # keeps the mapping alive as long as the kernels
+
+    @property
+    def layer_stack_entry(self) -> ctypes._CFuncPtr:
+        """`ferrox_layer_stack` (`csrc/layer_stack.c`), called only through `models.layer_stack`, which
+        checks what it reads."""
+        return self._layer_stack
 
     @staticmethod
     def supports(dtype: torch.dtype) -> bool:

@@ -15,7 +15,10 @@ registers (`prefill_plan` describes the chunks to it), each RMSNorm takes the
 residual add before it in the same call, and RoPE rotates q and k in place in
 the fused projection and writes K/V to the pool in the same pass. Set
 `kernels = None` to use torch's ops instead (CUDA always does); both paths
-agree to float rounding.
+agree to float rounding. Where every projection is one fp16 panel kernel
+(`fp16w` on an AVX2 CPU), the whole layer loop runs in one C call instead
+(`layer_stack`): the same kernels in the same order, bit for bit, without
+the Python between them.
 
 Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
 matmuls, prepacked at load on the CPU (`models.linear`): for oneDNN, or in
@@ -43,6 +46,7 @@ from ferrox_batch.models.batch_inputs import SeqChunk, build_inputs
 from ferrox_batch.models.config import ModelConfig
 from ferrox_batch.models.errors import ModelLoadError
 from ferrox_batch.models.gate_up import GateUp
+from ferrox_batch.models.layer_stack import LayerStack
 from ferrox_batch.models.linear import Linear
 from ferrox_batch.models.cpu_kernels import CpuKernels, cpu_kernels
 from ferrox_batch.models.device import KV_CACHE_DTYPES
@@ -101,6 +105,8 @@ class Decoder:
         if unused:
             raise ModelLoadError(f"checkpoint has tensors this architecture does not use: {sorted(unused)[:5]}")
         self.cos, self.sin = rope_tables(config, self.device, dtype)
+        # The layers in one C call where every projection is an fp16 panel kernel (`models.layer_stack`).
+        self.layer_stack = LayerStack.bind(self.layers, config, dtype) if self.kernels is not None else None
 
     @staticmethod
     def kernels_for(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
@@ -209,7 +215,9 @@ class Decoder:
 
         h = F.embedding(inputs.tokens, self.embed)
         pending: torch.Tensor | None = None  # the MLP output still to be added to h
-        for index, layer in enumerate(self.layers):
+        if kernel is not None and self.layer_stack is not None:  # the loop below in one C call, bit for bit
+            pending = self.layer_stack.run(kernel, h, inputs, plan, store.kv, store.block_size, self.cos, self.sin)
+        for index, layer in enumerate(self.layers if pending is None else ()):
             h, x = self._add_norm(h, pending, layer.input_norm, kernel)
             qkv = layer.qkv(x)
             pool = store.kv[index]

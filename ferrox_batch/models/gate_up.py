@@ -60,6 +60,11 @@ class GateUp:
         """Whether the SiLU and the product run inside the projection's kernel."""
         return self._fused is not None
 
+    @property
+    def fused_gemm(self) -> PackedF16Gemm | None:
+        """The bound fused kernel when the projection and its SiLU gate run in it, else None."""
+        return self._fused
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
             return self._fused(x)  # a `PackedF16Gemm`, checked when it was bound

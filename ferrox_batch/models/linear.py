@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from ferrox_batch.models.cpu_kernels import CpuKernels
+    from ferrox_batch.models.packed_gemm import PackedF16Gemm
 
 # Batch-size hint for the packing; the packed weight serves every batch size.
 _PACK_HINT = 32
@@ -115,6 +116,12 @@ class Linear:
                 raise RuntimeError("packed linear disagrees with F.linear")
         except (AttributeError, RuntimeError, NotImplementedError):
             self._packed, self._kind = None, "plain"
+
+    @property
+    def f16_panels(self) -> PackedF16Gemm | None:
+        """The bound fp16-weight kernel when this layer runs it with no bias (the whole layer is that one
+        call), else None."""
+        return self._packed if self._kind == "fp16_panels" and self.bias is None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kind == "fp16_panels":

@@ -49,6 +49,15 @@ class PackedF16Gemm:
     def in_features(self) -> int:
         return self._k
 
+    @property
+    def out_features(self) -> int:
+        return self._n
+
+    @property
+    def address(self) -> int:
+        """Where the panels are (valid as long as this object lives)."""
+        return self._address
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., k]` float32 CPU input -> `[..., out_features]` float32."""
         k, n = self._k, self._n
