@@ -53,7 +53,9 @@ They are built once per process by `kernel_build` (the system's GCC, flags
 for the CPU that runs them, nothing cached); `cpu_kernels()` returns None
 when they cannot be, and the decoder then keeps torch's ops (the two paths
 agree to float rounding, tested). They run on the calling thread's OpenMP
-team, and ctypes drops the GIL for each call.
+team, and ctypes drops the GIL for each call. A sixth entry point,
+`csrc/layer_stack.c`, runs the decoder's whole layer loop over these kernels
+in one call (`models.layer_stack` checks its inputs).
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ import functools
 import torch
 
 from ferrox_batch.models.kernel_build import build_library
-from ferrox_batch.models.packed_gemm import F16_PANEL, PackedF16Gemm
+from ferrox_batch.models.packed_gemm import F16_PANEL, PackedF16Gemm, pack_f16_gated, pack_f16_panels, slice_panels
 from ferrox_batch.models.prefill_plan import PrefillPlan
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -273,28 +275,9 @@ class CpuKernels:
             raise MemoryError("rms norm could not allocate its scratch memory")
         return out
 
-    @staticmethod
-    def pack_f16_panels(weight: torch.Tensor, *, slices: bool = False) -> torch.Tensor:
-        """A `[n, k]` weight in the layout `f16_linear` reads: rounded to fp16 (to nearest, as torch
-        casts), as `[panels, k, 8]` panels of 8 output columns, zero past column n. `panels` is
-        ceil(n / 8), or with `slices` that rounded up to whole 24-column slices (a gated half)."""
-        if weight.dim() != 2 or weight.device.type != "cpu" or not weight.is_floating_point():
-            raise ValueError(f"fp16 panels pack a 2-D floating-point CPU weight; got {tuple(weight.shape)} "
-                             f"{weight.dtype} on {weight.device}")
-        n, k = weight.shape
-        panels = _slice_panels(n) if slices else -(-n // F16_PANEL)
-        padded = torch.zeros(panels * F16_PANEL, k, dtype=torch.float16)
-        padded[:n] = weight
-        return padded.view(panels, F16_PANEL, k).transpose(1, 2).contiguous()
-
-    @classmethod
-    def pack_f16_gated(cls, weight: torch.Tensor) -> torch.Tensor:
-        """A gated MLP's `[2n, k]` input weight (gate rows, then up rows) in the layout
-        `f16_gated_linear` reads: each half packed by `pack_f16_panels(..., slices=True)`, gate first."""
-        if weight.dim() != 2 or weight.shape[0] % 2:
-            raise ValueError(f"a gated weight has an even number of rows (gate, then up); got {tuple(weight.shape)}")
-        gate, up = weight.chunk(2)
-        return torch.cat([cls.pack_f16_panels(gate, slices=True), cls.pack_f16_panels(up, slices=True)])
+    #: The packings `f16_linear` and `f16_gated_linear` read (`packed_gemm`).
+    pack_f16_panels = staticmethod(pack_f16_panels)
+    pack_f16_gated = staticmethod(pack_f16_gated)
 
     def f16_linear(self, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
         """`x @ w.T` for float32 `x` `[..., k]` and a weight packed by `pack_f16_panels` (its `n` is
@@ -312,12 +295,7 @@ class CpuKernels:
 
     def bind_f16_gated_linear(self, panels: torch.Tensor, out_features: int) -> PackedF16Gemm:
         """`f16_gated_linear` bound to one packed weight, as `bind_f16_linear`."""
-        return PackedF16Gemm(self._f16_gemm_gated, panels, out_features, 2 * _slice_panels(out_features))
-
-
-def _slice_panels(n: int) -> int:
-    """Panels of n columns rounded up to whole slices of three (`csrc/f16_gemm.c`'s `slice_panels`)."""
-    return -(-n // (3 * F16_PANEL)) * 3
+        return PackedF16Gemm(self._f16_gemm_gated, panels, out_features, 2 * slice_panels(out_features))
 
 
 def _check_dtypes(what: str, *tensors: torch.Tensor) -> None:

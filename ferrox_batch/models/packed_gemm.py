@@ -1,4 +1,5 @@
-"""`PackedF16Gemm`: the fp16-weight GEMM kernel bound to one packed weight, its checks done once.
+"""`PackedF16Gemm`: the fp16-weight GEMM kernel bound to one packed weight, its checks done once; and
+the packing of weights into the kernel's panels.
 
 A layer's packed panels never change after load, yet the checked entry points
 (`CpuKernels.f16_linear`, `f16_gated_linear`) validate them on every call. A
@@ -74,3 +75,31 @@ class PackedF16Gemm:
         out = torch.empty(rows.shape[0], n, dtype=torch.float32)
         self._fn(rows.data_ptr(), rows.shape[0], k, self._address, n, out.data_ptr(), torch.get_num_threads())
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def slice_panels(n: int) -> int:
+    """Panels of n columns rounded up to whole slices of three (`csrc/f16_gemm.c`'s `slice_panels`)."""
+    return -(-n // (3 * F16_PANEL)) * 3
+
+
+def pack_f16_panels(weight: torch.Tensor, *, slices: bool = False) -> torch.Tensor:
+    """A `[n, k]` weight in the layout the fp16-weight linear reads: rounded to fp16 (to nearest, as torch
+    casts), as `[panels, k, 8]` panels of 8 output columns, zero past column n. `panels` is
+    ceil(n / 8), or with `slices` that rounded up to whole 24-column slices (a gated half)."""
+    if weight.dim() != 2 or weight.device.type != "cpu" or not weight.is_floating_point():
+        raise ValueError(f"fp16 panels pack a 2-D floating-point CPU weight; got {tuple(weight.shape)} "
+                         f"{weight.dtype} on {weight.device}")
+    n, k = weight.shape
+    panels = slice_panels(n) if slices else -(-n // F16_PANEL)
+    padded = torch.zeros(panels * F16_PANEL, k, dtype=torch.float16)
+    padded[:n] = weight
+    return padded.view(panels, F16_PANEL, k).transpose(1, 2).contiguous()
+
+
+def pack_f16_gated(weight: torch.Tensor) -> torch.Tensor:
+    """A gated MLP's `[2n, k]` input weight (gate rows, then up rows) in the layout the gated kernel
+    reads: each half packed by `pack_f16_panels(..., slices=True)`, gate first."""
+    if weight.dim() != 2 or weight.shape[0] % 2:
+        raise ValueError(f"a gated weight has an even number of rows (gate, then up); got {tuple(weight.shape)}")
+    gate, up = weight.chunk(2)
+    return torch.cat([pack_f16_panels(gate, slices=True), pack_f16_panels(up, slices=True)])
