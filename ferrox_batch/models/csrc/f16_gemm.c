@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "half.h"
+#include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>

@@ -34,6 +34,7 @@
  * Returns 0, or -1 when scratch memory could not be had (out is then unspecified).
  */
 #include "half.h"
+#include "kernels.h"
 
 /* How many slots ahead of its scoring the tiled path prefetches a sequence's keys and values. */
 #define AHEAD 16

@@ -26,6 +26,7 @@
  * Returns 0, or -1 when scratch memory could not be had (out is then unspecified).
  */
 #include "half.h"
+#include "kernels.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>

@@ -14,6 +14,7 @@
  * Returns 0, or -1 when scratch memory could not be had (out is then unspecified).
  */
 #include "bf16.h"
+#include "kernels.h"
 
 int ferrox_rms_norm(void *h, const void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
                     float eps, int is_bf16, int threads) {

@@ -21,6 +21,7 @@
  * when scratch memory could not be had.
  */
 #include "half.h"
+#include "kernels.h"
 
 #if defined(__F16C__) && defined(__AVX__)
 #include <immintrin.h>

@@ -1,0 +1,32 @@
+/* The library's entry points, declared once: each kernel's source includes this, so a definition that
+ * drifts from its declaration does not compile, and layer_stack.c calls the kernels through it. What
+ * each computes and its layouts: the comment at the top of its source. */
+#ifndef FERROX_KERNELS_H
+#define FERROX_KERNELS_H
+
+#include <stdint.h>
+
+int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, int64_t max_blocks,
+                        const int64_t *lo, const int64_t *hi, void *out, int64_t n, int64_t kv, int64_t g,
+                        int64_t d, int64_t block_size, float scale, int is_bf16, int pool_kind, int threads);
+int ferrox_prefill_attention(const void *q, int64_t q_stride, const void *pool, const int64_t *slots,
+                             const int64_t *chunks, int64_t n_chunks, void *out, int64_t kv, int64_t g, int64_t d,
+                             int64_t window, float scale, int is_bf16, int pool_kind, int threads);
+int ferrox_rms_norm(void *h, const void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
+                    float eps, int is_bf16, int threads);
+int ferrox_rope_store(void *qkv, const void *cos, const void *sin, const int64_t *positions, const int64_t *slots,
+                      void *pool, int64_t n, int64_t heads, int64_t kv, int64_t d, int is_bf16, int pool_kind,
+                      int threads);
+int ferrox_f16_gemm_vectorised(void);
+int ferrox_f16_gemm(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y, int threads);
+int ferrox_f16_gemm_gated(const float *x, int64_t m, int64_t k, const uint16_t *w, int64_t n, float *y,
+                          int threads);
+int ferrox_layer_stack(float *h, float *pending, float *x, float *qkv, float *attn, float *qdec, float *mlp,
+                       int64_t rows, int64_t hidden, int64_t inter, int64_t layers, const int64_t *weights,
+                       char *pool, int64_t pool_stride, int pool_kind, const float *cos, const float *sin,
+                       const int64_t *positions, const int64_t *slots, int64_t heads, int64_t kv, int64_t d, float eps,
+                       float scale, int64_t n_dec, const int64_t *tables, int64_t max_blocks, const int64_t *lo,
+                       const int64_t *hi, int64_t block_size, const int64_t *plan_slots, const int64_t *plan_chunks,
+                       int64_t n_chunks, int64_t window, int threads);
+
+#endif
