@@ -39,4 +39,20 @@ static inline void elems_f32(const void *base, int64_t offset, int64_t d, int ki
     }
 }
 
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* Eight pool elements of type `kind` from `offset` (in elements), widened to float32 in a register:
+ * F16C for fp16 (callers keep fp16 pools off this path where the compiler lacks it), a shift for
+ * bfloat16. */
+static inline __m256 load8(const void *base, int64_t offset, int kind) {
+    if (kind == ELEM_F32) return _mm256_loadu_ps((const float *)base + offset);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + offset));
+#if defined(__F16C__)
+    if (kind == ELEM_F16) return _mm256_cvtph_ps(h);
+#endif
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bfloat16 */
+}
+#endif
+
 #endif

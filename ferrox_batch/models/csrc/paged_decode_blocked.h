@@ -5,15 +5,6 @@
 #ifndef FERROX_PAGED_DECODE_BLOCKED_H
 #define FERROX_PAGED_DECODE_BLOCKED_H
 
-static inline __m256 load8(const void *base, int64_t offset, int kind) {
-    if (kind == ELEM_F32) return _mm256_loadu_ps((const float *)base + offset);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + offset));
-#if defined(__F16C__)
-    if (kind == ELEM_F16) return _mm256_cvtph_ps(h);
-#endif
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bfloat16 */
-}
-
 /* Query heads that share a KV head, handled together: each widened K or V vector feeds GROUP_BLOCK
  * heads' FMAs, and GROUP_BLOCK x 4 accumulators, the heads' operands and one K/V vector fill AVX2's
  * 16 registers. */

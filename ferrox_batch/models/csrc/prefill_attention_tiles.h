@@ -5,16 +5,6 @@
 #ifndef FERROX_PREFILL_ATTENTION_TILES_H
 #define FERROX_PREFILL_ATTENTION_TILES_H
 
-/* Eight elements of the pool from `offset`, widened (F16C for fp16, where the compiler has it). */
-static inline __m256 load8(const void *base, int64_t offset, int kind) {
-    if (kind == ELEM_F32) return _mm256_loadu_ps((const float *)base + offset);
-    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + offset));
-#if defined(__F16C__)
-    if (kind == ELEM_F16) return _mm256_cvtph_ps(h);
-#endif
-    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); /* bfloat16 */
-}
-
 /* r[u][x] <- r[x][u] for an 8 x 8 block. */
 static inline void transpose8(__m256 r[8]) {
     __m256 t[8], v[8];
