@@ -23,8 +23,8 @@ MIXED_CONTEXT = 36
 
 
 def mixed_schedule(model, with_stack: bool) -> list[torch.Tensor]:
-    """Prompts in one forward, then forwards that mix decodes with prompt chunks after a cached prefix
-    (and past a sliding window where the model has one)."""
+    """Prompts in one forward (one with every position's logits), then forwards that mix decodes with
+    prompt chunks after a cached prefix (and past a sliding window where the model has one)."""
     decoder = model.decoder
     saved = decoder.layer_stack
     if not with_stack:
@@ -35,8 +35,10 @@ def mixed_schedule(model, with_stack: bool) -> list[torch.Tensor]:
         store = decoder.new_store(4, num_blocks=256)
         for seq in range(5):
             store.add_sequence(seq, 120)
-        outs = [decoder.forward([SeqChunk(seq, [rng.randrange(3, vocab) for _ in range(rng.randint(2, 30))])
-                                 for seq in range(3)], store)]
+        # The first forward also asks for every position's logits of its second prompt (prompt logprobs).
+        last, every = decoder.forward_every([SeqChunk(seq, [rng.randrange(3, vocab) for _ in range(rng.randint(2, 30))])
+                                             for seq in range(3)], store, (1,))
+        outs = [last, *every]
         for step in range(6):
             batch = [SeqChunk(seq, [rng.randrange(3, vocab)]) for seq in range(3)]
             batch.append(SeqChunk(3 + step % 2, [rng.randrange(3, vocab) for _ in range(rng.randint(1, 9))]))
