@@ -70,8 +70,8 @@ from ferrox_batch.models.packed_gemm import F16_PANEL, PackedF16Gemm, pack_f16_g
 from ferrox_batch.models.prefill_plan import PrefillPlan
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
-#: What the decode kernel's pool may hold (its `pool_kind`, csrc/half.h): the activation dtypes, or fp16.
-_POOL_DTYPES = {**_DTYPES, torch.float16: 2}
+#: What the kernels' pools may hold (their `pool_kind`, csrc/half.h): the activation dtypes, or fp16.
+POOL_KINDS = {**_DTYPES, torch.float16: 2}
 
 
 class CpuKernels:
@@ -138,8 +138,8 @@ class CpuKernels:
         """
         n, kv, g, d = q.shape
         _check_dtypes("paged decode", q)
-        if pool.dtype not in _POOL_DTYPES:
-            raise ValueError(f"paged decode needs a pool in one of {list(_POOL_DTYPES)}; got {pool.dtype}")
+        if pool.dtype not in POOL_KINDS:
+            raise ValueError(f"paged decode needs a pool in one of {list(POOL_KINDS)}; got {pool.dtype}")
         if pool.dim() != 4 or pool.shape[1:] != (2, kv, d):
             raise ValueError(f"pool is {tuple(pool.shape)}, expected [slots, 2, {kv}, {d}]")
         for name, t in (("tables", tables), ("lo", lo), ("hi", hi)):
@@ -157,7 +157,7 @@ class CpuKernels:
         out = torch.empty_like(q)
         status = self._decode(q.data_ptr(), pool.data_ptr(), tables.data_ptr(), tables.shape[1], lo.data_ptr(),
                               hi.data_ptr(), out.data_ptr(), n, kv, g, d, block_size, scale, _DTYPES[q.dtype],
-                              _POOL_DTYPES[pool.dtype], torch.get_num_threads())
+                              POOL_KINDS[pool.dtype], torch.get_num_threads())
         if status != 0:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
@@ -173,8 +173,8 @@ class CpuKernels:
         """
         rows, heads, d = q.shape
         _check_dtypes("prefill attention", q)
-        if pool.dtype not in _POOL_DTYPES:
-            raise ValueError(f"prefill attention needs a pool in one of {list(_POOL_DTYPES)}; got {pool.dtype}")
+        if pool.dtype not in POOL_KINDS:
+            raise ValueError(f"prefill attention needs a pool in one of {list(POOL_KINDS)}; got {pool.dtype}")
         if pool.dim() != 4 or pool.shape[1] != 2 or pool.shape[3] != d or heads % pool.shape[2]:
             raise ValueError(f"pool is {tuple(pool.shape)}, expected [slots, 2, kv, {d}] with kv dividing {heads}")
         if rows != plan.rows:
@@ -192,7 +192,7 @@ class CpuKernels:
         out = torch.empty(rows, heads * d, dtype=q.dtype)
         status = self._prefill(q.data_ptr(), q.stride(0), pool.data_ptr(), plan.slots.data_ptr(),
                                plan.chunks.data_ptr(), plan.chunks.shape[0], out.data_ptr(), kv, heads // kv, d,
-                               window or 0, scale, _DTYPES[q.dtype], _POOL_DTYPES[pool.dtype],
+                               window or 0, scale, _DTYPES[q.dtype], POOL_KINDS[pool.dtype],
                                torch.get_num_threads())
         if status != 0:
             raise MemoryError("prefill attention could not allocate its scratch memory")
@@ -219,8 +219,8 @@ class CpuKernels:
         already did (`checked`: the decoder checks once per forward, not once per layer)."""
         n = qkv.shape[0]
         _check_dtypes("rope store", qkv, cos, sin)
-        if pool.dtype not in _POOL_DTYPES:
-            raise ValueError(f"rope store needs a pool in one of {list(_POOL_DTYPES)}; got {pool.dtype}")
+        if pool.dtype not in POOL_KINDS:
+            raise ValueError(f"rope store needs a pool in one of {list(POOL_KINDS)}; got {pool.dtype}")
         if pool.dim() != 4 or pool.shape[1] != 2:
             raise ValueError(f"pool is {tuple(pool.shape)}, expected [slots, 2, kv, d]")
         kv, d = pool.shape[2], pool.shape[3]
@@ -240,7 +240,7 @@ class CpuKernels:
         _check_cpu_contiguous(qkv, cos, sin, pool)
         status = self._rope_store(qkv.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                                   slots.data_ptr(), pool.data_ptr(), n, heads, kv, d, _DTYPES[qkv.dtype],
-                                  _POOL_DTYPES[pool.dtype], torch.get_num_threads())
+                                  POOL_KINDS[pool.dtype], torch.get_num_threads())
         if status != 0:
             raise MemoryError("rope store could not allocate its scratch memory")
 

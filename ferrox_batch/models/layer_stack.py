@@ -20,26 +20,22 @@ import torch
 
 from ferrox_batch.models.batch_inputs import BatchInputs
 from ferrox_batch.models.config import ModelConfig
-from ferrox_batch.models.cpu_kernels import CpuKernels
+from ferrox_batch.models.cpu_kernels import POOL_KINDS, CpuKernels
 from ferrox_batch.models.prefill_plan import PrefillPlan
 
 if TYPE_CHECKING:
     from ferrox_batch.models.decoder import LayerWeights
 
-#: Pool element kinds the kernels read (`csrc/half.h`).
-_POOL_KINDS = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
 
 class LayerStack:
     """The addresses of every layer's norms and packed weights, in `csrc/layer_stack.c`'s order."""
 
-    __slots__ = ("_weights", "_owners", "_config", "_inter")
+    __slots__ = ("_weights", "_owners", "_config")
 
-    def __init__(self, weights: torch.Tensor, owners: list[object], config: ModelConfig, inter: int) -> None:
+    def __init__(self, weights: torch.Tensor, owners: list[object], config: ModelConfig) -> None:
         self._weights = weights  # int64 [layers, 6]
         self._owners = owners  # what keeps those addresses valid
         self._config = config
-        self._inter = inter
 
     @classmethod
     def bind(cls, layers: Sequence[LayerWeights], config: ModelConfig, dtype: torch.dtype) -> LayerStack | None:
@@ -68,7 +64,7 @@ class LayerStack:
             rows.append([layer.input_norm.data_ptr(), qkv.address, o.address, layer.post_norm.data_ptr(),
                          gate_up.address, down.address])
             owners.extend([layer.input_norm, qkv, o, layer.post_norm, gate_up, down])
-        return cls(torch.tensor(rows, dtype=torch.int64), owners, c, c.intermediate_size)
+        return cls(torch.tensor(rows, dtype=torch.int64), owners, c)
 
     def run(self, kernels: CpuKernels, h: torch.Tensor, inputs: BatchInputs, plan: PrefillPlan | None,
             pool: torch.Tensor, block_size: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -77,9 +73,9 @@ class LayerStack:
         slots, positions, key ranges and plan against `pool` (`[layers, slots, 2, kv, d]`)."""
         c = self._config
         rows, hidden = h.shape
-        kv, d = c.num_kv_heads, c.head_dim
-        if pool.dtype not in _POOL_KINDS or pool.shape[0] != self._weights.shape[0] or not pool.is_contiguous():
-            raise ValueError(f"the layer stack needs a contiguous pool of one of {list(_POOL_KINDS)} per layer; "
+        kv, d, inter = c.num_kv_heads, c.head_dim, c.intermediate_size
+        if pool.dtype not in POOL_KINDS or pool.shape[0] != self._weights.shape[0] or not pool.is_contiguous():
+            raise ValueError(f"the layer stack needs a contiguous pool of one of {list(POOL_KINDS)} per layer; "
                              f"got {pool.dtype} {tuple(pool.shape)}")
         if h.dtype != torch.float32 or not h.is_contiguous() or hidden != c.hidden_size:
             raise ValueError(f"the layer stack takes contiguous float32 [rows, {c.hidden_size}]; got {tuple(h.shape)}")
@@ -98,12 +94,12 @@ class LayerStack:
         qkv = torch.empty(rows, width)
         attn = torch.empty(rows, c.num_heads * d)
         qdec = torch.empty(max(n_dec, 1), c.num_heads * d)
-        mlp = torch.empty(rows, self._inter)
+        mlp = torch.empty(rows, inter)
         nothing = 0  # a null pointer for a group that is absent
         status = kernels.layer_stack_entry(
             h.data_ptr(), pending.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), qdec.data_ptr(),
-            mlp.data_ptr(), rows, hidden, self._inter, self._weights.shape[0], self._weights.data_ptr(),
-            pool.data_ptr(), pool.stride(0), _POOL_KINDS[pool.dtype], cos.data_ptr(), sin.data_ptr(),
+            mlp.data_ptr(), rows, hidden, inter, self._weights.shape[0], self._weights.data_ptr(),
+            pool.data_ptr(), pool.stride(0), POOL_KINDS[pool.dtype], cos.data_ptr(), sin.data_ptr(),
             inputs.positions.data_ptr(), inputs.slots.data_ptr(), c.num_heads, kv, d, c.rms_norm_eps,
             d ** -0.5, n_dec, nothing if decode is None else decode.tables.data_ptr(),
             0 if decode is None else decode.tables.shape[1], nothing if decode is None else decode.lo.data_ptr(),

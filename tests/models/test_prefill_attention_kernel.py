@@ -55,9 +55,9 @@ def test_float32_matches_the_reference(kernels, seed, kv, g, d, window) -> None:
 
 
 @pytest.mark.parametrize("keys", [112, 128, 129, 256])
-def test_long_chunks_and_key_strides_around_the_padded_multiples(kernels, keys) -> None:
-    """Chunks whose keys fill whole 16-key blocks, or a multiple of 128 (where the scratch rows are
-    padded one block further), or one past: the last block's padding is never read."""
+def test_long_chunks_whose_keys_fill_whole_blocks_or_one_past(kernels, keys) -> None:
+    """Chunks whose keys fill whole 16-key blocks, or one past (a last block of one key and 15 of
+    padding): the padding is scored but never read."""
     gen = torch.Generator().manual_seed(keys)
     rows = min(keys, 100)
     pool = torch.randn(keys + 7, 2, 3, 64, generator=gen).half()

@@ -44,15 +44,6 @@ enum { QUERY_ROWS = 4, KEY_BLOCK = 16, CHUNK_COLS = 4 };
 
 static inline int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
 
-/* Floats between the rows of a chunk's transposed keys (and its scores): its keys in whole KEY_BLOCKs,
- * one block more where that would be a multiple of 128. Pass 1 reads d rows of kt at this stride;
- * at a multiple of 128 floats (512 bytes) all d = 64 rows of a 64-byte column fall in 8 of L1's 64
- * sets and evict each other (measured 1.4x slower at 256 keys). */
-static inline int64_t key_stride(int64_t keys) {
-    const int64_t ld = round_up(keys, KEY_BLOCK);
-    return ld % 128 == 0 ? ld + KEY_BLOCK : ld;
-}
-
 /* The first position row i of a chunk that starts at `start` attends to (its last is start + i). */
 static inline int64_t row_lo(int64_t start, int64_t i, int64_t window) {
     const int64_t lo = start + i + 1 - window;
@@ -187,7 +178,7 @@ int ferrox_prefill_attention(const void *q, int64_t q_stride, const void *pool, 
     int tiled = PREFILL_TILE_PATH && d % 8 == 0;
     int64_t longest = 0; /* the most keys a chunk holds, in whole KEY_BLOCKs */
     for (int64_t c = 0; c < n_chunks; ++c) {
-        const int64_t keys = key_stride(chunks[c * CHUNK_COLS + 2] + chunks[c * CHUNK_COLS + 1]);
+        const int64_t keys = round_up(chunks[c * CHUNK_COLS + 2] + chunks[c * CHUNK_COLS + 1], KEY_BLOCK);
         longest = keys > longest ? keys : longest;
     }
     if (longest == 0) return 0;
@@ -206,7 +197,7 @@ int ferrox_prefill_attention(const void *q, int64_t q_stride, const void *pool, 
         for (int64_t c = 0; c < n_chunks; ++c) {
             const int64_t *chunk = chunks + c * CHUNK_COLS;
             const int64_t row0 = chunk[0], rows = chunk[1], start = chunk[2], keys = start + rows;
-            const int64_t ld = key_stride(keys);
+            const int64_t ld = round_up(keys, KEY_BLOCK);
             const int64_t *chunk_slots = slots + chunk[3];
 #pragma omp for schedule(static)
             for (int64_t j0 = 0; j0 < ld; j0 += 8)
