@@ -1,4 +1,4 @@
-"""Integer checks and the position bound shared by the pure-arithmetic modules.
+"""Integer checks, the position bound and the text check shared by the pure-arithmetic modules.
 
 Rust's `usize` made negative and non-integer sizes impossible; here every
 public function checks its integers with `check_int`, so a bad size is a
@@ -36,3 +36,12 @@ def check_seconds(name: str, value: object) -> float:
     if not math.isfinite(value) or value < 0:
         raise ValueError(f"{name} must be a finite, non-negative number of seconds, got {value!r}")
     return float(value)
+
+
+def encodable(text: str) -> bool:
+    """Whether `text` encodes to UTF-8: no lone surrogate (which JSON's `\\ud800` escape can carry in)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping
 
 from ferrox_batch.cancel import CancelToken
-from ferrox_batch.checks import UNLIMITED
+from ferrox_batch.checks import UNLIMITED, encodable
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.finish_reason import FinishReason
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from ferrox_batch.stop_limits import check_stop_limits
 from ferrox_batch.structured import StructuredOutput
 from ferrox_batch.usage import Usage
 
@@ -48,8 +49,18 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: The largest finite float32, and the smallest normal one: the sampler computes in float32, so a value
+#: past the first overflows to infinity there and a non-zero one below the second loses its precision or
+#: becomes 0 (a division by it overflows).
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38
+
+
 def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite number that keeps its meaning in float32: 0, or a magnitude in [FLOAT32_TINY, FLOAT32_MAX]
+    (a bool is not a number)."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            and (value == 0 or FLOAT32_TINY <= abs(value) <= FLOAT32_MAX))
 
 
 #: OpenAI's bound on each `logit_bias` value: -100 bans a token in practice, 100 all but forces it.
@@ -85,7 +96,7 @@ class SamplingParams:
         """Raise `InvalidRequest` naming the first out-of-range field."""
         t = self.temperature
         if not _is_number(t) or t < 0:
-            raise InvalidRequest("temperature", t, "must be a finite number >= 0")
+            raise InvalidRequest("temperature", t, "must be a finite number >= 0 (float32: 0 or in [1.2e-38, 3.4e38])")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise InvalidRequest("top_p", self.top_p, "must be a number in (0, 1]")
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -93,7 +104,7 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise InvalidRequest("min_p", self.min_p, "must be a number in [0, 1]")
         if not _is_number(self.repetition_penalty) or self.repetition_penalty <= 0:
-            raise InvalidRequest("repetition_penalty", self.repetition_penalty, "must be a finite number > 0 (1.0 disables it)")
+            raise InvalidRequest("repetition_penalty", self.repetition_penalty, "must be a number > 0 within float32's range [1.2e-38, 3.4e38] (1.0 disables it)")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
@@ -178,6 +189,7 @@ class GenerationParams:
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
                 raise InvalidRequest("stop_token_ids", t, "entries must be integers >= 0")
+        check_stop_limits(self.stop, self.stop_token_ids)
         if self.cancel is not None and not isinstance(self.cancel, CancelToken):
             raise InvalidRequest("cancel", self.cancel, "must be a CancelToken or None")
         if not isinstance(self.ignore_eos, bool):
@@ -207,6 +219,13 @@ class GenerationParams:
                                                    or not 1 <= self.max_queue_wait_ms <= UNLIMITED):
             raise InvalidRequest("max_queue_wait_ms", self.max_queue_wait_ms,
                                  "must be None or a positive integer number of milliseconds")
+        # Strings reach the prefix cache's hashes and the stop matcher as UTF-8: a lone surrogate is
+        # refused here, on the caller's thread, never met on the worker.
+        for name, texts in (("cache_salt", () if self.cache_salt is None else (self.cache_salt,)),
+                            ("stop", self.stop)):
+            for text in texts:
+                if not encodable(text):
+                    raise InvalidRequest(name, text, "must be valid Unicode text (it holds a lone surrogate)")
 
     def is_cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_cancelled()

@@ -4,17 +4,24 @@
 text, so two requests with the same schema compare equal); `lark` for text in a Lark grammar (llguidance's
 dialect, which may embed JSON schemas: how a forced tool call is written). The grammar engine lives with the sampler
 (`models.grammar`); this module is shared vocabulary and imports neither it nor torch.
+
+`MAX_SPEC_BYTES` bounds a spec's text: the grammar engine refuses a longer one before compiling anything, and
+the server's readers (`response_format`, a tool's `parameters`) refuse one as they read it, naming the field.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
+from ferrox_batch.checks import encodable
 from ferrox_batch.errors import InvalidRequest
 
 KINDS = ("json_object", "json_schema", "lark")
+#: The most bytes a spec's text may have (a schema as compact JSON, or a Lark grammar): real tool and
+#: response schemas are a few KB, large ones about 100 KB; `models.grammar` says what a compile costs.
+MAX_SPEC_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +34,8 @@ class StructuredOutput:
             raise InvalidRequest("response_format.type", self.kind, f"must be one of {', '.join(KINDS)}")
         if (self.kind != "json_object") != (self.schema is not None):
             raise InvalidRequest("response_format", self.kind, "json_schema and lark need a text, json_object none")
+        if self.schema is not None and (not isinstance(self.schema, str) or not encodable(self.schema)):
+            raise InvalidRequest("response_format", self.kind, "must be valid Unicode text (no lone surrogate)")
 
     @classmethod
     def json_object(cls) -> StructuredOutput:
@@ -36,7 +45,7 @@ class StructuredOutput:
     def json_schema(cls, schema: dict[str, Any] | bool) -> StructuredOutput:
         if not isinstance(schema, (dict, bool)):
             raise InvalidRequest("response_format.json_schema.schema", schema, "must be a JSON schema object")
-        return cls("json_schema", json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        return cls("json_schema", _canonical(schema))
 
     @classmethod
     def lark(cls, grammar: str) -> StructuredOutput:
@@ -45,3 +54,33 @@ class StructuredOutput:
     def schema_object(self) -> Any:
         """The schema the output must match: any object for JSON mode (not for a Lark grammar)."""
         return {"type": "object"} if self.schema is None else json.loads(self.schema)
+
+    @property
+    def size(self) -> int:
+        """Bytes of its text (0 for JSON mode): what `MAX_SPEC_BYTES` bounds."""
+        return 0 if self.schema is None else len(self.schema.encode("utf-8"))
+
+
+class CompiledSpec(Protocol):
+    """A `StructuredOutput` compiled for the model's tokenizer (`models.grammar.CompiledGrammar`): what a
+    request carries from its submit to the worker, opaque to everything in between."""
+
+    @property
+    def spec(self) -> StructuredOutput: ...
+
+
+def json_bytes(value: Any) -> int:
+    """Bytes of `value` as a schema's text: canonical compact JSON, in UTF-8 (a lone surrogate, refused
+    later, counts as the three bytes it would take)."""
+    return len(_canonical(value).encode("utf-8", "surrogatepass"))
+
+
+def check_spec_bytes(param: str, size: int) -> None:
+    """`InvalidRequest` naming `param` when a spec of `size` bytes is over `MAX_SPEC_BYTES`."""
+    if size > MAX_SPEC_BYTES:
+        raise InvalidRequest(param, f"{size} bytes", f"must be at most {MAX_SPEC_BYTES} bytes as compact JSON")
+
+
+def _canonical(value: Any) -> str:
+    # Non-ASCII text stays as it is: its size is its UTF-8 bytes, not six per character of escapes.
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

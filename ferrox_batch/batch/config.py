@@ -41,6 +41,10 @@ SERVING_MAX_BATCH_TOKENS = 1024
 SERVING_KV_BLOCK_SIZE = 16
 SERVING_MAX_PREFILLS_PER_TICK = 8
 SERVING_STEP_TARGET_MS = 500
+#: How long a request may wait behind more urgent ones before it is served in arrival order
+#: (`WaitingQueue` aging; the upstream has one priority and no aging). Long enough that priorities decide
+#: the order under a burst, short enough that a flood of urgent requests cannot starve the rest.
+SERVING_PRIORITY_AGING_MS = 30_000
 
 ENV_MAX_SEQS = "FERROX_CB_MAX_SEQS"
 ENV_PREFILL_CHUNK = "FERROX_CB_PREFILL_CHUNK"
@@ -53,6 +57,7 @@ ENV_MAX_PREFILLS_PER_TICK = "FERROX_CB_MAX_PREFILLS_PER_TICK"
 ENV_STEP_TARGET_MS = "FERROX_CB_STEP_TARGET_MS"
 ENV_PREFIX_CACHE = "FERROX_CB_PREFIX_CACHE"
 ENV_MAX_QUEUE_WAIT_MS = "FERROX_CB_MAX_QUEUE_WAIT_MS"
+ENV_PRIORITY_AGING_MS = "FERROX_CB_PRIORITY_AGING_MS"
 ENV_DECODE_LOG_INTERVAL = "FERROX_DECODE_LOG_INTERVAL"
 
 #: Upstream `prefill_batch::PREFILL_CHUNK_ENV_KEYS`, ported to the FERROX_ prefix:
@@ -133,6 +138,11 @@ class BatcherConfig:
     Retry-After) instead of being admitted late; a request's own
     `GenerationParams.max_queue_wait_ms` wins. None: no limit.
 
+    `priority_aging_ms` (port-only): a waiting request that has waited this
+    long moves ahead of every request that has not, whatever their
+    priorities, so no priority starves (`scheduler.waiting`). None: no aging.
+    With one priority in use it changes nothing.
+
     The field defaults are the upstream's; `serving()` holds the defaults
     the server, the CLI and `ContinuousBatcher.from_model` start from.
     """
@@ -148,6 +158,7 @@ class BatcherConfig:
     step_target_ms: int | None = None
     prefix_cache: bool = False
     max_queue_wait_ms: int | None = None
+    priority_aging_ms: int | None = None
 
     def __post_init__(self) -> None:
         _check_field("max_seqs", self.max_seqs, minimum=1)
@@ -162,6 +173,7 @@ class BatcherConfig:
         if not isinstance(self.prefix_cache, bool):
             raise TypeError(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
         _check_field("max_queue_wait_ms", self.max_queue_wait_ms, minimum=1, optional=True)
+        _check_field("priority_aging_ms", self.priority_aging_ms, minimum=1, optional=True)
 
     @classmethod
     def default(cls) -> BatcherConfig:
@@ -172,7 +184,8 @@ class BatcherConfig:
         """The defaults a server starts from: fast settings with a latency bound (docs/benchmarks.md)."""
         return cls(prefill_chunk=SERVING_PREFILL_CHUNK, max_batch_tokens=SERVING_MAX_BATCH_TOKENS,
                    kv_block_size=SERVING_KV_BLOCK_SIZE, max_prefills_per_tick=SERVING_MAX_PREFILLS_PER_TICK,
-                   step_target_ms=SERVING_STEP_TARGET_MS, prefix_cache=True)
+                   step_target_ms=SERVING_STEP_TARGET_MS, prefix_cache=True,
+                   priority_aging_ms=SERVING_PRIORITY_AGING_MS)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, defaults: BatcherConfig | None = None) -> BatcherConfig:
@@ -202,6 +215,7 @@ class BatcherConfig:
             "step_target_ms": env_positive(env, ENV_STEP_TARGET_MS),
             "prefix_cache": env_switch(env, ENV_PREFIX_CACHE),
             "max_queue_wait_ms": env_positive(env, ENV_MAX_QUEUE_WAIT_MS),
+            "priority_aging_ms": env_positive(env, ENV_PRIORITY_AGING_MS),
         }
         return dataclasses.replace(base, **{name: value for name, value in found.items() if value is not None})
 

@@ -33,7 +33,7 @@ from ferrox_batch.batch.wiring import build_worker, config_ceiling
 from ferrox_batch.batch.worker import Worker
 from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.checks import check_seconds
-from ferrox_batch.errors import DecodeError, QueueFull
+from ferrox_batch.errors import QueueFull
 from ferrox_batch.generation_types import GenerationParams, GenerationResult
 from ferrox_batch.models.loader import LoadedModel
 from ferrox_batch.models.openmp import release_thread_pool
@@ -42,6 +42,7 @@ from ferrox_batch.models.grammar import Grammars
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.scheduler.request import DecodeFn, Request
 from ferrox_batch.scheduler.sink import OnceSink, QueueSink, ReplySink
+from ferrox_batch.policy.stop import StopMatcher
 from ferrox_batch.stop_tokens import StopTokens
 
 WORKER_THREAD_NAME = "ferrox-continuous-batch"
@@ -60,6 +61,7 @@ class ContinuousBatcher:
         self._aborts = worker.aborts
         self._config = worker.scheduler.config
         self._clock = worker.scheduler.clock  # queue deadlines are read on the scheduler's clock
+        self._vocab_size = worker.scheduler.vocab_size
         self._thread = thread
         self.store = worker.runner.store
         self.tokenizer = tokenizer
@@ -211,28 +213,29 @@ class ContinuousBatcher:
         only once that one's prompt is through, so with the prefix cache it adopts the prompt's blocks
         instead of computing them again.
         """
-        prompt = checked_prompt(prompt_tokens, params)
+        prompt = checked_prompt(prompt_tokens, params, self._vocab_size)
         refusal = self._lifecycle.refusal()
         if refusal is not None:
             raise refusal
         sized = size_request(prompt, params, self._budget, self._grammars)
         params = sized.params  # `max_tokens` clamped to the context ceiling
+        # Built here, on the caller's thread and before a queue slot is taken: its cost grows with the
+        # stop strings, and the worker serves everyone.
+        stops = StopMatcher(params.stop, params.stop_token_ids)
+        if stop_tokens is None:
+            stop_tokens = self.tokenizer.stop_tokens if self.tokenizer is not None else StopTokens.default()
         depth = self._queue.try_reserve()
         if depth is not None:
             raise QueueFull(depth, self._queue.cap)
         abort = self._aborts.next_id()
-        if stop_tokens is None:
-            stop_tokens = self.tokenizer.stop_tokens if self.tokenizer is not None else StopTokens.default()
         replies = QueueSink() if sink is None else None
         request = Request(prompt, params, stop_tokens, OnceSink(replies if sink is None else sink), abort,
-                          sized.blocks, sized.positions)
-        request.queued(self._clock(), self._config.max_queue_wait_ms)
-        request.grammar = sized.grammar
-        if after is not None:
-            request.after = after.abort_id
+                          sized.blocks, sized.positions, stops=stops, grammar=sized.grammar,
+                          after=None if after is None else after.abort_id)
         try:
+            request.queued(self._clock(), self._config.max_queue_wait_ms)
             self._lifecycle.send(self._jobs, request)
-        except DecodeError:
+        except BaseException:
             self._queue.release()
             raise
         ticket = Ticket(prompt_tokens=len(prompt), max_tokens=params.max_tokens,

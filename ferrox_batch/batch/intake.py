@@ -17,12 +17,18 @@ a closed batcher.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Protocol, Sequence
 
 from ferrox_batch.batch.block_budget import BlockBudget
-from ferrox_batch.errors import DecodeError, GrammarConstraint, InvalidRequest
+from ferrox_batch.errors import DecodeError, GrammarConstraint, InvalidRequest, TokenOutOfVocab
 from ferrox_batch.generation_types import GenerationParams
-from ferrox_batch.models.grammar import Grammars
+from ferrox_batch.structured import CompiledSpec, StructuredOutput
+
+
+class GrammarCompiler(Protocol):
+    """What compiles structured output at submit (`models.grammar.Grammars`)."""
+
+    def compile(self, spec: StructuredOutput) -> CompiledSpec: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,12 +38,14 @@ class SizedRequest:
     params: GenerationParams  # `max_tokens` clamped to the context ceiling
     positions: int  # KV positions its lease will hold
     blocks: int  # KV blocks those positions take
-    grammar: str | None  # compiled `params.structured`, or None without it
+    grammar: CompiledSpec | None  # compiled `params.structured`, or None without it
 
 
-def checked_prompt(prompt_tokens: Sequence[int], params: GenerationParams) -> list[int]:
+def checked_prompt(prompt_tokens: Sequence[int], params: GenerationParams, vocab_size: int) -> list[int]:
     """The prompt as a list of token ids; `InvalidRequest` for text, a non-sequence, a non-integer id, or
-    `params` that are not a `GenerationParams`."""
+    `params` that are not a `GenerationParams`; `TokenOutOfVocab` for a prompt id outside `[0, vocab_size)`
+    and `InvalidRequest` for a `logit_bias` id there. Every id the worker will hash, look up or index with is
+    inside the vocabulary once this returns."""
     if isinstance(prompt_tokens, (str, bytes)):
         raise InvalidRequest("prompt_tokens", prompt_tokens, "must be a sequence of token ids, not text")
     try:
@@ -49,16 +57,23 @@ def checked_prompt(prompt_tokens: Sequence[int], params: GenerationParams) -> li
             raise InvalidRequest("prompt_tokens", token, "must hold only integer token ids")
     if not isinstance(params, GenerationParams):
         raise InvalidRequest("params", params, "must be a GenerationParams")
+    if prompt and not (0 <= min(prompt) and max(prompt) < vocab_size):
+        raise TokenOutOfVocab(next(t for t in prompt if not 0 <= t < vocab_size), vocab_size)
+    biased = next((t for t, _ in params.sampling.logit_bias if t >= vocab_size), None)
+    if biased is not None:
+        raise InvalidRequest("logit_bias", biased, f"names a token id outside the model's vocabulary of {vocab_size}")
     return prompt
 
 
 def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudget,
-                 grammars: Grammars | None) -> SizedRequest:
+                 grammars: GrammarCompiler | None) -> SizedRequest:
     """Fit `params.max_tokens` to the context ceiling, price the request in blocks, and compile its grammar.
 
     Raises, in this order, the ceiling's refusal of the prompt, `immovable_refusal` (context ceiling,
     then the whole block budget), and `GrammarConstraint` for structured output the batcher cannot
-    follow (no grammar engine, or an invalid schema).
+    follow (no grammar engine, or a schema that is invalid or past the compile limits of `models.grammar`).
+    The compile is the whole cost of a new schema, paid here on the caller's thread: the worker only copies
+    what it makes.
     """
     fitted = budget.ceiling.fit(len(prompt), params.max_tokens)
     if isinstance(fitted, DecodeError):
@@ -76,5 +91,5 @@ def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudge
     if params.structured is not None:
         if grammars is None:
             raise GrammarConstraint("this batcher has no grammar engine: build it with ContinuousBatcher.from_model")
-        grammar = grammars.compile(params.structured)  # an invalid schema is refused here
+        grammar = grammars.compile(params.structured)  # an invalid or oversized schema is refused here
     return SizedRequest(params=params, positions=positions, blocks=blocks, grammar=grammar)

@@ -10,6 +10,7 @@ match; the text matcher still handles every other stop string.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Mapping, Sequence
 
 from ferrox_batch.cancel import CancelToken
@@ -60,17 +61,14 @@ def text_params(
         sampling = SamplingParams(**sampling_fields)
     elif sampling_fields:
         raise TypeError(f"pass sampling or its fields, not both (got sampling and {sorted(sampling_fields)})")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
-    ids = list(stop_token_ids)
-    for token in resolve_stop_tokens(stops, lambda s: tokenizer.encode(s, add_special_tokens=False)):
-        if token not in ids:
-            ids.append(token)
-    return GenerationParams(
+    # Every field is checked before any stop string is tokenized: the stops' count, length and text are
+    # bounded before the tokenizer sees them.
+    params = GenerationParams(
         max_tokens=max_tokens,
         sampling=sampling,
         seed=seed,
-        stop=stops,
-        stop_token_ids=tuple(ids),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop),
+        stop_token_ids=tuple(stop_token_ids),
         cancel=cancel,
         ignore_eos=ignore_eos,
         cache_salt=cache_salt,
@@ -80,6 +78,11 @@ def text_params(
         prompt_logprobs=prompt_logprobs,
         structured=structured,
     )
+    ids = list(params.stop_token_ids)
+    for token in resolve_stop_tokens(params.stop, lambda s: tokenizer.encode(s, add_special_tokens=False)):
+        if token not in ids:
+            ids.append(token)
+    return dataclasses.replace(params, stop_token_ids=tuple(ids))
 
 
 def generate_text(

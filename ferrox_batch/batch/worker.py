@@ -17,13 +17,24 @@ chunk as its own forward, then a second forward for the decodes. Our runtime
 takes a mixed varlen batch, so both go in one forward: the weights are read
 once per tick instead of twice. Every request's tokens are unchanged.
 
-Faults: a forward that raises fails the requests in it (`InternalError`); a
-sampler failure or a bad row fails those rows (the runner's outcomes). The
-worker keeps serving in both cases. Anything else that escapes the loop is a
-scheduler bug: the worker marks itself dead, answers every request it holds
-and every request still on the channel with `WorkerDied` through their
-sinks, and returns every block and queue slot. Nobody polls for that: each
-waiter hears it from its own sink.
+Faults, from the narrowest to the widest:
+
+* whatever one request carries that makes a step of the scheduler raise
+  (its prefix lookup, admission, lease, stop matching, detokenising, its
+  sink) fails that request alone (`scheduler.isolation`);
+* a sampler failure or a bad row fails those rows (the runner's outcomes);
+* a forward that raises fails the requests in it (`InternalError`);
+* any other exception out of a tick cannot be pinned on one request: every
+  admitted request fails with `InternalError`, the waiting ones stay
+  queued, the block ledger is brought back in line with the store, and the
+  worker goes on. Only `MAX_FAILED_TICKS` such ticks in a row (the state is
+  broken, not one request), a ledger that cannot be reconciled, or a
+  `BaseException` that is not an `Exception` (an interpreter exit) stop it.
+
+A worker that stops marks itself dead, answers every request it holds and
+every request still on the channel with `WorkerDied` through their sinks,
+and returns every block and queue slot. Nobody polls for that: each waiter
+hears it from its own sink.
 """
 
 from __future__ import annotations
@@ -43,6 +54,9 @@ from ferrox_batch.scheduler.request import Request
 from ferrox_batch.scheduler.scheduler import Scheduler
 
 log = logging.getLogger("ferrox_batch.batch")
+
+#: Ticks in a row that may fail outside any one request before the worker gives up on its state.
+MAX_FAILED_TICKS = 3
 
 
 class Runner(Protocol):
@@ -72,6 +86,7 @@ class Worker:
         self.aborts = aborts
         self.closing = False
         self.time = WorkerTime()
+        self.failed_ticks = 0  # ticks in a row that failed outside any one request
 
     @property
     def config(self):
@@ -93,15 +108,25 @@ class Worker:
 
     def tick(self) -> bool:
         """One turn of the loop; False once the batcher is closed and idle."""
-        clock = time.perf_counter
         if self.scheduler.idle:
             if self.closing:
                 return False
             self.time.begin_idle()
             self._take(self.jobs.get())  # idle: block until there is work
             self.time.end_idle()
-        planning = clock()
         self._drain_channel()
+        try:
+            self._step()
+        except Exception as bad:
+            self._step_failed(bad)
+        else:
+            self.failed_ticks = 0
+        return True
+
+    def _step(self) -> None:
+        """Aborts, schedule, forward and sampling, update: the body of a tick."""
+        clock = time.perf_counter
+        planning = clock()
         stopped = self.scheduler.abort(self.aborts.drain())
         if stopped:
             self.aborts.add_aborted(stopped)
@@ -109,7 +134,7 @@ class Worker:
         began = clock()
         self.time.add_scheduling(began - planning)
         if plan.empty:
-            return True
+            return
         cpu = time.thread_time()
         try:
             out = self.runner.execute(plan)
@@ -117,12 +142,21 @@ class Worker:
             self.time.add_forward(clock() - began, time.thread_time() - cpu)
             log.exception("forward failed")
             self.scheduler.fail_step(plan, InternalError(f"forward failed: {type(bad).__name__}: {bad}"))
-            return True
+            return
         ran = clock()
         self.time.add_forward(ran - began, time.thread_time() - cpu)
         self.scheduler.update(plan, out.sampled, ran - began, out.prompt_logprobs)
         self.time.add_scheduling(clock() - ran)
-        return True
+
+    def _step_failed(self, bad: Exception) -> None:
+        """A tick raised outside any one request: fail the admitted requests and go on, unless it keeps
+        happening (then the state itself is broken, and the exception ends the worker)."""
+        self.failed_ticks += 1
+        if self.failed_ticks >= MAX_FAILED_TICKS:
+            raise bad
+        log.error("a batch step failed outside any one request; the requests running fail, the worker goes on",
+                  exc_info=bad)
+        self.scheduler.fail_admitted(InternalError(f"the batch step failed: {type(bad).__name__}: {bad}"))
 
     def _take(self, item: object) -> None:
         if item is CLOSE:

@@ -29,6 +29,7 @@ from ferrox_batch.batch.config import (
     ENV_MAX_SEQS,
     ENV_PREFILL_CHUNK,
     ENV_PREFIX_CACHE,
+    ENV_PRIORITY_AGING_MS,
     ENV_STEP_TARGET_MS,
     PREFILL_CHUNK_ENV_KEYS,
     PRIVATE_PATH_KEY,
@@ -37,6 +38,7 @@ from ferrox_batch.batch.config import (
     SERVING_MAX_PREFILLS_PER_TICK,
     SERVING_PREFILL_CHUNK,
     SERVING_STEP_TARGET_MS,
+    SERVING_PRIORITY_AGING_MS,
     BatcherConfig,
 )
 from ferrox_batch.cli.common import (
@@ -79,6 +81,9 @@ BATCHER_FLAGS: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
     "max_queue_wait_ms": ("--max-queue-wait-ms", ENV_MAX_QUEUE_WAIT_MS, "none",
                           "a request still waiting for admission this many milliseconds after it arrived is "
                           "refused with 503 queue_timeout (a request's max_queue_wait_ms wins); 0: no limit"),
+    "priority_aging_ms": ("--priority-aging-ms", ENV_PRIORITY_AGING_MS, str(SERVING_PRIORITY_AGING_MS),
+                          "a request that has waited this many milliseconds goes ahead of every request that "
+                          "has not, whatever their priorities, so none starves; 0: no aging"),
 })
 #: BatcherConfig field -> (flag, environment variable (0 or 1), default shown in --help, meaning), for the
 #: on/off settings: each gets `--flag` and `--no-flag`.
@@ -87,7 +92,7 @@ BATCHER_SWITCHES: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
                      "reuse the KV of cached prompt prefixes (full blocks) instead of computing them again"),
 })
 #: Flags whose 0 means "none" (the variable, like every FERROX_CB_* one, must still be positive).
-_ZERO_IS_NONE = ("step_target_ms", "max_queue_wait_ms")
+_ZERO_IS_NONE = ("step_target_ms", "max_queue_wait_ms", "priority_aging_ms")
 
 
 def add_batcher_flags(parser: argparse.ArgumentParser) -> None:

@@ -42,6 +42,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 1024
 DEFAULT_MAX_CONCURRENT_REQUESTS = 1024
+#: `serve`'s `drain_timeout` (`server.listener.DEFAULT_DRAIN_TIMEOUT_SECS`), repeated for the same reason.
+DEFAULT_DRAIN_TIMEOUT_SECS = 5.0
 #: uvicorn's TRACE level, below DEBUG.
 _TRACE = 5
 #: Seconds `generate` waits for the batcher's worker to exit after its one request.

@@ -14,6 +14,7 @@ import math
 import os
 import threading
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.cli.common import CliError, model_path, positive_int
@@ -48,8 +49,20 @@ def check_replica_flags(args: argparse.Namespace) -> None:
         raise CliError(f"--replica-cpus must be a positive number, got {args.replica_cpus}", status=2)
 
 
+def replica_app_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The `create_app` keywords every replica's app gets: `serve`'s HTTP flags, the Host default included
+    (the loopback names when `--host` is a loopback address)."""
+    from ferrox_batch.server.host_check import default_allowed_hosts
+
+    return {"default_max_tokens": args.default_max_tokens, "default_chat_max_tokens": args.default_chat_max_tokens,
+            "max_concurrent_requests": args.max_concurrent_requests, "api_key": keys,
+            "allowed_origins": args.allowed_origins, "shared_prefix_cache": args.shared_prefix_cache,
+            "allowed_hosts": default_allowed_hosts(args.host) if args.allowed_hosts is None else args.allowed_hosts,
+            "client_priorities": args.client_priorities}
+
+
 def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,
-                   key: str | None, restore_signals: Callable[[], None]) -> None:
+                   keys: tuple[str, ...], restore_signals: Callable[[], None]) -> None:
     """Run the replicated server until Ctrl-C or SIGTERM unwinds it; `restore_signals` puts `serve`'s
     handlers back after Ray installed its own."""
     try:
@@ -63,13 +76,12 @@ def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: Bat
     except ValueError as err:
         raise CliError(f"--device: {err}", status=2) from None
     cpus = args.replica_cpus or max(1, (os.cpu_count() or 1) // args.replicas)
-    spec = ReplicaSpec(str(model_path(args, env)), args.model_name, args.device, args.dtype, config, memory, {
-        "default_max_tokens": args.default_max_tokens, "default_chat_max_tokens": args.default_chat_max_tokens,
-        "max_concurrent_requests": args.max_concurrent_requests, "api_key": key,
-        "allowed_origins": args.allowed_origins}, log_level=logging.getLogger("ferrox_batch").level,
-        kv_cache_dtype=args.kv_cache_dtype)
+    spec = ReplicaSpec(str(model_path(args, env)), args.model_name, args.device, args.dtype, config, memory,
+                       replica_app_settings(args, keys), log_level=logging.getLogger("ferrox_batch").level,
+                       kv_cache_dtype=args.kv_cache_dtype)
+    drain = {} if args.drain_timeout is None else {"drain_timeout": args.drain_timeout}
     app = build_application(spec, args.replicas, max_replicas=args.max_replicas, router=args.router or "affinity",
-                            replica_cpus=cpus, replica_gpus=1.0 if device.type == "cuda" else 0.0)
+                            replica_cpus=cpus, replica_gpus=1.0 if device.type == "cuda" else 0.0, **drain)
     # Enough logical CPUs for every replica autoscaling may start, on a machine with fewer cores.
     logical = max(os.cpu_count() or 1, math.ceil((args.max_replicas or args.replicas) * cpus))
     try:

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Mapping
 
+from ferrox_batch.api_key_list import split_keys
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.cli.batcher_settings import (
     BATCHER_FLAGS,
@@ -28,6 +29,7 @@ from ferrox_batch.cli.common import (
     _TRACE,
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
+    DEFAULT_DRAIN_TIMEOUT_SECS,
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     ENV_API_KEY,
     LOG_LEVELS,
@@ -42,7 +44,7 @@ from ferrox_batch.cli.replicas import add_replica_flags, check_replica_flags, se
 
 #: The batcher's settings are `serve`'s flags, so they stay importable from here as well as from
 #: `cli.batcher_settings`.
-__all__ = ["BATCHER_FLAGS", "BATCHER_SWITCHES", "api_key", "batcher_config", "cmd_serve", "kv_memory",
+__all__ = ["BATCHER_FLAGS", "BATCHER_SWITCHES", "api_keys", "batcher_config", "cmd_serve", "kv_memory",
            "with_kv_budget"]
 
 
@@ -77,12 +79,27 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument("--max-concurrent-requests", type=positive_int, default=DEFAULT_MAX_CONCURRENT_REQUESTS,
                       metavar="N", help="generation requests open at once before new ones get 503 server_busy "
                                         f"(default: {DEFAULT_MAX_CONCURRENT_REQUESTS})")
-    http.add_argument("--api-key", metavar="KEY", default=None,
-                      help="require 'Authorization: Bearer KEY' on every route but /health and /metrics "
-                           f"(${ENV_API_KEY}; default: none, the API is open)")
+    http.add_argument("--api-key", metavar="KEY", action="append", default=None,
+                      help="require 'Authorization: Bearer KEY' on every route but /health and /metrics; repeat "
+                           "it or separate keys with commas for several tenants, each with a prefix-cache "
+                           f"namespace of its own (${ENV_API_KEY}, comma-separated; default: none, the API is open)")
+    http.add_argument("--shared-prefix-cache", action="store_true",
+                      help="share the prefix cache across API keys (default: each key's requests have their own, "
+                           "so cached_tokens never tells one tenant about another's prompts)")
     http.add_argument("--allowed-origins", metavar="ORIGINS", type=_origins, default=(),
                       help="comma-separated browser origins allowed to call the API (CORS), or '*' for any "
                            "(default: none, CORS off)")
+    http.add_argument("--allowed-hosts", metavar="HOSTS", type=_hosts, default=None,
+                      help="comma-separated Host names requests may carry, any port ('*' for any, '*.example.com' "
+                           "for its subdomains; /health and /metrics take any) (default: localhost, 127.0.0.1 "
+                           "and [::1] when --host is a loopback address, else any)")
+    http.add_argument("--client-priorities", metavar="MIN:MAX", type=_priority_range, default=(0, 0),
+                      help="the request priorities clients may use, inclusive; a negative MIN needs the = form "
+                           "(--client-priorities=-5:5) (default: 0:0, only the default priority)")
+    http.add_argument("--drain-timeout", metavar="SECONDS", type=_seconds, default=None,
+                      help="on SIGTERM or Ctrl-C, stop taking connections and let requests in flight finish for "
+                           f"up to this long, then cancel the rest (default: {DEFAULT_DRAIN_TIMEOUT_SECS:g}; with "
+                           "--replicas, each replica's graceful shutdown, Ray Serve's 20)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
     add_batcher_flags(parser)
     add_replica_flags(parser)
@@ -96,13 +113,49 @@ def _origins(text: str) -> tuple[str, ...]:
     return origins
 
 
-def api_key(args: argparse.Namespace, env: Mapping[str, str]) -> str | None:
-    """`--api-key`, else `$FERROX_API_KEY`, else None; an empty key is a mistake, not "no key"."""
-    key = args.api_key if args.api_key is not None else env.get(ENV_API_KEY)
-    if key is not None and not key.strip():
-        raise CliError(f"the API key (--api-key or ${ENV_API_KEY}) is empty: leave it unset for an open API",
-                       status=2)
-    return None if key is None else key.strip()
+def _hosts(text: str) -> tuple[str, ...]:
+    hosts = tuple(h.strip() for h in text.split(",") if h.strip())
+    if not hosts:
+        raise argparse.ArgumentTypeError("give at least one host name (e.g. api.example.com or localhost) or '*'")
+    return hosts
+
+
+def _priority_range(text: str) -> tuple[int, int]:
+    """`MIN:MAX` (or one value, `N`, for `N:N`) as an inclusive pair."""
+    low, sep, high = text.partition(":")
+    try:
+        pair = (int(low), int(high) if sep else int(low))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not MIN:MAX (two integers, e.g. 0:10)") from None
+    if pair[0] > pair[1]:
+        raise argparse.ArgumentTypeError(f"MIN must be at most MAX, got {text!r}")
+    from ferrox_batch.generation_types import PRIORITY_LIMIT
+
+    if not -PRIORITY_LIMIT <= pair[0] <= pair[1] <= PRIORITY_LIMIT:
+        raise argparse.ArgumentTypeError(f"priorities are within [-{PRIORITY_LIMIT}, {PRIORITY_LIMIT}], got {text!r}")
+    return pair
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a non-negative number of seconds, got {text!r}")
+    return value
+
+
+def api_keys(args: argparse.Namespace, env: Mapping[str, str]) -> tuple[str, ...]:
+    """`--api-key` (repeatable, each comma-separated), else `$FERROX_API_KEY` (comma-separated), else none
+    (`api_key_list.split_keys`: an empty key or one listed twice is a mistake, not "no key")."""
+    if args.api_key is None and ENV_API_KEY not in env:
+        return ()
+    source = "--api-key" if args.api_key is not None else f"${ENV_API_KEY}"
+    try:
+        return split_keys(args.api_key if args.api_key is not None else env[ENV_API_KEY])
+    except ValueError as bad:
+        raise CliError(f"{source} {bad}", status=2) from None
 
 
 def _size(size: int) -> str:
@@ -123,15 +176,15 @@ def cmd_serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     # Every setting is checked before the (slow) load: a typo fails in a second.
     config = batcher_config(args, env)
     memory = kv_memory(args, env) if config.kv_blocks is None else None
-    key = api_key(args, env)
+    keys = api_keys(args, env)
     check_replica_flags(args)
     _setup_logging(args.log_level)
     _signals_unwind()
     try:
         if args.replicas is not None:
-            serve_replicas(args, env, config, memory, key, _signals_unwind)
+            serve_replicas(args, env, config, memory, keys, _signals_unwind)
         else:
-            _serve(args, env, config, memory, key)
+            _serve(args, env, config, memory, keys)
     except (KeyboardInterrupt, _Terminated):
         # Being told to stop is how a server ends: a clean stop is a success, as for gunicorn or nginx
         # (and `make serve` reports no error for a Ctrl-C).
@@ -140,7 +193,7 @@ def cmd_serve(args: argparse.Namespace, env: Mapping[str, str]) -> int:
 
 
 def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,
-           key: str | None) -> None:
+           keys: tuple[str, ...]) -> None:
     started = time.monotonic()
     model = load(args, env)
     from ferrox_batch.models.memory import default_kv_memory
@@ -170,8 +223,10 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
         config.context_limit(model.config.max_position_embeddings))
     serve(model, config, args.host, args.port, model_name=name, default_max_tokens=args.default_max_tokens,
           default_chat_max_tokens=args.default_chat_max_tokens,
-          max_concurrent_requests=args.max_concurrent_requests, log_level=args.log_level, api_key=key,
-          allowed_origins=args.allowed_origins)
+          max_concurrent_requests=args.max_concurrent_requests, log_level=args.log_level, api_key=keys,
+          allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
+          shared_prefix_cache=args.shared_prefix_cache, client_priorities=args.client_priorities,
+          drain_timeout=DEFAULT_DRAIN_TIMEOUT_SECS if args.drain_timeout is None else args.drain_timeout)
 
 
 class _Terminated(BaseException):

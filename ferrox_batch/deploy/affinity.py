@@ -7,9 +7,14 @@ hashes do), mapped to the replicas it sent that prefix to. Matching a new prompt
 replica holds the next link, so the replica holding the longest chain holds the longest shared prefix, to
 within one chunk. Only whole chunks count: a replica caches whole KV blocks, never a partial one.
 
-Prompts are read from the request's JSON as the server would: a completion's `prompt` (text or token ids;
-of a batch, the first) and a chat's `messages` (each role and text in order, so a conversation's next turn
-extends its previous one). Text is chunked in characters and ids in ids, each about one KV block.
+Prompts are read from the request's JSON as the server would, under the same nesting bound
+(`bounded_json`): a completion's `prompt` (text or token ids; of a batch, the first) and a chat's `messages`
+(each role and text in order, so a conversation's next turn extends its previous one). A body it cannot
+read is no prompt, never an error: the router must place every request, and the replica refuses it. Text is chunked in characters and ids in ids, each about one KV block.
+
+Each chain is in a namespace, the request's tenant (`relay.RelayedRequest.tenant`): a replica's cache keeps
+tenants apart (`server.api_keys`), and so does the index, else where a request was routed (and the replica
+header on its answer) would tell one tenant what another sent.
 
 What it promises: pure Python over ints and strings (no Ray, no tokenizer, no model); memory bounded by
 `capacity` chunk links, the least recently used forgotten first; a replica that leaves is forgotten at once.
@@ -17,10 +22,11 @@ What it promises: pure Python over ints and strings (no Ray, no tokenizer, no mo
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from collections.abc import Hashable, Mapping, Sequence
 from typing import TypeVar
+
+from ferrox_batch import bounded_json
 
 R = TypeVar("R", bound=Hashable)
 
@@ -45,8 +51,8 @@ def prompt_units(path: str, body: bytes) -> Units | None:
     if not (path.endswith("/v1/completions") or path.endswith("/v1/chat/completions")):
         return None
     try:
-        request = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+        request = bounded_json.loads(body)
+    except ValueError:  # malformed, or nested past the bound (JsonTooDeep): the replica answers it with a 400
         return None
     if not isinstance(request, dict):
         return None
@@ -85,11 +91,11 @@ def chunk_size(units: Units) -> int:
     return TEXT_CHUNK if isinstance(units, str) else IDS_CHUNK
 
 
-def chain(units: Units) -> list[int]:
-    """The chained hash of each whole chunk of `units`, in order."""
+def chain(units: Units, namespace: str | None = None) -> list[int]:
+    """The chained hash of each whole chunk of `units` in `namespace` (a tenant's), in order."""
     size = chunk_size(units)
     links: list[int] = []
-    previous = hash(type(units).__name__)  # text and ids never share a chain
+    previous = hash((type(units).__name__, namespace))  # text and ids, and two tenants, never share a chain
     for start in range(0, len(units) - size + 1, size):
         previous = hash((previous, units[start:start + size]))
         links.append(previous)
@@ -109,12 +115,13 @@ class PrefixIndex:
     def __len__(self) -> int:
         return len(self._links)
 
-    def match(self, units: Units) -> dict[Hashable, int]:
-        """For each replica holding at least the first chunk, the units of `units` it holds from the start."""
+    def match(self, units: Units, namespace: str | None = None) -> dict[Hashable, int]:
+        """For each replica holding at least the first chunk, the units of `units` it holds from the start,
+        counting only what it was sent in the same `namespace`."""
         size = chunk_size(units)
         matched: dict[Hashable, int] = {}
         holders: set[Hashable] | None = None
-        for i, link in enumerate(chain(units)):
+        for i, link in enumerate(chain(units, namespace)):
             found = self._links.get(link)
             if not found:
                 break
@@ -126,9 +133,9 @@ class PrefixIndex:
                 matched[replica] = (i + 1) * size
         return matched
 
-    def record(self, units: Units, replica: Hashable) -> None:
-        """`units` was sent to `replica`: it will hold their whole chunks."""
-        for link in chain(units):
+    def record(self, units: Units, replica: Hashable, namespace: str | None = None) -> None:
+        """`units` was sent to `replica` in `namespace`: it will hold their whole chunks there."""
+        for link in chain(units, namespace):
             self._links.setdefault(link, set()).add(replica)
             self._links.move_to_end(link)
         while len(self._links) > self.capacity:

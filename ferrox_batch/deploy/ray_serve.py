@@ -6,9 +6,10 @@ Two deployments:
   FastAPI app as `ferrox-batch serve` (`server.create_app`), run in process by `relay.InProcessApp`. Its
   health check is the batcher's `worker_alive`, so Serve replaces a replica whose worker died. It answers
   with `relay.REPLICA_HEADER` naming itself.
-* `FerroxIngress` (one, no CPU reserved): Serve's HTTP entry. It reads each request whole and hands it to a
-  replica through a handle whose router is `router.PrefixAffinityRouter` (or Serve's default,
-  power-of-two choices, with `router="default"`), then replays the replica's answer (`relay`).
+* `FerroxIngress` (one, no CPU reserved): Serve's HTTP entry. It refuses what the app would from the headers
+  alone (`server.access_policy`), reads the rest whole and hands each to a replica through a handle whose
+  router is `router.PrefixAffinityRouter` (or Serve's default, power-of-two choices, with
+  `router="default"`), then replays the replica's answer (`relay`).
 
 The replica settings follow from the batcher's: `max_ongoing_requests` lets a replica hold its whole batch
 and queue (Serve's default of 5 would starve the batch), a refusal's 503 and `Retry-After` reach the client
@@ -48,7 +49,9 @@ from ferrox_batch.deploy import ROUTERS
 from ferrox_batch.deploy.relay import REPLICA_HEADER, InProcessApp, RelayedRequest, relayed_response
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.models.device import KV_CACHE_DTYPES
+from ferrox_batch.server.access_policy import AccessPolicy
 from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
+from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.errors import error_response
 from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST
 
@@ -68,7 +71,9 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
 GRACEFUL_SHUTDOWN_S = 20.0
 #: The app keywords a spec may carry (`server.create_app`'s).
 COUNT_APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_concurrent_requests")
-APP_KEYWORDS = (*COUNT_APP_KEYWORDS, "api_key", "allowed_origins")
+#: Those the ingress checks too (`server.access_policy`), before it reads a body.
+ACCESS_APP_KEYWORDS = ("api_key", "allowed_hosts", "shared_prefix_cache")
+APP_KEYWORDS = (*COUNT_APP_KEYWORDS, *ACCESS_APP_KEYWORDS, "allowed_origins", "client_priorities")
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +106,10 @@ class ReplicaSpec:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of auto, "
                              f"{', '.join(KV_CACHE_DTYPES)}")
+        # Malformed access or priority settings fail here, before any replica starts.
+        AccessPolicy.from_settings(self.app)
+        if "client_priorities" in self.app:
+            ClientPolicy(tuple(self.app["client_priorities"]))
 
     def max_ongoing_requests(self) -> int:
         """Requests Serve may hand one replica at once: its whole batch plus its queue, within the app's cap."""
@@ -167,14 +176,19 @@ def is_replica_failure(error: BaseException) -> bool:
 
 
 class FerroxIngress:
-    """Serve's HTTP entry: each request, read whole, relayed to a replica the router picks."""
+    """Serve's HTTP entry: each request checked as the replicas' app checks it (Host, key, JSON body; `app`
+    holds their settings) before its body is read, then read whole and relayed to a replica the router picks."""
 
-    def __init__(self, replicas: DeploymentHandle) -> None:
+    def __init__(self, replicas: DeploymentHandle, app: Mapping[str, Any] | None = None) -> None:
         self.replicas = replicas.options(stream=True)
+        self.access = AccessPolicy.from_settings(app or {})
 
     async def __call__(self, request: Request) -> Response:
+        refusal, tenant = self.access.check(request.method, request.scope["path"], request.headers)
+        if refusal is not None:  # an unauthenticated client gets nothing read, parsed or relayed
+            return refusal.response()
         try:
-            relayed = await RelayedRequest.read(request)
+            relayed = await RelayedRequest.read(request, tenant=tenant)
         except DecodeError as refusal:  # too large, or too slow to arrive: answered here, as a replica would
             return error_response(refusal)
         except ClientDisconnect:
@@ -187,8 +201,10 @@ class FerroxIngress:
 
 def replica_options(spec: ReplicaSpec, replicas: int = 1, *, max_replicas: int | None = None,
                     router: str = "affinity", replica_cpus: float = 1.0, replica_gpus: float = 0.0,
-                    router_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """`FerroxReplica`'s deployment options: fixed `replicas`, or autoscaled from it up to `max_replicas`."""
+                    router_kwargs: Mapping[str, Any] | None = None,
+                    drain_timeout: float = GRACEFUL_SHUTDOWN_S) -> dict[str, Any]:
+    """`FerroxReplica`'s deployment options: fixed `replicas`, or autoscaled from it up to `max_replicas`;
+    a stopping replica lets its requests run for `drain_timeout` seconds before they are cancelled."""
     if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
         raise ValueError(f"replicas must be a positive integer, got {replicas!r}")
     if max_replicas is not None and (isinstance(max_replicas, bool) or not isinstance(max_replicas, int)
@@ -200,11 +216,14 @@ def replica_options(spec: ReplicaSpec, replicas: int = 1, *, max_replicas: int |
         raise ValueError(f"replica_cpus must be a positive number, got {replica_cpus!r}")
     if isinstance(replica_gpus, bool) or not isinstance(replica_gpus, (int, float)) or not 0 <= replica_gpus < math.inf:
         raise ValueError(f"replica_gpus must be a non-negative number, got {replica_gpus!r}")
+    if isinstance(drain_timeout, bool) or not isinstance(drain_timeout, (int, float)) or \
+            not 0 <= drain_timeout < math.inf:
+        raise ValueError(f"drain_timeout must be a non-negative number of seconds, got {drain_timeout!r}")
     options: dict[str, Any] = {
         "name": REPLICA_DEPLOYMENT, "max_ongoing_requests": spec.max_ongoing_requests(),
         "ray_actor_options": {"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         "health_check_period_s": HEALTH_CHECK_PERIOD_S, "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
-        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_S,
+        "graceful_shutdown_timeout_s": drain_timeout,
     }
     if max_replicas is not None:
         options["autoscaling_config"] = {"min_replicas": replicas, "max_replicas": max_replicas,
@@ -233,7 +252,7 @@ def build_application(spec: ReplicaSpec, replicas: int = 1, **layout: Any) -> Ap
     ingress = serve.deployment(FerroxIngress).options(
         name=INGRESS_DEPLOYMENT, num_replicas=1, max_ongoing_requests=options["max_ongoing_requests"] * most,
         ray_actor_options={"num_cpus": 0})
-    return ingress.bind(engine)
+    return ingress.bind(engine, {k: spec.app[k] for k in ACCESS_APP_KEYWORDS if k in spec.app})
 
 
 def replica_ids(app_name: str = APP_NAME) -> list[str]:

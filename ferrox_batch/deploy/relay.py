@@ -90,15 +90,19 @@ class RelayedRequest:
     headers: tuple[tuple[bytes, bytes], ...]
     body: bytes
     client: tuple[str, int] | None = None
+    #: The prefix-cache namespace of the request's tenant as the ingress knows it (its key's): the router
+    #: keeps tenants' prompts apart. The replica derives its own from the key; None: no tenant.
+    tenant: str | None = None
 
     @classmethod
     async def read(cls, request: Request, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                   timeout: float = DEFAULT_BODY_READ_TIMEOUT_SECS) -> RelayedRequest:
+                   timeout: float = DEFAULT_BODY_READ_TIMEOUT_SECS, tenant: str | None = None) -> RelayedRequest:
         """The request with its whole body, under the server's own cap and deadline (`RequestTooLarge`,
         `BodyReadTimedOut`): the ingress never holds more of a body than a replica would accept."""
         client = (request.client.host, request.client.port) if request.client else None
         return cls(request.method, request.url.path, request.scope.get("query_string", b""),
-                   tuple(request.scope.get("headers", ())), await read_body(request, max_body_bytes, timeout), client)
+                   tuple(request.scope.get("headers", ())), await read_body(request, max_body_bytes, timeout), client,
+                   tenant)
 
     def header(self, name: str) -> str | None:
         key = name.lower().encode("latin-1")

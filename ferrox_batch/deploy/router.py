@@ -11,6 +11,9 @@ A request that names a running replica in `relay.REPLICA_HEADER` goes to that re
 operator reads one replica's `/stats` or `/metrics` through the ingress (the ingress refuses the answer
 of any other replica, so a pin is never silently ignored).
 
+Prompts are indexed per tenant (`relay.RelayedRequest.tenant`), as each replica caches them: a tenant's
+request is never drawn to a replica by another tenant's prompt.
+
 Loads are the requests this router has in flight on each replica, counted from Serve's routed and
 completed hooks: exact for this router, never stale, and no probe per request. Each request's prompt is
 read from its body once, however many times Serve asks to rank it.
@@ -54,7 +57,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.load_cost_tokens = load_cost_tokens
         self.index = PrefixIndex(capacity)
         self.in_flight: dict[ReplicaID, set[str]] = {}
-        self._prompts: OrderedDict[str, Units | None] = OrderedDict()
+        self._prompts: OrderedDict[str, tuple[Units, str | None] | None] = OrderedDict()
         self._finished_unrouted: OrderedDict[str, None] = OrderedDict()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -67,10 +70,11 @@ class PrefixAffinityRouter(RequestRouter):
             chosen = [r for r in candidate_replicas if r.replica_id.unique_id == pinned]
             if chosen:
                 return [chosen]
-        units = self._units(pending_request)
-        if units is None:
+        prompt = self._prompt(pending_request)
+        if prompt is None:
             return [candidate_replicas]
-        matched = self.index.match(units)
+        units, tenant = prompt
+        matched = self.index.match(units, tenant)
         by_id = {r.replica_id: r for r in candidate_replicas}
         ranks = rank(list(by_id), {rid: matched.get(rid, 0) for rid in by_id},
                      {rid: len(self.in_flight.get(rid, ())) for rid in by_id}, len(units),
@@ -84,9 +88,10 @@ class PrefixAffinityRouter(RequestRouter):
             del self._finished_unrouted[key]
         else:
             self.in_flight.setdefault(replica_id, set()).add(key)
-        units = self._prompts.pop(key, None)
-        if units is not None:
-            self.index.record(units, replica_id)
+        prompt = self._prompts.pop(key, None)
+        if prompt is not None:
+            units, tenant = prompt
+            self.index.record(units, replica_id, tenant)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         held = self.in_flight.get(replica_id, set())
@@ -112,12 +117,13 @@ class PrefixAffinityRouter(RequestRouter):
         for gone in set(self.in_flight) - running:
             del self.in_flight[gone]
 
-    def _units(self, pending: PendingRequest) -> Units | None:
-        """The request's prompt, read from its body on the first ask and kept until it is placed."""
+    def _prompt(self, pending: PendingRequest) -> tuple[Units, str | None] | None:
+        """The request's prompt and tenant, read from its body on the first ask and kept until it is placed."""
         key = pending.metadata.internal_request_id
         if key not in self._prompts:
             relayed = _relayed(pending)
-            self._prompts[key] = None if relayed is None else prompt_units(relayed.path, relayed.body)
+            units = None if relayed is None else prompt_units(relayed.path, relayed.body)
+            self._prompts[key] = None if relayed is None or units is None else (units, relayed.tenant)
             while len(self._prompts) > _PENDING_PROMPTS:
                 self._prompts.popitem(last=False)
         return self._prompts[key]

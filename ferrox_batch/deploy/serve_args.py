@@ -9,11 +9,13 @@ malformed value is a ValueError naming it, before any replica starts.
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
 from ray.serve.deployment import Application
 
+from ferrox_batch.api_key_list import split_keys
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.deploy.ray_serve import APP_KEYWORDS, COUNT_APP_KEYWORDS, ReplicaSpec, build_application
 
@@ -23,8 +25,11 @@ def app_builder(args: dict[str, Any]) -> Application:
 
     Keys: `model` (a checkpoint folder or .gguf; required), `model_name`, `device`, `dtype`, `kv_memory`
     (e.g. "512MiB"), any `BatcherConfig` field (`max_seqs`, `prefill_chunk`, ...), the app's keywords
-    (APP_KEYWORDS), and `replicas`, `max_replicas`, `router`, `replica_cpus`, `replica_gpus`. Values may be
-    strings, as `serve run key=value` passes them; an unknown key or a malformed value is a ValueError.
+    (APP_KEYWORDS: lists as comma-separated strings, `client_priorities` as "MIN:MAX"), `api_key_env` (the
+    name of an environment variable holding the keys, comma-separated, so that no key is written in the
+    file; unset is an error, never an open API), and `replicas`, `max_replicas`, `router`, `replica_cpus`,
+    `replica_gpus`, `drain_timeout`. Values may be strings, as `serve run key=value` passes them; an unknown
+    key or a malformed value is a ValueError.
     """
     from ferrox_batch.cli.common import parse_memory_size
 
@@ -35,18 +40,31 @@ def app_builder(args: dict[str, Any]) -> Application:
     batcher = {k: (_flag(k, v) if k == "prefix_cache" else _whole(k, v, optional=True))
                for k, v in args.items() if k in fields}
     app: dict[str, Any] = {k: _whole(k, args[k]) for k in COUNT_APP_KEYWORDS if k in args}
+    if "api_key" in args and "api_key_env" in args:
+        raise ValueError("give api_key or api_key_env, not both")
     if "api_key" in args:
-        app["api_key"] = str(args["api_key"])
-    if "allowed_origins" in args:
-        origins = args["allowed_origins"]
-        app["allowed_origins"] = tuple(o.strip() for o in origins.split(",") if o.strip()) \
-            if isinstance(origins, str) else tuple(origins)
+        app["api_key"] = _keys(args["api_key"], "api_key")
+    if "api_key_env" in args:  # the key stays out of the file: a Secret puts it in the nodes' environment
+        name = str(args["api_key_env"])
+        if name not in os.environ:
+            raise ValueError(f"api_key_env names {name}, which is not set where the application is built: "
+                             f"set it, or drop api_key_env for an open API")
+        app["api_key"] = _keys(os.environ[name], f"${name}")
+    for key in ("allowed_origins", "allowed_hosts"):
+        if key in args:
+            app[key] = _names(args[key])
+    if "shared_prefix_cache" in args:
+        app["shared_prefix_cache"] = _flag("shared_prefix_cache", args["shared_prefix_cache"])
+    if "client_priorities" in args:
+        app["client_priorities"] = _priorities(args["client_priorities"])
     known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "kv_memory",
-                                          "replicas", "max_replicas", "router", "replica_cpus", "replica_gpus"}
+                                          "replicas", "max_replicas", "router", "replica_cpus", "replica_gpus",
+                                          "api_key_env", "drain_timeout"}
     unknown = set(args) - known
     if unknown:
         raise ValueError(f"unknown application args {sorted(unknown)}")
     memory = args.get("kv_memory")
+    drain = {"drain_timeout": _number("drain_timeout", args["drain_timeout"])} if "drain_timeout" in args else {}
     spec = ReplicaSpec(str(Path(str(args["model"])).expanduser()), args.get("model_name"),
                        str(args.get("device", "auto")), str(args.get("dtype", "auto")),
                        dataclasses.replace(BatcherConfig.serving(), **batcher),
@@ -56,7 +74,34 @@ def app_builder(args: dict[str, Any]) -> Application:
         spec, _whole("replicas", args.get("replicas", 1)),
         max_replicas=_whole("max_replicas", args["max_replicas"]) if "max_replicas" in args else None,
         router=str(args.get("router", "affinity")), replica_cpus=_number("replica_cpus", args.get("replica_cpus", 1)),
-        replica_gpus=_number("replica_gpus", args.get("replica_gpus", 0)))
+        replica_gpus=_number("replica_gpus", args.get("replica_gpus", 0)), **drain)
+
+
+def _names(value: Any) -> tuple[str, ...]:
+    """A comma-separated string (as `serve run key=a,b` passes it) or a list, as a tuple of its items."""
+    items = value.split(",") if isinstance(value, str) else list(value)
+    return tuple(str(item).strip() for item in items if str(item).strip())
+
+
+def _keys(value: Any, source: str) -> tuple[str, ...]:
+    """API keys (`api_key_list.split_keys`): an empty key, or none at all, is a mistake, never an open API."""
+    try:
+        return split_keys(value)
+    except ValueError as bad:
+        raise ValueError(f"{source} {bad}") from None
+
+
+def _priorities(value: Any) -> tuple[int, int]:
+    """`client_priorities`: "MIN:MAX" (or "N" for N:N) or a [min, max] list (the range is the app's to check)."""
+    parts = value.split(":") if isinstance(value, str) else list(value)
+    parts = parts * 2 if len(parts) == 1 else parts
+    try:
+        if any(isinstance(part, (bool, float)) for part in parts):
+            raise ValueError
+        low, high = (int(part) for part in parts)
+    except (TypeError, ValueError):
+        raise ValueError(f"client_priorities must be MIN:MAX (two integers), got {value!r}") from None
+    return low, high
 
 
 def _whole(key: str, value: Any, optional: bool = False) -> Any:

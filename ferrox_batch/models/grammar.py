@@ -9,93 +9,227 @@ measured 2-4x faster here, both take microseconds per row per token, far under a
 What it promises:
 
 * `Grammars.compile(spec)` turns a `StructuredOutput` (a JSON schema, JSON mode, or a Lark grammar with
-  embedded schemas: forced tool calls) into a validated grammar, on the caller's thread: an
-  invalid schema is a `GrammarConstraint` (400) before anything is queued. JSON is compact (no free
-  whitespace between tokens: a small model given the choice fills it with spaces).
-* `Grammars.matcher(grammar)` is one request's parser state, made when it first samples.
+  embedded schemas: forced tool calls) into a `CompiledGrammar` on the caller's thread (a request's
+  submit; over HTTP a prepare thread): the schema translated and llguidance's lexer and parser built for
+  the tokenizer, the whole cost of a new schema. A spec past the limits below, or invalid, is a
+  `GrammarConstraint` (400) before anything is queued. JSON is compact (no free whitespace between
+  tokens: a small model given the choice fills it with spaces).
+* `Grammars.matcher(compiled)` is one row's parser state, made on the worker when the row first samples:
+  a copy of the compiled grammar's matcher, which is never advanced itself. A copy costs microseconds
+  where a build costs up to a second (a 0.9 MB schema: 0.03 ms against 0.4 s; docs/benchmarks.md, "The
+  grammar engine"), so the worker never compiles.
+* Compiled grammars are kept by spec (its canonical text: equal schemas are one entry), so the `n` choices
+  of a request and a client that repeats its schema compile once, and concurrent compiles of one new spec
+  wait for the first instead of building it again. The cache is bounded in entries and in bytes of spec
+  text; the compiled state measured about 50 times its text (a 212 KB schema: 10 MB), and up to 300
+  times for the costliest shape below (25 KB: 7 MB), which `COMPILED_KEPT` bounds. A request holds its
+  compiled grammar from submit to answer, so the grammars alive (cached or held) are bounded too:
+  `LIVE_BYTES` of spec text, past which a new spec is refused as busy (`GrammarsBusy`, 503).
 * `masks(matchers, vocab)` computes every constrained row's allowed tokens in one llguidance call that
   spreads rows over threads, as a `[rows, vocab]` bool tensor (bits unpacked with torch ops).
 * The engine's tokenizer is the checkpoint's own (its `tokenizer.json` text), built on first use (about a
   second) and shared; its end tokens are the model's stop tokens, allowed exactly where the grammar may end.
+
+Limits on a compile, and why these (measured on a 2-vCPU Xeon shared with other work):
+
+* `MAX_SPEC_BYTES` (`structured`, 256 KiB of canonical text), checked before anything is compiled: real
+  tool and response schemas are a few KB and large ones about 100 KB; a realistic schema of 212 KB builds
+  in 0.1-0.2 s.
+* `MAX_GRAMMAR_SYMBOLS`, llguidance's `max_grammar_size`: bytes alone do not bound the work. No llguidance
+  limit bounds the build's time directly (its lexer fuel counts regex set-up, which stays small): an object
+  of a few thousand optional properties is 30-60 KB but builds in time that grows with the square of their
+  count (2,300: 0.5-0.7 s; 4,500: 2.3 s). Its symbols grow with that count, and llguidance checks them
+  before the costly part, so a cap on symbols refuses it in milliseconds. 16,384 symbols holds that worst
+  shape to about 0.7 s, and is 1.7x what a realistic schema at the byte limit has (about 37 symbols per
+  KB: 9,500). Lexer fuel stays at llguidance's default (1,000,000, about 20 ms of regex set-up), as do the
+  per-token step limits, which bound each mask on the worker.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.numpy
 import numpy as np
 import torch
 
-from ferrox_batch.errors import GrammarConstraint
-from ferrox_batch.structured import StructuredOutput
+from ferrox_batch.errors import DecodeError, GrammarConstraint
+from ferrox_batch.structured import MAX_SPEC_BYTES, StructuredOutput
 
-#: How many compiled grammars are kept (a few KB each).
-COMPILED_KEPT = 64
+#: How many compiled grammars are kept at most.
+COMPILED_KEPT = 32
+#: How many bytes of spec text the kept grammars may have together (about 100 MB compiled): eight schemas
+#: at the byte limit, or `COMPILED_KEPT` small ones.
+COMPILED_BYTES = 2 * 1024 * 1024
+#: How many bytes of spec text the compiled grammars alive at once may have: cached, or held by requests
+#: that wait or run (a request holds its compiled grammar from its submit to its answer, whether or not
+#: the cache still keeps it). About 200 MB compiled for typical schemas; a new spec past it is refused as
+#: busy (503, retry) rather than pinning memory without bound while requests queue.
+LIVE_BYTES = 4 * 1024 * 1024
+#: The most grammar symbols a spec may compile to (llguidance's `max_grammar_size`; module docstring).
+MAX_GRAMMAR_SYMBOLS = 16_384
+#: Fuel for a compile's regex set-up: llguidance's default, about 20 ms.
+INITIAL_LEXER_FUEL = 1_000_000
 #: JSON compiled compact: separators without spaces, no free whitespace.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
-class Grammars:
-    """The grammar engine for one tokenizer: compiles specs and makes matchers (thread-safe)."""
+class GrammarsBusy(DecodeError):
+    """The compiled grammars alive now hold `LIVE_BYTES` of spec text: a new spec must wait for some of
+    the requests holding theirs to finish (503: the request is fine, retry shortly)."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, end_tokens: Sequence[int]) -> None:
+    retry_after_secs = 1
+    http_status = 503
+    error_code = "server_busy"
+    _fields = ("live_bytes", "limit_bytes")
+
+    def __init__(self, live_bytes: int, limit_bytes: int) -> None:
+        self.live_bytes = live_bytes
+        self.limit_bytes = limit_bytes
+        super().__init__(f"server is at capacity: the grammars of requests in flight hold {live_bytes} bytes "
+                         f"of schema (limit {limit_bytes}); retry shortly")
+
+
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
+class CompiledGrammar:
+    """A spec compiled for one tokenizer: what a request carries from its submit to the worker."""
+
+    spec: StructuredOutput
+    size: int  # bytes of the spec's text: its weight in the cache
+    tokenizer: llguidance.LLTokenizer  # the engine's, which `Grammars.matcher` checks
+    start: llguidance.LLMatcher  # the grammar at its start, never advanced: each row gets a copy
+
+
+class Grammars:
+    """The grammar engine for one tokenizer: compiles specs and makes matchers (thread-safe).
+
+    `keep`, `keep_bytes`: the compiled cache's bounds, in entries and in bytes of spec text."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, end_tokens: Sequence[int], *,
+                 keep: int = COMPILED_KEPT, keep_bytes: int = COMPILED_BYTES, live_bytes: int = LIVE_BYTES) -> None:
         self._json = tokenizer_json
         self.vocab_size = vocab_size
         self._ends = sorted(set(end_tokens))
         self._tokenizer: llguidance.LLTokenizer | None = None
         self._executor: llguidance.LLExecutor | None = None
-        self._lock = threading.Lock()
-        self._compiled: OrderedDict[StructuredOutput, str] = OrderedDict()  # spec -> grammar, oldest first
+        self._engine_lock = threading.Lock()
+        self._limits = llguidance.LLParserLimits(max_grammar_size=MAX_GRAMMAR_SYMBOLS,
+                                                 initial_lexer_fuel=INITIAL_LEXER_FUEL)
+        self._keep = keep
+        self._keep_bytes = keep_bytes
+        # Reentrant: dropping a compiled grammar inside it (the cache evicting one) runs its finalizer, which
+        # takes it again to uncount its bytes.
+        self._lock = threading.RLock()  # guards the cache, the builds in flight and the live bytes
+        self._kept: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()  # oldest first
+        self._kept_bytes = 0
+        self._pending: dict[StructuredOutput, concurrent.futures.Future[CompiledGrammar]] = {}
+        self._live_limit = live_bytes
+        self._live = 0  # bytes of spec text of the compiled grammars alive (guarded by `_lock`)
+        #: Every compiled grammar alive, kept or not: a spec a request still holds is never built twice.
+        self._alive: weakref.WeakValueDictionary[StructuredOutput, CompiledGrammar] = weakref.WeakValueDictionary()
 
     def _engine(self) -> tuple[llguidance.LLTokenizer, llguidance.LLExecutor]:
-        with self._lock:
+        with self._engine_lock:
             if self._tokenizer is None or self._executor is None:
                 self._tokenizer = llguidance.LLTokenizer(self._json, n_vocab=self.vocab_size,
                                                          eos_token=self._ends or None)
                 self._executor = llguidance.LLExecutor()
             return self._tokenizer, self._executor
 
-    def compile(self, spec: StructuredOutput) -> str:
-        """The llguidance grammar of `spec`, validated; `GrammarConstraint` naming what is wrong otherwise.
-
-        The last `COMPILED_KEPT` grammars are kept: the choices of one request (`n`) and a client that
-        sends the same schema again do not compile it again."""
+    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+        """`spec` compiled, or `GrammarConstraint` naming what is wrong: over `MAX_SPEC_BYTES` (refused
+        before any compiling), over the compile-work limits, or invalid. A kept spec is answered from the
+        cache; a spec another thread is compiling is waited for."""
+        size = spec.size
+        if size > MAX_SPEC_BYTES:
+            raise GrammarConstraint(f"the {_what(spec)} is {size} bytes as compact text, over this server's "
+                                    f"limit of {MAX_SPEC_BYTES}")
         with self._lock:
-            known = self._compiled.get(spec)
+            known = self._kept.get(spec)
             if known is not None:
-                self._compiled.move_to_end(spec)
+                self._kept.move_to_end(spec)
                 return known
-        grammar = self._compile(spec)
+            known = self._alive.get(spec)
+            if known is not None:
+                self._remember(known)
+                return known
+            pending = self._pending.get(spec)
+            if pending is None:
+                if self._live + size > self._live_limit:
+                    raise GrammarsBusy(self._live, self._live_limit)
+                self._live += size  # counted from the build on, so concurrent builds count too
+                pending = self._pending[spec] = concurrent.futures.Future()
+                building = True
+            else:
+                building = False
+        if not building:
+            return pending.result()  # the builder's grammar, or its refusal raised here too
+        try:
+            compiled = self._build(spec, size)
+        except BaseException as failed:
+            with self._lock:
+                del self._pending[spec]
+                self._live -= size
+            pending.set_exception(failed)
+            raise
+        # Its bytes stay counted while anything (the cache, a request) holds it.
+        weakref.finalize(compiled, self._forget, size)
         with self._lock:
-            self._compiled[spec] = grammar
-            while len(self._compiled) > COMPILED_KEPT:
-                self._compiled.popitem(last=False)
-        return grammar
+            del self._pending[spec]
+            self._alive[spec] = compiled
+            self._remember(compiled)
+        pending.set_result(compiled)
+        return compiled
 
-    def _compile(self, spec: StructuredOutput) -> str:
+    def _build(self, spec: StructuredOutput, size: int) -> CompiledGrammar:
         tokenizer, _ = self._engine()
         try:
             if spec.kind == "lark":
                 grammar = llguidance.LLMatcher.grammar_from_lark(spec.schema or "")
             else:
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(spec.schema_object(), overrides=JSON_OPTIONS)
+                schema = spec.schema if spec.schema is not None else spec.schema_object()
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
         except (ValueError, TypeError, RuntimeError) as bad:
-            raise GrammarConstraint(f"the JSON schema cannot be compiled: {bad}") from None
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
-        if is_error:
-            raise GrammarConstraint(f"the JSON schema cannot be compiled: {messages[0] if messages else 'invalid'}")
-        return grammar
+            raise GrammarConstraint(f"the {_what(spec)} cannot be compiled: {bad}") from None
+        # The build drops the GIL: the worker's Python runs on meanwhile.
+        start = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
+        if start.is_error():
+            raise GrammarConstraint(f"the {_what(spec)} cannot be compiled: {start.get_error()}")
+        return CompiledGrammar(spec, size, tokenizer, start)
 
-    def matcher(self, grammar: str) -> llguidance.LLMatcher:
-        tokenizer, _ = self._engine()
-        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarConstraint(matcher.get_error())
-        return matcher
+    def _remember(self, compiled: CompiledGrammar) -> None:
+        """Keep `compiled`, dropping the oldest past either bound (it too, when it alone is past them)."""
+        self._kept[compiled.spec] = compiled
+        self._kept_bytes += compiled.size
+        while self._kept and (len(self._kept) > self._keep or self._kept_bytes > self._keep_bytes):
+            _, dropped = self._kept.popitem(last=False)
+            self._kept_bytes -= dropped.size
+
+    def _forget(self, size: int) -> None:
+        with self._lock:
+            self._live -= size
+
+    def live(self) -> int:
+        """Bytes of spec text of the compiled grammars alive now (cached or held by requests)."""
+        with self._lock:
+            return self._live
+
+    def kept(self) -> tuple[int, int]:
+        """(entries, bytes of spec text) the compiled cache holds now."""
+        with self._lock:
+            return len(self._kept), self._kept_bytes
+
+    def matcher(self, compiled: CompiledGrammar) -> llguidance.LLMatcher:
+        """A new row's parser state: a copy of `compiled` at its start (never a compile)."""
+        if compiled.tokenizer is not self._tokenizer:
+            raise GrammarConstraint("the grammar was compiled for another tokenizer")
+        return compiled.start.deep_copy()
 
     def masks(self, matchers: Sequence[llguidance.LLMatcher], device: torch.device) -> torch.Tensor:
         """`[len(matchers), vocab_size]` bool: True where a token keeps the row's output in its grammar."""
@@ -106,3 +240,7 @@ class Grammars:
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = (torch.from_numpy(bits).unsqueeze(-1) >> shifts) & 1
         return allowed.view(len(matchers), words * 32)[:, : self.vocab_size].bool().to(device)
+
+
+def _what(spec: StructuredOutput) -> str:
+    return "Lark grammar" if spec.kind == "lark" else "JSON schema"

@@ -1,7 +1,8 @@
 """Loading a checkpoint: a Hugging Face-style folder or a `.gguf` file, into a `Decoder` and a `Tokenizer`.
 
 A folder needs `config.json`, `tokenizer.json` and its weights as
-`model.safetensors` or shards listed in `model.safetensors.index.json`. A
+`model.safetensors` or shards listed in `model.safetensors.index.json` (each
+inside the folder: an index cannot point the loader at another file). A
 `.gguf` file is dequantized in memory through the same conversion `fetch`
 uses. Every failure is a `ModelLoadError` that names the file and what is
 wrong with it; an unsupported architecture is refused before any weight is
@@ -122,9 +123,9 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
     if index.is_file():
         try:
             shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError) as bad:
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as bad:
             raise ModelLoadError(f"{index} is malformed: {bad}") from None
-        files = [folder / name for name in shard_names]
+        files = [_shard(folder, index, name) for name in shard_names]
     else:
         files = [folder / "model.safetensors"]
     weights: dict[str, torch.Tensor] = {}
@@ -136,6 +137,28 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError, ValueError) as bad:
             raise ModelLoadError(f"{file} is not a readable safetensors file: {bad}") from None
     return weights
+
+
+def _shard(folder: Path, index: Path, name: object) -> Path:
+    """The file a shard name in `index` stands for, which must lie inside the checkpoint `folder`.
+
+    A checkpoint is often someone else's download: its index must not make the loader open any other file
+    (an absolute path, a `..` climbing out, or a link that resolves elsewhere). One layout links out on
+    purpose and is allowed: the Hugging Face cache, whose `snapshots/<revision>/` files link into the
+    repository's own `blobs/` folder.
+    """
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ModelLoadError(f"{index} names shard {name!r} outside the checkpoint folder: a shard must be a "
+                             f"relative path inside {folder}")
+    path = folder / name
+    home = folder.resolve()
+    allowed = [home]
+    if home.parent.name == "snapshots":  # <repo>/snapshots/<revision>/ -> <repo>/blobs/
+        allowed.append(home.parent.parent / "blobs")
+    if path.exists() and not any(path.resolve().is_relative_to(root) for root in allowed):
+        raise ModelLoadError(f"{index} names shard {name!r}, which resolves to {path.resolve()}, outside the "
+                             f"checkpoint folder {folder}")
+    return path
 
 
 def _load_gguf(

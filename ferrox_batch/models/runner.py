@@ -10,9 +10,12 @@ requests that asked for them (read from their chunks' own rows). Another device 
 without the scheduler changing.
 
 Failures: a forward that raises propagates (the scheduler fails every
-request in it); a sampler that raises fails the requests it was sampling
-(`InternalError` each); a row the sampler cannot sample gets its own
-`SamplingError`. The worker keeps serving in every case.
+request in it). Everything after the forward is per row: a row whose sampler
+state cannot be made, or that the sampler cannot sample, gets its own error
+(`SamplingError`, `GrammarConstraint`, or `InternalError` for anything
+unexpected); when the batched sampling call itself raises, each row is
+sampled again alone, so only the rows that fail alone fail. The worker keeps
+serving in every case.
 
 The sampled ids come back as Python ints, so `execute` returns only once the
 device has finished: its duration is the step's real cost on every device.
@@ -100,8 +103,7 @@ class ModelRunner:
         else:
             logits, every = self.decoder.forward(chunks, self.store), []
         prompt_logprobs = {i: self._prompt_logprobs(plan.prompts[i], rows) for i, rows in zip(scored, every)}
-        return StepOutput(self._sample(plan, logits, outcomes, ready, None if masks is None else masks.result()),
-                          prompt_logprobs)
+        return StepOutput(self._sample(plan, logits, outcomes, ready, _computed_masks(masks)), prompt_logprobs)
 
     def _grammar_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
@@ -127,6 +129,10 @@ class ModelRunner:
                 except DecodeError as bad:
                     outcomes.append(bad)
                     continue
+                except Exception as bad:  # this request's state, not the batch's
+                    log.exception("making a sampler row failed")
+                    outcomes.append(InternalError(f"preparing its sampler failed: {type(bad).__name__}: {bad}"))
+                    continue
             outcomes.append(-1)  # filled by `_sample`
             ready.append(i)
         return outcomes, ready
@@ -139,14 +145,24 @@ class ModelRunner:
         picked = [plan.sampling_rows[i] for i in ready]
         if picked != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
+        rows = [sampling[i].sampler_row for i in ready]
         try:
-            tokens: Sequence[Sampled] = self.sampler.sample(logits, [sampling[i].sampler_row for i in ready], masks)
-        except Exception as bad:  # the sampler itself failed: fail the requests it was sampling
-            log.exception("sampler failed")
-            tokens = [InternalError(f"sampling failed: {type(bad).__name__}: {bad}")] * len(ready)
+            tokens: Sequence[Sampled] = self.sampler.sample(logits, rows, masks)
+        except Exception:
+            # The batched call changes no row's state before its last, per-row part, so each row can
+            # be sampled again alone: only the rows that cannot be sampled fail.
+            log.exception("batched sampling failed; sampling each row alone")
+            tokens = [self._sample_alone(logits[j:j + 1], row) for j, row in enumerate(rows)]
         for i, token in zip(ready, tokens):
             outcomes[i] = token
         return outcomes
+
+    def _sample_alone(self, logits: torch.Tensor, row: object) -> Sampled:
+        try:
+            return self.sampler.sample(logits, [row])[0]
+        except Exception as bad:
+            log.exception("sampling one row failed")
+            return InternalError(f"sampling failed: {type(bad).__name__}: {bad}")
 
     def _prompt_logprobs(self, chunk: PromptChunk, rows: torch.Tensor) -> list[TokenLogprob]:
         """The log-probabilities of the prompt tokens this chunk's rows predict: row j (position start + j)
@@ -167,3 +183,15 @@ class ModelRunner:
             top_v, top_i = values.tolist(), ids.tolist()
         return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in
                 zip(prompt[start + 1:start + 1 + count], chosen, top_i, top_v)]
+
+
+def _computed_masks(masks: concurrent.futures.Future | None) -> tuple[list[int], torch.Tensor] | None:
+    """The grammar masks computed beside the forward; None (the sampler then computes them itself, row by
+    row if need be) when there were none or computing them raised."""
+    if masks is None:
+        return None
+    try:
+        return masks.result()
+    except Exception:
+        log.exception("computing grammar masks beside the forward failed; the sampler computes them")
+        return None

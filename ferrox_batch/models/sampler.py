@@ -34,7 +34,11 @@ What it promises:
   logits: the model's, before penalties, bias and every filter.
 * One bad row never takes the batch down: `sample` returns `int |
   SamplingError` per row, the error for a row whose logits contain NaN or
-  +inf or are all -inf.
+  +inf or are all -inf; a row whose own state fails to take its token gets
+  its own `InternalError`. Before that last per-row part nothing changes a
+  row's state but the draw from its generator, so a caller may sample the
+  rows of a failed batched call again one by one (a seeded row then draws
+  once more than it would have).
 
 How it stays cheap: greedy, temperature-only and min_p-only rows never sort
 (min_p compares with the largest probability, a max), and top_k takes a
@@ -63,7 +67,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ferrox_batch.errors import GrammarConstraint
+from ferrox_batch.errors import GrammarConstraint, InternalError
 from ferrox_batch.generation_types import SamplingParams
 from ferrox_batch.models.logit_transforms import biased, masked, penalised, token_logprobs
 from ferrox_batch.models.sampler_rows import MIN_TEMPERATURE, RowSampler, SamplingError, new_row
@@ -71,7 +75,7 @@ from ferrox_batch.models.sampling_cuts import cuts
 from ferrox_batch.scheduler.plan import GrammarComplete, Sampled
 
 if TYPE_CHECKING:
-    from ferrox_batch.models.grammar import Grammars
+    from ferrox_batch.models.grammar import CompiledGrammar, Grammars
 
 __all__ = ["MIN_TEMPERATURE", "BatchSampler", "RowSampler", "SamplingError"]
 
@@ -95,7 +99,7 @@ class BatchSampler:
         self.grammars = grammars
 
     def new_row(self, params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
-                logprobs: int | None = None, grammar: str | None = None) -> RowSampler:
+                logprobs: int | None = None, grammar: CompiledGrammar | None = None) -> RowSampler:
         """The state for one admitted request (`sampler_rows.new_row` on this sampler's vocabulary, device
         and grammar engine)."""
         return new_row(params, seed, prompt_ids, self.vocab_size, self.device, logprobs, grammar, self.grammars)
@@ -139,10 +143,13 @@ class BatchSampler:
             if token < 0:
                 out.append(SamplingError(i, _PROBLEMS[-token]))
                 continue
-            row.record(token)
-            outcome: Sampled = logprobs.get(i, token)
-            if row.matcher is not None:
-                outcome = self._advance(row.matcher, token, outcome)
+            try:  # from here on each row's state changes: one row's failure stays its own
+                row.record(token)
+                outcome: Sampled = logprobs.get(i, token)
+                if row.matcher is not None:
+                    outcome = self._advance(row.matcher, token, outcome)
+            except Exception as bad:
+                outcome = InternalError(f"recording token {token} failed: {type(bad).__name__}: {bad}")
             out.append(outcome)
         return out
 

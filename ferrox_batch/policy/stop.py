@@ -14,16 +14,15 @@ already sent. So:
   real partial match is withheld (not a fixed `longest_stop - 1`), so text
   that cannot match goes out at once and the buffer is usually empty.
   Withheld text that never became a stop is real output: `flush` returns it.
+  Every stop is matched in one pass (`StopAutomaton`), so a token costs the
+  same whatever the length of the list.
 
-Offsets. The upstream is Rust and measures everything in UTF-8 bytes. The
-public helpers `earliest_stop_match`, `stop_prefix_holdback` and
-`floor_char_boundary` keep that contract exactly (byte offsets in, byte
-offsets out) so they can be checked against upstream numbers. The matcher
-itself works on code points, which is equivalent and cheaper: a suffix that
-is a byte-prefix of a stop and starts on a character boundary is a whole
-number of characters, so "withhold k bytes" and "withhold k' characters" pick
-the same cut, and a code-point cut can never split a character (the job
-`floor_char_boundary` does upstream).
+Offsets. The upstream is Rust and measures everything in UTF-8 bytes; its
+byte-offset helpers are `stop_offsets`. The matcher works on code points,
+which is equivalent and cheaper: a suffix that is a byte-prefix of a stop and
+starts on a character boundary is a whole number of characters, so "withhold
+k bytes" and "withhold k' characters" pick the same cut, and a code-point cut
+can never split a character.
 """
 
 from __future__ import annotations
@@ -33,15 +32,15 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Union
 
+from ferrox_batch.policy.stop_automaton import ROOT, StopAutomaton
+
 __all__ = [
     "Emit",
     "Matched",
     "StopMatcher",
     "StopStep",
-    "earliest_stop_match",
-    "floor_char_boundary",
+    "checked_stops",
     "resolve_stop_tokens",
-    "stop_prefix_holdback",
 ]
 
 
@@ -66,8 +65,8 @@ StopStep = Union[Emit, Matched]
 
 
 # --------------------------------------------------------------------------
-# Input checking. Private and per-file on purpose: one concept per file, and
-# the messages name the argument of *this* module's functions.
+# Input checking, shared with the byte-offset helpers (`stop_offsets`): the
+# messages name the argument of the caller's function.
 
 
 def _token_id(value: object, name: str) -> int:
@@ -86,7 +85,7 @@ def _token_id(value: object, name: str) -> int:
     return ident
 
 
-def _stop_strings(stops: object, name: str) -> tuple[str, ...]:
+def checked_stops(stops: object, name: str) -> tuple[str, ...]:
     """A sequence of stop strings. A bare `str` is refused rather than being
     iterated into one-character stops, which would silently stop on every
     letter of the intended stop."""
@@ -104,102 +103,12 @@ def _stop_strings(stops: object, name: str) -> tuple[str, ...]:
     return items
 
 
-def _text(value: object, name: str) -> str:
-    if not isinstance(value, str):
-        raise TypeError(f"{name} must be a str, got {type(value).__name__}")
-    return value
-
-
-def _utf8_len(text: str) -> int:
-    # surrogatepass keeps the helpers total on a str holding a lone surrogate
-    # (never produced by `Utf8Stream`); it counts as the 3 bytes WTF-8 uses.
-    return len(text.encode("utf-8", "surrogatepass"))
-
-
-# --------------------------------------------------------------------------
-# Code-point cores, shared by the matcher and the byte-offset helpers.
-
-
-def _earliest_char(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
-    best: tuple[int, str] | None = None
-    for stop in stops:
-        if not stop:
-            continue
-        at = text.find(stop)
-        if at < 0:
-            continue
-        # Leftmost wins (that is where the answer is cut). Two stops at the
-        # same place: the longest, the more specific claim -- otherwise the
-        # reported stop would depend on the order the caller listed them.
-        if best is None or at < best[0] or (at == best[0] and len(stop) > len(best[1])):
-            best = (at, stop)
-    return best
-
-
-def _holdback_chars(text: str, stops: Sequence[str]) -> int:
-    """Longest suffix of `text`, in code points, that is a *proper* prefix of
-    some stop. Proper: a whole match is the other branch of `push`."""
-    best = 0
-    for stop in stops:
-        upper = min(len(text), len(stop) - 1)
-        # Only lengths longer than the best so far can change the answer.
-        for k in range(upper, best, -1):
-            if text.endswith(stop[:k]):
-                best = k
-                break
-    return best
-
-
-# --------------------------------------------------------------------------
-# Public helpers, byte semantics.
-
-
-def earliest_stop_match(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
-    """The leftmost occurrence of any non-empty stop in `text`, as
-    `(utf8_byte_offset, stop)`; ties at one offset go to the longest stop.
-    `None` when nothing matches."""
-    text = _text(text, "text")
-    found = _earliest_char(text, _stop_strings(stops, "stops"))
-    if found is None:
-        return None
-    at, stop = found
-    return _utf8_len(text[:at]), stop
-
-
-def stop_prefix_holdback(text: str, stops: Sequence[str]) -> int:
-    """How many trailing UTF-8 bytes of `text` must be withheld: the largest
-    `k` such that the last `k` bytes start on a character boundary and are a
-    byte-prefix of some stop strictly longer than `k`; 0 if none. A withheld
-    multibyte character is therefore always held whole."""
-    text = _text(text, "text")
-    k = _holdback_chars(text, [s for s in _stop_strings(stops, "stops") if s])
-    return _utf8_len(text[len(text) - k:]) if k else 0
-
-
-def floor_char_boundary(s: str, i: int) -> int:
-    """The largest UTF-8 character boundary of `s` at or below byte index `i`
-    (Rust's `str::floor_char_boundary`: an index past the end gives the
-    length)."""
-    s = _text(s, "s")
-    if isinstance(i, bool) or not isinstance(i, int):
-        raise TypeError(f"i must be an int byte index, got {type(i).__name__}: {i!r}")
-    if i < 0:
-        raise ValueError(f"i must be a non-negative byte index, got {i}")
-    data = s.encode("utf-8", "surrogatepass")
-    if i >= len(data):
-        return len(data)
-    # Continuation bytes are 10xxxxxx; step back over them to the lead byte.
-    while i > 0 and data[i] & 0xC0 == 0x80:
-        i -= 1
-    return i
-
-
 def resolve_stop_tokens(stops: Sequence[str], encode: Callable[[str], Sequence[int]]) -> list[int]:
     """Ids of the stop strings that encode to exactly one token, in first-seen
     order, deduplicated, empty strings skipped. Multi-token encodings are left
     to layer 2: one tokenization of a string says nothing reliable about how
     the *model* will spell it."""
-    items = _stop_strings(stops, "stops")
+    items = checked_stops(stops, "stops")
     if not callable(encode):
         raise TypeError(f"encode must be callable (str -> list[int]), got {type(encode).__name__}")
     ids: list[int] = []
@@ -226,12 +135,18 @@ def resolve_stop_tokens(stops: Sequence[str], encode: Callable[[str], Sequence[i
 class StopMatcher:
     """Both stop layers for one request: a set of stop-token ids and a
     withholding buffer over the stop strings (empty strings dropped: they
-    would match at offset 0 of everything)."""
+    would match at offset 0 of everything).
 
-    __slots__ = ("_stops", "_stop_tokens", "_pending")
+    Layer 2 keeps one automaton state across pushes: it stands for exactly
+    the withheld text, so each push only walks the new piece's characters, in
+    steps that do not depend on how many stops there are. The automaton is
+    built here, once per request, in time and memory linear in the stops'
+    total length."""
+
+    __slots__ = ("_stops", "_stop_tokens", "_pending", "_automaton", "_state")
 
     def __init__(self, stops: Sequence[str] | None = (), stop_token_ids: Iterable[int] | None = ()) -> None:
-        self._stops: tuple[str, ...] = tuple(s for s in _stop_strings(stops, "stops") if s)
+        self._stops: tuple[str, ...] = tuple(s for s in checked_stops(stops, "stops") if s)
         if stop_token_ids is None:
             stop_token_ids = ()
         if isinstance(stop_token_ids, (str, bytes, bytearray)) or not isinstance(stop_token_ids, Iterable):
@@ -241,7 +156,10 @@ class StopMatcher:
         self._stop_tokens: frozenset[int] = frozenset(
             _token_id(t, f"stop_token_ids[{i}]") for i, t in enumerate(stop_token_ids)
         )
+        # Invariant between pushes: `_pending` is the text `_state` stands for.
         self._pending = ""
+        self._automaton = StopAutomaton(self._stops)
+        self._state = ROOT
 
     @property
     def has_stop_strings(self) -> bool:
@@ -272,22 +190,26 @@ class StopMatcher:
             # Nothing to match, so nothing to withhold: buffering here would
             # only delay output.
             return Emit(piece)
+        # The withheld text holds no whole stop (that would have matched), so
+        # a match in `pending + piece` ends inside `piece`: feeding the piece
+        # from the withheld text's state finds it, at its place in `pending`.
         pending = self._pending + piece
-        found = _earliest_char(pending, self._stops)
+        state, found = self._automaton.feed(self._state, piece, len(self._pending))
         if found is not None:
             at, stop = found
-            self._pending = ""
+            self._pending, self._state = "", ROOT
             return Matched(pending[:at], stop)
-        keep = _holdback_chars(pending, self._stops)
-        split = len(pending) - keep  # a code-point cut is always a char boundary
-        self._pending = pending[split:]
+        # No match, so the state's suffix is the longest one that is a proper
+        # prefix of some stop: exactly what must be withheld.
+        split = len(pending) - self._automaton.depth(state)  # a code-point cut is always a char boundary
+        self._pending, self._state = pending[split:], state
         return Emit(pending[:split])
 
     def flush(self) -> str:
         """Return and clear whatever is withheld. Called when generation ends
         for any reason other than a stop match: the text was held against a
         match that never came, so it is ordinary output."""
-        out, self._pending = self._pending, ""
+        out, self._pending, self._state = self._pending, "", ROOT
         return out
 
     def __repr__(self) -> str:

@@ -5,13 +5,17 @@ what admitting it takes.
   prefix among the first `WINDOW` of the head's priority, within `cache_aware.choose`'s starvation bounds
   (a cold cache is exactly FIFO). A request that follows a prompt not yet through (`Request.after`) is
   passed over until it is, without holding anybody up.
-* `accept`: the checks only the worker can make (prompt tokens and `logit_bias` ids inside the vocabulary),
+* `accept`: the vocabulary checks the handle already made on the caller's thread, again (a request built
+  by hand must not reach the store with an id outside the vocabulary),
   the answer a request gets without running (`max_tokens=0` and nothing to score), and its KV lease, which
   adopts the cached prefix; on success the request is admitted, its computed tokens starting after what
   it adopted.
 
-The scheduler owns the loop around them (`Scheduler._admit`): the block reservation, the head holding the
-line, the skip counters and the queue slot.
+* `reservation`: the blocks admitting a request reserves, after what it adopts from the prefix cache.
+
+Whatever one of these raises for a request is that request's failure (`isolation`), returned as its
+answer, never raised. The scheduler owns the loop around them (`Scheduler._admit`): the block reservation,
+the head holding the line, the skip counters and the queue slot.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ferrox_batch.batch.cache_aware import WINDOW, choose
 from ferrox_batch.batch.counters import Counters
 from ferrox_batch.errors import DecodeError, InvalidRequest, TokenOutOfVocab
 from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.scheduler.isolation import failure
 from ferrox_batch.scheduler.leases import KvLeases
 from ferrox_batch.scheduler.request import Request
 from ferrox_batch.scheduler.waiting import WaitingQueue
@@ -39,15 +44,50 @@ def pick(waiting: WaitingQueue, prefilling: Sequence[Request], kv: KvLeases,
     window = waiting.window(WINDOW if prefix_cache else 1, held)
     if len(window) < 2:
         return (window[0] if window else None), [], 0
-    depths = [kv.peek(r.cacheable_tokens, r.params.cache_salt)[0] for r in window]
-    index = choose(depths, [r.skips for r in window])
+    index = choose([_depth(kv, r) for r in window], [r.skips for r in window])
     return window[index], window, index
+
+
+def _depth(kv: KvLeases, request: Request) -> int:
+    """Cached blocks `request` would adopt; 0 when looking it up raises, which the request's own admission
+    then answers (it looks again, and fails alone)."""
+    try:
+        return kv.peek(request.cacheable_tokens, request.params.cache_salt)[0]
+    except Exception:
+        return 0
+
+
+def reservation(request: Request, kv: KvLeases) -> int | DecodeError:
+    """Blocks admitting `request` reserves now, or the failure of looking up its cached prefix (its own).
+
+    Adopted blocks cost the ledger nothing when another lease already references them, and one each when
+    they sit unreferenced in the cache (reclaimable, so counted as free)."""
+    try:
+        adopted, unreferenced = kv.peek(request.cacheable_tokens, request.params.cache_salt)
+    except Exception as bad:
+        return failure("looking up its cached prefix", bad)
+    return request.blocks - adopted + unreferenced
 
 
 def accept(request: Request, kv: KvLeases, vocab_size: int, clock: Callable[[], float],
            cache_counters: Counters | None) -> GenerationResult | DecodeError | None:
     """Lease the request's KV and start it (None); or the answer it gets at once. `cache_counters`: where
-    prefix-cache lookups are counted, None when there is no cache."""
+    prefix-cache lookups are counted, None when there is no cache. A step that raises is this request's
+    failure alone: a lease it made is ended, and it is answered with the error."""
+    try:
+        return _accept(request, kv, vocab_size, clock, cache_counters)
+    except Exception as bad:
+        if request.seq_id is not None:
+            try:
+                kv.release(request.seq_id)
+            except Exception as lost:
+                failure("ending the lease of a request that failed admission", lost)
+            request.seq_id = None
+        return failure("admitting it", bad)
+
+
+def _accept(request: Request, kv: KvLeases, vocab_size: int, clock: Callable[[], float],
+            cache_counters: Counters | None) -> GenerationResult | DecodeError | None:
     bad = next((t for t in request.prompt_tokens if not 0 <= t < vocab_size), None)
     if bad is not None:
         return TokenOutOfVocab(bad, vocab_size)
@@ -59,11 +99,12 @@ def accept(request: Request, kv: KvLeases, vocab_size: int, clock: Callable[[], 
         # prompt: then it runs the prompt and stops).
         return GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(request.prompt_tokens), 0),
                                 None if request.params.logprobs is None else ())
+    stops = request.stops if request.stops is not None else request.stop_matcher()
     try:
         seq_id = kv.allocate(request.positions, request.cacheable_tokens, request.params.cache_salt)
     except DecodeError as refused:
         return refused
-    request.admitted(seq_id, clock)
+    request.admitted(seq_id, clock, stops)
     if request.params.prompt_logprobs is not None:
         request.prompt_logprobs = [None]  # nothing predicts the first token
     request.num_computed_tokens = adopted = kv.length(seq_id)

@@ -35,6 +35,7 @@ from ferrox_batch.policy.stop import Matched, StopMatcher
 from ferrox_batch.policy.utf8_stream import Utf8Stream
 from ferrox_batch.scheduler.sink import OnceSink
 from ferrox_batch.stop_tokens import StopTokens
+from ferrox_batch.structured import CompiledSpec
 from ferrox_batch.usage import Usage
 
 log = logging.getLogger("ferrox_batch.batch")
@@ -66,7 +67,7 @@ class Request:
     #: admitted only once that prompt is through, so it adopts the prompt's cached blocks. None: no one.
     after: int | None = None
     #: The compiled grammar its output follows (`GenerationParams.structured`, compiled at submit); opaque here.
-    grammar: str | None = None
+    grammar: CompiledSpec | None = None
     seq_id: int | None = None  # its KV lease, from admission on
     skips: int = 0  # times the cache-aware pick admitted a later request first (bounded)
     reserved: int = 0  # blocks admission reserved: `blocks` less the cached ones it adopted that others use
@@ -84,6 +85,7 @@ class Request:
     #: The model runner's per-request sampling state (made when it first samples); opaque here.
     sampler_row: object | None = None
     clock: RowClock | None = None
+    #: Its stop matcher: built at submit on the caller's thread (`ContinuousBatcher.submit`), else at admission.
     stops: StopMatcher | None = None
     utf8: Utf8Stream = field(default_factory=Utf8Stream)
     visible: list[str] = field(default_factory=list)
@@ -132,12 +134,18 @@ class Request:
 
     # ------------------------------------------------------------ lifecycle
 
-    def admitted(self, seq_id: int, now: Callable[[], float]) -> None:
-        """Admitted with a KV lease; its row is timed on `now`, the clock its queue time was stamped on."""
+    def stop_matcher(self) -> StopMatcher:
+        """Its stop strings and stop-token ids as the matcher a decoding row holds (made before its lease,
+        so a matcher that cannot be built leaves no lease behind)."""
+        return StopMatcher(self.params.stop, self.params.stop_token_ids)
+
+    def admitted(self, seq_id: int, now: Callable[[], float], stops: StopMatcher | None = None) -> None:
+        """Admitted with a KV lease; its row is timed on `now`, the clock its queue time was stamped on.
+        `stops`: its `stop_matcher()`, made here when not given."""
         self.seq_id = seq_id
         self.status = RequestStatus.PREFILLING
         self.clock = RowClock.start(now)
-        self.stops = StopMatcher(self.params.stop, self.params.stop_token_ids)
+        self.stops = stops if stops is not None else self.stop_matcher()
 
     def prompt_done(self) -> None:
         self.status = RequestStatus.DECODING

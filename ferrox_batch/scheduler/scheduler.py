@@ -60,10 +60,11 @@ from ferrox_batch.batch.step_cost import StepCostModel
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
-from ferrox_batch.scheduler import exits
-from ferrox_batch.scheduler.admission import accept, pick
+from ferrox_batch.scheduler import exits, progress
+from ferrox_batch.scheduler.admission import accept, pick, reservation
+from ferrox_batch.scheduler.isolation import failure
 from ferrox_batch.scheduler.leases import KvLeases
-from ferrox_batch.scheduler.plan import GrammarComplete, PromptChunk, Sampled, StepPlan
+from ferrox_batch.scheduler.plan import PromptChunk, Sampled, StepPlan
 from ferrox_batch.scheduler.request import DecodeFn, Request
 from ferrox_batch.scheduler.waiting import WaitingQueue
 
@@ -94,10 +95,12 @@ class Scheduler:
         self.prefix_cache = config.prefix_cache
         #: What `Request.queued_at` and `Request.deadline` are read on (tests pass a fake one).
         self.clock = clock
-        self.waiting = WaitingQueue()
+        aging = config.priority_aging_ms
+        self.waiting = WaitingQueue(None if aging is None else aging / 1000)
         self.prefilling: deque[Request] = deque()
         self.decoding: list[Request] = []
         self.carried: set[int] = set()  # abort ids kept one tick for a request not yet drained
+        self.orphans: set[int] = set()  # leases of answered requests that could not be ended (`exits`)
         self.step_cost = StepCostModel()
         self.reporter = StatusReporter(log_interval, 0.0)
         self.started = time.monotonic()
@@ -125,7 +128,9 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Flush, refuse what waited too long, admit, and plan the next forward (empty when there is nothing to run)."""
         self.flush()
-        exits.expire(self, self.clock())
+        now = self.clock()
+        exits.expire(self, now)
+        self.waiting.age(now)
         self._admit()
         decodes = list(self.decoding)
         tick_tokens = self.step_cost.tick_tokens(self.config.max_batch_tokens, len(decodes),
@@ -138,17 +143,15 @@ class Scheduler:
             request, window, pick = self._pick()
             if request is None:
                 break  # every waiting request follows a prompt still being computed
-            # Adopted blocks cost the ledger nothing when another lease already references them, and
-            # one each when they sit unreferenced in the cache (reclaimable, so counted as free).
-            adopted, unreferenced = self.kv.peek(request.cacheable_tokens, request.params.cache_salt)
-            reserve = request.blocks - adopted + unreferenced
+            reserve = reservation(request, self.kv)
+            if isinstance(reserve, DecodeError):
+                exits.refuse_waiting(self, request, reserve)
+                continue
             if not self.budget.try_reserve(reserve):
                 break  # the chosen request holds the line: nothing smaller is tried
             for passed in window[:pick]:
                 passed.skips = min(passed.skips + 1, MAX_SKIPS)
             request.reserved = reserve
-            # Accepted while still in `waiting`: if accepting it raises (a bug), a dying worker still
-            # finds it there and answers it.
             refusal = self._accept(request)
             self.waiting.remove(request)
             self.queue_gate.release()
@@ -202,7 +205,7 @@ class Scheduler:
         if len(sampled) != len(sampling):
             raise RuntimeError(f"the runner sampled {len(sampled)} tokens for {len(sampling)} requests")
         for request in plan.decodes:
-            self._computed(request, 1)
+            progress.computed(request, 1, self.kv)
         if plan.decodes:
             self.counters.add_decode_step()
             line = self.reporter.report_decode(self._now(), len(plan.decodes), self.batch_status())
@@ -210,38 +213,17 @@ class Scheduler:
                 log.info(line)
         for index, chunk in enumerate(plan.prompts):
             self.counters.add_prefill(len(chunk.tokens))
-            self._computed(chunk.request, len(chunk.tokens))
+            progress.computed(chunk.request, len(chunk.tokens), self.kv)
             if prompt_logprobs and index in prompt_logprobs and chunk.request.prompt_logprobs is not None:
                 chunk.request.prompt_logprobs.extend(prompt_logprobs[index])
         self._requeue_prompts(plan)
-        for request, token in zip(sampling, sampled):
-            if not request.going:
-                continue
-            complete = isinstance(token, GrammarComplete)
-            if complete:
-                token = token.token
-            if isinstance(token, DecodeError):
-                request.fail(token)
-            elif isinstance(token, TokenLogprob):
-                request.push_token(token.token, self.decode, token)
-            else:
-                request.push_token(token, self.decode)
-            if complete and request.going:  # the output is a whole sentence of its grammar
-                request.finish = FinishReason.STOP
+        for request, outcome in zip(sampling, sampled):
+            if request.going:
+                progress.sampled(request, outcome, self.decode)
         if seconds is not None and self.config.step_target_ms is not None:
             self.step_cost.observe(len(plan.decodes), plan.prompt_tokens, seconds)
         self.flush()
         self.check_ledger()
-
-    def _computed(self, request: Request, tokens: int) -> None:
-        assert request.seq_id is not None
-        request.num_computed_tokens += tokens
-        held = self.kv.length(request.seq_id)
-        if held != request.num_computed_tokens:
-            raise RuntimeError(
-                f"sequence {request.seq_id} believes {request.num_computed_tokens} tokens are cached "
-                f"but the KV store holds {held}"
-            )
 
     def _requeue_prompts(self, plan: StepPlan) -> None:
         """Prompts that are through start decoding; the rest are reordered (module docstring)."""
@@ -257,7 +239,11 @@ class Scheduler:
                 # admitted while this one still decodes (the next turn of a chat, another choice of the
                 # same prompt) adopts them instead of waiting for this one to finish.
                 assert request.seq_id is not None
-                self.kv.publish(request.seq_id, request.prefill_tokens)
+                if request.going:
+                    try:
+                        self.kv.publish(request.seq_id, request.prefill_tokens)
+                    except Exception as bad:  # the cache misses these blocks; the request goes on
+                        failure("publishing its prompt blocks to the prefix cache", bad)
             elif self.config.max_prefills_per_tick == 1:
                 self.prefilling.remove(request)
                 self.prefilling.append(request)
@@ -271,6 +257,11 @@ class Scheduler:
     def flush(self) -> int:
         """Answer every admitted request that has finished, freeing its lease and blocks; how many left."""
         return exits.flush(self)
+
+    def fail_admitted(self, error: DecodeError) -> None:
+        """A tick failed and no one request can be blamed: every admitted request fails with `error` and
+        leaves now; waiting requests stay queued; the ledger is brought back in line (`exits.fail_admitted`)."""
+        exits.fail_admitted(self, error)
 
     def fail_all(self, error: DecodeError, safely: exits.Safely = lambda action: action()) -> None:
         """Answer every request this scheduler holds with `error` and return everything they hold; `safely`

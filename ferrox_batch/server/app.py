@@ -13,7 +13,8 @@ Endpoints:
 
 Every error, routing ones included, is a JSON body in the OpenAI error shape.
 Every response carries `X-Request-Id`; with `api_key` set, every route but
-`/health` and `/metrics` needs it as a bearer token (see `access`). With
+`/health` and `/metrics` needs it as a bearer token, with `allowed_hosts` a
+listed `Host`, and every POST a JSON body (see `access`). With
 `allowed_origins`, browsers on those origins may call the API (CORS,
 Starlette's middleware, outermost so preflights never need the key).
 Nothing is global: each app has its own pools, metrics registry and state
@@ -42,12 +43,22 @@ from starlette.responses import JSONResponse, Response
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.server.access import REQUEST_ID_HEADER, AccessMiddleware
+from ferrox_batch.server.access_policy import AccessPolicy
+from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES, ClientPolicy
 from ferrox_batch.server.errors import error_body, error_response
 from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
-from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST, Generations, Limits
+from ferrox_batch.server.generation import (
+    CLIENT_CLOSED_REQUEST,
+    DEFAULT_MAX_BUFFERED_REPLY_BYTES,
+    DEFAULT_MAX_CONCURRENT_TOKENIZATIONS,
+    DEFAULT_WRITE_TIMEOUT_SECS,
+    Generations,
+    Limits,
+)
+from ferrox_batch.server.json_body import JSONBodyResponse, json_pieces
 from ferrox_batch.server.metrics import CONTENT_TYPE
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
-from ferrox_batch.server.tokenization import detokenize, tokenize
+from ferrox_batch.server.tokenization import TokenizationsBusy, detokenize, tokenize
 
 log = logging.getLogger("ferrox_batch.server")
 
@@ -71,8 +82,14 @@ def create_app(
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     prepare_threads: int = DEFAULT_PREPARE_THREADS,
     body_read_timeout: float = DEFAULT_BODY_READ_TIMEOUT_SECS,
-    api_key: str | None = None,
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECS,
+    max_buffered_reply_bytes: int = DEFAULT_MAX_BUFFERED_REPLY_BYTES,
+    max_concurrent_tokenizations: int = DEFAULT_MAX_CONCURRENT_TOKENIZATIONS,
+    api_key: str | Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
+    allowed_hosts: Sequence[str] | None = None,
+    shared_prefix_cache: bool = False,
+    client_priorities: tuple[int, int] = DEFAULT_CLIENT_PRIORITIES,
 ) -> FastAPI:
     """An app serving `batcher` under the name `model_name`.
 
@@ -81,8 +98,17 @@ def create_app(
     (1024); the batcher clamps any budget to the context ceiling. A generation request whose
     body has not arrived `body_read_timeout` seconds after it was accepted gets 408 and gives
     its open-request slot back. The batcher must have a tokenizer (`ContinuousBatcher.from_model`).
-    `api_key`: the bearer token every route but `/health` and `/metrics` needs (None: open).
+    A client that takes nothing of its reply for `write_timeout` seconds, or falls more than
+    `max_buffered_reply_bytes` behind a stream, is treated as gone: its request is cancelled and its
+    response ended (`streaming`). `/tokenize` and `/detokenize` take `max_concurrent_tokenizations`
+    requests at once (503 `server_busy` past it).
+    `api_key`: the bearer token every route but `/health` and `/metrics` needs (None: open), or several,
+    one per tenant: each key's requests get a prefix-cache namespace of their own unless
+    `shared_prefix_cache` (see `api_keys`).
     `allowed_origins`: the browser origins CORS allows (`"*"` for any; empty: CORS off).
+    `allowed_hosts`: the `Host` names requests may carry (None: any; `serve` defaults it from its
+    address, see `host_check`). Every POST needs a JSON body (`access_policy`).
+    `client_priorities`: the inclusive range of `priority` requests may use (`client_policy`).
     """
     tokenizer = batcher.tokenizer
     if tokenizer is None:
@@ -90,15 +116,20 @@ def create_app(
     if not isinstance(model_name, str) or not model_name:
         raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
     limits = Limits(default_max_tokens, default_chat_max_tokens, max_body_bytes, max_concurrent_requests,
-                    prepare_threads, body_read_timeout)
+                    prepare_threads, body_read_timeout, write_timeout=write_timeout,
+                    max_buffered_reply_bytes=max_buffered_reply_bytes,
+                    max_concurrent_tokenizations=max_concurrent_tokenizations)
     for field in dataclasses.fields(limits):
         value = getattr(limits, field.name)
-        if field.name == "body_read_timeout":  # seconds: any positive finite number (NaN fails `0 < value`)
+        if field.name in ("body_read_timeout", "write_timeout"):  # seconds: positive and finite (NaN fails `0 <`)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
                 raise ValueError(f"{field.name} must be a positive, finite number of seconds, got {value!r}")
         elif isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
-    state = ServerState(batcher, Generations(batcher, tokenizer, model_name, limits), model_name)
+    policy = ClientPolicy(tuple(client_priorities) if isinstance(client_priorities, (tuple, list))
+                          else client_priorities)
+    access = AccessPolicy(api_key=api_key, allowed_hosts=allowed_hosts, shared_prefix_cache=shared_prefix_cache)
+    state = ServerState(batcher, Generations(batcher, tokenizer, model_name, limits, policy), model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -119,7 +150,7 @@ def create_app(
     app.add_api_route("/detokenize", state.detokenize, methods=["POST"])
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
-    app.add_middleware(AccessMiddleware, api_key=api_key)  # type: ignore[arg-type]
+    app.add_middleware(AccessMiddleware, policy=access)  # type: ignore[arg-type]
     origins = list(allowed_origins)
     if any(not isinstance(o, str) or not o for o in origins):
         raise ValueError(f"allowed_origins must be non-empty strings, got {origins!r}")
@@ -138,6 +169,8 @@ class ServerState:
         self.generations = generations
         self.model_name = model_name
         self.created = int(time.time())
+        #: `/tokenize` and `/detokenize` requests reading their body or being answered (loop thread only).
+        self.tokenizations_open = 0
 
     async def completions(self, request: Request) -> Response:
         return await self.generations.serve(request, chat=False)
@@ -162,25 +195,34 @@ class ServerState:
         return self.batcher.stats().to_dict()
 
     async def tokenize(self, request: Request) -> Response:
-        tokenizer, limit = self.generations.tokenizer, self.batcher.ceiling.limit()
-        return await self._off_loop(request, lambda body: tokenize(body, tokenizer, limit))
+        tokenizer, ceiling = self.generations.tokenizer, self.batcher.ceiling
+        return await self._off_loop(request, lambda body: tokenize(body, tokenizer, ceiling))
 
     async def detokenize(self, request: Request) -> Response:
         tokenizer = self.generations.tokenizer
         return await self._off_loop(request, lambda body: detokenize(body, tokenizer))
 
     async def _off_loop(self, request: Request, answer: Callable[[dict[str, Any]], dict[str, Any]]) -> Response:
-        """Read the body under the generation endpoints' limits, then parse and answer it on the prepare pool."""
-        limits = self.generations.limits
+        """Read the body under the generation endpoints' limits, parse and answer it on the prepare pool, and
+        encode the answer on the answer pool (`json_body`). At most `max_concurrent_tokenizations` are open,
+        counted before the body is read (503 `server_busy` past it)."""
+        generations = self.generations
+        limits = generations.limits
         try:
-            raw = await read_body(request, limits.max_body_bytes, limits.body_read_timeout)
-            loop = asyncio.get_running_loop()
-            return JSONResponse(await loop.run_in_executor(self.generations.prepare_pool,
-                                                           lambda: answer(parse_json_object(raw))))
+            if self.tokenizations_open >= limits.max_concurrent_tokenizations:
+                raise TokenizationsBusy(self.tokenizations_open, limits.max_concurrent_tokenizations)
+            self.tokenizations_open += 1
+            try:
+                raw = await read_body(request, limits.max_body_bytes, limits.body_read_timeout)
+                loop = asyncio.get_running_loop()
+                result = await loop.run_in_executor(generations.prepare_pool, lambda: answer(parse_json_object(raw)))
+            finally:
+                self.tokenizations_open -= 1
         except DecodeError as refusal:
             return error_response(refusal)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        return JSONBodyResponse(json_pieces(result), generations.answer_pool, write_timeout=limits.write_timeout)
 
 
 async def _http_error(_request: Request, exc: Exception) -> Response:

@@ -9,8 +9,10 @@ The pipeline of one request, and why each step is where it is:
    and uploads that trickle in or never finish must not hold them all.
 2. On a small *prepare* pool (`preparation`): JSON parsing, validation,
    tokenizing or templating, and `batcher.submit`, which raises every refusal
-   before anything is queued. A 1 MB prompt is tokenized there, never on the loop.
-   A refusal is a JSON error with the error's own status (and `Retry-After`).
+   before anything is queued. A 1 MB prompt is tokenized there, never on the loop,
+   and without the GIL; one too long to ever fit is refused before it is tokenized
+   (`prompt_ids`). A refusal is a JSON error with the error's own status (and
+   `Retry-After`).
 3. The request is submitted with a `ReplyBridge` as its reply sink: the
    worker posts its text and its final event straight to the loop, so no
    thread waits per request in flight. A request that would make more than
@@ -22,8 +24,13 @@ The pipeline of one request, and why each step is where it is:
    store that said no) is still a plain JSON error with its status, never a
    stream that breaks. A stream then carries text chunks, the final chunk,
    the usage chunk when `stream_options.include_usage` is set, and `[DONE]`.
+   A whole answer is built and encoded on the *answer* pool and sent a piece
+   at a time (`json_body`): a big one never stops the loop, nor sits whole in
+   a buffer.
 5. A client that disconnects, streaming or not, cancels its request
-   (`Ticket.cancel`): the worker frees its KV blocks at its next tick.
+   (`Ticket.cancel`): the worker frees its KV blocks at its next tick. So does
+   one that takes nothing of its reply for `write_timeout` seconds, or falls
+   `max_buffered_reply_bytes` behind its stream (`streaming`).
 
 A request counts as in flight from `submit` until the batcher answers it
 (cancelled ones included), which is what `vllm:num_requests_running` is
@@ -36,7 +43,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect, Request
@@ -44,15 +51,18 @@ from starlette.responses import JSONResponse, Response
 
 from ferrox_batch.batch.handle import ContinuousBatcher
 from ferrox_batch.errors import BatcherClosed, DecodeError
+from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.models.tokenizer import Tokenizer
-from ferrox_batch.usage import Usage
-from ferrox_batch.server.access import request_id
+from ferrox_batch.server.access import cache_namespace, request_id
+from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.body import BodyReadTimedOut, read_body
 from ferrox_batch.server.errors import ServerBusy, error_body, error_response
+from ferrox_batch.server.json_body import JSONBodyResponse
 from ferrox_batch.server.choices import best, merged
 from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.preparation import Prepared, Preparer
-from ferrox_batch.server.responses import DONE, WireFormat, finish_reason, sse
+from ferrox_batch.server.responses import WireFormat, finish_reason
+from ferrox_batch.server.sse_events import sse_events
 from ferrox_batch.server.streaming import (
     Done,
     Event,
@@ -71,6 +81,18 @@ log = logging.getLogger("ferrox_batch.server")
 SHUTDOWN_JOIN_SECS = 10.0
 #: nginx's "client closed request": nobody reads it, but access logs then say what happened.
 CLIENT_CLOSED_REQUEST = 499
+#: Seconds a reply's send may wait for the client to take it before the client is treated as gone (its
+#: request cancelled, the connection closed): a reader that takes nothing for this long has stalled.
+DEFAULT_WRITE_TIMEOUT_SECS = 30.0
+#: Bytes of streamed reply queued for a client that reads slower than the model writes, before its
+#: request is cancelled: about 1,500 tokens with 20 alternatives each, far more without.
+DEFAULT_MAX_BUFFERED_REPLY_BYTES = 2 * 1024 * 1024
+#: `/tokenize` and `/detokenize` requests open at once; one more is refused with 503 `server_busy`.
+#: They share the prepare pool with generation, whose own cap does not count them.
+DEFAULT_MAX_CONCURRENT_TOKENIZATIONS = 32
+#: Threads that build and encode whole (non-streamed) answers, apart from the prepare pool so that
+#: finished answers never queue behind new requests' tokenizing.
+ANSWER_THREADS = 2
 @dataclass(frozen=True, slots=True)
 class Limits:
     """The knobs of `create_app` that shape generation requests."""
@@ -81,12 +103,16 @@ class Limits:
     max_concurrent_requests: int
     prepare_threads: int
     body_read_timeout: float  # seconds
+    write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECS
+    max_buffered_reply_bytes: int = DEFAULT_MAX_BUFFERED_REPLY_BYTES
+    max_concurrent_tokenizations: int = DEFAULT_MAX_CONCURRENT_TOKENIZATIONS
 
 
 class Generations:
     """The generation endpoints of one app: its pools, its in-flight requests, its metrics."""
 
-    def __init__(self, batcher: ContinuousBatcher, tokenizer: Tokenizer, model_name: str, limits: Limits) -> None:
+    def __init__(self, batcher: ContinuousBatcher, tokenizer: Tokenizer, model_name: str, limits: Limits,
+                 policy: ClientPolicy = ClientPolicy()) -> None:
         self.batcher = batcher
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -94,13 +120,16 @@ class Generations:
         self.in_flight: set[ReplyBridge] = set()  # touched on the loop thread only
         self._preparing = 0  # requests reading their body or on the prepare pool, not yet in flight (loop thread)
         self._preparer = Preparer(batcher, tokenizer, model_name, limits.default_max_tokens,
-                                  limits.default_chat_max_tokens)
+                                  limits.default_chat_max_tokens, policy,
+                                  max_buffered_reply_bytes=limits.max_buffered_reply_bytes)
         self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), model_name)
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"
         #: Where parsing, tokenizing and submitting run (and the tokenization endpoints' work): never the loop.
         self.prepare_pool = concurrent.futures.ThreadPoolExecutor(limits.prepare_threads,
                                                                   f"{self.thread_prefix}-prepare")
+        #: Where whole answers are built and encoded (`json_body`).
+        self.answer_pool = concurrent.futures.ThreadPoolExecutor(ANSWER_THREADS, f"{self.thread_prefix}-answer")
 
     async def serve(self, request: Request, *, chat: bool) -> Response:
         arrival = time.monotonic()
@@ -114,7 +143,7 @@ class Generations:
             self._preparing += 1
             try:
                 raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_read_timeout)
-                prepared = await self._prepare(raw, chat, arrival, rid)
+                prepared = await self._prepare(raw, chat, arrival, rid, cache_namespace(request))
             finally:
                 self._preparing -= 1
         except DecodeError as refusal:
@@ -143,8 +172,9 @@ class Generations:
             if prepared.request.stream:
                 handed_off = True
                 return EventStreamResponse(
-                    self._events(first, events, fmt, prepared.request.include_usage, len(bridges)),
-                    on_close=lambda: self._abandon(*bridges))
+                    sse_events(first, events, fmt, prepared.request.include_usage, len(bridges)),
+                    write_timeout=self.limits.write_timeout, on_close=lambda: self._abandon(*bridges),
+                    cut=[bridge.overflowed for bridge in bridges])
             # A request that does not stream gets no `Text` events: the next event of each choice is final.
             finals = dict([first])
             while len(finals) < len(bridges):
@@ -154,7 +184,10 @@ class Generations:
                 finals[got[0]] = got[1]
             results = [finals[i].result for i in range(len(bridges))]  # type: ignore[union-attr]
             asked = prepared.request.options.logprobs is not None
-            return JSONResponse(fmt.full(best(results, prepared.request.n, asked), [r.usage for r in results]))
+            # Built and encoded on the answer pool, a piece at a time, as the client takes it: a big
+            # answer never blocks the loop, nor sits whole in a buffer.
+            return JSONBodyResponse(_answer(fmt, results, prepared.request.n, asked), self.answer_pool,
+                                    write_timeout=self.limits.write_timeout)
         finally:
             disconnected.cancel()
             if not handed_off:
@@ -174,12 +207,13 @@ class Generations:
             return _failure_response(got[1].error)
         return got  # type: ignore[return-value]
 
-    async def _prepare(self, raw: bytes, chat: bool, arrival: float, rid: str) -> Prepared:
+    async def _prepare(self, raw: bytes, chat: bool, arrival: float, rid: str, namespace: str | None) -> Prepared:
         """Parse, tokenize and submit on the prepare pool; a request whose handler was cancelled is cancelled."""
         loop = asyncio.get_running_loop()
         try:
             future = loop.run_in_executor(self.prepare_pool, self._preparer.prepare, raw, chat, loop,
-                                          lambda bridge, final: self._answered(bridge, final, arrival, rid))
+                                          lambda bridge, final: self._answered(bridge, final, arrival, rid),
+                                          namespace)
         except RuntimeError:  # the pool is shut down: the server is stopping
             raise BatcherClosed() from None
         try:
@@ -187,39 +221,6 @@ class Generations:
         except asyncio.CancelledError:
             future.add_done_callback(_cancel_orphan)
             raise
-
-    @staticmethod
-    async def _events(first: tuple[int, Text | Done], events: AsyncIterator[tuple[int, Event]], fmt: WireFormat,
-                      include_usage: bool, choices: int) -> AsyncIterator[bytes]:
-        """The SSE body from the first event on (the response cancels the request if it ends early)."""
-        for chunk in fmt.opening_chunks(choices):
-            yield sse(chunk)
-        sent = [0] * choices  # log-probabilities streamed so far, per choice
-        usages: dict[int, Usage] = {}
-        index, event = first
-        while True:
-            if isinstance(event, Text):
-                text = fmt.streamed_text(index, event.text)
-                if text:
-                    yield sse(fmt.text_chunk(index, text, event.logprobs))
-                    sent[index] += len(event.logprobs)
-            elif isinstance(event, Done):
-                closing, reason = fmt.closing_chunks(index)
-                for chunk in closing:
-                    yield sse(chunk)
-                rest = (event.result.logprobs or ())[sent[index]:]
-                yield sse(fmt.final_chunk(index, reason or finish_reason(event.result.finish_reason), rest))
-                usages[index] = event.result.usage
-                if len(usages) == choices:
-                    if include_usage:
-                        yield sse(fmt.usage_chunk([usages[i] for i in range(choices)]))
-                    yield DONE
-                    return
-            else:  # a failure after text went out: reported in-band, as OpenAI streams do
-                yield sse(error_body(event.error))
-                yield DONE
-                return
-            index, event = await anext(events)
 
     def _abandon(self, *bridges: ReplyBridge) -> None:
         """The client is gone: cancel its requests the batcher has not answered yet (counted once)."""
@@ -249,16 +250,22 @@ class Generations:
             bridge.abandon()
 
     async def shutdown(self) -> None:
-        """Cancel what is still in flight (its clients are gone by now) and join the prepare pool."""
+        """Cancel what is still in flight (its clients are gone by now) and join the pools."""
         self.abandon_all()
 
         def join() -> None:
             self.prepare_pool.shutdown(wait=True, cancel_futures=True)
+            self.answer_pool.shutdown(wait=True, cancel_futures=True)
 
         try:
             await asyncio.wait_for(asyncio.to_thread(join), SHUTDOWN_JOIN_SECS)
         except asyncio.TimeoutError:
-            log.warning("shutdown: the prepare pool was still busy after %.0f s", SHUTDOWN_JOIN_SECS)
+            log.warning("shutdown: the pools were still busy after %.0f s", SHUTDOWN_JOIN_SECS)
+
+
+def _answer(fmt: WireFormat, results: list[GenerationResult], n: int, asked: bool) -> Iterator[str]:
+    """The whole answer's JSON text, in pieces (blocking: for the answer pool); `best_of` ranks there too."""
+    yield from fmt.full(best(results, n, asked), [r.usage for r in results])
 
 
 def _failure_response(error: BaseException) -> Response:

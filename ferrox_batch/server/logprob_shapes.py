@@ -10,16 +10,20 @@
 A token's text is what the tokenizer gives for it alone (a token holding part of a UTF-8 character shows
 U+FFFD, its `bytes` hold the exact bytes). JSON has no infinities, so a log-probability of -inf (a token
 the model rules out) is written as `FLOOR`, as vLLM does.
+
+A whole answer asks for its lists `lazy`: the per-token objects (a dict and a list per alternative) are
+then made a slice at a time as the JSON text reaches them (`json_body.Slices`), never all at once.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.server.json_body import SLICE_CONTAINERS, Slices
 
 #: What -inf (and anything below it) is written as.
 FLOOR = -9999.0
@@ -44,15 +48,11 @@ class LogprobShapes:
             known = self._texts[token] = (raw.decode("utf-8", errors="replace"), raw)
         return known
 
-    def chat(self, entries: Sequence[TokenLogprob]) -> dict[str, Any]:
-        def one(token: int, logprob: float) -> dict[str, Any]:
-            text, raw = self._token(token)
-            return {"token": text, "logprob": finite(logprob), "bytes": list(raw)}
+    def chat(self, entries: Sequence[TokenLogprob], *, lazy: bool = False) -> dict[str, Any]:
+        return {"content": _sliced(self._chat_entries, entries) if lazy else self._chat_entries(entries),
+                "refusal": None}
 
-        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-                            for e in entries], "refusal": None}
-
-    def completion(self, entries: Sequence[TokenLogprob | int]) -> dict[str, Any]:
+    def completion(self, entries: Sequence[TokenLogprob | int], *, lazy: bool = False) -> dict[str, Any]:
         """An `int` entry is a token with no log-probability (an echoed prompt's first): nulls for it."""
         tokens, offsets = [], []
         for e in entries:
@@ -62,6 +62,20 @@ class LogprobShapes:
             self._offset += len(text)
         return {"tokens": tokens,
                 "token_logprobs": [None if isinstance(e, int) else finite(e.logprob) for e in entries],
-                "top_logprobs": [None if isinstance(e, int) else {self._token(t)[0]: finite(lp) for t, lp in e.top}
-                                 for e in entries],
+                "top_logprobs": _sliced(self._tops, entries) if lazy else self._tops(entries),
                 "text_offset": offsets}
+
+    def _chat_entries(self, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        def one(token: int, logprob: float) -> dict[str, Any]:
+            text, raw = self._token(token)
+            return {"token": text, "logprob": finite(logprob), "bytes": list(raw)}
+
+        return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+    def _tops(self, entries: Sequence[TokenLogprob | int]) -> list[dict[str, float] | None]:
+        return [None if isinstance(e, int) else {self._token(t)[0]: finite(lp) for t, lp in e.top} for e in entries]
+
+
+def _sliced(shape: Callable[[Sequence[Any]], list[Any]], entries: Sequence[Any]) -> Slices:
+    """`shape(entries)`, made `SLICE_CONTAINERS` entries at a time as it is written."""
+    return Slices(shape(entries[at:at + SLICE_CONTAINERS]) for at in range(0, len(entries), SLICE_CONTAINERS))

@@ -21,10 +21,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.budget import ContextCeiling
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.server.choices import candidate_params
+from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.errors import ModelNotFound
+from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
 from ferrox_batch.server.requests import (
     TOOL_PARSER,
     ChatRequest,
@@ -55,10 +58,15 @@ class Preparer:
     model_name: str
     default_max_tokens: int
     default_chat_max_tokens: int
+    #: The fields this server bounds (`priority`) and the tenant scoping of `cache_salt`.
+    policy: ClientPolicy = ClientPolicy()
+    #: The most bytes of streamed text a request queues for a client reading slower than it is written.
+    max_buffered_reply_bytes: int | None = None
 
     def prepare(self, raw: bytes, chat: bool, loop: asyncio.AbstractEventLoop,
-                on_final: Callable[[ReplyBridge, Final], None]) -> Prepared:
-        """Parse, check, tokenize and submit one request (blocking); `on_final` runs on `loop` per choice."""
+                on_final: Callable[[ReplyBridge, Final], None], namespace: str | None = None) -> Prepared:
+        """Parse, check, tokenize and submit one request (blocking); `on_final` runs on `loop` per choice;
+        `namespace`: the prefix-cache namespace of the request's tenant (`access.cache_namespace`)."""
         body = parse_json_object(raw)
         request: CompletionRequest | ChatRequest
         if chat:
@@ -67,17 +75,20 @@ class Preparer:
             request = parse_completion_request(body, default_max_tokens=self.default_max_tokens)
         if request.model is not None and request.model != self.model_name:
             raise ModelNotFound(request.model, self.model_name)
+        options = self.policy.apply(request.options, namespace)
+        # Every field is checked before the prompt is tokenized: a refusal costs no tokenizing.
+        params = options.generation_params(self.tokenizer, request.max_tokens)
         if isinstance(request, ChatRequest):
-            ids = chat_ids(self.tokenizer, request)
+            ids = chat_ids(self.tokenizer, request, self.batcher.ceiling)
         elif isinstance(request.prompt, str):
-            ids = self.tokenizer.encode(request.prompt)
+            ids = encode_prompt(self.tokenizer, request.prompt, self.batcher.ceiling)
         else:
             ids = list(request.prompt)
-        params = request.options.generation_params(self.tokenizer, request.max_tokens)
         bridges: list[ReplyBridge] = []
         try:
             for candidate in candidate_params(params, request.best_of, request.best_of > request.n):
-                bridge = ReplyBridge(loop, forward_text=request.stream, on_final=on_final)
+                bridge = ReplyBridge(loop, forward_text=request.stream, on_final=on_final,
+                                     max_buffered=self.max_buffered_reply_bytes)
                 # Every choice after the first follows its prompt: admitted once that prompt is through,
                 # it adopts the prompt's cached blocks (`choices`).
                 bridge.ticket = self.batcher.submit(ids, candidate, self.tokenizer.stop_tokens, sink=bridge,
@@ -105,13 +116,10 @@ class Preparer:
         return fmt
 
 
-def chat_ids(tokenizer: Tokenizer, request: ChatRequest) -> list[int]:
-    """The templated conversation's ids; a template that refuses the messages is the client's 400."""
+def chat_ids(tokenizer: Tokenizer, request: ChatRequest, ceiling: ContextCeiling) -> list[int]:
+    """The templated conversation's ids (refused unread when too long for `ceiling`: `prompt_ids`); a
+    template that refuses the messages is the client's 400."""
     if request.tools and not tokenizer.supports_tools:
         raise InvalidRequest("tools", [t["function"]["name"] for t in request.tools],
                              "cannot be offered to this model: its chat template does not render tools")
-    try:
-        return tokenizer.encode_chat(request.messages, list(request.tools) or None)
-    except ValueError as bad:
-        raise InvalidRequest("messages", list(request.messages),
-                             f"could not be rendered by the checkpoint's chat template ({bad})") from None
+    return encode_chat_prompt(tokenizer, request.messages, ceiling, tools=list(request.tools) or None)

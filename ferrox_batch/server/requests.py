@@ -36,9 +36,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ferrox_batch import bounded_json
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
 from ferrox_batch.models.tokenizer import ChatMessage
+from ferrox_batch.server.body_text import refuse_lone_surrogates
 from ferrox_batch.server.choices import MAX_CHOICES
 from ferrox_batch.server.fields import Fields, is_int
 from ferrox_batch.server.sampling_fields import (
@@ -68,13 +70,17 @@ def _reject_constant(name: str) -> Any:
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """The request body as a JSON object; malformed JSON (NaN and Infinity included) is a 400."""
+    """The request body as a JSON object; malformed JSON (NaN and Infinity included) is a 400, and so is a body
+    nested deeper than `bounded_json.MAX_JSON_DEPTH` or holding a string that is not valid Unicode."""
     try:
-        value = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as bad:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        value = bounded_json.loads(raw, parse_constant=_reject_constant)
+    except bounded_json.JsonTooDeep as deep:
+        raise InvalidRequest("body", raw[:SHOWN_CHARS], f"is refused: {deep}") from None
+    except ValueError as bad:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise InvalidRequest("body", raw[:SHOWN_CHARS], f"is not valid JSON ({bad})") from None
     if not isinstance(value, dict):
         raise InvalidRequest("body", value, "must be a JSON object")
+    refuse_lone_surrogates(raw, value)
     return value
 
 

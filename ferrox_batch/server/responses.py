@@ -8,7 +8,9 @@ chunk of a stream carries the same three, as OpenAI's do. Completions stream
 `finish_reason`, then (when asked) a usage chunk with `choices: []`, then
 `data: [DONE]`. A request that asked for log-probabilities gets them on every
 choice, in the endpoint's shape (`logprob_shapes`): a stream's chunk carries
-those of the tokens generated since the previous chunk.
+those of the tokens generated since the previous chunk. A whole answer is
+written as JSON text in pieces (`full`, `json_body`), each choice made only
+when the text reaches it.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.server.json_body import json_pieces
 from ferrox_batch.server.logprob_shapes import LogprobShapes
 from ferrox_batch.server.tool_calls import ToolCallParser, ToolStream
 from ferrox_batch.usage import Usage
@@ -94,21 +97,24 @@ class WireFormat:
         self._tokenizer = logprobs
         self._shapes: dict[int, LogprobShapes] = {}  # per choice: a completion's text offset runs per choice
 
-    def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+    def _envelope(self, obj: str, choices: list[dict[str, Any]] | Iterator[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
 
-    def full(self, results: Sequence[GenerationResult], usages: Sequence[Usage] | None = None) -> dict[str, Any]:
-        """The whole answer: one choice per result, in order; usage counts the prompt once, and the completion
-        tokens of `usages` (every candidate generated; default: the results')."""
-        choices = []
-        for index, result in enumerate(results):
-            choice = self._full_choice(result)
-            choice["index"] = index
-            choice["logprobs"] = self._logprobs(index, self._entries(result))
-            choices.append(choice)
-        body = self._envelope(self.object_full, choices)
+    def full(self, results: Sequence[GenerationResult], usages: Sequence[Usage] | None = None) -> Iterator[str]:
+        """The whole answer's JSON text, in pieces (`json_body.json_pieces`): one choice per result, in order;
+        usage counts the prompt once, and the completion tokens of `usages` (every candidate generated;
+        default: the results'). Blocking work for a pool: each choice, and each slice of its
+        log-probabilities, is made only when the text reaches it, so a big answer is never whole in
+        memory, and no one call holds the GIL long."""
+        body = self._envelope(self.object_full, (self._full_choice_at(i, r) for i, r in enumerate(results)))
         body["usage"] = usage_dict(combined_usage(usages if usages is not None else [r.usage for r in results]))
-        return body
+        return json_pieces(body)
+
+    def _full_choice_at(self, index: int, result: GenerationResult) -> dict[str, Any]:
+        choice = self._full_choice(result)
+        choice["index"] = index
+        choice["logprobs"] = self._logprobs(index, self._entries(result), lazy=True)
+        return choice
 
     def opening_chunks(self, choices: int) -> list[dict[str, Any]]:
         return []
@@ -140,15 +146,15 @@ class WireFormat:
         body["usage"] = usage_dict(combined_usage(usages))
         return body
 
-    def _logprobs(self, index: int, entries: Sequence[TokenLogprob | int]) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, entries: Sequence[TokenLogprob | int], lazy: bool = False) -> dict[str, Any] | None:
         if self._tokenizer is None:
             return None
         shapes = self._shapes.get(index)
         if shapes is None:
             shapes = self._shapes[index] = LogprobShapes(self._tokenizer)
-        return self._shape(shapes, entries)
+        return self._shape(shapes, entries, lazy)
 
-    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int]) -> dict[str, Any]:
+    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int], lazy: bool) -> dict[str, Any]:
         raise NotImplementedError
 
     def _entries(self, result: GenerationResult) -> Sequence[TokenLogprob | int]:
@@ -180,8 +186,8 @@ class CompletionFormat(WireFormat):
         ids = self.echo[0]
         return [ids[0], *(result.prompt_logprobs or ())[1:], *(result.logprobs or ())]  # type: ignore[list-item]
 
-    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int]) -> dict[str, Any]:
-        return shapes.completion(entries)
+    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int], lazy: bool) -> dict[str, Any]:
+        return shapes.completion(entries, lazy=lazy)
 
     def _chunk_choice(self, text: str | None, reason: str | None) -> dict[str, Any]:
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
@@ -229,8 +235,8 @@ class ChatFormat(WireFormat):
                 reason = "tool_calls"
         return {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
 
-    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int]) -> dict[str, Any]:
-        return shapes.chat(entries)  # type: ignore[arg-type]  # chat has no echo: never an int
+    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int], lazy: bool) -> dict[str, Any]:
+        return shapes.chat(entries, lazy=lazy)  # type: ignore[arg-type]  # chat has no echo: never an int
 
     def opening_chunks(self, choices: int) -> list[dict[str, Any]]:
         return [self._envelope(self.object_chunk, [

@@ -24,15 +24,15 @@ from ferrox_batch.server.app import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     create_app,
 )
+from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES
+from ferrox_batch.server.host_check import default_allowed_hosts
+from ferrox_batch.server.listener import DEFAULT_DRAIN_TIMEOUT_SECS, server_config
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS
 
 log = logging.getLogger("ferrox_batch.server")
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
-#: Seconds uvicorn lets open responses finish on shutdown before cancelling them (which cancels
-#: their requests): a stream of thousands of tokens must not hold a Ctrl-C for minutes.
-DEFAULT_GRACEFUL_SHUTDOWN_SECS = 5.0
 #: Seconds to wait for the batcher's worker to exit once everything in flight was cancelled.
 BATCHER_CLOSE_SECS = 30.0
 
@@ -57,16 +57,21 @@ def serve(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_concurrent_requests: int = DEFAULT_MAX_CONCURRENT_REQUESTS,
     log_level: str = "info",
-    graceful_shutdown_secs: float = DEFAULT_GRACEFUL_SHUTDOWN_SECS,
+    drain_timeout: float = DEFAULT_DRAIN_TIMEOUT_SECS,
     stop: threading.Event | None = None,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     allowed_origins: Sequence[str] = (),
+    allowed_hosts: Sequence[str] | None = None,
+    shared_prefix_cache: bool = False,
+    client_priorities: tuple[int, int] = DEFAULT_CLIENT_PRIORITIES,
 ) -> None:
     """Serve `model` (a checkpoint folder, a `.gguf` file, or a loaded model) on `host:port`; block until stopped.
 
     Ctrl-C / SIGTERM stop it when called on the main thread; `stop`, when given, stops it from any
-    thread. `model_name` defaults to the checkpoint's folder (or file) name; the other keywords are
-    `create_app`'s.
+    thread. A stop drains: no new connections, requests in flight get `drain_timeout` seconds to finish,
+    then what is left is cancelled (`listener`). `allowed_hosts` defaults to the loopback names when `host`
+    is a loopback address, else no check (`host_check`). `model_name` defaults to the checkpoint's folder
+    (or file) name; the other keywords are `create_app`'s.
     """
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype,
                                                                                 kv_cache_dtype=kv_cache_dtype)
@@ -77,9 +82,11 @@ def serve(
         app = create_app(batcher, model_name=name, default_max_tokens=default_max_tokens,
                          default_chat_max_tokens=default_chat_max_tokens, max_body_bytes=max_body_bytes,
                          max_concurrent_requests=max_concurrent_requests, api_key=api_key,
-                         allowed_origins=allowed_origins)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                                timeout_graceful_shutdown=graceful_shutdown_secs)
+                         allowed_origins=allowed_origins, shared_prefix_cache=shared_prefix_cache,
+                         allowed_hosts=default_allowed_hosts(host) if allowed_hosts is None else allowed_hosts,
+                         client_priorities=client_priorities)
+        config = server_config(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout,
+                               max_concurrent_requests=max_concurrent_requests)
         server = uvicorn.Server(config)
         finished = threading.Event()
         if stop is not None:

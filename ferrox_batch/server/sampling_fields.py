@@ -17,7 +17,7 @@ from ferrox_batch.generation_types import GenerationParams, SamplingParams
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS
 from ferrox_batch.models.tokenizer import Tokenizer
 from ferrox_batch.server.fields import Fields, is_number
-from ferrox_batch.structured import StructuredOutput
+from ferrox_batch.structured import StructuredOutput, check_spec_bytes
 
 #: OpenAI's temperature default. The library's default is greedy; an HTTP client that omits
 #: the field expects OpenAI's behaviour.
@@ -145,5 +145,7 @@ def response_format(value: Any) -> StructuredOutput | None:
         spec = value.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
             raise InvalidRequest("response_format.json_schema", spec, "must be an object with a schema")
-        return StructuredOutput.json_schema(spec.get("schema", {}))
+        structured = StructuredOutput.json_schema(spec.get("schema", {}))
+        check_spec_bytes("response_format.json_schema.schema", structured.size)  # before any compiling
+        return structured
     raise InvalidRequest("response_format.type", kind, "must be text, json_object or json_schema")

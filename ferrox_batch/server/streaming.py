@@ -21,32 +21,52 @@ What it promises:
   inter-token latency are measured on.
 * A loop that has closed (the server is gone) never reaches the worker: the
   post is dropped.
+* What it holds for a reader that is not keeping up is bounded: past
+  `max_buffered` bytes of queued text (an estimate of its wire size, the
+  log-probabilities included) it drops what it queued, queues no more, and
+  `overflowed()` returns; the response then ends, which cancels the request.
 
-`EventStreamResponse` is the SSE response: it always watches the connection
-for `http.disconnect` while streaming (whatever ASGI spec version the server
+`PushedResponse` sends a body piece by piece from an async iterator, and
+`EventStreamResponse` is the SSE one. It always watches the connection for
+`http.disconnect` while sending (whatever ASGI spec version the server
 speaks; a plain `StreamingResponse` stops watching under ASGI 2.4, and
-uvicorn silently drops writes to a closed connection), and when it ends, for
-whatever reason, it closes its event iterator and runs its `on_close` hook.
-So a client that leaves mid-stream cancels its request deterministically,
-never at garbage collection and never only when the answer is complete.
+uvicorn silently drops writes to a closed connection); each send must be
+taken within `write_timeout` seconds, or the client is treated as gone (a
+client that stops reading otherwise parks the send on flow control forever,
+its request still generating); and when it ends, for whatever reason, it
+closes its iterator and runs its `on_close` hook. So a client that leaves or
+stalls mid-stream cancels its request deterministically, never at garbage
+collection and never only when the answer is complete. A response ended
+early returns without finishing the body, and the ASGI server closes the
+connection; what it still buffers for it is at most its transport's high
+water mark (64 KiB in uvicorn) and the last piece.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
+from starlette.requests import HTTPConnection
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from ferrox_batch.batch.ticket import Ticket
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.server.access import request_id
+
+log = logging.getLogger("ferrox_batch.server")
+
+#: Wire bytes reckoned per log-probability (a token or one of its alternatives) when bounding a
+#: bridge's buffer: a chat entry (`{"token":...,"logprob":...,"bytes":[...]}`) is about this size.
+LOGPROB_WIRE_BYTES = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,7 +100,8 @@ class ReplyBridge:
     """One request's reply sink, delivering to the event loop (see the module docstring).
 
     `forward_text=False` (a non-streaming request) stamps chunk times but queues no `Text`:
-    the answer's text comes whole from the result.
+    the answer's text comes whole from the result. `max_buffered`: the most bytes of `Text`
+    it queues for a reader that is not keeping up (None: no bound).
     """
 
     def __init__(
@@ -90,6 +111,7 @@ class ReplyBridge:
         forward_text: bool,
         on_final: Callable[[ReplyBridge, Final], None],
         clock: Callable[[], float] = time.monotonic,
+        max_buffered: int | None = None,
     ) -> None:
         self.ticket: Ticket | None = None  # set once `submit` queued the request
         self.chunk_times: list[float] = []
@@ -98,11 +120,20 @@ class ReplyBridge:
         self._forward = forward_text
         self._on_final = on_final
         self._clock = clock
-        self._queue: asyncio.Queue[Event] = asyncio.Queue()
+        self._max_buffered = max_buffered
+        self._queue: asyncio.Queue[tuple[Event, int]] = asyncio.Queue()  # each event with its wire-size estimate
+        self._buffered = 0  # the estimates of the queued events (loop thread)
+        self._overflow = asyncio.Event()  # binds to the loop on first use, on the loop thread
         self._abandoned = False  # written on the loop, read on the worker thread: a plain flag is enough
 
     async def next_event(self) -> Event:
-        return await self._queue.get()
+        event, size = await self._queue.get()
+        self._buffered -= size
+        return event
+
+    async def overflowed(self) -> None:
+        """Return once the reader fell more than `max_buffered` bytes behind (never, if it does not)."""
+        await self._overflow.wait()
 
     def abandon(self) -> bool:
         """The reader left: cancel the request. True only for the first call that found it unanswered."""
@@ -120,13 +151,13 @@ class ReplyBridge:
     def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         self.chunk_times.append(self._clock())
         if self._forward and not self._abandoned:
-            self._post(self._queue.put_nowait, Text(text, logprobs))
+            self._post(self._queue_text, Text(text, logprobs))
 
     def finished(self, outcome: GenerationResult | DecodeError) -> None:
         final: Final = Failed(outcome) if isinstance(outcome, DecodeError) else Done(outcome, self._clock())
         self._post(self._finish, final)
 
-    def _post(self, fn: Callable[[Event], None], event: Event) -> None:
+    def _post(self, fn: Callable[[T], None], event: T) -> None:
         try:
             self._loop.call_soon_threadsafe(fn, event)
         except RuntimeError:  # the loop is closed: the server is gone, nobody can be answered
@@ -134,12 +165,27 @@ class ReplyBridge:
 
     # ---------------------------------------------------------------- the loop's side
 
+    def _queue_text(self, text: Text) -> None:
+        if self._overflow.is_set():
+            return
+        size = len(text.text.encode("utf-8")) + LOGPROB_WIRE_BYTES * sum(1 + len(e.top) for e in text.logprobs)
+        if self._max_buffered is not None and self._buffered + size > self._max_buffered:
+            # The reader is this far behind: what it has not taken is dropped (the response ends
+            # without it), and nothing more is queued but the final event.
+            while not self._queue.empty():
+                self._queue.get_nowait()
+            self._buffered = 0
+            self._overflow.set()
+            return
+        self._buffered += size
+        self._queue.put_nowait((text, size))
+
     def _finish(self, final: Final) -> None:
         self.final = final
         try:
             self._on_final(self, final)
         finally:
-            self._queue.put_nowait(final)
+            self._queue.put_nowait((final, 0))
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
@@ -163,45 +209,86 @@ async def next_or_disconnect(next_event: Callable[[], Awaitable[T]], disconnecte
     return None
 
 
-class EventStreamResponse(Response):
-    """`text/event-stream` from an async iterator of encoded events; stops it when the client leaves.
+class PushedResponse(Response):
+    """A body sent piece by piece from an async iterator, watched for disconnects and stalls (module docstring).
 
-    `on_close` runs once the response is over, however it ended (finished, client gone, server
-    cancelled): the caller's hook to cancel the request. It is needed besides closing the iterator
-    because an async generator that never started runs no `finally` when closed.
+    `on_close` runs once the response is over, however it ended (finished, client gone or stalled,
+    server cancelled, a `cut` returned): the caller's hook to cancel the request. It is needed besides
+    closing the iterator because an async generator that never started runs no `finally` when closed.
+    `cut`: awaitables-to-be whose return ends the response early (a reply bridge's `overflowed`).
+    `write_timeout`: the seconds each send may wait for the client to take it.
     """
 
-    media_type = "text/event-stream"
-
-    def __init__(self, events: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        self.events = events
+    def __init__(self, pieces: AsyncIterator[bytes], *, write_timeout: float,
+                 on_close: Callable[[], None] = lambda: None, cut: Sequence[Callable[[], Awaitable[None]]] = (),
+                 status_code: int = 200, headers: Mapping[str, str] | None = None,
+                 media_type: str | None = None) -> None:
+        self.pieces = pieces
         self.on_close = on_close
-        self.status_code = 200
+        self.cut = tuple(cut)
+        self.write_timeout = write_timeout
+        self.status_code = status_code
         self.background = None
-        # No proxy buffering, no caching: each event must reach the client when it is sent.
-        self.init_headers({"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        if media_type is not None:
+            self.media_type = media_type
+        self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        rid = request_id(HTTPConnection(scope))
         try:
             async with anyio.create_task_group() as group:
 
-                async def stream() -> None:
-                    await send({"type": "http.response.start", "status": self.status_code,
-                                "headers": self.raw_headers})
-                    async for event in self.events:
-                        await send({"type": "http.response.body", "body": event, "more_body": True})
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                async def push() -> None:
+                    if await self._send(send, {"type": "http.response.start", "status": self.status_code,
+                                               "headers": self.raw_headers}, rid):
+                        async for piece in self.pieces:
+                            if not await self._send(send, {"type": "http.response.body", "body": piece,
+                                                           "more_body": True}, rid):
+                                break
+                        else:
+                            await self._send(send, {"type": "http.response.body", "body": b"", "more_body": False},
+                                             rid)
                     group.cancel_scope.cancel()
 
                 async def listen() -> None:
                     await wait_for_disconnect(receive)
                     group.cancel_scope.cancel()
 
-                group.start_soon(stream)
+                async def watch(signal: Callable[[], Awaitable[None]]) -> None:
+                    await signal()
+                    log.warning("request %s: the client fell too far behind reading its reply; it is cancelled",
+                                rid)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(push)
                 group.start_soon(listen)
+                for signal in self.cut:
+                    group.start_soon(watch, signal)
         finally:
             with anyio.CancelScope(shield=True):
-                aclose = getattr(self.events, "aclose", None)
+                aclose = getattr(self.pieces, "aclose", None)
                 if aclose is not None:
                     await aclose()
             self.on_close()
+
+    async def _send(self, send: Send, message: Message, rid: str) -> bool:
+        """Send `message`; False if the client did not take it within `write_timeout` (it is treated as gone)."""
+        with anyio.move_on_after(self.write_timeout) as deadline:
+            await send(message)
+        if deadline.cancelled_caught:
+            log.warning("request %s: the client took nothing for %g s; its reply is abandoned", rid,
+                        self.write_timeout)
+            return False
+        return True
+
+
+class EventStreamResponse(PushedResponse):
+    """`text/event-stream` from an async iterator of encoded events."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncIterator[bytes], *, write_timeout: float, on_close: Callable[[], None],
+                 cut: Sequence[Callable[[], Awaitable[None]]] = ()) -> None:
+        # No proxy buffering, no caching: each event must reach the client when it is sent.
+        super().__init__(events, write_timeout=write_timeout, on_close=on_close, cut=cut,
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

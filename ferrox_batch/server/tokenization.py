@@ -3,8 +3,11 @@
 Clients use them to count tokens before sending (budgets, truncation) and to read ids back as text. They
 promise the ids the generation endpoints would submit: `/tokenize` with `messages` and its defaults gives
 exactly the ids `/v1/chat/completions` queues for those messages, and with `prompt` exactly those of
-`/v1/completions` (with `tools`, as chat renders them). `max_model_len` is the longest prompt + output a request may hold here (the context
-ceiling), which is what a client sizes against. Bad input is a 400 naming the field, as everywhere.
+`/v1/completions` (with `tools`, as chat renders them). `max_model_len` is the longest prompt + output a
+request may hold here (the context ceiling), which is what a client sizes against. Bad input is a 400
+naming the field, as everywhere. A text longer than the ceiling is counted all the same (a client counting
+a text it means to truncate needs the count): the body size cap bounds the work, tokenizing releases the
+GIL, and the endpoints' own open-request cap bounds how many run at once.
 """
 
 from __future__ import annotations
@@ -12,14 +15,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.budget import ContextCeiling
+from ferrox_batch.errors import DecodeError, InvalidRequest
 from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.server.errors import ServerBusy
 from ferrox_batch.server.fields import Fields
+from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
 from ferrox_batch.server.requests import read_messages
 from ferrox_batch.server.tool_calls import read_tools
 
 
-def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, max_model_len: int | None) -> dict[str, Any]:
+class TokenizationsBusy(ServerBusy):
+    """More `/tokenize` and `/detokenize` requests open than the server takes: busy, not wrong (503, retry)."""
+
+    def __init__(self, open: int, limit: int) -> None:
+        self.open = open
+        self.limit = limit
+        DecodeError.__init__(self, f"server is at capacity: {open} tokenization requests are already open "
+                                   f"(limit {limit}); retry shortly")
+
+
+def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, ceiling: ContextCeiling) -> dict[str, Any]:
     """`{"prompt": text}` or `{"messages": [...]}` -> `{"count", "max_model_len", "tokens", "token_strs"}`."""
     fields = Fields(body)
     return_strs = fields.boolean("return_token_strs", False)
@@ -34,21 +50,17 @@ def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, max_model_len: int |
         if tools and not tokenizer.supports_tools:
             raise InvalidRequest("tools", [t["function"]["name"] for t in tools],
                                  "cannot be offered to this model: its chat template does not render tools")
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tools=list(tools) or None)
-        except ValueError as bad:
-            raise InvalidRequest("messages", list(messages), f"could not be rendered by the checkpoint's chat "
-                                                              f"template ({bad})") from None
         # The template writes any BOS itself, as for the chat endpoint.
-        ids = tokenizer.encode(text, add_special_tokens=fields.boolean("add_special_tokens", False))
+        ids = encode_chat_prompt(tokenizer, messages, None, tools=list(tools) or None,
+                                 add_generation_prompt=add_generation_prompt,
+                                 add_special_tokens=fields.boolean("add_special_tokens", False))
     else:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise InvalidRequest("prompt", prompt, "must be a string")
-        ids = tokenizer.encode(prompt, add_special_tokens=fields.boolean("add_special_tokens", True))
+        ids = encode_prompt(tokenizer, prompt, None, add_special_tokens=fields.boolean("add_special_tokens", True))
     strs = [tokenizer.decode_text([i]) for i in ids] if return_strs else None
-    return {"count": len(ids), "max_model_len": max_model_len, "tokens": ids, "token_strs": strs}
+    return {"count": len(ids), "max_model_len": ceiling.limit(), "tokens": ids, "token_strs": strs}
 
 
 def detokenize(body: Mapping[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.structured import StructuredOutput
+from ferrox_batch.structured import StructuredOutput, check_spec_bytes, json_bytes
 
 #: OpenAI's rule for a function's name.
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -57,14 +57,32 @@ class ToolCallParser(Protocol):
 
 
 class HermesToolCalls:
-    """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks (Hermes / Qwen)."""
+    """`<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks (Hermes / Qwen).
+
+    A block runs from an open tag to the first close tag after it; its body, stripped of whitespace,
+    is the call. `parse` finds the blocks with a left-to-right scan of the tags, linear in the text
+    (a regex with a lazy body between two `\\s*` backtracks: seconds for an open tag and a few
+    thousand spaces), and reads them as `<tool_call>\\s*(.*?)\\s*</tool_call>` (DOTALL) would.
+    """
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
-    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+    def blocks(self, text: str) -> list[tuple[int, int, str]]:
+        """Each block's (start, end, stripped body), left to right, none overlapping."""
+        found = []
+        at = 0
+        while (start := text.find(self.OPEN, at)) >= 0:
+            close = text.find(self.CLOSE, start + len(self.OPEN))
+            if close < 0:
+                break  # no close after this open tag, so none after any later one either
+            at = close + len(self.CLOSE)
+            found.append((start, at, text[start + len(self.OPEN):close].strip()))
+        return found
 
     def parse(self, text: str) -> ParsedReply:
         calls = []
-        for body in self.BLOCK.findall(text):
+        blocks = self.blocks(text)
+        for _start, _end, body in blocks:
             try:
                 call = json.loads(body)
             except ValueError:
@@ -75,7 +93,12 @@ class HermesToolCalls:
                                       json.dumps(arguments, ensure_ascii=False)))
         if not calls:
             return ParsedReply(text, ())
-        rest = self.BLOCK.sub("", text).strip()
+        kept, at = [], 0
+        for start, end, _body in blocks:  # every block goes, calls or not
+            kept.append(text[at:start])
+            at = end
+        kept.append(text[at:])
+        rest = "".join(kept).strip()
         return ParsedReply(rest or None, tuple(calls))
 
     def grammar(self, functions: Sequence[dict[str, Any]], many: bool) -> StructuredOutput:
@@ -107,6 +130,7 @@ def read_tools(value: Any) -> tuple[dict[str, Any], ...]:
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise InvalidRequest(f"{where}.function.parameters", parameters, "must be a JSON schema object")
+        check_spec_bytes(f"{where}.function.parameters", json_bytes(parameters))  # before any compiling
         description = function.get("description")
         if description is not None and not isinstance(description, str):
             raise InvalidRequest(f"{where}.function.description", description, "must be a string")
@@ -149,39 +173,48 @@ def forced_grammar(parser: ToolCallParser, tools: Sequence[dict[str, Any]], choi
 
 class ToolStream:
     """One streamed choice's text with tool calls held back: content streams until a call may begin; the
-    calls are parsed from the whole text at the end (`HermesToolCalls` marks a call with its open tag)."""
+    calls are parsed from the whole text at the end (`HermesToolCalls` marks a call with its open tag).
+
+    Feeding a chunk costs its own length: the chunks are kept in a list (joined once, by `finish`), and
+    only the unsent tail, shorter than the open tag, is looked at again.
+    """
 
     def __init__(self, parser: HermesToolCalls) -> None:
         self._parser = parser
-        self._text = ""
-        self._sent = 0  # characters of `_text` streamed as content
+        self._chunks: list[str] = []
+        self._sent = 0  # characters of the text streamed as content
+        self._unsent = ""  # the text after `_sent`, while no call has begun (a tail that could start the tag)
         self._held = False  # a call has begun: nothing more streams as content
 
     def feed(self, text: str) -> str:
         """The content that may stream now."""
-        self._text += text
+        self._chunks.append(text)
         if self._held:
             return ""
         tag = self._parser.OPEN
-        at = self._text.find(tag, self._sent)
+        pending = self._unsent + text
+        at = pending.find(tag)
         if at >= 0:
             self._held = True
             safe = at
         else:  # keep back a tail that could be the start of the tag
-            safe = len(self._text)
-            for k in range(min(len(tag) - 1, len(self._text) - self._sent), 0, -1):
-                if tag.startswith(self._text[-k:]):
-                    safe = len(self._text) - k
+            safe = len(pending)
+            for k in range(min(len(tag) - 1, len(pending)), 0, -1):
+                if tag.startswith(pending[-k:]):
+                    safe = len(pending) - k
                     break
-        out, self._sent = self._text[self._sent:safe], safe
-        return out
+        self._sent += safe
+        self._unsent = "" if self._held else pending[safe:]
+        return pending[:safe]
 
     def finish(self) -> tuple[str, tuple[ToolCall, ...]]:
         """(the content still to stream, the calls) once the choice is done."""
-        parsed = self._parser.parse(self._text)
+        text = "".join(self._chunks)
+        self._chunks = [text]
+        parsed = self._parser.parse(text)
         if not parsed.calls:
-            rest, self._sent = self._text[self._sent:], len(self._text)
+            rest, self._sent, self._unsent = text[self._sent:], len(text), ""
             return rest, ()
         content = parsed.content or ""
-        streamed = self._text[:self._sent]
+        streamed = text[:self._sent]
         return (content[len(streamed):] if content.startswith(streamed) else ""), parsed.calls

@@ -7,15 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.policy.stop import (
-    Emit,
-    Matched,
-    StopMatcher,
-    earliest_stop_match,
-    floor_char_boundary,
-    resolve_stop_tokens,
-    stop_prefix_holdback,
-)
+from ferrox_batch.policy.stop import Emit, Matched, StopMatcher, resolve_stop_tokens
+from ferrox_batch.policy.stop_offsets import earliest_stop_match, floor_char_boundary, stop_prefix_holdback
 
 
 def matcher(*stops: str) -> StopMatcher:

@@ -138,3 +138,16 @@ def test_a_held_conversation_stays_unless_its_replica_is_much_busier():
 
 def test_no_candidates_no_ranks():
     assert rank([], {}, {}, 10, 64) == []
+
+
+def test_tenants_never_share_links():
+    # A replica holding one tenant's prompt draws no other tenant's request for it: where a request is
+    # routed (and the replica header its answer carries) must not tell one tenant what another sent.
+    index = PrefixIndex()
+    prompt = "s" * (3 * TEXT_CHUNK)
+    index.record(prompt, "r1", namespace="tenant-a")
+    assert index.match(prompt, namespace="tenant-a") == {"r1": 3 * TEXT_CHUNK}
+    assert index.match(prompt, namespace="tenant-b") == {}
+    assert index.match(prompt) == {}  # no tenant (an open server) is a namespace of its own
+    assert not set(chain(prompt, "tenant-a")) & set(chain(prompt, "tenant-b"))
+    assert chain(prompt, None) == chain(prompt)

@@ -101,3 +101,26 @@ def test_the_health_check_is_the_batchers_worker_alive():
     Stats.worker_alive = False
     with pytest.raises(RuntimeError, match="worker is not running"):
         replica.check_health()
+
+
+def test_the_guard_settings_reach_the_replicas_and_the_ingress(tiny_batch_dir, monkeypatch):
+    monkeypatch.setenv("TEST_FERROX_KEYS", "sk-a, sk-b")
+    app = app_builder({"model": str(tiny_batch_dir), "api_key_env": "TEST_FERROX_KEYS", "shared_prefix_cache": "true",
+                       "allowed_hosts": "api.example.com,localhost", "client_priorities": "-2:3",
+                       "drain_timeout": "45"})
+    deployment = app._bound_deployment.init_args[0]._bound_deployment
+    spec = deployment.init_args[0]
+    assert spec.app["api_key"] == ("sk-a", "sk-b") and spec.app["shared_prefix_cache"] is True
+    assert spec.app["allowed_hosts"] == ("api.example.com", "localhost") and spec.app["client_priorities"] == (-2, 3)
+    assert deployment._deployment_config.graceful_shutdown_timeout_s == 45
+    ingress_settings = app._bound_deployment.init_args[1]  # what the ingress checks before reading a body
+    assert ingress_settings == {"api_key": ("sk-a", "sk-b"), "allowed_hosts": ("api.example.com", "localhost"),
+                                "shared_prefix_cache": True}
+    assert app_builder({"model": "/m", "api_key": ["sk-c"]})._bound_deployment.init_args[1] == {"api_key": ("sk-c",)}
+    monkeypatch.setenv("TEST_FERROX_EMPTY", " ")
+    for bad in ({"api_key_env": "TEST_FERROX_UNSET_VARIABLE"}, {"api_key_env": "TEST_FERROX_EMPTY"},
+                {"api_key": ""}, {"api_key": "sk-a,,sk-b"}, {"api_key": "sk-a", "api_key_env": "TEST_FERROX_KEYS"},
+                {"client_priorities": "3:1"}, {"client_priorities": "1:2:3"}, {"client_priorities": [0, 1.5]},
+                {"allowed_hosts": ""}, {"drain_timeout": "-1"}, {"shared_prefix_cache": "sometimes"}):
+        with pytest.raises(ValueError):
+            app_builder({"model": "/m", **bad})

@@ -80,7 +80,7 @@ def test_a_stream_passes_through_to_its_done(batcher):
 
 
 def test_the_apps_refusals_keep_their_status_and_retry_after(tiny_batch_model):
-    gate = letter_gate()
+    gate = letter_gate(1)  # the first token's text goes out, the second decode is held
     batcher = gated_batcher(tiny_batch_model, gate)
     app = create_app(batcher, model_name=MODEL_NAME, max_concurrent_requests=1)
 
@@ -96,7 +96,7 @@ def test_the_apps_refusals_keep_their_status_and_retry_after(tiny_batch_model):
 
     try:
         (status, headers, body), bad, rest = asyncio.run(scenario())
-        assert status == 503 and headers["retry-after"] == "1"
+        assert status == 503 and headers["retry-after"] == "1", (status, body[:300], rest[:3])
         assert json.loads(body)["error"]["code"] == "server_busy"
         assert bad[0] == 404 and json.loads(bad[2])["error"]["code"] == "model_not_found"
         assert rest[-1]["type"] == "http.response.body" and not rest[-1].get("more_body")

@@ -12,7 +12,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from ferrox_batch.errors import DecodeError, TokenOutOfVocab
-from ferrox_batch.generation_types import SamplingParams
+from ferrox_batch.generation_types import FLOAT32_TINY, SamplingParams
 from ferrox_batch.models import sampling_cuts as cuts_module
 from ferrox_batch.models.sampler import BatchSampler, RowSampler, SamplingError
 from numerics import TORCH_EXP_ULPS, TORCH_SOFTMAX_EXP_ULPS, gamma, softmax_error, unit_roundoff
@@ -140,7 +140,7 @@ params_strategy = st.builds(
     temperature=st.floats(0.2, 3.0),
     top_k=st.one_of(st.just(0), st.integers(1, 60)),
     top_p=st.one_of(st.just(1.0), st.floats(0.05, 1.0)),
-    min_p=st.one_of(st.just(0.0), st.floats(0.0, 1.0)),
+    min_p=st.one_of(st.just(0.0), st.floats(FLOAT32_TINY, 1.0)),
 )
 
 

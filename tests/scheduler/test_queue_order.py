@@ -6,10 +6,12 @@ Pins:
 * a waiting request whose queue deadline passed is refused with `QueueTimeout` (503, Retry-After), gives its
   queue slot back and is never admitted; a request's own `max_queue_wait_ms` wins over the batcher's;
 * the cache-aware pick never lets a less urgent request overtake the head;
-* property (hypothesis): under random arrivals, priorities, deadlines, cancels and clock steps, after every
-  tick nothing waits past its deadline and nothing was admitted at or past it, no request was admitted while
-  a more urgent one still waits, none while an earlier one of its priority still waits, and at the end every
-  request got exactly one answer and nothing is held.
+* aging: a request that has waited `priority_aging_ms` goes ahead of every request that has not, whatever
+  the priorities, so a stream of more urgent requests cannot starve it;
+* property (hypothesis): under random arrivals, priorities, deadlines, aging, cancels and clock steps, after
+  every tick nothing waits past its deadline and nothing was admitted at or past it, no request was admitted
+  while one ahead of it in (aged first by arrival, then priority, then arrival) order still waits, and at the
+  end every request got exactly one answer and nothing is held.
 """
 
 from __future__ import annotations
@@ -98,13 +100,22 @@ workload_st = st.lists(
 )
 
 
+def order_key(request, now: float, aging_ms: int | None) -> tuple:
+    """Where admission puts a waiting request at `now`: aged ones first in arrival order, then by priority
+    and arrival."""
+    if aging_ms is not None and request.queued_at <= now - aging_ms / 1000:
+        return (0, request.queued_at, request.abort)
+    return (1, request.priority, request.abort)
+
+
 @settings(max_examples=150, deadline=None)
 @given(workload=workload_st, default_wait=st.one_of(st.none(), st.integers(1, 300)), max_seqs=st.integers(1, 3),
-       kv_blocks=st.integers(6, 40), tick_ms=st.lists(st.integers(0, 60), min_size=1, max_size=8))
+       kv_blocks=st.integers(6, 40), tick_ms=st.lists(st.integers(0, 60), min_size=1, max_size=8),
+       aging_ms=st.one_of(st.none(), st.integers(1, 400)))
 def test_no_wait_past_a_deadline_no_overtaking_and_fifo_within_a_priority(workload, default_wait, max_seqs,
-                                                                          kv_blocks, tick_ms):
+                                                                          kv_blocks, tick_ms, aging_ms):
     bench = Bench(BatcherConfig(max_seqs=max_seqs, kv_block_size=4, kv_blocks=kv_blocks,
-                                max_queue_wait_ms=default_wait), kv_blocks=kv_blocks)
+                                max_queue_wait_ms=default_wait, priority_aging_ms=aging_ms), kv_blocks=kv_blocks)
     submitted = []
     for tick in range(300):
         for arrives, priority, wait, length, max_tokens, cancel_at in workload:
@@ -126,8 +137,9 @@ def test_no_wait_past_a_deadline_no_overtaking_and_fifo_within_a_priority(worklo
         for r in fresh:
             assert r.deadline is None or r.deadline > now, "a request was admitted past its deadline"
             for w in waiting:
-                assert w.priority >= r.priority, "a less urgent request overtook a more urgent one"
-                assert w.priority != r.priority or w.abort > r.abort, "an equal priority was overtaken"
+                # Without aging: never a more urgent one, nor an earlier one of the same priority. With it,
+                # a request that waited `aging_ms` goes ahead of every one that has not.
+                assert order_key(r, now, aging_ms) < order_key(w, now, aging_ms), "a request was overtaken"
         if tick > 8 and bench.scheduler.idle:
             break
     bench.assert_nothing_held()
@@ -137,6 +149,34 @@ def test_no_wait_past_a_deadline_no_overtaking_and_fifo_within_a_priority(worklo
         outcome = events[-1].result
         if isinstance(outcome, QueueTimeout):
             assert request.seq_id is None and request.deadline is not None
+
+
+def test_a_stream_of_urgent_requests_cannot_starve_a_less_urgent_one():
+    bench = Bench(BatcherConfig(max_seqs=1, kv_block_size=4, priority_aging_ms=1000))
+    bench.submit([9], 2)  # runs first: everything else waits for its row
+    patient = bench.submit([1], 2, priority=5)
+    admitted_at = None
+    for tick in range(200):
+        bench.submit([2], 2, priority=0)  # a more urgent request arrives every tick
+        bench.now += 0.05
+        bench.step()
+        if patient.seq_id is not None:
+            admitted_at = bench.now
+            break
+    assert admitted_at is not None, "the less urgent request starved"
+    # It waited its aging time and then the rows ahead of it (each urgent request takes 3 ticks).
+    assert 1.0 <= admitted_at - patient.queued_at <= 1.0 + 4 * 0.05
+
+
+def test_without_aging_a_less_urgent_request_waits_behind_every_urgent_one():
+    bench = Bench(BatcherConfig(max_seqs=1, kv_block_size=4, priority_aging_ms=None))
+    bench.submit([9], 2)
+    patient = bench.submit([1], 2, priority=5)
+    for _ in range(200):
+        bench.submit([2], 2, priority=0)
+        bench.now += 0.05
+        bench.step()
+    assert patient.seq_id is None
 
 
 def test_a_follower_waits_for_its_leaders_prompt_and_holds_nobody_up():
@@ -171,4 +211,24 @@ def test_a_follower_of_a_cancelled_leader_goes_on_its_own():
     assert bench.sink(leader).result.finish_reason.kind == "cancelled"
     assert isinstance(bench.sink(follower).result, GenerationResult) and follower.seq_id is not None
     assert busy.status is RequestStatus.FINISHED
+    bench.assert_nothing_held()
+
+
+def test_requests_that_leave_the_queue_are_not_kept_by_the_deadline_heap():
+    import gc
+
+    from ferrox_batch.scheduler.request import Request
+
+    bench = Bench(BatcherConfig(kv_block_size=4, max_queue_wait_ms=10**9))  # a deadline nobody reaches
+    for _ in range(50):
+        for k in range(20):
+            bench.submit([1 + k], 1, cache_salt="deadline-heap")  # the salt marks this test's requests
+        bench.run_until_idle()
+        # Stale entries are dropped once they dominate: the heap stays within a constant of what waits.
+        assert bench.scheduler.waiting.deadline_entries <= 2 * len(bench.scheduler.waiting) + 32 + 20
+    bench.sinks.clear()  # the test's own references to the answered requests
+    bench.plans.clear()
+    gc.collect()
+    alive = sum(type(o) is Request and o.params.cache_salt == "deadline-heap" for o in gc.get_objects())
+    assert alive == 0, f"{alive} answered requests are still referenced"
     bench.assert_nothing_held()

@@ -7,7 +7,7 @@ from scheduler_fakes import Bench
 
 from ferrox_batch.batch.config import BatcherConfig
 from ferrox_batch.errors import InternalError
-from ferrox_batch.generation_types import FinishReason
+from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.scheduler.request import RequestStatus
 from ferrox_batch.scheduler.sink import Chunk, Finished
 
@@ -126,16 +126,18 @@ def test_update_refuses_a_runner_that_sampled_the_wrong_number_of_tokens():
         raise AssertionError("a miscounted update was accepted")
 
 
-def test_update_refuses_a_kv_store_that_disagrees_with_the_computed_tokens():
+def test_a_kv_store_that_disagrees_with_the_computed_tokens_fails_that_request_alone():
     bench = Bench(BatcherConfig())
-    bench.submit([1, 2, 3], 3)
-    plan = bench.scheduler.schedule()  # the fake forward never runs: the store holds nothing
-    try:
-        bench.scheduler.update(plan, [1])
-    except RuntimeError as error:
-        assert "the KV store holds 0" in str(error)
-    else:
-        raise AssertionError("a KV store that disagrees was not noticed")
+    lost = bench.submit([1, 2, 3], 3)
+    plan = bench.scheduler.schedule()  # the fake forward never runs for it: the store holds nothing
+    bench.scheduler.update(plan, [1])
+    error = bench.sink(lost).result
+    assert isinstance(error, InternalError) and "the KV store holds 0" in str(error)
+    # The scheduler goes on: the next request runs to its end and nothing stays held.
+    fine = bench.submit([4, 5], 2)
+    bench.run_until_idle()
+    assert isinstance(bench.sink(fine).result, GenerationResult)
+    bench.assert_nothing_held()
 
 
 def test_finished_requests_are_marked_finished():

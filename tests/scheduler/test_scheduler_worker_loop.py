@@ -1,7 +1,9 @@
 """The worker's loop with no model: a fake runner answers plans with fake sampled ids, so the loop's own
 promises are pinned alone: a forward that raises fails only the requests in it and the loop goes on; a
-scheduler bug (anything else escaping the loop) answers every request, the ones still on the channel too,
-through their sinks, and later sends are refused with the cause."""
+KV call that raises for one request fails that request alone; a tick that fails outside any one request
+fails the running requests and the loop goes on, until it keeps failing; and a crash (a `BaseException`,
+or failures that keep coming) answers every request, the ones still on the channel too, through their
+sinks, and later sends are refused with the cause."""
 
 from __future__ import annotations
 
@@ -107,28 +109,109 @@ def test_a_scheduler_bug_answers_everyone_through_their_sinks_and_refuses_later_
         worker.lifecycle.send(worker.jobs, bench.submit([4], 1, drained=False))
 
 
-@pytest.mark.parametrize("broken", ["allocate", "release"])
-def test_a_request_inside_a_kv_call_that_raises_is_still_answered_when_the_worker_dies(broken):
-    # A bug inside admission or inside the flush must not lose the request it was handling: the dying
-    # worker answers it with the others (no one polls for it).
+def test_a_kv_lease_that_cannot_be_made_fails_that_request_alone_and_the_loop_goes_on():
     bench = Bench(BatcherConfig(max_prefills_per_tick=4))
     worker = make_loop(bench, FakeRunner(bench))
+    allocate = bench.kv.allocate
 
-    def bug(*args):
-        raise TypeError(f"a bug in {broken}")
+    def allocate_unless_victim(positions, tokens=(), salt=None):
+        if list(tokens) == [1]:
+            raise TypeError("a bug in allocate")
+        return allocate(positions, tokens, salt)
 
+    bench.kv.allocate = allocate_unless_victim
     victim = bench.submit([1], 2, drained=False)
     other = bench.submit([2], 2, drained=False)
-    if broken == "allocate":
-        setattr(bench.kv, "allocate", bug)
     worker.jobs.put(victim)
     worker.jobs.put(other)
-    if broken == "release":
-        worker.tick()
-        setattr(bench.kv, "release", bug)
+    worker.lifecycle.close(worker.jobs)
     worker.run()
-    died = WorkerDied(f"TypeError: a bug in {broken}")
-    assert bench.sink(victim).finals == [died] and bench.sink(other).finals == [died]
+    error = bench.sink(victim).result
+    assert isinstance(error, InternalError) and "a bug in allocate" in str(error)
+    assert bench.sink(other).result.token_ids == (1, 1)
+    assert worker.lifecycle.dead is None
+    bench.assert_nothing_held()
+
+
+def test_a_lease_that_cannot_be_ended_keeps_its_answer_and_the_ledger_is_brought_back_in_line():
+    bench = Bench(BatcherConfig(max_prefills_per_tick=4))
+    worker = make_loop(bench, FakeRunner(bench))
+    release = bench.kv.release
+
+    def broken(seq_id):
+        release(seq_id)  # the store ends the lease, then the call raises anyway
+        raise TypeError("a bug in release")
+
+    bench.kv.release = broken
+    requests = [bench.submit([k + 1], 2, drained=False) for k in range(3)]
+    for request in requests:
+        worker.jobs.put(request)
+    worker.lifecycle.close(worker.jobs)
+    worker.run()
+    assert all(bench.sink(r).result.token_ids == (1, 1) for r in requests)
+    assert worker.lifecycle.dead is None
+    bench.assert_nothing_held()
+
+
+def test_a_lease_the_store_still_holds_stays_counted_until_it_can_be_ended():
+    bench = Bench(BatcherConfig(kv_block_size=4), kv_blocks=8)
+    worker = make_loop(bench, FakeRunner(bench))
+    release = bench.kv.release
+    failures = [TypeError("a bug in release, before the lease ended")]
+
+    def flaky(seq_id):
+        if failures:
+            raise failures.pop()
+        return release(seq_id)
+
+    bench.kv.release = flaky
+    first = bench.submit([1] * 5, 2, drained=False)  # 7 positions: 2 blocks
+    worker.jobs.put(first)
+    while not bench.sink(first).finals:
+        worker.tick()
+    assert bench.sink(first).result.token_ids == (1, 1)  # its answer stands
+    held = len(bench.kv.blocks_of(first.seq_id))
+    assert held == 2 and bench.scheduler.budget.free() == 8 - held  # never promised while the store holds them
+    whole = bench.submit([2] * 30, 2, drained=False)  # 32 positions: every block
+    worker.jobs.put(whole)
+    worker.lifecycle.close(worker.jobs)
+    worker.run()  # the next flush ends the orphaned lease, and the whole pool is free for `whole`
+    assert bench.sink(whole).result.token_ids == (1, 1)
+    assert worker.lifecycle.dead is None
+    bench.assert_nothing_held()
+
+
+def test_a_tick_that_fails_outside_any_request_fails_the_running_ones_and_the_loop_goes_on():
+    bench = Bench(BatcherConfig(max_prefills_per_tick=1, max_seqs=1))  # the second request waits
+    worker = make_loop(bench, FakeRunner(bench))
+    running = bench.submit([1], 5, drained=False)
+    worker.jobs.put(running)
+    worker.tick()  # its prompt
+    plan = bench.scheduler._prompt_chunks
+    bench.scheduler._prompt_chunks = lambda *a: (_ for _ in ()).throw(RuntimeError("a planning bug"))
+    waiting = bench.submit([2] * 3, 2, drained=False)
+    worker.jobs.put(waiting)
+    worker.tick()  # planning raises: the running request fails, the waiting one stays queued
+    error = bench.sink(running).result
+    assert isinstance(error, InternalError) and "a planning bug" in str(error)
+    assert bench.sink(waiting).finals == []
+    bench.scheduler._prompt_chunks = plan
+    worker.lifecycle.close(worker.jobs)
+    worker.run()
+    assert bench.sink(waiting).result.token_ids == (1, 1)
+    assert worker.lifecycle.dead is None
+    bench.assert_nothing_held()
+
+
+def test_ticks_that_keep_failing_outside_any_request_stop_the_worker():
+    bench = Bench(BatcherConfig())
+    worker = make_loop(bench, FakeRunner(bench))
+    bench.scheduler._admit = lambda: (_ for _ in ()).throw(RuntimeError("broken state"))
+    waiting = bench.submit([1], 2, drained=False)
+    worker.jobs.put(waiting)
+    worker.run()  # the same failure every tick: after MAX_FAILED_TICKS the worker gives up and answers
+    assert bench.sink(waiting).finals == [WorkerDied("RuntimeError: broken state")]
+    assert worker.lifecycle.dead == "RuntimeError: broken state"
 
 
 class SleepingRunner(FakeRunner):

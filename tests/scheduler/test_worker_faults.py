@@ -6,15 +6,17 @@ What this file pins:
   (`InternalError`); requests waiting for admission or prefilling outside that
   forward finish with their sequential answers; blocks, queue slots and KV
   pages all come back, and the worker serves later requests;
-* a sampler that raises fails the rows it was sampling (`InternalError`), a
-  row whose logits are NaN fails alone (`SamplingError`), and the worker
+* a sampler that raises inside its batched call samples each row again
+  alone, so only the row that makes it raise fails (`InternalError`); a
+  row whose logits are NaN fails alone (`SamplingError`); the worker
   serves on;
 * a decode (detokenizer) failure for one row fails that row only;
 * a streaming callback that raises cancels its own request only, and the
   callback's exception reaches its caller;
-* a crash of the worker itself (something escaping the tick: a
-  non-`Exception` raised by the decode fn, or a KV store that lost one of
-  the worker's sequences behind its back) answers every in-flight and waiting caller with `WorkerDied`
+* a KV store that lost one request's sequence behind the worker's back
+  fails that request alone, and the worker serves on;
+* a crash of the worker itself (a non-`Exception` escaping the tick, raised
+  by the decode fn or the forward) answers every in-flight and waiting caller with `WorkerDied`
   promptly, refuses every later call at once, reports `worker_alive=False`,
   and leaves `queue_depth == 0` and every block free.
 """
@@ -195,16 +197,18 @@ def test_a_prefill_failing_mid_prompt_gives_its_blocks_back(tiny_batch_model):
 
 
 class FlakySampler(BatchSampler):
-    """Raises on its `fail_on`-th `sample` call; remembers which prompts that call was sampling."""
+    """Raises whenever it samples the victim's row for its `fail_from`-th token or later: a fault carried by
+    one request (its sampler state), hit inside the batched call that samples every row."""
 
-    fail_on: ClassVar[int] = 4
+    fail_from: ClassVar[int] = 3
+    victim: ClassVar[tuple[int, ...]] = tuple(PROMPTS[1])
     instances: ClassVar[list[FlakySampler]] = []
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.calls = 0
         self.prompt_of: dict[int, tuple[int, ...]] = {}
-        self.failed_prompts: list[tuple[int, ...]] | None = None
+        self.sampled: dict[int, int] = {}
+        self.batched_faults = 0  # calls that raised while sampling more than the victim
         FlakySampler.instances.append(self)
 
     def new_row(self, params, seed, prompt_ids, *rest):
@@ -213,14 +217,16 @@ class FlakySampler(BatchSampler):
         return row
 
     def sample(self, logits, rows, masks=None):
-        self.calls += 1
-        if self.calls == self.fail_on:
-            self.failed_prompts = [self.prompt_of[id(row)] for row in rows]
-            raise RuntimeError("injected sampler fault")
+        for row in rows:
+            if self.prompt_of[id(row)] == self.victim:
+                self.sampled[id(row)] = self.sampled.get(id(row), 0) + 1
+                if self.sampled[id(row)] >= self.fail_from:
+                    self.batched_faults += len(rows) > 1
+                    raise RuntimeError("injected sampler fault")
         return super().sample(logits, rows, masks)
 
 
-def test_a_sampler_that_raises_fails_the_rows_it_was_sampling(tiny_batch_model, monkeypatch):
+def test_a_sampler_that_raises_fails_only_the_row_that_makes_it_raise(tiny_batch_model, monkeypatch):
     model = tiny_batch_model
     FlakySampler.instances.clear()
     monkeypatch.setattr(wiring_module, "BatchSampler", FlakySampler)
@@ -231,15 +237,13 @@ def test_a_sampler_that_raises_fails_the_rows_it_was_sampling(tiny_batch_model, 
         jobs = [(p, greedy_params(10)) for p in PROMPTS[:5]]
         threads, outcomes, chunks, _ = submit_all(batcher, jobs)
         join_all(threads)
-        assert sampler.failed_prompts, "the fault was never hit"
-        failed = set(sampler.failed_prompts)
+        assert sampler.batched_faults, "the fault never hit a batched call"
         for k, (prompt, params) in enumerate(jobs):
-            if tuple(prompt) in failed:
+            if tuple(prompt) == FlakySampler.victim:
                 assert isinstance(outcomes[k], InternalError), outcomes[k]
                 assert "injected sampler fault" in str(outcomes[k])
-            else:
+            else:  # sampled again alone after the batched call raised: the same tokens as alone
                 assert_sequential(model, prompt, params, outcomes[k], chunks[k])
-        assert len(failed) < len(jobs)
         assert_settled(batcher)
         assert_serves(batcher, model)
 
@@ -323,6 +327,32 @@ def test_a_streaming_callback_that_raises_cancels_only_its_own_request(tiny_batc
         assert_serves(batcher, model)
 
 
+def test_a_store_that_loses_one_sequence_fails_that_request_alone(tiny_batch_model):
+    model = tiny_batch_model
+    lost: list[int] = []
+
+    def after_forward(call, chunks, store):
+        if call == 4:  # a decode row's sequence vanishes from the store
+            lost.append(decoder.first_tokens_of([chunks[0].seq_id]).pop())
+            store.free_sequence(chunks[0].seq_id)
+
+    decoder = FaultyDecoder(model.decoder, after_forward=after_forward)
+    jobs = [(p, greedy_params(12)) for p in PROMPTS[:4]]
+    batcher = ContinuousBatcher.spawn_with_config(decoder, identity_decode, budget_config(4, 128, max_seqs=4))
+    with batcher:
+        threads, outcomes, chunks, _ = submit_all(batcher, jobs)
+        join_all(threads)
+        assert len(lost) == 1
+        for k, (prompt, params) in enumerate(jobs):
+            if prompt[0] == lost[0]:
+                assert isinstance(outcomes[k], InternalError) and "KeyError" in str(outcomes[k]), outcomes[k]
+            else:
+                assert_sequential(model, prompt, params, outcomes[k], chunks[k])
+        assert batcher.stats().worker_alive
+        assert_settled(batcher)
+        assert_serves(batcher, model)
+
+
 # --------------------------------------------------------------------------- worker crash
 
 
@@ -334,8 +364,7 @@ def crash() -> None:
     raise Crash("injected crash")
 
 
-@pytest.mark.parametrize("how", ["decode_raises_base_exception", "store_loses_a_sequence",
-                                 "forward_raises_base_exception"])
+@pytest.mark.parametrize("how", ["decode_raises_base_exception", "forward_raises_base_exception"])
 def test_a_crashed_worker_answers_everyone_and_refuses_later_calls(tiny_batch_model, how):
     model = tiny_batch_model
     # Nobody polls the worker's liveness: each caller hears of the death from the dying worker
@@ -358,8 +387,6 @@ def test_a_crashed_worker_answers_everyone_and_refuses_later_calls(tiny_batch_mo
         return identity_decode(ids)
 
     def after_forward(call, chunks, store):
-        if how == "store_loses_a_sequence" and call == 4:
-            hold_then(lambda: store.free_sequence(chunks[0].seq_id))
         if how == "forward_raises_base_exception" and call > 1 and any(len(c.tokens) > 1 for c in chunks):
             hold_then(crash)  # a later prompt's chunk, next to a decode: taken off the prefill queue
 
@@ -384,7 +411,7 @@ def test_a_crashed_worker_answers_everyone_and_refuses_later_calls(tiny_batch_mo
             assert isinstance(outcomes[k], WorkerDied), outcomes[k]
             assert answered[k] - released < 5.0, "a caller waited on a dead worker"
         cause = outcomes[0].cause
-        assert ("KeyError" in cause) if how == "store_loses_a_sequence" else ("Crash" in cause), cause
+        assert "Crash" in cause, cause
         # Later calls are refused at once, with the same cause.
         t0 = time.monotonic()
         with pytest.raises(WorkerDied) as later:

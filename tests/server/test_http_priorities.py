@@ -19,6 +19,8 @@ import pytest
 from server_helpers import DEADLINE, MODEL_NAME, gated_batcher, letter_gate, openai_client, poll, served, stats
 
 REQUEST = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+#: The priorities these servers let clients use (by default only 0: `test_client_priorities`).
+PRIORITIES = (-10, 10)
 
 
 def create(client: openai.OpenAI, rid: str, **extra):
@@ -30,7 +32,7 @@ def test_priority_orders_admission_and_a_queue_deadline_is_503(tiny_batch_model,
     gate = letter_gate(permits=0)
     batcher = gated_batcher(tiny_batch_model, gate, max_seqs=1)
     caplog.set_level(logging.INFO, logger="ferrox_batch.server")
-    with served(batcher) as (base_url, _app), openai_client(base_url) as client, \
+    with served(batcher, client_priorities=PRIORITIES) as (base_url, _app), openai_client(base_url) as client, \
             concurrent.futures.ThreadPoolExecutor(4) as pool:
         running = pool.submit(create, client, "running")
         gate.wait_calls(1)  # admitted, and holding the worker (and its one row) inside its first decode
@@ -59,7 +61,7 @@ def test_priority_orders_admission_and_a_queue_deadline_is_503(tiny_batch_model,
 
 def test_bad_priorities_and_deadlines_are_400s_naming_the_field(tiny_batch_model):
     batcher = gated_batcher(tiny_batch_model, letter_gate(permits=None))
-    with served(batcher) as (base_url, _app), openai_client(base_url) as client:
+    with served(batcher, client_priorities=PRIORITIES) as (base_url, _app), openai_client(base_url) as client:
         for field, value in (("priority", 1.5), ("priority", 2**31), ("priority", True), ("max_queue_wait_ms", 0),
                              ("max_queue_wait_ms", -3), ("max_queue_wait_ms", "10")):
             with pytest.raises(openai.BadRequestError) as bad:

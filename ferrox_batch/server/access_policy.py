@@ -1,0 +1,108 @@
+"""`AccessPolicy`: what a request must show before anything of it is read, and the tenant it then belongs to.
+
+Three checks, in this order, each from the request line and headers alone (the body is never read for a
+refusal), each refusal in OpenAI's error shape:
+
+1. **Host** (`host_check`): with an allowed list, a request naming another host is a 400
+   `host_not_allowed`. It comes first: a DNS-rebinding page learns nothing else about the server.
+2. **The API key** (`api_keys`): with keys set, a missing, malformed or unknown bearer key is a 401
+   `invalid_api_key` with `WWW-Authenticate: Bearer`. A known key names the request's tenant, whose
+   prefix-cache namespace the policy hands back.
+3. **A JSON body.** A POST must say `Content-Type: application/json` (parameters such as charset allowed),
+   else 415 `unsupported_media_type`. Every POST this API has takes JSON, and a browser sends a cross-origin
+   POST without asking first (no CORS preflight) only with a "simple" type (text/plain, a form, or none):
+   refusing those leaves a web page no way to make the user's browser drive the API.
+
+`OPEN_PATHS` (liveness, readiness and scraping) skip the Host and key checks: probes and scrapers name
+the pod's address and carry no key, and those routes tell a caller nothing about anyone's requests.
+The server's `AccessMiddleware` and the Ray ingress apply the same policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.datastructures import Headers
+from starlette.responses import JSONResponse
+
+from ferrox_batch.server.api_keys import ApiKeys
+from ferrox_batch.server.host_check import check_allowed_hosts, host_allowed
+from ferrox_batch.server.log_text import loggable
+
+#: Routes neither a Host list nor a key guards: health checks and Prometheus scrapes come from
+#: infrastructure, not clients (vLLM leaves them open to keys too).
+OPEN_PATHS = ("/health", "/metrics")
+#: The media type every POST body of this API is.
+JSON_MEDIA_TYPE = "application/json"
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A request refused before its body was read: its status, OpenAI error code and message."""
+
+    status: int
+    code: str
+    message: str
+    #: What the server's log line says (client text escaped, as in `message`).
+    logged: str
+    headers: Mapping[str, str] | None = None
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": "invalid_request_error", "param": None,
+                          "code": self.code}}
+        return JSONResponse(body, status_code=self.status, headers=dict(self.headers) if self.headers else None)
+
+
+class AccessPolicy:
+    """The three checks of one server (see the module docstring); immutable once built."""
+
+    __slots__ = ("keys", "allowed_hosts")
+
+    def __init__(self, *, api_key: str | Sequence[str] | None = None, allowed_hosts: Sequence[str] | None = None,
+                 shared_prefix_cache: bool = False) -> None:
+        if not isinstance(shared_prefix_cache, bool):
+            raise ValueError(f"shared_prefix_cache must be true or false, got {shared_prefix_cache!r}")
+        self.keys = ApiKeys.of(api_key, shared_prefix_cache=shared_prefix_cache)
+        self.allowed_hosts = check_allowed_hosts(allowed_hosts)
+
+    @classmethod
+    def from_settings(cls, settings: Mapping[str, Any]) -> AccessPolicy:
+        """The policy of `create_app` keywords (`api_key`, `allowed_hosts`, `shared_prefix_cache`); other
+        keys are ignored."""
+        return cls(api_key=settings.get("api_key"), allowed_hosts=settings.get("allowed_hosts"),
+                   shared_prefix_cache=settings.get("shared_prefix_cache", False))
+
+    def check(self, method: str, path: str, headers: Headers) -> tuple[Refusal | None, str | None]:
+        """(the refusal, None), or (None, the tenant's prefix-cache namespace: None without keys or with a
+        shared cache)."""
+        namespace = None
+        if path not in OPEN_PATHS:
+            host = headers.get("host")
+            if self.allowed_hosts is not None and not host_allowed(host, self.allowed_hosts):
+                shown = "no Host header" if host is None else f"Host '{loggable(host)}'"
+                return Refusal(400, "host_not_allowed",
+                               f"this server does not answer to {shown}: it allows {', '.join(self.allowed_hosts)} "
+                               f"(its --allowed-hosts)",
+                               f"{shown} is not allowed"), None
+            if self.keys is not None:
+                scheme, _, token = headers.get("authorization", "").partition(" ")
+                if scheme.lower() != "bearer" or not token.strip():
+                    return _unauthorised("this server needs an API key: send it as 'Authorization: Bearer <key>'"), None
+                index = self.keys.match(token.strip())
+                if index is None:
+                    return _unauthorised("the API key is not valid"), None
+                namespace = self.keys.namespace_of(index)
+        if method == "POST":
+            given = headers.get("content-type")
+            if given is None or given.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
+                shown = "no Content-Type" if given is None else f"Content-Type '{loggable(given)}'"
+                return Refusal(415, "unsupported_media_type",
+                               f"a POST body must be JSON: send 'Content-Type: {JSON_MEDIA_TYPE}' (got {shown})",
+                               f"{shown}, not JSON"), None
+        return None, namespace
+
+
+def _unauthorised(message: str) -> Refusal:
+    return Refusal(401, "invalid_api_key", message, message, {"WWW-Authenticate": "Bearer"})

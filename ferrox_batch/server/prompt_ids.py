@@ -1,0 +1,51 @@
+"""Prompt text to ids, refusing unread a text too long to ever fit the context.
+
+Tokenizing is the costliest step of a request before admission, and it grows with the prompt:
+a body near the size cap takes seconds. But a text's length alone bounds its id count from below
+(`Tokenizer.least_tokens`: no id stands for more than `max_token_chars` characters), so a text
+whose bound is past the context ceiling can never be served, and is refused before the tokenizer
+sees it, with the ceiling's own refusal (`KvBudgetExceeded`, `context_length_exceeded`, 400), the
+one a prompt that tokenized too long gets. A text that passes may still be refused once its exact
+count is known. `/tokenize` passes no ceiling: it counts, and a client counting a text it means to
+truncate must get the count, not a refusal. These refusals are not the ceiling's: they leave its counter alone (the server's
+refusal metrics count them by their code).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from ferrox_batch.budget import ContextCeiling
+from ferrox_batch.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, KvBudgetExceeded
+from ferrox_batch.models.tokenizer import ChatMessage, Tokenizer
+
+
+def encode_prompt(tokenizer: Tokenizer, text: str, ceiling: ContextCeiling | None, *,
+                  add_special_tokens: bool = True) -> list[int]:
+    """`tokenizer.encode(text)`, unless `text` is provably longer than the ceiling (`KvBudgetExceeded`);
+    None: no ceiling (counting tokens only)."""
+    limit = None if ceiling is None else ceiling.limit()
+    if limit is not None:
+        least = tokenizer.least_tokens(text)
+        if least > limit:
+            raise KvBudgetExceeded(
+                binding=CONTEXT_LENGTH_EXCEEDED, estimated_bytes=ceiling.bytes_for(least),
+                limit_bytes=ceiling.bytes_for(limit), positions=least, positions_limit=limit,
+                detail=f"prompt is too long: its {len(text)} characters are at least {least} tokens "
+                       f"> {limit} maximum")
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def encode_chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage | Mapping[str, Any]],
+                       ceiling: ContextCeiling | None, *, tools: Sequence[Mapping[str, Any]] | None = None,
+                       add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
+    """The templated conversation's ids (`Tokenizer.encode_chat`, checked as `encode_prompt`); a template
+    that refuses the messages is the client's 400."""
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    except ValueError as bad:
+        raise InvalidRequest("messages", list(messages),
+                             f"could not be rendered by the checkpoint's chat template ({bad})") from None
+    # The template writes any BOS itself.
+    return encode_prompt(tokenizer, text, ceiling, add_special_tokens=add_special_tokens)

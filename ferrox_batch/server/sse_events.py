@@ -1,0 +1,50 @@
+"""The server-sent events of one streamed request, from its first event to `data: [DONE]`.
+
+A request's choices (`n`) stream through one body: each choice's opening chunks, then its text as it comes
+(with the log-probabilities of the tokens it carries), then its closing and final chunks once it is done;
+after the last choice, the usage chunk when asked for, and `[DONE]`. A failure after text went out is
+reported in-band, as OpenAI's streams do. The response that carries this body cancels the request if it
+ends early (`streaming.EventStreamResponse`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from ferrox_batch.server.errors import error_body
+from ferrox_batch.server.responses import DONE, WireFormat, finish_reason, sse
+from ferrox_batch.server.streaming import Done, Event, Text
+from ferrox_batch.usage import Usage
+
+
+async def sse_events(first: tuple[int, Text | Done], events: AsyncIterator[tuple[int, Event]], fmt: WireFormat,
+                     include_usage: bool, choices: int) -> AsyncIterator[bytes]:
+    """The SSE body from the first event on: `events` are the choices' (index, event) pairs as they come."""
+    for chunk in fmt.opening_chunks(choices):
+        yield sse(chunk)
+    sent = [0] * choices  # log-probabilities streamed so far, per choice
+    usages: dict[int, Usage] = {}
+    index, event = first
+    while True:
+        if isinstance(event, Text):
+            text = fmt.streamed_text(index, event.text)
+            if text:
+                yield sse(fmt.text_chunk(index, text, event.logprobs))
+                sent[index] += len(event.logprobs)
+        elif isinstance(event, Done):
+            closing, reason = fmt.closing_chunks(index)
+            for chunk in closing:
+                yield sse(chunk)
+            rest = (event.result.logprobs or ())[sent[index]:]
+            yield sse(fmt.final_chunk(index, reason or finish_reason(event.result.finish_reason), rest))
+            usages[index] = event.result.usage
+            if len(usages) == choices:
+                if include_usage:
+                    yield sse(fmt.usage_chunk([usages[i] for i in range(choices)]))
+                yield DONE
+                return
+        else:  # a failure after text went out: reported in-band, as OpenAI streams do
+            yield sse(error_body(event.error))
+            yield DONE
+            return
+        index, event = await anext(events)
