@@ -142,16 +142,17 @@ COMMON = {
 }
 COMPLETION = {**COMMON,
               "prompt": field(st.one_of(prompt_text, token_ids, st.lists(prompt_text, min_size=1, max_size=1)),
-                              [], "", [[]], [[1, 2], [3]], ["a", "b"]),
+                              [], "", [[]], [[1, 2], [3]], ["a", "b"], "\ud800", "hi \udfff there", ["\ud800"]),
               "echo": field(st.booleans()), "best_of": field(st.integers(1, 3), 0, 17),
               "logprobs": field(st.integers(0, 5), 21, -1, True), "suffix": field(st.just(""), "tail")}
-CHAT = {**COMMON, "messages": field(messages, [], {}, "hi"),
+CHAT = {**COMMON, "messages": field(messages, [], {}, "hi", [{"role": "user", "content": "\ud800"}]),
         "tools": field(st.lists(tool, max_size=2), [], {}, [{"type": "function"}]),
         "tool_choice": field(st.sampled_from(["none", "auto", "required"]), {"type": "function"},
                              {"type": "function", "function": {"name": "missing"}}),
         "response_format": field(response_format),
         "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 5), 21, -1)}
-TOKENIZE = {"prompt": field(prompt_text), "messages": field(messages), "add_special_tokens": field(st.booleans()),
+TOKENIZE = {"prompt": field(prompt_text, "\ud800", "a\udfffb", ""), "messages": field(messages),
+            "add_special_tokens": field(st.booleans()),
             "add_generation_prompt": field(st.booleans()), "return_token_strs": field(st.booleans()),
             "tools": field(st.lists(tool, max_size=2)), "continue_final_message": field(st.booleans())}
 DETOKENIZE = {"tokens": field(token_ids, [2**64], [-1], [VOCAB], [[1]])}
