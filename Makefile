@@ -58,9 +58,9 @@ test: deps fetch
 # machine already at default), so every machine also checks the paths older CPUs run. The C kernels
 # need no rerun: test_cpu_kernels builds and checks every flag set. About 45 s per capability on a
 # 2-core AVX2 machine.
-NUMERIC_TESTS := tests/models/test_cpu_kernels.py tests/models/test_decoder.py tests/models/test_sampler.py \
-	tests/models/test_linear.py tests/models/test_gguf_convert.py tests/models/test_real_model.py \
-	tests/scheduler/test_batching.py tests/scheduler/test_logprobs.py tests/models/test_real_model_prefix_cache.py
+NUMERIC_TESTS := tests/runtime/kernels/test_cpu_kernels.py tests/runtime/architectures/test_decoder.py tests/runtime/sampling/test_sampler.py \
+	tests/runtime/architectures/test_linear.py tests/runtime/loading/test_gguf_convert.py tests/runtime/architectures/test_real_model.py \
+	tests/scheduler/test_batching.py tests/scheduler/test_logprobs.py tests/runtime/kv/test_real_model_prefix_cache.py
 LOWER_CPU_CAPABILITIES := import torch; order = ["avx512", "avx2", "default"]; \
 	native = torch.backends.cpu.get_cpu_capability().lower(); \
 	print(*(order[order.index(native) + 1:] if native in order else ["default"]))

@@ -9,15 +9,15 @@ __version__ = "0.1.0"
 # Lazy exports (PEP 562): the admission arithmetic must import without torch, so the
 # package itself imports nothing heavy until one of these names is used.
 _EXPORTS = {
-    "BatcherConfig": "ferrox_batch.batch.config",
+    "BatcherConfig": "ferrox_batch.admission.config",
     "CancelToken": "ferrox_batch.cancel",
-    "ContinuousBatcher": "ferrox_batch.batch.handle",
+    "ContinuousBatcher": "ferrox_batch.engine.handle",
     "DecodeError": "ferrox_batch.errors",
     "FinishReason": "ferrox_batch.generation_types",
     "GenerationParams": "ferrox_batch.generation_types",
     "GenerationResult": "ferrox_batch.generation_types",
     "SamplingParams": "ferrox_batch.generation_types",
-    "load_model": "ferrox_batch.models.loader",
+    "load_model": "ferrox_batch.runtime.loading.loader",
 }
 __all__ = sorted(_EXPORTS)
 

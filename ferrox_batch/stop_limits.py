@@ -33,7 +33,7 @@ MAX_STOPS = 64
 MAX_STOP_CHARS = 256
 
 #: Stop token ids per request, counting the stop strings that are one token
-#: (`batch.text.text_params` adds those, up to `MAX_STOPS`), so a caller's own
+#: (`engine.text.text_params` adds those, up to `MAX_STOPS`), so a caller's own
 #: list may hold at least 192. Each is one frozenset entry, checked per token
 #: in constant time; the cap bounds the set built per request.
 MAX_STOP_TOKEN_IDS = 256

@@ -3,7 +3,7 @@
 `json_object` asks for any JSON object; `json_schema` for JSON valid against `schema` (kept as canonical JSON
 text, so two requests with the same schema compare equal); `lark` for text in a Lark grammar (llguidance's
 dialect, which may embed JSON schemas: how a forced tool call is written). The grammar engine lives with the sampler
-(`models.grammar`); this module is shared vocabulary and imports neither it nor torch.
+(`runtime.sampling.grammar`); this module is shared vocabulary and imports neither it nor torch.
 
 `MAX_SPEC_BYTES` bounds a spec's text: the grammar engine refuses a longer one before compiling anything, and
 the server's readers (`response_format`, a tool's `parameters`) refuse one as they read it, naming the field.
@@ -20,7 +20,7 @@ from ferrox_batch.errors import InvalidRequest
 
 KINDS = ("json_object", "json_schema", "lark")
 #: The most bytes a spec's text may have (a schema as compact JSON, or a Lark grammar): real tool and
-#: response schemas are a few KB, large ones about 100 KB; `models.grammar` says what a compile costs.
+#: response schemas are a few KB, large ones about 100 KB; `runtime.sampling.grammar` says what a compile costs.
 MAX_SPEC_BYTES = 256 * 1024
 
 
@@ -62,7 +62,7 @@ class StructuredOutput:
 
 
 class CompiledSpec(Protocol):
-    """A `StructuredOutput` compiled for the model's tokenizer (`models.grammar.CompiledGrammar`): what a
+    """A `StructuredOutput` compiled for the model's tokenizer (`runtime.sampling.grammar.CompiledGrammar`): what a
     request carries from its submit to the worker, opaque to everything in between."""
 
     @property

@@ -26,7 +26,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ferrox_batch.bench.batcher import default_model  # noqa: E402
-from ferrox_batch.models.device import cpu_description  # noqa: E402
+from ferrox_batch.runtime.device import cpu_description  # noqa: E402
 
 VOCAB = 49152
 SCHEMAS = {

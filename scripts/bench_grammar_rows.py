@@ -12,7 +12,6 @@ engine refuses it; shown as such).
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import sys
@@ -27,8 +26,8 @@ import llguidance  # noqa: E402
 from ferrox_batch.bench.batcher import default_model  # noqa: E402
 from ferrox_batch.bench.schemas import optional_properties, tool_schemas  # noqa: E402
 from ferrox_batch.errors import GrammarConstraint  # noqa: E402
-from ferrox_batch.models.device import cpu_description  # noqa: E402
-from ferrox_batch.models.grammar import JSON_OPTIONS, Grammars  # noqa: E402
+from ferrox_batch.runtime.device import cpu_description  # noqa: E402
+from ferrox_batch.runtime.sampling.grammar import JSON_OPTIONS, Grammars  # noqa: E402
 from ferrox_batch.structured import StructuredOutput  # noqa: E402
 
 VOCAB = 49152

@@ -20,7 +20,7 @@ from pathlib import Path
 import ray
 from ray import serve
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.bench import conversations
 from ferrox_batch.bench.http import chat_loop, stream_completion
 from ferrox_batch.bench.report import fmt
@@ -28,9 +28,9 @@ from ferrox_batch.bench.workloads import Request
 from ferrox_batch.cli.common import parse_memory_size
 from ferrox_batch.deploy import ROUTERS
 from ferrox_batch.deploy.ray_serve import APP_NAME, ReplicaSpec, build_application, replica_ids, replica_stats
-from ferrox_batch.models.device import cpu_description
-from ferrox_batch.models.fetch import default_model_dir, ferrox_home_from_env
-from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.runtime.device import cpu_description
+from ferrox_batch.runtime.loading.fetch import default_model_dir, ferrox_home_from_env
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 
 
 def run(port: int, tokenizer: Tokenizer, plan: conversations.Plan, timeout: float) -> dict:

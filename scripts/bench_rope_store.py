@@ -2,7 +2,7 @@
 
 The default model's shape (9 query heads, 3 KV heads, head size 64), a decode step's rows (32) and a
 prefill step's (1,024), pools in float32 and float16. The torch side is the decoder's fallback path:
-index the rope tables, rotate q and k (`models.rope.apply_rope`), stack K and V, cast them to the pool's
+index the rope tables, rotate q and k (`runtime.architectures.rope.apply_rope`), stack K and V, cast them to the pool's
 dtype and `index_copy_` them in; the kernel does all of it in one call (`CpuKernels.rope_store`). Both
 sides start from a fresh copy of the projection, as a layer does. Prints microseconds per layer, the
 better of two rounds of `--calls` calls each.
@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from ferrox_batch.models.cpu_kernels import cpu_kernels  # noqa: E402
-from ferrox_batch.models.device import cpu_description  # noqa: E402
-from ferrox_batch.models.rope import apply_rope  # noqa: E402
+from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
+from ferrox_batch.runtime.device import cpu_description  # noqa: E402
+from ferrox_batch.runtime.architectures.rope import apply_rope  # noqa: E402
 
 HEADS, KV, HEAD = 9, 3, 64
 POSITIONS, SLOTS = 8192, 40_000

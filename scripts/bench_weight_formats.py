@@ -5,11 +5,11 @@ The four linears of one SmolLM2-135M layer (fused qkv 576->960, o 576->576, fuse
 down 1536->576), times 30 layers, plus the lm head (576->49,152) once unless `--no-lm-head`, at 1 to
 1,024 rows, random weights, medians of 30 calls (5 at 256 rows and more), side by side:
 - fp32 `F.linear` (MKL);
-- fp32 packed for oneDNN once (`models.linear.Linear`, what `--dtype fp32` runs);
+- fp32 packed for oneDNN once (`runtime.architectures.linear.Linear`, what `--dtype fp32` runs);
 - fp16 weights through fbgemm (`Linear(..., weights="fp16")`);
 - fp16 weights through our kernel (`csrc/f16_gemm.c`, `Linear(..., weights="fp16", kernels=...)`: what
   `--dtype fp16w` runs where the kernels build with AVX2, FMA and F16C; the gate/up projection is timed
-  as a plain product here, without the SiLU gate `models.gate_up` folds into it);
+  as a plain product here, without the SiLU gate `runtime.architectures.gate_up` folds into it);
 - int8 weight-only (`torch._weight_int8pack_mm`, per-channel scales, fp32 activations);
 - bf16 weights and activations through `F.linear` (emulated on a CPU without avx512_bf16).
 Each row also gives the packed and fp16 kernels' GFLOP/s, so the rate at decode's small row counts can be
@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ferrox_batch.models.cpu_kernels import cpu_kernels  # noqa: E402
-from ferrox_batch.models.device import cpu_description  # noqa: E402
-from ferrox_batch.models.linear import Linear  # noqa: E402
+from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
+from ferrox_batch.runtime.device import cpu_description  # noqa: E402
+from ferrox_batch.runtime.architectures.linear import Linear  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's linears
 LAYERS = 30

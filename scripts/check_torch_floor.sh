@@ -4,7 +4,7 @@
 # dependencies held to it, then the test suite. Too heavy for CI; run it by hand when the floor or a
 # torch API the code uses changes.
 #   scripts/check_torch_floor.sh                 # the whole suite
-#   scripts/check_torch_floor.sh tests/models/test_decoder.py -x
+#   scripts/check_torch_floor.sh tests/runtime/architectures/test_decoder.py -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
 floor=$(sed -n 's/^ *"torch>=\([0-9.]*\)".*/\1/p' pyproject.toml)
@@ -21,5 +21,5 @@ printf 'torch==%s\ntransformers<5\n' "$version" > "$venv/constraints.txt"
 # transformers 4's GGUF tokenizer adds a BOS that 5 (and the checkpoint's own tokenizer) does not: these
 # two compare with that reference, not with torch, so they are left to the main suite.
 exec "$venv/bin/python" -m pytest -q -p no:cacheprovider \
-  --deselect tests/models/test_fetch.py::test_real_folder_generates_like_the_gguf \
-  --deselect tests/models/test_fetch.py::test_real_tokenizer_matches_transformers_gguf_tokenizer "$@"
+  --deselect tests/runtime/loading/test_fetch.py::test_real_folder_generates_like_the_gguf \
+  --deselect tests/runtime/loading/test_fetch.py::test_real_tokenizer_matches_transformers_gguf_tokenizer "$@"

@@ -25,8 +25,8 @@ PY
 
 # Model and batcher tests that need no fetched checkpoint (tiny random models made by the fixtures).
 timeout 330 "$PY" -m pytest -q -p no:cacheprovider -m "not real_model" \
-  tests/models/test_decoder.py tests/models/test_paged_kv.py tests/models/test_linear.py \
-  tests/models/test_sampler.py tests/models/test_loader.py tests/models/test_tokenizer.py tests/scheduler \
+  tests/runtime/architectures/test_decoder.py tests/runtime/kv/test_paged_kv.py tests/runtime/architectures/test_linear.py \
+  tests/runtime/sampling/test_sampler.py tests/runtime/loading/test_loader.py tests/runtime/loading/test_tokenizer.py tests/scheduler \
   tests/e2e/test_from_model.py tests/e2e/test_generate_text.py 2>&1 | tee "$OUT/tests.log"
 tests_rc=${PIPESTATUS[0]}
 

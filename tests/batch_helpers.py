@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.generation_types import GenerationParams, SamplingParams
-from ferrox_batch.models.batch_inputs import SeqChunk
-from ferrox_batch.models.sampler import BatchSampler
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
+from ferrox_batch.runtime.sampling.sampler import BatchSampler
 from ferrox_batch.stop_tokens import StopTokens
 
 

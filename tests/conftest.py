@@ -68,7 +68,7 @@ def tiny_variant_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_llama_dir: Path):
-    from ferrox_batch.models.loader import load_model
+    from ferrox_batch.runtime.loading.loader import load_model
 
     return load_model(tiny_llama_dir, device=TEST_DEVICE, dtype="float32")
 
@@ -80,7 +80,7 @@ def default_model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def real_model_dir() -> Path:
-    from ferrox_batch.models.fetch import fetch_default_model
+    from ferrox_batch.runtime.loading.fetch import fetch_default_model
 
     home = default_model_dir().parent.parent
     return fetch_default_model(home, progress=False, log=lambda *_: None)
@@ -94,7 +94,7 @@ def tiny_batch_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_batch_model(tiny_batch_dir: Path):
-    from ferrox_batch.models.loader import load_model
+    from ferrox_batch.runtime.loading.loader import load_model
 
     return load_model(tiny_batch_dir, device=TEST_DEVICE, dtype="float32")
 

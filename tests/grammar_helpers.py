@@ -1,7 +1,7 @@
 """Helpers for the grammar-compile tests: a recorder of llguidance's compile work, and the schemas.
 
 `BuildRecorder` stands in for `llguidance.LLMatcher` (monkeypatched onto the module, which is how
-`models.grammar` reaches it): every matcher built and every grammar validated is recorded with the thread
+`runtime.sampling.grammar` reaches it): every matcher built and every grammar validated is recorded with the thread
 that did it, then handed to the real class. Other static methods pass through unrecorded, and a row's copy
 (`deep_copy` on an instance) is not a build, so it is not recorded. `gate`: when set, the first recorded
 call waits on it (to hold a compile in flight).

@@ -28,8 +28,8 @@ import uvicorn
 from batch_helpers import identity_decode
 from worker_helpers import Gate
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.server import create_app
 
 #: How long a test waits for a server to start or stop, or for a state it polls for.

@@ -46,7 +46,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.bench.conversations import chat_shape, chat_state
 from ferrox_batch.bench.report import CHAT_SHAPES, CHECKED, check_ids, report
 from ferrox_batch.bench.runs import OURS, child_chat, run_ours
@@ -69,7 +69,7 @@ CHILD_MODULE = "ferrox_batch.bench.batcher"
 
 def default_model(env: Mapping[str, str]) -> str:
     """The fetched default checkpoint under `$FERROX_HOME` (or `~/.cache/ferrox-batch`), as before the move."""
-    from ferrox_batch.models.fetch import default_model_dir, ferrox_home_from_env
+    from ferrox_batch.runtime.loading.fetch import default_model_dir, ferrox_home_from_env
 
     return str(default_model_dir(ferrox_home_from_env(env)))
 
@@ -125,7 +125,7 @@ def resolved_dtype(dtype: str, device: str = "cpu") -> tuple[str, str]:
     """`auto` made concrete as the server makes it on `device` (bf16, fp16w or fp32), with the reason."""
     import torch
 
-    from ferrox_batch.models.device import choose_dtype_reasoned
+    from ferrox_batch.runtime.device import choose_dtype_reasoned
 
     choice = choose_dtype_reasoned(dtype, torch.device(device))
     return choice.name, choice.reason
@@ -144,7 +144,7 @@ def sized(args: argparse.Namespace, requests: list[Request]) -> tuple[int, int]:
 def child_main(args: argparse.Namespace) -> int:
     import torch
 
-    from ferrox_batch.models.tokenizer import Tokenizer
+    from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -222,8 +222,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     args = parse_args(argv, env, prog)
     if args.child:
         return child_main(args)
-    from ferrox_batch.models.device import cpu_description
-    from ferrox_batch.models.tokenizer import Tokenizer
+    from ferrox_batch.runtime.device import cpu_description
+    from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ferrox_batch.models.config import ModelConfig
+from ferrox_batch.runtime.config import ModelConfig
 
 
 def linear_params(config: ModelConfig) -> int:
@@ -68,8 +68,8 @@ def gemm_peak(size: int = 2048, repeats: int = 5) -> GemmPeak:
     """The machine's GEMM rates at `size` x `size` x `size` (fast minimum of `repeats`)."""
     import torch
 
-    from ferrox_batch.models.cpu_kernels import cpu_kernels
-    from ferrox_batch.models.device import fbgemm_fp16_available
+    from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
+    from ferrox_batch.runtime.device import fbgemm_fp16_available
 
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)

@@ -12,7 +12,7 @@ a request's consecutive streamed chunks, pooled.
 `--peer NAME=COMMAND` adds another OpenAI-compatible server to the table, started from its own command
 line (`{port}` is filled in; `bench.servers`). For our servers the table also says where the worker's
 time went between two `GET /stats` snapshots around the run: idle, its own Python, forwards, and the
-part of the forwards with the worker thread off its core (`batch.worker_time`).
+part of the forwards with the worker thread off its core (`engine.worker_time`).
 
 Shape c is a multi-turn chat (`bench.conversations`): 16 conversations x 4 turns sharing a system prompt,
 each turn's prompt the chat so far (our tokenizer's chat template, earlier replies as the server streamed
@@ -152,7 +152,7 @@ def get_stats(port: int) -> dict | None:
         return None
 
 
-#: `/stats` fields of the worker's time (`batch.worker_time`), in ms, and the run keys they become.
+#: `/stats` fields of the worker's time (`engine.worker_time`), in ms, and the run keys they become.
 WORKER_FIELDS = (("worker_idle_ms", "worker_idle"), ("worker_scheduling_ms", "worker_scheduling"),
                  ("worker_forward_ms", "worker_forward"), ("worker_forward_off_cpu_ms", "worker_off_cpu"))
 WORKER_KEYS = tuple(key for _, key in WORKER_FIELDS)
@@ -237,8 +237,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     env = os.environ if env is None else env
     args = parse_args(argv, env, prog)
     from ferrox_batch.bench.batcher import resolved_dtype
-    from ferrox_batch.models.device import choose_device, cpu_description
-    from ferrox_batch.models.tokenizer import Tokenizer
+    from ferrox_batch.runtime.device import choose_device, cpu_description
+    from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 
     configs = named_configs(args.config, args.peer)
     args.device = str(choose_device("auto"))  # where `serve` would run; every server is told so

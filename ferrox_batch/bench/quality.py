@@ -1,6 +1,6 @@
 """What a reduced precision costs in quality on a model: perplexity on a fixed text, greedy agreement with fp32.
 
-The precisions `--dtype auto` may pick (`models.device`) must hold `QUALITY_BOUND` against fp32 on the
+The precisions `--dtype auto` may pick (`runtime.device`) must hold `QUALITY_BOUND` against fp32 on the
 default model; a test measures it with `perplexity` on the text shipped in `tests/data/`, and
 `scripts/bench_quality.py` adds the greedy agreement over the benchmark's shape (a) prompts.
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrox_batch.models.batch_inputs import SeqChunk
-from ferrox_batch.models.decoder import Decoder
-from ferrox_batch.models.loader import LoadedModel
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
+from ferrox_batch.runtime.architectures.decoder import Decoder
+from ferrox_batch.runtime.loading.loader import LoadedModel
 
 #: Positions per KV block of the throwaway store a perplexity pass uses.
 _BLOCK = 16
@@ -68,8 +68,8 @@ def agreement(reference: Sequence[Sequence[int]], other: Sequence[Sequence[int]]
 
 def greedy_outputs(model: LoadedModel, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
     """Every prompt's greedy continuation from the served batcher, all submitted at once."""
-    from ferrox_batch.batch.config import BatcherConfig
-    from ferrox_batch.batch.handle import ContinuousBatcher
+    from ferrox_batch.admission.config import BatcherConfig
+    from ferrox_batch.engine.handle import ContinuousBatcher
     from ferrox_batch.generation_types import GenerationParams
 
     blocks = sum(math.ceil((len(p) + max_tokens) / _BLOCK) for p in prompts)

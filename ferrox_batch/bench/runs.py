@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.bench.conversations import (
     REPLY_TOKENS,
     STATIC_SKIPPED,
@@ -35,10 +35,10 @@ OURS = {"ours": True, "ours-nocache": False}
 
 def run_ours(args, requests: list[Request], kv_blocks: int, chat=None, *, prefix_cache: bool = True) -> dict:
     """`chat`: (tokenizer, plan) of shape c, run instead of `requests` (then only the warm-up's source)."""
-    from ferrox_batch.batch.handle import ContinuousBatcher
+    from ferrox_batch.engine.handle import ContinuousBatcher
     from ferrox_batch.checks import UNLIMITED
     from ferrox_batch.generation_types import GenerationParams
-    from ferrox_batch.models.loader import load_model
+    from ferrox_batch.runtime.loading.loader import load_model
 
     model = load_model(args.model, device="cpu", dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     loaded = peak_rss_mb()
@@ -121,7 +121,7 @@ def run_cb_chat(args, tokenizer, plan: Plan, cb_blocks: int) -> dict:
     model = load_hf(args)
     loaded = peak_rss_mb()
     if args.cb_release_openmp:
-        from ferrox_batch.models.openmp import release_thread_pool
+        from ferrox_batch.runtime.kernels.openmp import release_thread_pool
 
         release_thread_pool()
     gen = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=REPLY_TOKENS[1])

@@ -5,7 +5,7 @@
   about 4 KB per tool as compact JSON.
 * `optional_properties(n)`: one object of `n` optional properties of any value, the costliest shape per
   byte found for llguidance: about 7 grammar symbols per property, and a build time that grows with the
-  square of their count (`models.grammar`).
+  square of their count (`runtime.sampling.grammar`).
 """
 
 from __future__ import annotations

@@ -269,7 +269,7 @@ def run_cb(args, requests: list[Request], cb_blocks: int) -> dict:
     model = load_hf(args)
     loaded = peak_rss_mb()
     if args.cb_release_openmp:
-        from ferrox_batch.models.openmp import release_thread_pool
+        from ferrox_batch.runtime.kernels.openmp import release_thread_pool
 
         release_thread_pool()
 

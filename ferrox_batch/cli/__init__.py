@@ -1,6 +1,6 @@
 """The `ferrox-batch` command line: one subcommand per job (`serve`, `generate`, `fetch`, `bench`).
 
-This is the one place besides `batch.config` (`BatcherConfig.from_env`) that
+This is the one place besides `admission.config` (`BatcherConfig.from_env`) that
 reads the process environment (`FERROX_HOME`, `FERROX_CB_*`); it passes what it
 read to library code as plain arguments (the benchmark included). Settings resolve as: a flag, else its environment
 variable, else the default. Every user error (a bad flag or variable, a model

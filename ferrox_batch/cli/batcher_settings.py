@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from ferrox_batch.batch.config import (
+from ferrox_batch.admission.config import (
     DEFAULT_MAX_QUEUE,
     ENV_KV_BLOCK_SIZE,
     ENV_KV_BLOCKS,
@@ -53,7 +53,7 @@ from ferrox_batch.cli.common import (
 )
 
 if TYPE_CHECKING:  # the CLI imports torch only once a command needs it: `--help` stays quick
-    from ferrox_batch.models.loader import LoadedModel
+    from ferrox_batch.runtime.loading.loader import LoadedModel
 
 
 #: BatcherConfig field -> (flag, environment variable, default shown in --help, meaning). The README's
@@ -142,7 +142,7 @@ def batcher_config(args: argparse.Namespace, env: Mapping[str, str]) -> BatcherC
 
 def kv_memory(args: argparse.Namespace, env: Mapping[str, str]) -> int | None:
     """The KV memory budget in bytes: `--kv-memory`, else `$FERROX_CB_KV_MEMORY`, else None (the machine's
-    share, `models.memory.default_kv_memory`, once the model is loaded)."""
+    share, `runtime.kv.memory.default_kv_memory`, once the model is loaded)."""
     if args.kv_memory is not None:
         return args.kv_memory
     raw = env.get(ENV_KV_MEMORY)
@@ -154,10 +154,10 @@ def kv_memory(args: argparse.Namespace, env: Mapping[str, str]) -> int | None:
         raise CliError(f"{ENV_KV_MEMORY}: {err}", status=2) from None
 
 
-def with_kv_budget(config: BatcherConfig, memory_bytes: int, model: LoadedModel) -> BatcherConfig:
-    """`config`, with `kv_blocks` derived from the memory budget when no block count was set
-    (`batch.wiring.with_kv_budget`); a budget too small for one block is a usage error."""
-    from ferrox_batch.batch.wiring import with_kv_budget as derive
+def with_kv_budget(config: BatcherConfig, memory_bytes: int | None, model: LoadedModel) -> BatcherConfig:
+    """`config`, with `kv_blocks` derived from the memory budget (None: the machine's share) when no block
+    count was set (`engine.wiring.with_kv_budget`); a budget too small for one block is a usage error."""
+    from ferrox_batch.engine.wiring import with_kv_budget as derive
 
     try:
         return derive(config, memory_bytes, model.decoder)

@@ -5,36 +5,36 @@ flags and how a model is found or fetched and loaded, and the defaults the CLI o
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import textwrap
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ferrox_batch.batch.config import (
+from ferrox_batch.memory_size import parse_memory_size
+from ferrox_batch.admission.config import (
     BatcherConfig,
 )
-from ferrox_batch.models.errors import FetchError, ModelLoadError
+from ferrox_batch.runtime.errors import FetchError, ModelLoadError
 
 if TYPE_CHECKING:  # the CLI imports torch only once a command needs it: `--help` stays quick
-    from ferrox_batch.models.loader import LoadedModel
+    from ferrox_batch.runtime.loading.loader import LoadedModel
 
 
 Handler = Callable[[argparse.Namespace, Mapping[str, str]], int]
 
 #: What `--help` says the KV memory budget is when neither a block count nor a size is given: the
-#: batcher then takes a share of the machine's memory (`models.memory.default_kv_memory`).
+#: batcher then takes a share of the machine's memory (`runtime.kv.memory.default_kv_memory`).
 DEFAULT_KV_MEMORY = "25 percent of available memory on the CPU, 80 percent of free GPU memory on CUDA"
 #: Read by the CLI only: `BatcherConfig` counts blocks, and bytes per block depend on the loaded model.
 ENV_KV_MEMORY = "FERROX_CB_KV_MEMORY"
 #: The bearer token `serve` requires when `--api-key` is not given (vLLM reads VLLM_API_KEY the same way).
 ENV_API_KEY = "FERROX_API_KEY"
 ENV_HOME = "FERROX_HOME"
-#: `--dtype` values: `models.device.PRECISION_NAMES` plus auto (spelled out so that `--help` needs no
+#: `--dtype` values: `runtime.device.PRECISION_NAMES` plus auto (spelled out so that `--help` needs no
 #: torch; a test keeps the two equal).
 DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "fp16w")
-#: `--kv-cache-dtype`: auto and `models.device.KV_CACHE_DTYPES` (a test keeps them equal).
+#: `--kv-cache-dtype`: auto and `runtime.device.KV_CACHE_DTYPES` (a test keeps them equal).
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp32", "fp16", "bf16")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 #: `create_app`'s defaults, repeated so that building the parser imports no server (nor torch); a test
@@ -97,24 +97,6 @@ def _port(text: str) -> int:
 _seed = non_negative_int
 
 
-_UNITS = {"": 1, "b": 1, "k": 1024, "kib": 1024, "kb": 1000, "m": 1024**2, "mib": 1024**2, "mb": 1000**2,
-          "g": 1024**3, "gib": 1024**3, "gb": 1000**3, "t": 1024**4, "tib": 1024**4, "tb": 1000**4}
-_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*")
-
-
-def parse_memory_size(text: str) -> int:
-    """Bytes in `"2GiB"`, `"512MiB"`, `"1.5G"`, `"4096"`: KiB/MiB/GiB/TiB and bare K/M/G/T are powers of
-    1024, KB/MB/GB/TB powers of 1000, case-insensitive; a bare number is bytes. ValueError otherwise."""
-    match = _SIZE.fullmatch(text)
-    unit = match[2].lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"{text!r} is not a memory size (try 512MiB or 2GiB)")
-    value = int(float(match[1]) * _UNITS[unit])
-    if value < 1:
-        raise ValueError(f"{text!r} is not a positive memory size")
-    return value
-
-
 def _memory_size(text: str) -> int:
     try:
         return parse_memory_size(text)
@@ -162,7 +144,7 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
 
 def _home(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
     """`--home`, else `$FERROX_HOME`, else `~/.cache/ferrox-batch`."""
-    from ferrox_batch.models.fetch import ferrox_home_from_env
+    from ferrox_batch.runtime.loading.fetch import ferrox_home_from_env
 
     return Path(args.home).expanduser() if args.home else ferrox_home_from_env(env)
 
@@ -176,7 +158,7 @@ def model_path(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
     """`--model`, else the default checkpoint, fetched now if it is not there yet."""
     if args.model:
         return Path(args.model).expanduser()
-    from ferrox_batch.models.fetch import (
+    from ferrox_batch.runtime.loading.fetch import (
         default_model_dir,
         fetch_default_model,
         is_complete,
@@ -194,8 +176,8 @@ def model_path(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
 
 def load(args: argparse.Namespace, env: Mapping[str, str]) -> LoadedModel:
     """The checkpoint `--model` names (or the default), on `--device` in `--dtype`; CliError if it cannot be."""
-    from ferrox_batch.models.device import choose_device
-    from ferrox_batch.models.loader import load_model
+    from ferrox_batch.runtime.device import choose_device
+    from ferrox_batch.runtime.loading.loader import load_model
 
     try:
         choose_device(args.device)  # a device torch cannot see is a bad setting: say so before fetching

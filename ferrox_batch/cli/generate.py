@@ -85,7 +85,7 @@ def cmd_generate(args: argparse.Namespace, env: Mapping[str, str]) -> int:
     config = env_config(env)
     prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
     model = load(args, env)
-    from ferrox_batch.batch.handle import ContinuousBatcher
+    from ferrox_batch.engine.handle import ContinuousBatcher
 
     batcher = ContinuousBatcher.from_model(model, config)
     cancel = CancelToken()

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.cli.common import CliError, model_path, positive_int
 from ferrox_batch.deploy import ROUTERS
 
@@ -69,7 +69,7 @@ def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: Bat
         from ferrox_batch.deploy.ray_serve import ReplicaSpec, build_application, run_local
     except ImportError as err:
         raise CliError(f"--replicas needs Ray Serve ({err}): pip install 'ferrox-batch[ray]'") from None
-    from ferrox_batch.models.device import choose_device
+    from ferrox_batch.runtime.device import choose_device
 
     try:
         device = choose_device(args.device)  # a device torch cannot see is a bad setting: say so before Ray

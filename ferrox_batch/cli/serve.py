@@ -16,7 +16,7 @@ import time
 from collections.abc import Mapping
 
 from ferrox_batch.api_key_list import split_keys
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.cli.batcher_settings import (
     BATCHER_FLAGS,
     BATCHER_SWITCHES,
@@ -196,15 +196,9 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
            keys: tuple[str, ...]) -> None:
     started = time.monotonic()
     model = load(args, env)
-    from ferrox_batch.models.memory import default_kv_memory
-    from ferrox_batch.models.paged_kv import PagedKvStore
+    from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 
-    if config.kv_blocks is None:
-        if memory is None:
-            budget = default_kv_memory(model.decoder.device)
-            logging.getLogger("ferrox_batch.cli").info("KV memory budget %s: %s", _size(budget.bytes), budget.reason)
-            memory = budget.bytes
-        config = with_kv_budget(config, memory, model)
+    config = with_kv_budget(config, memory, model)
     from ferrox_batch.server.run import default_model_name, serve
 
     name = args.model_name or default_model_name(model.source)

@@ -12,7 +12,7 @@ from ferrox_batch.cli.common import (
     _home,
     _subparser,
 )
-from ferrox_batch.models.errors import FetchError
+from ferrox_batch.runtime.errors import FetchError
 
 # ------------------------------------------------------------------ fetch
 
@@ -30,7 +30,7 @@ def _add_fetch(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from ferrox_batch.models.fetch import fetch_default_model
+    from ferrox_batch.runtime.loading.fetch import fetch_default_model
 
     try:
         fetch_default_model(_home(args, env), force=args.force, progress=not args.no_progress)

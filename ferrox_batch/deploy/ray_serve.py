@@ -44,11 +44,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.types import Message
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.deploy import ROUTERS
 from ferrox_batch.deploy.relay import REPLICA_HEADER, InProcessApp, RelayedRequest, relayed_response
 from ferrox_batch.errors import DecodeError
-from ferrox_batch.models.device import KV_CACHE_DTYPES
+from ferrox_batch.runtime.device import KV_CACHE_DTYPES
 from ferrox_batch.server.access_policy import AccessPolicy
 from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
 from ferrox_batch.server.client_policy import ClientPolicy
@@ -91,7 +91,7 @@ class ReplicaSpec:
     app: Mapping[str, Any] = field(default_factory=dict)
     #: What the KV cache stores (`--kv-cache-dtype`).
     kv_cache_dtype: str = "auto"
-    #: Replicas sharing one machine's default KV budget (`models.memory.default_kv_memory`), when neither
+    #: Replicas sharing one machine's default KV budget (`runtime.kv.memory.default_kv_memory`), when neither
     #: `kv_memory` nor `batcher.kv_blocks` is set: each takes this share of it.
     kv_share: int = 1
     #: The level of the replica's `ferrox_batch` loggers (None: Ray's default for a replica).
@@ -126,22 +126,16 @@ class FerroxReplica:
     """One replica: a loaded model, its batcher, and the server's app run in process."""
 
     def __init__(self, spec: ReplicaSpec) -> None:
-        from ferrox_batch.batch.handle import ContinuousBatcher
-        from ferrox_batch.batch.wiring import with_kv_budget
-        from ferrox_batch.models.loader import load_model
-        from ferrox_batch.models.memory import default_kv_memory
+        from ferrox_batch.engine.handle import ContinuousBatcher
+        from ferrox_batch.engine.wiring import with_kv_budget
+        from ferrox_batch.runtime.loading.loader import load_model
         from ferrox_batch.server.app import create_app
         from ferrox_batch.server.run import default_model_name
 
         if spec.log_level is not None:
             logging.getLogger("ferrox_batch").setLevel(spec.log_level)
         loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
-        config = spec.batcher
-        if config.kv_blocks is None:
-            memory = spec.kv_memory
-            if memory is None:
-                memory = default_kv_memory(loaded.decoder.device).bytes // spec.kv_share
-            config = with_kv_budget(config, memory, loaded.decoder)
+        config = with_kv_budget(spec.batcher, spec.kv_memory, loaded.decoder, share=spec.kv_share)
         self.batcher = ContinuousBatcher.from_model(loaded, config)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.app = create_app(self.batcher, model_name=spec.model_name or default_model_name(loaded.source),

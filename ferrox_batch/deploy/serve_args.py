@@ -16,7 +16,7 @@ from typing import Any
 from ray.serve.deployment import Application
 
 from ferrox_batch.api_key_list import split_keys
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.deploy.ray_serve import APP_KEYWORDS, COUNT_APP_KEYWORDS, ReplicaSpec, build_application
 
 
@@ -31,7 +31,7 @@ def app_builder(args: dict[str, Any]) -> Application:
     `replica_gpus`, `drain_timeout`. Values may be strings, as `serve run key=value` passes them; an unknown
     key or a malformed value is a ValueError.
     """
-    from ferrox_batch.cli.common import parse_memory_size
+    from ferrox_batch.memory_size import parse_memory_size
 
     args = dict(args)
     if "model" not in args:

@@ -2,6 +2,6 @@
 
 Pure Python over ints and lists: nothing here imports torch, so every
 scheduling decision is testable with fake sampled ids and no model. The only
-thing that touches a device is the model runner (`models.runner`), which
+thing that touches a device is the model runner (`runtime.runner`), which
 this package knows through the `KvLeases` and `StepPlan` seams.
 """

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from ferrox_batch.batch.cache_aware import WINDOW, choose
-from ferrox_batch.batch.counters import Counters
+from ferrox_batch.admission.cache_aware import WINDOW, choose
+from ferrox_batch.admission.counters import Counters
 from ferrox_batch.errors import DecodeError, InvalidRequest, TokenOutOfVocab
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.scheduler.isolation import failure

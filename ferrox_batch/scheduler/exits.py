@@ -37,8 +37,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from ferrox_batch.batch.block_budget import BlockBudget
-from ferrox_batch.batch.queue import QueueGate
+from ferrox_batch.admission.block_budget import BlockBudget
+from ferrox_batch.admission.queue import QueueGate
 from ferrox_batch.errors import DecodeError, QueueTimeout
 from ferrox_batch.scheduler.isolation import failure
 from ferrox_batch.scheduler.leases import KvLeases

@@ -8,7 +8,7 @@ is then answered and everything it holds returned by the scheduler's usual exits
 
 `failure` is the one place that policy is written down: the scheduler catches what each per-request step
 raises and ends that request with `failure(step, error)`. What cannot be pinned on one request (the
-forward itself, a broken invariant) is the worker's to handle (`batch.worker`).
+forward itself, a broken invariant) is the worker's to handle (`engine.worker`).
 """
 
 from __future__ import annotations

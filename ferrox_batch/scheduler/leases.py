@@ -2,7 +2,7 @@
 
 The scheduler leases, measures and releases each request's KV through this protocol and nothing else, so
 tests drive it with a fake lease table (`tests/scheduler/scheduler_fakes.py`) and the model runner
-(`models.runner.ModelRunner`) implements it over the paged store.
+(`runtime.runner.ModelRunner`) implements it over the paged store.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""`StepPlan`: what one forward holds, as the scheduler decided it.
+"""`StepPlan`: what one forward holds, as the scheduler decided it (and, through `forward()`, as the runtime
+reads it: `ferrox_batch.forward`).
 
 Decoding requests come first, one token each (the token they sampled last),
 then prompt chunks. After the forward, every decoding request samples, and so
@@ -11,26 +12,10 @@ so reading it after `update` moved its requests on still says what ran.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Union
+from dataclasses import dataclass
 
-from ferrox_batch.errors import DecodeError
-from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.forward import ForwardPlan, PromptToScore, RowToSample
 from ferrox_batch.scheduler.request import Request
-
-
-
-@dataclass(frozen=True, slots=True)
-class GrammarComplete:
-    """The request's last token: its grammar is complete after it (it finishes with `stop`)."""
-
-    token: int | TokenLogprob
-
-
-#: What the runner returns for one sampling request: a token id (with its log-probabilities, as a
-#: `TokenLogprob`, when the request asked for them; wrapped in `GrammarComplete` when it completes the
-#: request's grammar), or the error that stops that request.
-Sampled = Union[int, TokenLogprob, GrammarComplete, DecodeError]
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,12 +72,23 @@ class StepPlan:
     def requests(self) -> list[Request]:
         return [*self.decodes, *(chunk.request for chunk in self.prompts)]
 
-
-@dataclass(frozen=True, slots=True)
-class StepOutput:
-    """What the runner made of a plan: one outcome per sampling request (`plan.sampling` order), and, by
-    index into `plan.prompts`, the log-probabilities of the prompt tokens each chunk predicts for the
-    requests that asked for them."""
-
-    sampled: list[Sampled]
-    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    def forward(self) -> ForwardPlan:
+        """What the runtime needs of this plan (`ferrox_batch.forward`), read before `update` moves its
+        requests on: each sampling row's settings, and which prompt tokens each scored chunk predicts."""
+        assert all(r.seq_id is not None for r in self.sampling)
+        sampling = tuple(
+            RowToSample(r.seq_id, row, r.params.sampling, r.params.seed, r.params.logprobs, r.prefill_tokens,
+                        r.grammar)
+            for r, row in zip(self.sampling, self.sampling_rows))
+        scoring = []
+        for index, chunk in enumerate(self.prompts):
+            request = chunk.request
+            if request.params.prompt_logprobs is None:
+                continue
+            # Row j of the chunk (position start + j) predicts the token at start + j + 1: for its last row,
+            # the next chunk's first.
+            prompt, start = request.prefill_tokens, request.num_computed_tokens
+            count = max(0, min(len(chunk.tokens), len(prompt) - 1 - start))
+            scoring.append(PromptToScore(index, len(self.decodes) + index,
+                                         tuple(prompt[start + 1:start + 1 + count]), request.params.prompt_logprobs))
+        return ForwardPlan(self.inputs, sampling, tuple(scoring))

@@ -12,7 +12,7 @@ from ferrox_batch.generation_types import FinishReason
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.scheduler.isolation import failure
 from ferrox_batch.scheduler.leases import KvLeases
-from ferrox_batch.scheduler.plan import GrammarComplete, Sampled
+from ferrox_batch.forward import GrammarComplete, Sampled
 from ferrox_batch.scheduler.request import DecodeFn, Request
 
 

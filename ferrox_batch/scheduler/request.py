@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ferrox_batch.batch.clock import RowClock
+from ferrox_batch.admission.clock import RowClock
 from ferrox_batch.errors import DecodeError, InternalError
 from ferrox_batch.generation_types import FinishReason, GenerationParams, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
@@ -82,8 +82,6 @@ class Request:
     #: When asked for (`params.prompt_logprobs`): None for the first prompt token, then one entry per prompt
     #: token as the chunks that predict them run.
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    #: The model runner's per-request sampling state (made when it first samples); opaque here.
-    sampler_row: object | None = None
     clock: RowClock | None = None
     #: Its stop matcher: built at submit on the caller's thread (`ContinuousBatcher.submit`), else at admission.
     stops: StopMatcher | None = None

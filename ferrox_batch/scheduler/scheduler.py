@@ -49,14 +49,14 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice
 
-from ferrox_batch.batch.block_budget import BlockBudget
-from ferrox_batch.batch.cache_aware import MAX_SKIPS
-from ferrox_batch.batch.config import BatcherConfig, DEFAULT_DECODE_LOG_INTERVAL
-from ferrox_batch.batch.counters import Counters
-from ferrox_batch.batch.queue import QueueGate
-from ferrox_batch.batch.status import BatchStatus, PoolUsage, PrefillSnapshot, StatusReporter
-from ferrox_batch.batch.step_budget import prefill_budget
-from ferrox_batch.batch.step_cost import StepCostModel
+from ferrox_batch.admission.block_budget import BlockBudget
+from ferrox_batch.admission.cache_aware import MAX_SKIPS
+from ferrox_batch.admission.config import BatcherConfig, DEFAULT_DECODE_LOG_INTERVAL
+from ferrox_batch.admission.counters import Counters
+from ferrox_batch.admission.queue import QueueGate
+from ferrox_batch.admission.status import BatchStatus, PoolUsage, PrefillSnapshot, StatusReporter
+from ferrox_batch.admission.step_budget import prefill_budget
+from ferrox_batch.scheduler.step_cost import StepCostModel
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
@@ -64,7 +64,8 @@ from ferrox_batch.scheduler import exits, progress
 from ferrox_batch.scheduler.admission import accept, pick, reservation
 from ferrox_batch.scheduler.isolation import failure
 from ferrox_batch.scheduler.leases import KvLeases
-from ferrox_batch.scheduler.plan import PromptChunk, Sampled, StepPlan
+from ferrox_batch.forward import Sampled
+from ferrox_batch.scheduler.plan import PromptChunk, StepPlan
 from ferrox_batch.scheduler.request import DecodeFn, Request
 from ferrox_batch.scheduler.waiting import WaitingQueue
 

@@ -21,34 +21,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from dataclasses import dataclass
-from typing import Protocol, Union
+from typing import Protocol
 
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.replies import Chunk, Finished, Reply
 
 log = logging.getLogger("ferrox_batch.batch")
-
-
-@dataclass(frozen=True, slots=True)
-class Chunk:
-    """A piece of visible text, streamed before the request's `Finished`, with the log-probabilities of the
-    tokens generated since the last chunk (when the request asked for them)."""
-
-    text: str
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    """The request's one and only final event: its result or its error."""
-
-    result: GenerationResult | DecodeError
-
-
-#: What a reply carries: zero or more `Chunk`s, then exactly one `Finished`.
-BatcherEvent = Union[Chunk, Finished]
 
 
 class ReplySink(Protocol):
@@ -65,7 +45,7 @@ class QueueSink:
     __slots__ = ("events",)
 
     def __init__(self) -> None:
-        self.events: queue.SimpleQueue[BatcherEvent] = queue.SimpleQueue()
+        self.events: queue.SimpleQueue[Reply] = queue.SimpleQueue()
 
     def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         self.events.put(Chunk(text, logprobs))

@@ -40,7 +40,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
-from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.server.access import REQUEST_ID_HEADER, AccessMiddleware
 from ferrox_batch.server.access_policy import AccessPolicy

@@ -22,7 +22,8 @@ from collections.abc import AsyncIterator, Sequence
 
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.generation_types import GenerationParams, GenerationResult
-from ferrox_batch.server.streaming import Done, Event, Failed, ReplyBridge
+from ferrox_batch.replies import Finished
+from ferrox_batch.server.streaming import Event, ReplyBridge
 
 #: The most choices (`n`) or candidates (`best_of`) one request may ask for: each is a row of the batch.
 MAX_CHOICES = 16
@@ -53,7 +54,7 @@ async def merged(bridges: Sequence[ReplyBridge]) -> AsyncIterator[tuple[int, Eve
         while True:
             event = await bridges[0].next_event()
             yield 0, event
-            if isinstance(event, (Done, Failed)):
+            if isinstance(event, Finished):
                 return
     waiting = {asyncio.ensure_future(b.next_event()): i for i, b in enumerate(bridges)}
     try:
@@ -63,7 +64,7 @@ async def merged(bridges: Sequence[ReplyBridge]) -> AsyncIterator[tuple[int, Eve
                 index = waiting.pop(task)
                 event = task.result()
                 yield index, event
-                if not isinstance(event, (Done, Failed)):
+                if not isinstance(event, Finished):
                     waiting[asyncio.ensure_future(bridges[index].next_event())] = index
     finally:
         for task in waiting:

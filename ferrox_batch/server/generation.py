@@ -49,10 +49,10 @@ from dataclasses import dataclass
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
-from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import BatcherClosed, DecodeError
 from ferrox_batch.generation_types import GenerationResult
-from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.access import cache_namespace, request_id
 from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.body import BodyReadTimedOut, read_body
@@ -60,17 +60,15 @@ from ferrox_batch.server.errors import ServerBusy, error_body, error_response
 from ferrox_batch.server.json_body import JSONBodyResponse
 from ferrox_batch.server.choices import best, merged
 from ferrox_batch.server.metrics import ServerMetrics
+from ferrox_batch.replies import Finished
 from ferrox_batch.server.preparation import Prepared, Preparer
 from ferrox_batch.server.responses import WireFormat, finish_reason
 from ferrox_batch.server.sse_events import sse_events
 from ferrox_batch.server.streaming import (
-    Done,
     Event,
     EventStreamResponse,
-    Failed,
     Final,
     ReplyBridge,
-    Text,
     next_or_disconnect,
     wait_for_disconnect,
 )
@@ -196,15 +194,16 @@ class Generations:
                     bridge.abandon()  # a no-op once answered; cancels if this handler itself was cancelled
 
     async def _next(self, events: AsyncIterator[tuple[int, Event]], disconnected: asyncio.Future,
-                    bridges: list[ReplyBridge]) -> tuple[int, Text | Done] | Response:
+                    bridges: list[ReplyBridge]) -> tuple[int, Event] | Response:
         """The next (choice, event); or the response that ends the exchange: 499 if the client left (its
         requests are cancelled), the error if a choice failed."""
         got = await next_or_disconnect(lambda: anext(events), disconnected)
         if got is None:
             self._abandon(*bridges)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        if isinstance(got[1], Failed):
-            return _failure_response(got[1].error)
+        error = got[1].error if isinstance(got[1], Finished) else None
+        if error is not None:
+            return _failure_response(error)
         return got  # type: ignore[return-value]
 
     async def _prepare(self, raw: bytes, chat: bool, arrival: float, rid: str, namespace: str | None) -> Prepared:
@@ -230,12 +229,13 @@ class Generations:
     def _answered(self, bridge: ReplyBridge, final: Final, arrival: float, rid: str) -> None:
         """The batcher answered (on the loop thread): the request leaves the in-flight set, is counted and logged."""
         self.in_flight.discard(bridge)
-        if isinstance(final, Done):
-            usage = final.result.usage
+        result, finished_at = final.result, final.finished_at if final.finished_at is not None else arrival
+        if isinstance(result, GenerationResult):
+            usage = result.usage
             log.info("request %s: %s, %d prompt (%s cached) + %d completion tokens in %.2f s", rid,
-                     finish_reason(final.result.finish_reason), usage.prompt_tokens, usage.cached_tokens,
-                     usage.completion_tokens, final.finished_at - arrival)
-            self.metrics.request_finished(final.result, arrival=arrival, finished_at=final.finished_at,
+                     finish_reason(result.finish_reason), usage.prompt_tokens, usage.cached_tokens,
+                     usage.completion_tokens, finished_at - arrival)
+            self.metrics.request_finished(result, arrival=arrival, finished_at=finished_at,
                                           chunk_times=bridge.chunk_times)
         elif isinstance(final.error, DecodeError):
             log.info("request %s: refused, %s (%s)", rid, final.error.http_status, final.error.code)

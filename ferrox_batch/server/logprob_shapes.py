@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ferrox_batch.logprobs import TokenLogprob
-from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.json_body import SLICE_CONTAINERS, Slices
 
 #: What -inf (and anything below it) is written as.

@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
-from ferrox_batch.batch.counters import BatcherStats
+from ferrox_batch.admission.counters import BatcherStats
 from ferrox_batch.generation_types import GenerationResult
 
 #: The text format every Prometheus-compatible scraper reads.

@@ -20,10 +20,10 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ferrox_batch.batch.handle import ContinuousBatcher
-from ferrox_batch.budget import ContextCeiling
+from ferrox_batch.engine.handle import ContinuousBatcher
+from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.choices import candidate_params
 from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.errors import ModelNotFound

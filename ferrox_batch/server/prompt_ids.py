@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ferrox_batch.budget import ContextCeiling
+from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, KvBudgetExceeded
-from ferrox_batch.models.tokenizer import ChatMessage, Tokenizer
+from ferrox_batch.runtime.loading.tokenizer import ChatMessage, Tokenizer
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, ceiling: ContextCeiling | None, *,

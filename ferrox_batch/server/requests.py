@@ -39,7 +39,7 @@ from typing import Any
 from ferrox_batch import bounded_json
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
-from ferrox_batch.models.tokenizer import ChatMessage
+from ferrox_batch.runtime.loading.tokenizer import ChatMessage
 from ferrox_batch.server.body_text import refuse_lone_surrogates
 from ferrox_batch.server.choices import MAX_CHOICES
 from ferrox_batch.server.fields import Fields, is_int

@@ -24,7 +24,7 @@ from typing import Any
 
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
-from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.json_body import json_pieces
 from ferrox_batch.server.logprob_shapes import LogprobShapes
 from ferrox_batch.server.tool_calls import ToolCallParser, ToolStream

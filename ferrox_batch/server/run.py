@@ -19,9 +19,9 @@ from pathlib import Path
 
 import uvicorn
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.handle import ContinuousBatcher
-from ferrox_batch.models.loader import LoadedModel, load_model
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.engine.handle import ContinuousBatcher
+from ferrox_batch.runtime.loading.loader import LoadedModel, load_model
 from ferrox_batch.server.app import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENT_REQUESTS,

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ferrox_batch.batch.text import text_params
+from ferrox_batch.engine.text import text_params
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.generation_types import GenerationParams, SamplingParams
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS
-from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.fields import Fields, is_number
 from ferrox_batch.structured import StructuredOutput, check_spec_bytes
 

@@ -13,11 +13,13 @@ from collections.abc import AsyncIterator
 
 from ferrox_batch.server.errors import error_body
 from ferrox_batch.server.responses import DONE, WireFormat, finish_reason, sse
-from ferrox_batch.server.streaming import Done, Event, Text
+from ferrox_batch.replies import Chunk
+from ferrox_batch.server.streaming import Event
+from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.usage import Usage
 
 
-async def sse_events(first: tuple[int, Text | Done], events: AsyncIterator[tuple[int, Event]], fmt: WireFormat,
+async def sse_events(first: tuple[int, Event], events: AsyncIterator[tuple[int, Event]], fmt: WireFormat,
                      include_usage: bool, choices: int) -> AsyncIterator[bytes]:
     """The SSE body from the first event on: `events` are the choices' (index, event) pairs as they come."""
     for chunk in fmt.opening_chunks(choices):
@@ -26,12 +28,12 @@ async def sse_events(first: tuple[int, Text | Done], events: AsyncIterator[tuple
     usages: dict[int, Usage] = {}
     index, event = first
     while True:
-        if isinstance(event, Text):
+        if isinstance(event, Chunk):
             text = fmt.streamed_text(index, event.text)
             if text:
                 yield sse(fmt.text_chunk(index, text, event.logprobs))
                 sent[index] += len(event.logprobs)
-        elif isinstance(event, Done):
+        elif isinstance(event.result, GenerationResult):
             closing, reason = fmt.closing_chunks(index)
             for chunk in closing:
                 yield sse(chunk)

@@ -10,8 +10,8 @@ threads.
 
 What it promises:
 
-* Exactly one final event (`Done` or `Failed`) per bridge, after every
-  `Text`; `on_final` runs on the loop thread when it arrives, whether or not
+* Exactly one final event (`Finished`) per bridge, after every
+  `Chunk`; `on_final` runs on the loop thread when it arrives, whether or not
   anyone is still reading (so metrics and the in-flight count see requests
   whose client left).
 * `abandon()` (the client left) cancels the request at once through
@@ -48,7 +48,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
@@ -56,10 +55,11 @@ from starlette.requests import HTTPConnection
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from ferrox_batch.batch.ticket import Ticket
+from ferrox_batch.engine.ticket import Ticket
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.replies import Chunk, Finished
 from ferrox_batch.server.access import request_id
 
 log = logging.getLogger("ferrox_batch.server")
@@ -69,38 +69,18 @@ log = logging.getLogger("ferrox_batch.server")
 LOGPROB_WIRE_BYTES = 64
 
 
-@dataclass(frozen=True, slots=True)
-class Text:
-    """A piece of visible text, in order, with the log-probabilities of the tokens since the last piece."""
-
-    text: str
-    logprobs: tuple[TokenLogprob, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class Done:
-    result: GenerationResult
-    finished_at: float
-
-
-@dataclass(frozen=True, slots=True)
-class Failed:
-    """The request's typed `DecodeError` (or, from the server itself, any other error that ended it)."""
-
-    error: BaseException
-
-
 T = TypeVar("T")
 
-Event = Text | Done | Failed
-Final = Done | Failed
+#: What a bridge delivers on the loop (`ferrox_batch.replies`), and its final one.
+Event = Chunk | Finished
+Final = Finished
 
 
 class ReplyBridge:
     """One request's reply sink, delivering to the event loop (see the module docstring).
 
-    `forward_text=False` (a non-streaming request) stamps chunk times but queues no `Text`:
-    the answer's text comes whole from the result. `max_buffered`: the most bytes of `Text`
+    `forward_text=False` (a non-streaming request) stamps chunk times but queues no `Chunk`:
+    the answer's text comes whole from the result. `max_buffered`: the most bytes of `Chunk`
     it queues for a reader that is not keeping up (None: no bound).
     """
 
@@ -151,10 +131,10 @@ class ReplyBridge:
     def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
         self.chunk_times.append(self._clock())
         if self._forward and not self._abandoned:
-            self._post(self._queue_text, Text(text, logprobs))
+            self._post(self._queue_text, Chunk(text, logprobs))
 
     def finished(self, outcome: GenerationResult | DecodeError) -> None:
-        final: Final = Failed(outcome) if isinstance(outcome, DecodeError) else Done(outcome, self._clock())
+        final = Finished(outcome, self._clock())
         self._post(self._finish, final)
 
     def _post(self, fn: Callable[[T], None], event: T) -> None:
@@ -165,7 +145,7 @@ class ReplyBridge:
 
     # ---------------------------------------------------------------- the loop's side
 
-    def _queue_text(self, text: Text) -> None:
+    def _queue_text(self, text: Chunk) -> None:
         if self._overflow.is_set():
             return
         size = len(text.text.encode("utf-8")) + LOGPROB_WIRE_BYTES * sum(1 + len(e.top) for e in text.logprobs)

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ferrox_batch.budget import ContextCeiling
+from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.errors import DecodeError, InvalidRequest
-from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.errors import ServerBusy
 from ferrox_batch.server.fields import Fields
 from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.batch.cache_aware import MAX_SKIPS, WINDOW, choose
+from ferrox_batch.admission.cache_aware import MAX_SKIPS, WINDOW, choose
 
 
 def queued(n: int) -> list[int]:

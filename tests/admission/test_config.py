@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from ferrox_batch.batch import config as cfgmod
-from ferrox_batch.batch.config import (
+from ferrox_batch.admission import config as cfgmod
+from ferrox_batch.admission.config import (
     DEFAULT_DECODE_LOG_INTERVAL,
     DEFAULT_KV_BLOCK_SIZE,
     DEFAULT_MAX_BATCH_TOKENS,
@@ -20,7 +20,7 @@ from ferrox_batch.batch.config import (
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import QueueFull
 from ferrox_batch.generation_types import FinishReason, GenerationResult
-from ferrox_batch.scheduler.sink import Chunk, Finished
+from ferrox_batch.replies import Chunk, Finished
 from ferrox_batch.usage import Usage
 
 

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.batch.block_budget import BlockBudget
-from ferrox_batch.budget import ContextCeiling
+from ferrox_batch.admission.block_budget import BlockBudget
+from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import DecodeError, KvBudgetExceeded
-from ferrox_batch.models.kv import KvElem, KvShape
+from ferrox_batch.admission.kv import KvElem, KvShape
 
 
 def shape() -> KvShape:

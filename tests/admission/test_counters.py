@@ -8,7 +8,7 @@ import threading
 
 import pytest
 
-from ferrox_batch.batch.counters import BatcherStats, Counters
+from ferrox_batch.admission.counters import BatcherStats, Counters
 
 
 def test_fresh_counters_are_zero():

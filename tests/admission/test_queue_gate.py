@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.batch.queue import AbortInbox, QueueGate
+from ferrox_batch.admission.queue import AbortInbox, QueueGate
 from ferrox_batch.errors import QueueFull
 
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ferrox_batch.batch.clock import RowClock
+from ferrox_batch.admission.clock import RowClock
 from ferrox_batch.usage import Usage
 
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.batch import config
-from ferrox_batch.batch.status import (
+from ferrox_batch.admission import config
+from ferrox_batch.admission.status import (
     DEFAULT_DECODE_LOG_INTERVAL,
     BatchStatus,
     PoolUsage,

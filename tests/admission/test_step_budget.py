@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.batch import config
-from ferrox_batch.batch.step_budget import DEFAULT_MAX_BATCH_TOKENS, MIN_PREFILL_CHUNK, prefill_budget
+from ferrox_batch.admission import config
+from ferrox_batch.admission.step_budget import DEFAULT_MAX_BATCH_TOKENS, MIN_PREFILL_CHUNK, prefill_budget
 
 CHUNK = 128
 

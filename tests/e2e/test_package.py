@@ -16,14 +16,14 @@ import ferrox_batch
 def test_the_admission_arithmetic_imports_without_torch():
     code = (
         "import sys\n"
-        "import ferrox_batch.batch.block_budget, ferrox_batch.batch.queue, ferrox_batch.batch.counters\n"
-        "import ferrox_batch.batch.config, ferrox_batch.batch.step_budget\n"
-        "import ferrox_batch.batch.clock, ferrox_batch.batch.status, ferrox_batch.budget\n"
+        "import ferrox_batch.admission.block_budget, ferrox_batch.admission.queue, ferrox_batch.admission.counters\n"
+        "import ferrox_batch.admission.config, ferrox_batch.admission.step_budget\n"
+        "import ferrox_batch.admission.clock, ferrox_batch.admission.status, ferrox_batch.admission.budget\n"
         "import ferrox_batch.generation_types\n"
-        "import ferrox_batch.batch.step_cost\n"
+        "import ferrox_batch.scheduler.step_cost\n"
         "import ferrox_batch.usage, ferrox_batch.errors\n"
         "import ferrox_batch.cancel, ferrox_batch.policy.stop, ferrox_batch.policy.utf8_stream\n"
-        "import ferrox_batch.models.kv\n"
+        "import ferrox_batch.admission.kv\n"
         "import ferrox_batch.scheduler.scheduler, ferrox_batch.scheduler.request, ferrox_batch.scheduler.plan\n"
         "import ferrox_batch.scheduler.sink\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
@@ -44,15 +44,16 @@ CORE_MODULES = [
     "ferrox_batch.scheduler.request",
     "ferrox_batch.scheduler.scheduler",
     "ferrox_batch.scheduler.sink",
-    "ferrox_batch.models.runner",
-    "ferrox_batch.batch.worker",
-    "ferrox_batch.batch.wiring",
-    "ferrox_batch.batch.handle",
-    "ferrox_batch.batch.ticket",
+    "ferrox_batch.runtime.runner",
+    "ferrox_batch.engine.worker",
+    "ferrox_batch.engine.wiring",
+    "ferrox_batch.engine.handle",
+    "ferrox_batch.engine.ticket",
 ]
 
-#: Replaced by the scheduler: a request's state lives in one `Request`, its prompt progress included.
-REMOVED_MODULES = ["ferrox_batch.batch.row", "ferrox_batch.batch.prefill"]
+#: Moved onto the layers: `batch/` became `admission/` (the upstream's modules) and `engine/` (the handle and
+#: the worker), `models/` became `runtime/` (README, "What moved"); a request's state lives in one `Request`.
+REMOVED_MODULES = ["ferrox_batch.batch", "ferrox_batch.models"]
 
 
 def test_the_core_modules_import_and_the_replaced_ones_are_gone():

@@ -26,9 +26,9 @@ import pytest
 import torch
 from batch_helpers import greedy_params, spawn
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.generation_types import FinishReason, GenerationResult
-from ferrox_batch.models.loader import load_model
+from ferrox_batch.runtime.loading.loader import load_model
 from numerics import assert_decisive
 
 pytestmark = pytest.mark.real_model

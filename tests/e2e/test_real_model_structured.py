@@ -14,10 +14,10 @@ import threading
 import jsonschema
 import pytest
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.generation_types import GenerationParams, SamplingParams
-from ferrox_batch.models.loader import load_model
+from ferrox_batch.runtime.loading.loader import load_model
 from ferrox_batch.structured import StructuredOutput
 
 pytestmark = pytest.mark.real_model

@@ -36,11 +36,11 @@ from tiny_checkpoint import write_tiny_checkpoint
 from numerics import assert_logits_close
 from worker_helpers import Caller, Gate, wait_for, wait_sent
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.handle import WORKER_THREAD_NAME, ContinuousBatcher
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.engine.handle import WORKER_THREAD_NAME, ContinuousBatcher
 from ferrox_batch.generation_types import FinishReason, GenerationParams, SamplingParams
-from ferrox_batch.models.batch_inputs import SeqChunk
-from ferrox_batch.models.paged_kv import PagedKvConfig
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
+from ferrox_batch.runtime.kv.paged_kv import PagedKvConfig
 from ferrox_batch.scheduler.plan import PromptChunk, StepPlan
 from ferrox_batch.scheduler.request import Request
 from ferrox_batch.scheduler.sink import OnceSink, QueueSink
@@ -49,7 +49,7 @@ from ferrox_batch.stop_tokens import StopTokens
 
 @pytest.fixture(scope="module")
 def tiny_window_model(tmp_path_factory):
-    from ferrox_batch.models.loader import load_model
+    from ferrox_batch.runtime.loading.loader import load_model
 
     folder = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-window"), arch="mistral", sliding_window=5,
                                    tie=False, std=0.15, seed=6)

@@ -33,7 +33,7 @@ from worker_helpers import (
     wait_sent,
 )
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.scheduler.request import RequestStatus

@@ -42,7 +42,7 @@ from batch_helpers import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.errors import (
     DEVICE_MEMORY_BUDGET_EXCEEDED,

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.handle import ContinuousBatcher
-from ferrox_batch.batch.step_budget import MIN_PREFILL_CHUNK, prefill_budget
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.engine.handle import ContinuousBatcher
+from ferrox_batch.admission.step_budget import MIN_PREFILL_CHUNK, prefill_budget
 
 from batch_helpers import greedy_params, identity_decode, sequential_ids
 from scheduler_fakes import VOCAB, Bench

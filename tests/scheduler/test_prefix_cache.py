@@ -18,9 +18,9 @@ import threading
 from batch_helpers import greedy_params, sequential_ids, spawn
 from numerics import assert_logits_close
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.generation_types import GenerationParams, SamplingParams
-from ferrox_batch.models.batch_inputs import SeqChunk
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 
 BLOCK = 16
 

@@ -20,11 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scheduler_fakes import Bench
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.errors import QueueTimeout
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.scheduler.request import RequestStatus
-from ferrox_batch.scheduler.sink import Finished
+from ferrox_batch.replies import Finished
 
 
 def admitted_order(bench: Bench, requests) -> list:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from scheduler_fakes import VOCAB, Bench
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.errors import KvAllocationFailed, KvPoolExhausted, TokenOutOfVocab
 from ferrox_batch.generation_types import FinishReason
 from ferrox_batch.scheduler.request import RequestStatus

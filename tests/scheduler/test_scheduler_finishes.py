@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from scheduler_fakes import Bench
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.errors import InternalError
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.scheduler.request import RequestStatus
-from ferrox_batch.scheduler.sink import Chunk, Finished
+from ferrox_batch.replies import Chunk, Finished
 
 
 def test_a_request_ends_at_max_tokens_and_its_last_token_is_not_fed():

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from scheduler_fakes import Bench
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.step_budget import MIN_PREFILL_CHUNK
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.admission.step_budget import MIN_PREFILL_CHUNK
 from ferrox_batch.scheduler.request import RequestStatus
 
 

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from scheduler_fakes import VOCAB, Bench
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.step_budget import MIN_PREFILL_CHUNK
-from ferrox_batch.scheduler.sink import Finished
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.admission.step_budget import MIN_PREFILL_CHUNK
+from ferrox_batch.replies import Finished
 
 requests_st = st.lists(
     st.tuples(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from scheduler_fakes import Bench
 
-from ferrox_batch.batch.config import BatcherConfig
+from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 

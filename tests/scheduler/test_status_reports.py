@@ -16,8 +16,8 @@ import logging
 from batch_helpers import budget_config, greedy_params
 from worker_helpers import make_request, make_worker
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.status import PoolUsage, PrefillSnapshot
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.admission.status import PoolUsage, PrefillSnapshot
 
 
 def _prefill_lines(caplog) -> list[str]:

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from test_prefills_per_tick import RecordingDecoder
 from worker_helpers import drain_reply, make_request, make_worker
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.step_budget import MIN_PREFILL_CHUNK
-from ferrox_batch.batch.step_cost import (
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.admission.step_budget import MIN_PREFILL_CHUNK
+from ferrox_batch.scheduler.step_cost import (
     _ROW_SCALE,
     _TOKEN_SCALE,
     FORGETTING,

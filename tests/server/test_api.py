@@ -18,8 +18,8 @@ import pytest
 from conftest import TEST_DEVICE
 from server_helpers import DEADLINE, GREEDY, MODEL_NAME, openai_client, poll, served, stats
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.server import serve
 
 PROMPTS = ["The quick brown fox", "Paged attention stores", "Continuous batching keeps", "def forward(self, x):"]
@@ -193,7 +193,7 @@ def test_serve_runs_until_stopped_and_closes_everything(tiny_batch_dir):
 
 @pytest.mark.real_model
 def test_real_model_answers_a_chat(real_model_dir):
-    from ferrox_batch.models.loader import load_model
+    from ferrox_batch.runtime.loading.loader import load_model
 
     model = load_model(real_model_dir, device=TEST_DEVICE, dtype="float32")
     batcher = ContinuousBatcher.from_model(model, BatcherConfig(kv_block_size=16, kv_blocks=256))
@@ -213,8 +213,8 @@ def test_the_prefix_cache_reports_cached_tokens_and_honours_cache_salt(tiny_batc
     import httpx
     from server_helpers import served
 
-    from ferrox_batch.batch.config import BatcherConfig
-    from ferrox_batch.batch.handle import ContinuousBatcher
+    from ferrox_batch.admission.config import BatcherConfig
+    from ferrox_batch.engine.handle import ContinuousBatcher
 
     batcher = ContinuousBatcher.from_model(
         tiny_batch_model, BatcherConfig(kv_block_size=16, kv_blocks=256, prefix_cache=True))

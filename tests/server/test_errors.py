@@ -27,8 +27,8 @@ from server_helpers import (
     tiny_batcher,
 )
 
-from ferrox_batch.batch.config import BatcherConfig
-from ferrox_batch.batch.handle import ContinuousBatcher
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.server.app import create_app
 from ferrox_batch.server.requests import parse_chat_request, parse_completion_request
 
@@ -344,12 +344,13 @@ def test_a_dead_worker_is_500_and_health_says_503(tiny_batch_model):
 
 
 def test_a_failure_outside_the_decode_errors_is_a_500_logged_once(tiny_batch_model, monkeypatch, caplog):
-    from ferrox_batch.server.streaming import Failed, ReplyBridge
+    from ferrox_batch.replies import Finished
+    from ferrox_batch.server.streaming import ReplyBridge
 
     def broken_finished(self, outcome):
         # A bug at the seam: no text gets through, and the request's final event reaches the loop as
         # something outside the DecodeError family.
-        self._post(self._finish, Failed(RuntimeError("a bug between the batcher and the server")))
+        self._post(self._finish, Finished(RuntimeError("a bug between the batcher and the server")))
 
     batcher = tiny_batcher(tiny_batch_model)
     with served(batcher) as (base_url, _app):

@@ -19,8 +19,8 @@ import pytest
 from grammar_helpers import BuildRecorder, optional_properties
 from server_helpers import DEADLINE, MODEL_NAME, stats
 
-from ferrox_batch.batch.handle import WORKER_THREAD_NAME
-from ferrox_batch.models.grammar import MAX_GRAMMAR_SYMBOLS
+from ferrox_batch.engine.handle import WORKER_THREAD_NAME
+from ferrox_batch.runtime.sampling.grammar import MAX_GRAMMAR_SYMBOLS
 from ferrox_batch.structured import MAX_SPEC_BYTES
 
 MESSAGES = [{"role": "user", "content": "Describe a pet."}]

@@ -16,7 +16,7 @@ from server_helpers import GREEDY, MODEL_NAME, openai_client
 
 from ferrox_batch.errors import TokenOutOfVocab
 from ferrox_batch.generation_types import SamplingParams
-from ferrox_batch.models.sampler import BatchSampler
+from ferrox_batch.runtime.sampling.sampler import BatchSampler
 
 MESSAGES = [{"role": "user", "content": "Say something."}]
 

@@ -21,7 +21,7 @@ import pytest
 from server_helpers import MODEL_NAME, openai_client, served, tiny_batcher
 from tiny_checkpoint import TOOLS_TEMPLATE, write_tiny_checkpoint
 
-from ferrox_batch.models.loader import load_model
+from ferrox_batch.runtime.loading.loader import load_model
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Weather in a city",

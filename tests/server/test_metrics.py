@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from server_helpers import DEADLINE, GREEDY, MODEL_NAME, gated_batcher, letter_gate, openai_client, poll, served, stats
 
-from ferrox_batch.batch.counters import BatcherStats
+from ferrox_batch.admission.counters import BatcherStats
 from ferrox_batch.server import create_app
 
 VLLM = {"model_name": MODEL_NAME}

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from server_helpers import DEADLINE, MODEL_NAME, poll, served, tiny_batcher
 from tiny_checkpoint import SPECIAL_TOKENS, write_tiny_checkpoint
 
-from ferrox_batch.models.tokenizer import Tokenizer
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 
 #: Texts mixing the special tokens' literal spellings with arbitrary characters (multi-byte ones too).
 TEXTS = st.lists(st.one_of(st.text(max_size=40), st.sampled_from(SPECIAL_TOKENS),
@@ -173,7 +173,7 @@ def test_tokenize_past_its_open_request_cap_is_503(small_context):
 @pytest.fixture(scope="module")
 def long_context(tmp_path_factory: pytest.TempPathFactory):
     """A tiny checkpoint with a context long enough that a ~2M-character prompt passes the bound."""
-    from ferrox_batch.models.loader import load_model
+    from ferrox_batch.runtime.loading.loader import load_model
 
     folder = write_tiny_checkpoint(tmp_path_factory.mktemp("long-context"), max_positions=1 << 18)
     model = load_model(folder, device="cpu", dtype="float32")

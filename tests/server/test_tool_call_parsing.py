@@ -40,7 +40,7 @@ def test_calls_are_written_in_openai_shape():
 
 
 def test_the_forcing_grammar_compiles(tiny_batch_model):
-    from ferrox_batch.models.grammar import Grammars
+    from ferrox_batch.runtime.sampling.grammar import Grammars
 
     tokenizer = tiny_batch_model.tokenizer
     grammars = Grammars(tokenizer.inner.to_str(), tiny_batch_model.config.vocab_size, sorted(tokenizer.stop_tokens.ids))

@@ -1,0 +1,138 @@
+"""`Counters` and `BatcherStats`: what the scheduler did, for operators and tests.
+
+`Counters` is written by the worker and read by anyone; each method holds the
+object's own lock, so readers on other threads see consistent numbers without
+relying on the GIL. `BatcherStats` is the plain snapshot `stats()` returns,
+assembled from the counters, the queue gate, the block ledger, the context
+ceiling and the abort inbox (docs/upstream.md, Counters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from ferrox_batch.checks import check_int
+
+
+class Counters:
+    """Prefill chunks and tokens, decode forwards, and the peak blocks held by in-flight work."""
+
+    __slots__ = ("_prefill_chunks", "_prefill_tokens", "_decode_steps", "_peak_blocks", "_prefix_queries",
+                 "_prefix_hits", "_lock")
+
+    def __init__(self) -> None:
+        self._prefill_chunks = 0
+        self._prefill_tokens = 0
+        self._decode_steps = 0
+        self._peak_blocks = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._lock = threading.Lock()
+
+    def add_prefix_lookup(self, queried: int, hits: int) -> None:
+        """One admitted prompt looked up in the prefix cache (port-only): `queried` prompt tokens, of which
+        `hits` were adopted instead of computed (vLLM's `prefix_cache_queries` / `prefix_cache_hits`)."""
+        check_int("queried", queried)
+        check_int("hits", hits, maximum=queried)
+        with self._lock:
+            self._prefix_queries += queried
+            self._prefix_hits += hits
+
+    def prefix_cache(self) -> tuple[int, int]:
+        """`(queried tokens, hit tokens)` since start."""
+        with self._lock:
+            return self._prefix_queries, self._prefix_hits
+
+    def add_prefill(self, tokens: int) -> None:
+        """One `step_chunk` call that advanced `tokens` prompt tokens (adopted prefix positions excluded)."""
+        check_int("tokens", tokens)
+        with self._lock:
+            self._prefill_chunks += 1
+            self._prefill_tokens += tokens
+
+    def add_decode_step(self) -> None:
+        """One batched forward over a non-empty active set, whatever its width."""
+        with self._lock:
+            self._decode_steps += 1
+
+    def record_peak(self, blocks: int) -> None:
+        """Raise the high-water mark to `blocks` (measured from rows and prefills, not the ledger)."""
+        check_int("blocks", blocks)
+        with self._lock:
+            if blocks > self._peak_blocks:
+                self._peak_blocks = blocks
+
+    def prefill_chunks(self) -> int:
+        with self._lock:
+            return self._prefill_chunks
+
+    def prefill_tokens(self) -> int:
+        with self._lock:
+            return self._prefill_tokens
+
+    def decode_steps(self) -> int:
+        with self._lock:
+            return self._decode_steps
+
+    def peak_blocks(self) -> int:
+        with self._lock:
+            return self._peak_blocks
+
+    def snapshot(self) -> tuple[int, int, int, int]:
+        """`(prefill_chunks, prefill_tokens, decode_steps, peak_blocks)`, read together."""
+        with self._lock:
+            return (self._prefill_chunks, self._prefill_tokens, self._decode_steps, self._peak_blocks)
+
+    def __repr__(self) -> str:
+        chunks, tokens, steps, peak = self.snapshot()
+        return f"Counters(prefill_chunks={chunks}, prefill_tokens={tokens}, decode_steps={steps}, peak_blocks={peak})"
+
+
+@dataclass(frozen=True, slots=True)
+class BatcherStats:
+    """A serialisable snapshot of the batcher: the upstream fields plus `max_batch_tokens` and `worker_alive`.
+
+    `max_seqs` is 0 when unlimited (never the sentinel); `kv_blocks_total` and
+    `kv_blocks_free` are 0 when there is no block budget.
+    """
+
+    prefill_chunks: int
+    prefill_tokens: int
+    decode_steps: int
+    queue_depth: int
+    queue_rejected: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_block_size: int
+    kv_rejected_too_large: int
+    kv_rejected_context_length: int
+    kv_blocks_peak: int
+    aborted: int
+    max_seqs: int
+    prefill_chunk: int
+    max_batch_tokens: int
+    worker_alive: bool
+    #: Port-only: the prefix cache's lookups and hits, in prompt tokens, and the blocks it holds now.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    kv_blocks_cached: int = 0
+    #: Port-only: the worker thread's time since start, in milliseconds (`engine.worker_time`).
+    worker_idle_ms: int = 0
+    worker_scheduling_ms: int = 0
+    worker_forward_ms: int = 0
+    worker_forward_off_cpu_ms: int = 0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name == "worker_alive":
+                if not isinstance(value, bool):
+                    raise TypeError(f"worker_alive must be a bool, got {value!r}")
+            else:
+                check_int(f.name, value)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -1,1 +1,0 @@
-"""The continuous batcher: handle, worker, and the admission arithmetic it runs on."""

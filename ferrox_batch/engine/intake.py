@@ -1,0 +1,95 @@
+"""A request's intake on its caller's thread: its arguments checked, and its size against what never changes.
+
+`ContinuousBatcher.submit` runs these before it takes anything it shares
+with the worker, so a request that could never run is refused without a
+queue slot, an abort id or a job on the channel. Everything here reads only what is
+fixed for the batcher's life (the context ceiling, the size of the whole
+block budget, the grammar engine), so it is safe on any number of caller
+threads at once; the only writes are the refusal counts, which the ceiling
+and the budget keep under their own locks.
+
+`submit` calls `checked_prompt` before its lifecycle refusal and
+`size_request` after it, which keeps the refusal order of the module
+docstring in `engine.handle`: a malformed call is refused as malformed even by
+a closed batcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from ferrox_batch.admission.block_budget import BlockBudget
+from ferrox_batch.errors import DecodeError, GrammarConstraint, InvalidRequest, TokenOutOfVocab
+from ferrox_batch.generation_types import GenerationParams
+from ferrox_batch.structured import CompiledSpec, StructuredOutput
+
+
+class GrammarCompiler(Protocol):
+    """What compiles structured output at submit (`runtime.sampling.grammar.Grammars`)."""
+
+    def compile(self, spec: StructuredOutput) -> CompiledSpec: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SizedRequest:
+    """What the worker needs to know about a request's size, worked out before it is queued."""
+
+    params: GenerationParams  # `max_tokens` clamped to the context ceiling
+    positions: int  # KV positions its lease will hold
+    blocks: int  # KV blocks those positions take
+    grammar: CompiledSpec | None  # compiled `params.structured`, or None without it
+
+
+def checked_prompt(prompt_tokens: Sequence[int], params: GenerationParams, vocab_size: int) -> list[int]:
+    """The prompt as a list of token ids; `InvalidRequest` for text, a non-sequence, a non-integer id, or
+    `params` that are not a `GenerationParams`; `TokenOutOfVocab` for a prompt id outside `[0, vocab_size)`
+    and `InvalidRequest` for a `logit_bias` id there. Every id the worker will hash, look up or index with is
+    inside the vocabulary once this returns."""
+    if isinstance(prompt_tokens, (str, bytes)):
+        raise InvalidRequest("prompt_tokens", prompt_tokens, "must be a sequence of token ids, not text")
+    try:
+        prompt = list(prompt_tokens)
+    except TypeError:
+        raise InvalidRequest("prompt_tokens", prompt_tokens, "must be a sequence of token ids") from None
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise InvalidRequest("prompt_tokens", token, "must hold only integer token ids")
+    if not isinstance(params, GenerationParams):
+        raise InvalidRequest("params", params, "must be a GenerationParams")
+    if prompt and not (0 <= min(prompt) and max(prompt) < vocab_size):
+        raise TokenOutOfVocab(next(t for t in prompt if not 0 <= t < vocab_size), vocab_size)
+    biased = next((t for t, _ in params.sampling.logit_bias if t >= vocab_size), None)
+    if biased is not None:
+        raise InvalidRequest("logit_bias", biased, f"names a token id outside the model's vocabulary of {vocab_size}")
+    return prompt
+
+
+def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudget,
+                 grammars: GrammarCompiler | None) -> SizedRequest:
+    """Fit `params.max_tokens` to the context ceiling, price the request in blocks, and compile its grammar.
+
+    Raises, in this order, the ceiling's refusal of the prompt, `immovable_refusal` (context ceiling,
+    then the whole block budget), and `GrammarConstraint` for structured output the batcher cannot
+    follow (no grammar engine, or a schema that is invalid or past the compile limits of `runtime.sampling.grammar`).
+    The compile is the whole cost of a new schema, paid here on the caller's thread: the worker only copies
+    what it makes.
+    """
+    fitted = budget.ceiling.fit(len(prompt), params.max_tokens)
+    if isinstance(fitted, DecodeError):
+        raise fitted
+    if fitted != params.max_tokens:
+        params = params.with_max_tokens(fitted)
+    # The paged store keeps every position (no window page recycling), so a row holds
+    # all of them, even for a sliding-window model.
+    positions = len(prompt) + params.max_tokens
+    blocks = budget.blocks_for(positions)
+    refusal = budget.immovable_refusal(positions)
+    if refusal is not None:
+        raise refusal
+    grammar = None
+    if params.structured is not None:
+        if grammars is None:
+            raise GrammarConstraint("this batcher has no grammar engine: build it with ContinuousBatcher.from_model")
+        grammar = grammars.compile(params.structured)  # an invalid or oversized schema is refused here
+    return SizedRequest(params=params, positions=positions, blocks=blocks, grammar=grammar)

@@ -1,1 +1,0 @@
-"""Everything that touches a device: model config, paged KV store, decoder, tokenizer, loading and fetching."""

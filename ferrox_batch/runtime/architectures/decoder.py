@@ -1,0 +1,283 @@
+"""The Llama-family decoder: one varlen forward over a paged KV store.
+
+`Decoder.forward(chunks, store)` is the only call the scheduler makes: a batch
+that mixes prefill chunks of several sequences with single-token decodes of
+others, returning the last-position logits of each sequence (float32, in the
+order given). Every projection runs once over the flat batch; attention runs
+once for the decode group and, in each layer, once for all the prefill chunks
+on the CPU or once per chunk elsewhere (`runtime.architectures.attention`, over the inputs
+`batch_inputs` builds).
+
+On the CPU four hot spots run in small C kernels (`cpu_kernels`): the decode
+group's attention reads K/V straight from the pool, the prefill chunks'
+attention widens each chunk's K/V once and scores query tiles against it in
+registers (`prefill_plan` describes the chunks to it), each RMSNorm takes the
+residual add before it in the same call, and RoPE rotates q and k in place in
+the fused projection and writes K/V to the pool in the same pass. Set
+`kernels = None` to use torch's ops instead (CUDA always does); both paths
+agree to float rounding. Where every projection is one fp16 panel kernel
+(`fp16w` on an AVX2 CPU), the whole layer loop runs in one C call instead
+(`layer_stack`): the same kernels in the same order, bit for bit, without
+the Python between them.
+
+Weights are held fused (`q|k|v` and `gate|up`) so each layer is four
+matmuls, prepacked at load on the CPU (`runtime.architectures.linear`): for oneDNN, or in
+fp16 when the precision is `fp16w` (for the fp16-weight C kernel, or fbgemm);
+there the C kernel also applies the MLP's SiLU gate inside the gate/up
+projection (`runtime.architectures.gate_up`). The decoder is stateless
+between calls; all per-sequence state is in the store.
+
+The store may hold K/V narrower than the decoder computes (`kv_dtype`: fp16
+under `fp16w`, chosen by `runtime.device.choose_kv_dtype`): they are rounded
+once, when written, and widened wherever read (exactly, in the C kernel; by a
+copy of the gathered context on the torch path).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ferrox_batch.runtime.architectures.attention import attend_decode, attend_prefill
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk, build_inputs
+from ferrox_batch.runtime.config import ModelConfig
+from ferrox_batch.runtime.errors import ModelLoadError
+from ferrox_batch.runtime.architectures.gate_up import GateUp
+from ferrox_batch.runtime.architectures.layer_stack import LayerStack
+from ferrox_batch.runtime.architectures.layer_weights import LayerWeights
+from ferrox_batch.runtime.architectures.linear import Linear
+from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels, cpu_kernels
+from ferrox_batch.runtime.device import KV_CACHE_DTYPES
+from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
+from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
+from ferrox_batch.runtime.architectures.rope import apply_rope, rope_tables
+
+
+class Decoder:
+    """Build from a Hugging Face-named state dict; the dict is consumed (entries are popped as
+    they are converted, so a load never holds two full copies of the weights)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        weights_format: str = "dtype",
+        kv_dtype: torch.dtype | None = None,
+    ) -> None:
+        """`weights_format` is how the linear layers (the lm head included) store their weights:
+        in `dtype`, or "fp16" (an fp32 model on the CPU; `runtime.architectures.linear`). `kv_dtype` is what the KV
+        store holds (`dtype` when None): K and V are rounded to it once, when written."""
+        if kv_dtype is None:
+            kv_dtype = dtype
+        if kv_dtype not in KV_CACHE_DTYPES.values():
+            raise ValueError(f"a KV store holds one of {', '.join(KV_CACHE_DTYPES)}; got {kv_dtype}")
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kv_dtype = kv_dtype
+        self.weights_format = weights_format
+        self.kernels = self.kernels_for(self.device, dtype)
+        take = _Taker(weights, self.device, dtype)
+        self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
+        if config.tie_word_embeddings and "lm_head.weight" not in weights:
+            self.lm_head = self._linear(self.embed, keep_weight=True)
+        else:
+            self.lm_head = self._linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)))
+        self.final_norm = take("model.norm.weight", (config.hidden_size,))
+        self.layers = [self._layer(take, i) for i in range(config.num_layers)]
+        unused = set(weights) - {"lm_head.weight"}
+        unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
+        if unused:
+            raise ModelLoadError(f"checkpoint has tensors this architecture does not use: {sorted(unused)[:5]}")
+        self.cos, self.sin = rope_tables(config, self.device, dtype)
+        # The layers in one C call where every projection is an fp16 panel kernel (`runtime.architectures.layer_stack`).
+        self.layer_stack = LayerStack.bind(self.layers, config, dtype) if self.kernels is not None else None
+
+    @staticmethod
+    def kernels_for(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:
+        """The C kernels a decoder on `device` computing in `dtype` runs (None: torch's ops only)."""
+        if device.type == "cpu" and CpuKernels.supports(dtype):
+            return cpu_kernels()
+        return None
+
+    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                keep_weight: bool = False) -> Linear:
+        return Linear(weight, bias, keep_weight=keep_weight, weights=self.weights_format, kernels=self.kernels)
+
+    @property
+    def linear_kinds(self) -> dict[str, int]:
+        """How many linear layers run each kernel (`Linear.kind`): what the load actually got."""
+        kinds: dict[str, int] = {}
+        names = ("qkv", "o", "gate_up", "down")
+        for linear in [self.lm_head, *(getattr(layer, name) for layer in self.layers for name in names)]:
+            kinds[linear.kind] = kinds.get(linear.kind, 0) + 1
+        return kinds
+
+    def _layer(self, take: "_Taker", i: int) -> LayerWeights:
+        c = self.config
+        p = f"model.layers.{i}."
+        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        qkv = torch.cat([
+            take(p + "self_attn.q_proj.weight", (q_out, c.hidden_size)),
+            take(p + "self_attn.k_proj.weight", (kv_out, c.hidden_size)),
+            take(p + "self_attn.v_proj.weight", (kv_out, c.hidden_size)),
+        ])
+        bias = None
+        if c.attention_bias:
+            bias = torch.cat([
+                take(p + "self_attn.q_proj.bias", (q_out,)),
+                take(p + "self_attn.k_proj.bias", (kv_out,)),
+                take(p + "self_attn.v_proj.bias", (kv_out,)),
+            ])
+        return LayerWeights(
+            input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
+            qkv=self._linear(qkv, bias),
+            o=self._linear(take(p + "self_attn.o_proj.weight", (c.hidden_size, q_out))),
+            post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
+            gate_up=GateUp(torch.cat([
+                take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
+                take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
+            ]), weights=self.weights_format, kernels=self.kernels),
+            down=self._linear(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def new_store(
+        self, block_size: int, *, num_blocks: int | None = None, memory_bytes: int | None = None,
+        prefix_cache: bool = False,
+    ) -> PagedKvStore:
+        """A paged KV store for this model, sized by a block count or a memory budget (exactly one)."""
+        if (num_blocks is None) == (memory_bytes is None):
+            raise ValueError("give exactly one of num_blocks and memory_bytes")
+        if num_blocks is not None:
+            return PagedKvStore(self.config, num_blocks, block_size, device=self.device, dtype=self.kv_dtype,
+                                prefix_cache=prefix_cache)
+        return PagedKvStore.from_memory_budget(
+            self.config, int(memory_bytes), block_size, device=self.device, dtype=self.kv_dtype,
+            prefix_cache=prefix_cache,
+        )
+
+    def forward(self, chunks: Sequence[SeqChunk], store: PagedKvStore) -> torch.Tensor:
+        """Append each chunk to its sequence's KV and return `[len(chunks), vocab]` float32 logits."""
+        return self.forward_every(chunks, store, ())[0]
+
+    @torch.inference_mode()
+    def forward_every(self, chunks: Sequence[SeqChunk], store: PagedKvStore,
+                      every: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward`, and for each chunk index in `every` (ascending) the `[len(chunk), vocab]` logits of
+        every one of its positions (what a prompt's own log-probabilities are read from)."""
+        c = self.config
+        if store.dtype != self.kv_dtype or store.device != self.device:
+            raise ValueError(
+                f"store holds {store.dtype} on {store.device} but the decoder's KV is {self.kv_dtype} on {self.device}"
+            )
+        kernel = self.kernels
+        inputs = build_inputs(chunks, store, c.vocab_size, c.sliding_window, decode_gather=kernel is None)
+        n_tok = inputs.tokens.numel()
+        # From the host-side lengths, not `positions.max()`: no device sync on CUDA.
+        top = max(length for _, length in inputs.new_lengths) - 1
+        if top >= c.max_position_embeddings:
+            raise ValueError(
+                f"position {top} is past this model's {c.max_position_embeddings} trained positions"
+            )
+        plan: PrefillPlan | None = None
+        if kernel is not None:  # once per forward; the kernels read and write unchecked
+            kernel.check_rope_store(inputs.positions, inputs.slots, self.cos.shape[0], store.kv.shape[1])
+            if inputs.decode is not None:
+                d = inputs.decode
+                kernel.check_decode_ranges(d.tables, d.lo, d.hi, store.block_size, store.num_blocks)
+            if inputs.prefill:
+                plan = PrefillPlan.of(inputs.prefill)
+                plan.check(store.kv.shape[1])
+        else:
+            cos = self.cos[inputs.positions][:, None, :]
+            sin = self.sin[inputs.positions][:, None, :]
+        heads, kv_heads = c.num_heads, c.num_kv_heads
+        q_width, kv_width = heads * c.head_dim, kv_heads * c.head_dim
+
+        h = F.embedding(inputs.tokens, self.embed)
+        pending: torch.Tensor | None = None  # the MLP output still to be added to h
+        if kernel is not None and self.layer_stack is not None:  # the loop below in one C call, bit for bit
+            pending = self.layer_stack.run(kernel, h, inputs, plan, store.kv, store.block_size, self.cos, self.sin)
+        for index, layer in enumerate(self.layers if pending is None else ()):
+            h, x = self._add_norm(h, pending, layer.input_norm, kernel)
+            qkv = layer.qkv(x)
+            pool = store.kv[index]
+            if kernel is not None:  # RoPE in place and the K/V write, in one call
+                kernel.rope_store(qkv, self.cos, self.sin, inputs.positions, inputs.slots, pool, heads, checked=True)
+                q = qkv[:, :q_width].view(n_tok, heads, c.head_dim)
+            else:
+                # RoPE on q and k in one pass: their heads are adjacent in the fused projection.
+                qk = apply_rope(qkv[:, : q_width + kv_width].view(n_tok, heads + kv_heads, c.head_dim), cos, sin)
+                q = qk[:, :heads]
+                v = qkv[:, q_width + kv_width:].view(n_tok, kv_heads, c.head_dim)
+                pool.index_copy_(0, inputs.slots, torch.stack((qk[:, heads:], v), dim=1).to(pool.dtype))
+            parts = []
+            n_dec = 0
+            if inputs.decode is not None:
+                n_dec = inputs.decode.count
+                parts.append(attend_decode(q[:n_dec], pool, inputs.decode, store.block_size, c, kernel))
+            if inputs.prefill:
+                parts.append(attend_prefill(q[n_dec:], pool, inputs.prefill, c, kernel, plan))
+            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
+            h, x = self._add_norm(h, layer.o(attn), layer.post_norm, kernel)
+            pending = layer.down(layer.gate_up(x))
+
+        rows = inputs.last_rows
+        if every:  # the last rows, then every row of the chunks asked for, through one norm and lm_head
+            ends = rows.tolist()
+            spans = [torch.arange(ends[i] - len(chunks[i].tokens) + 1, ends[i] + 1, device=rows.device)
+                     for i in every]
+            rows = torch.cat([rows, *spans])
+        _, h = self._add_norm(h[rows], None if pending is None else pending[rows], self.final_norm, kernel)
+        logits = self.lm_head(h).float()
+        for seq_id, length in inputs.new_lengths:
+            store.seq(seq_id).length = length
+        if not every:
+            return logits, []
+        sizes = [len(chunks[i].tokens) for i in every]
+        return logits[: len(chunks)], list(logits[len(chunks):].split(sizes))
+
+    def _add_norm(
+        self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, kernels: CpuKernels | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(h + residual, rms_norm(h + residual))`; the CPU kernel adds into `h` in place."""
+        eps = self.config.rms_norm_eps
+        if kernels is not None:
+            return h, kernels.rms_norm(h, weight, eps, residual)
+        if residual is not None:
+            h = h + residual
+        return h, _rms_norm(h, weight, eps)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Accumulate in float32 as the reference does; cast back before the weight.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class _Taker:
+    """Takes named tensors out of a checkpoint (consuming the dict), checking their shapes."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
+        self.weights = weights
+        self.device = device
+        self.dtype = dtype
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        # Popped, so the checkpoint's copy can be freed as soon as ours exists (peak memory at load).
+        tensor = self.weights.pop(name, None)
+        if tensor is None:
+            raise ModelLoadError(f"checkpoint is missing the tensor {name!r}")
+        if tuple(tensor.shape) != shape:
+            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        return tensor.to(device=self.device, dtype=self.dtype).contiguous()

@@ -1,0 +1,95 @@
+"""The gated MLP's input projection, `silu(x @ gate.T) * (x @ up.T)`, as one call where a kernel allows.
+
+Llama-family MLPs project the input twice (gate and up, held fused as one `[2n, k]` weight) and
+multiply the SiLU of one by the other. Through `Linear` that is a `[rows, 2n]` product written out,
+split, and read back by two elementwise kernels. Under `fp16w` with the C kernels built vectorised,
+`CpuKernels.f16_gated_linear` instead forms the product in registers, tile by tile, and writes only
+the `[rows, n]` result. Everywhere else (fp32, bf16, CUDA, fbgemm) the projection is a `Linear`
+followed by torch's `silu` and product. At load the fused kernel is checked against that
+reference on a probe input, within the bound its arithmetic allows, and dropped if it disagrees.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ferrox_batch.runtime.architectures.linear import Linear, fits_fp16, preferred_fp16_kind, probe_input
+
+if TYPE_CHECKING:
+    from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
+    from ferrox_batch.runtime.kernels.packed_gemm import PackedF16Gemm
+
+#: What the fused path reports as its kernel (`GateUp.kind`).
+FUSED_KIND = "fp16_panels"
+
+
+class GateUp:
+    """`silu(gate(x)) * up(x)` for a fused `[2n, k]` weight (gate rows first)."""
+
+    __slots__ = ("_linear", "_fused", "_half")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weights: str = "dtype",
+                 kernels: CpuKernels | None = None) -> None:
+        """`weights` and `kernels` as for `Linear`; a bias keeps the unfused path."""
+        if weight.dim() != 2 or weight.shape[0] % 2:
+            raise ValueError(f"a gated projection's weight has an even number of rows; got {tuple(weight.shape)}")
+        self._half = weight.shape[0] // 2
+        self._fused: PackedF16Gemm | None = None
+        self._linear: Linear | None = None
+        fusable = (bias is None and weights == "fp16" and weight.dtype == torch.float32
+                   and weight.device.type == "cpu" and preferred_fp16_kind(kernels) == FUSED_KIND
+                   and fits_fp16(weight))
+        if fusable:
+            self._fused = kernels.bind_f16_gated_linear(kernels.pack_f16_gated(weight), self._half)
+            probe = probe_input(weight)
+            if gated_agrees(self(probe), probe, weight.half().float()):
+                return
+            self._fused = None
+        self._linear = Linear(weight, bias, weights=weights, kernels=kernels)
+
+    @property
+    def kind(self) -> str:
+        """The kernel that runs the projection (`Linear.kind`'s names)."""
+        return FUSED_KIND if self._fused is not None else self._linear.kind
+
+    @property
+    def fused(self) -> bool:
+        """Whether the SiLU and the product run inside the projection's kernel."""
+        return self._fused is not None
+
+    @property
+    def fused_gemm(self) -> PackedF16Gemm | None:
+        """The bound fused kernel when the projection and its SiLU gate run in it, else None."""
+        return self._fused
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._fused is not None:
+            return self._fused(x)  # a `PackedF16Gemm`, checked when it was bound
+        gate, up = self._linear(x).chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+def gated_agrees(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `got` is `silu(x @ gate.T) * (x @ up.T)` over `weight` (float32, gate rows first), up to
+    how `got` may round.
+
+    The reference is computed in float64 over the float32 inputs, exact to far below float32's steps, so
+    only `got`'s side rounds: each half's float32 sum of k products (with FMA or without) is within
+    e = gamma(k) |x| |w| of the exact sum. SiLU's slope is at most 1.1 in magnitude, so the products
+    differ by at most 1.1 e_g (|u| + e_u) + |silu(g)| e_u, plus the roundings after the sums: exp within
+    4 ulps, the sum, the quotient and the product one each, 8 steps of float32 at the value in all.
+    """
+    gate_w, up_w = weight.double().chunk(2)
+    xd = x.double()
+    g, u = xd @ gate_w.T, xd @ up_w.T
+    want = F.silu(g) * u
+    k = x.shape[-1]
+    unit = torch.finfo(torch.float32).eps / 2
+    gamma = k * unit / (1 - k * unit)
+    e_g, e_u = gamma * (xd.abs() @ gate_w.abs().T), gamma * (xd.abs() @ up_w.abs().T)
+    silu_g = F.silu(g).abs()
+    bound = 1.1 * e_g * (u.abs() + e_u) + silu_g * e_u + 8 * (2 * unit) * (silu_g * u.abs())
+    return bool(((got.double() - want).abs() <= bound).all())

@@ -1,0 +1,188 @@
+"""Turning a varlen batch (prefill chunks and single-token decodes) into the tensors one forward needs.
+
+A forward sees one flat row of tokens. Sequences are laid out decodes first
+(one token each) and then prefill chunks, so the attention of each group is a
+plain slice of the flat projections:
+
+* decode group: `B` queries, one per sequence; each attends to its own
+  gathered context `[B, L]` (L = the longest context in the group) under a
+  length mask, or, for the paged decode kernel (`decode_gather=False`),
+  straight from the pool through its block table and key range;
+* prefill group: `P` chunks, each attending causally to its own sequence's
+  context, one SDPA call per chunk at its own length (padding every chunk to
+  the longest cost up to ten times the attention work of a burst of prompts
+  of different lengths); a chunk that starts a sequence with no window uses
+  SDPA's own causal mode, others carry a `[len, L]` mask built here.
+
+Everything is built once per forward and shared by every layer; positions
+come from the store (the KV is the only cursor), and the new tokens' slots are
+computed from the block tables. Inside the model the only Python loop is the
+one SDPA call per prefill chunk in each layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Hashable, Sequence
+
+import torch
+
+from ferrox_batch.errors import TokenOutOfVocab
+from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunk:
+    """`tokens` to append to sequence `seq_id`, starting at its current KV length."""
+
+    seq_id: Hashable
+    tokens: Sequence[int]
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """One query per sequence. The paged kernel reads `tables` within `lo .. hi - 1`; the
+    gather path reads `ctx_slots` (flattened `[N * L]`) under `mask` (None: every key counts)."""
+
+    count: int
+    tables: torch.Tensor  # [N, max_blocks] int64
+    lo: torch.Tensor  # [N] first key attended
+    hi: torch.Tensor  # [N] one past the last key
+    ctx_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """One chunk's keys: the slots of positions `0 .. start + length - 1`, and its mask
+    (`[length, L]`, True = attend), None when plain causal attention is exact."""
+
+    ctx_slots: torch.Tensor
+    length: int
+    mask: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class BatchInputs:
+    tokens: torch.Tensor  # [T] in flat (decodes-first) order
+    positions: torch.Tensor  # [T]
+    slots: torch.Tensor  # [T] where each token's K/V is written
+    decode: DecodeGroup | None
+    prefill: list[PrefillChunk]
+    last_rows: torch.Tensor  # [S] flat row of each sequence's last token, in the caller's order
+    new_lengths: list[tuple[Hashable, int]]
+
+
+def build_inputs(
+    chunks: Sequence[SeqChunk],
+    store: PagedKvStore,
+    vocab_size: int,
+    sliding_window: int | None,
+    decode_gather: bool = True,
+) -> BatchInputs:
+    """The tensors of one forward over `chunks`.
+
+    `decode_gather=False` skips the decode group's context slots and mask (the paged kernel
+    reads the tables instead).
+    """
+    if not chunks:
+        raise ValueError("a forward needs at least one sequence; got an empty batch")
+    seen: set[Hashable] = set()
+    for chunk in chunks:
+        if chunk.seq_id in seen:
+            raise ValueError(f"sequence {chunk.seq_id!r} appears twice in one batch")
+        seen.add(chunk.seq_id)
+        if len(chunk.tokens) == 0:
+            raise ValueError(f"sequence {chunk.seq_id!r} has an empty chunk")
+    device = store.device
+    bs = store.block_size
+    # Decodes first, then prefill chunks; `order[j]` is the caller's index of flat sequence j.
+    order = [i for i, c in enumerate(chunks) if len(c.tokens) == 1]
+    n_decode = len(order)
+    order += [i for i, c in enumerate(chunks) if len(c.tokens) > 1]
+
+    flat_tokens: list[int] = []
+    starts: list[int] = []
+    lens: list[int] = []
+    tables: list[torch.Tensor] = []
+    new_lengths: list[tuple[Hashable, int]] = []
+    for i in order:
+        chunk = chunks[i]
+        seq = store.seq(chunk.seq_id)
+        end = seq.length + len(chunk.tokens)
+        if end > seq.capacity:
+            raise ValueError(
+                f"sequence {chunk.seq_id!r} would reach {end} positions but its KV lease "
+                f"holds {seq.capacity}"
+            )
+        flat_tokens.extend(chunk.tokens)
+        starts.append(seq.length)
+        lens.append(len(chunk.tokens))
+        tables.append(seq.table)
+        new_lengths.append((chunk.seq_id, end))
+
+    tokens = torch.tensor(flat_tokens, dtype=torch.long)
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if bool(bad.any()):
+        raise TokenOutOfVocab(int(tokens[bad.nonzero()[0, 0]]), vocab_size)
+    tokens = tokens.to(device)
+
+    decode = None
+    pos_parts: list[torch.Tensor] = []
+    slot_parts: list[torch.Tensor] = []
+    if n_decode:
+        d_tables = _pad_tables(tables[:n_decode], device)
+        d_pos = torch.tensor(starts[:n_decode], dtype=torch.long, device=device)
+        pos_parts.append(d_pos)
+        slot_parts.append(_slots(d_tables, d_pos[:, None], bs).squeeze(1))
+        ctx_len = d_pos + 1
+        lo = torch.zeros_like(d_pos) if sliding_window is None else (ctx_len - sliding_window).clamp(min=0)
+        decode = DecodeGroup(n_decode, d_tables, lo, ctx_len)
+        if decode_gather:
+            width = max(starts[:n_decode]) + 1
+            keys = torch.arange(width, device=device)
+            # Keys past a row's own position are masked, but still gathered: clamped to the
+            # row's last written slot, they read its own finite KV, never stale pool memory
+            # (the store does not clear leases) nor a padded table entry.
+            ctx = _slots(d_tables, torch.minimum(keys[None, :], d_pos[:, None]), bs)
+            mask = (keys[None, :] < ctx_len[:, None]) & (keys[None, :] >= lo[:, None])
+            # Every key of every row counts when all rows sit at the same position inside the
+            # window: known from the host-side starts, with no device sync for `mask.all()`.
+            all_full = min(starts[:n_decode]) == width - 1 and (sliding_window is None or width <= sliding_window)
+            decode.ctx_slots = ctx.reshape(-1)
+            decode.mask = None if all_full else mask[:, None, None, :]
+    prefill: list[PrefillChunk] = []
+    for j in range(n_decode, len(order)):
+        start, length = starts[j], lens[j]
+        width = start + length
+        keys = torch.arange(width, device=device)
+        ctx = _slots(tables[j][None, :], keys[None, :], bs)[0]
+        qpos = keys[start:]
+        pos_parts.append(qpos)
+        slot_parts.append(ctx[start:])
+        mask = None
+        if start > 0 or (sliding_window is not None and width > sliding_window):
+            mask = keys[None, :] <= qpos[:, None]
+            if sliding_window is not None:
+                mask &= keys[None, :] > (qpos[:, None] - sliding_window)
+        prefill.append(PrefillChunk(ctx, length, mask))
+
+    positions = torch.cat(pos_parts)
+    slots = torch.cat(slot_parts)
+    # Last flat row of each sequence, returned in the caller's order.
+    ends = torch.tensor(lens, dtype=torch.long).cumsum(0) - 1
+    last_flat = torch.empty(len(chunks), dtype=torch.long)
+    last_flat[torch.tensor(order, dtype=torch.long)] = ends
+    return BatchInputs(tokens, positions, slots, decode, prefill, last_flat.to(device), new_lengths)
+
+
+def _pad_tables(tables: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    if len(tables) == 1:
+        return tables[0][None, :]
+    return torch.nn.utils.rnn.pad_sequence(tables, batch_first=True).to(device)
+
+
+def _slots(tables: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slot of each position: `table[pos // bs] * bs + pos % bs`, row-wise."""
+    blocks = torch.gather(tables, 1, torch.div(positions, block_size, rounding_mode="floor"))
+    return blocks * block_size + positions % block_size

@@ -1,0 +1,108 @@
+"""The byte-level BPE tokenizer of a llama.cpp GGUF, rebuilt as a `tokenizers` tokenizer.
+
+`gguf_convert` calls this with the file's metadata: the vocabulary, merges,
+token types and pre-tokenizer name become `tokenizer.json` and
+`tokenizer_config.json`, and the end-of-generation ids the generation config
+lists. Supported: byte-level BPE (llama.cpp's "gpt2" model) with the
+default/gpt2, smollm and llama3 pre-tokenizers; anything else is a
+`ModelLoadError` naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from ferrox_batch.runtime.errors import ModelLoadError
+from ferrox_batch.runtime.loading.tokenizer import byte_level_alphabet
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+# Texts llama.cpp treats as end-of-generation when the vocabulary has them as
+# control tokens; SmolLM2 ends a turn with <|im_end|> but may emit <|endoftext|>.
+_END_OF_GENERATION_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>",
+                            "<|end|>", "<end_of_turn>", "<|end_of_text|>")
+
+_LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+                 r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def tokenizer_from_metadata(meta: dict[str, Any], config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ModelLoadError(f"tokenizer model {kind!r} is not supported (supported: gpt2, byte-level BPE)")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    spelling = {byte: char for char, byte in byte_level_alphabet().items()}
+    alphabet = set(spelling.values())
+    # llama.cpp sometimes stores a token as raw text rather than in the byte
+    # alphabet; BPE needs every token spelled in the alphabet.
+    vocab = {tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode("utf-8")): i
+             for i, tok in enumerate(tokens)}
+    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=None, fuse_unk=False,
+                               byte_fallback=False))
+    tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+    tok.decoder = decoders.ByteLevel()
+    # A control token spelled outside the byte alphabet is a llama.cpp mislabel
+    # (transformers skips those too); adding it would grow the vocabulary.
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if ty == _CONTROL and set(t) <= alphabet])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False)
+                    for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab])
+
+    def text_of(field: str) -> str | None:
+        index = meta.get(f"tokenizer.ggml.{field}_token_id")
+        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
+
+    bos, eos = text_of("bos"), text_of("eos")
+    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False)) and bos is not None
+    add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
+    if add_bos or add_eos:
+        head, tail = [bos] * add_bos, [eos] * add_eos
+        tok.post_processor = processors.TemplateProcessing(
+            single=" ".join([*head, "$A", *tail]), pair=" ".join([*head, "$A", *tail, *head, "$B:1", *tail]),
+            special_tokens=[(t, tok.token_to_id(t)) for t in {*head, *tail}])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tokenizer_config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": add_bos, "add_eos_token": add_eos,
+        "bos_token": bos, "eos_token": eos,
+        "unk_token": text_of("unknown"), "pad_token": text_of("padding"),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": config["max_position_embeddings"],
+    }
+    if meta.get("tokenizer.chat_template"):
+        tokenizer_config["chat_template"] = meta["tokenizer.chat_template"]
+    return tok.to_str(), tokenizer_config
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    """How text is split before BPE, per llama.cpp's `tokenizer.ggml.pre` name.
+
+    "smollm" isolates every digit before the GPT-2 split, as llama.cpp and the
+    original SmolLM2 tokenizer.json do. (transformers' GGUF loader has no entry
+    for "smollm" and falls back to plain GPT-2; the two differ only when a run
+    of whitespace precedes a digit.)
+    """
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
+    if pre in ("default", "gpt2"):
+        return byte_level
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"):
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False)])
+    raise ModelLoadError(f"pre-tokenizer {pre!r} is not supported (supported: default, gpt2, smollm, llama-bpe)")
+
+
+def eog_ids(meta: dict[str, Any]) -> list[int]:
+    """eos first, then eot/eom, then control tokens llama.cpp knows as end-of-generation."""
+    tokens, types = meta.get("tokenizer.ggml.tokens") or [], meta.get("tokenizer.ggml.token_type") or []
+    ids = [int(meta[f"tokenizer.ggml.{k}_token_id"]) for k in ("eos", "eot", "eom")
+           if meta.get(f"tokenizer.ggml.{k}_token_id") is not None]
+    ids += [i for i, (t, ty) in enumerate(zip(tokens, types)) if ty == _CONTROL and t in _END_OF_GENERATION_TEXTS]
+    return list(dict.fromkeys(ids))

@@ -1,0 +1,180 @@
+"""Loading a checkpoint: a Hugging Face-style folder or a `.gguf` file, into a `Decoder` and a `Tokenizer`.
+
+A folder needs `config.json`, `tokenizer.json` and its weights as
+`model.safetensors` or shards listed in `model.safetensors.index.json` (each
+inside the folder: an index cannot point the loader at another file). A
+`.gguf` file is dequantized in memory through the same conversion `fetch`
+uses. Every failure is a `ModelLoadError` that names the file and what is
+wrong with it; an unsupported architecture is refused before any weight is
+read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from ferrox_batch.runtime.config import ModelConfig
+from ferrox_batch.runtime.architectures.decoder import Decoder
+from ferrox_batch.runtime.device import (
+    DtypeChoice,
+    KvDtypeChoice,
+    choose_device,
+    choose_dtype_reasoned,
+    choose_kv_dtype,
+)
+from ferrox_batch.runtime.errors import ModelLoadError
+from ferrox_batch.runtime.architectures.linear import FP16_KINDS
+from ferrox_batch.admission.kv import KvShape
+from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
+
+log = logging.getLogger("ferrox_batch.models")
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    config: ModelConfig
+    decoder: Decoder
+    tokenizer: Tokenizer
+    source: Path
+    #: Why the decoder runs in its dtype (`auto`'s rule, or "asked for").
+    dtype_reason: str = "asked for"
+    #: The precision as `--dtype` spells it (`fp16w`: fp32 with fp16 linear weights).
+    precision: str = "fp32"
+    #: Why the KV store holds `decoder.kv_dtype` (`auto`'s rule, or "asked for").
+    kv_dtype_reason: str = "asked for"
+
+    @property
+    def kv_dtype_name(self) -> str:
+        """What the KV store holds, as `--kv-cache-dtype` spells it."""
+        return KvDtypeChoice(self.decoder.kv_dtype, self.kv_dtype_reason).name
+
+    def kv_shape(self) -> KvShape:
+        """KV bytes per position for the dtype the store will hold (the ceiling prices with it)."""
+        return PagedKvStore.kv_shape(self.config, self.decoder.kv_dtype)
+
+
+def load_model(
+    path: str | Path,
+    *,
+    device: str | torch.device | None = "auto",
+    dtype: str | torch.dtype | None = "auto",
+    kv_cache_dtype: str | torch.dtype | None = "auto",
+) -> LoadedModel:
+    """`dtype` is the precision (`runtime.device`); `kv_cache_dtype` what the KV store holds (auto, fp32,
+    fp16 or bf16: `device.choose_kv_dtype`)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"no model at {path}")
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path, device, dtype, kv_cache_dtype)
+    if not path.is_dir():
+        raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
+    config = ModelConfig.from_file(path / "config.json")
+    tokenizer = Tokenizer.from_dir(path)
+    weights = _read_safetensors(path)
+    return _build(config, weights, tokenizer, path, device, dtype, kv_cache_dtype)
+
+
+def _build(
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    source: Path,
+    device: str | torch.device | None,
+    dtype: str | torch.dtype | None,
+    kv_cache_dtype: str | torch.dtype | None,
+) -> LoadedModel:
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelLoadError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is {config.vocab_size}"
+        )
+    tokenizer.pad_to(config.vocab_size)
+    chosen_device = choose_device(device)
+    chosen = choose_dtype_reasoned(dtype, chosen_device, config)
+    in_place = Decoder.kernels_for(chosen_device, chosen.dtype) is not None
+    kv = choose_kv_dtype(kv_cache_dtype, chosen, chosen_device, in_place)
+    decoder = Decoder(config, weights, device=chosen_device, dtype=chosen.dtype, weights_format=chosen.weights,
+                      kv_dtype=kv.dtype)
+    kinds = ", ".join(f"{count} {kind}" for kind, count in decoder.linear_kinds.items())
+    precision, reason = chosen.name, chosen.reason
+    if chosen.weights == "fp16" and not set(FP16_KINDS) & set(decoder.linear_kinds):
+        # Every layer fell back (no fp16-weight kernel here): say what runs, not what was asked.
+        precision, reason = "fp32", f"{reason}; no fp16-weight linear kernel is available here, so fp32 weights"
+        log.warning("%s: fp16 weights were asked for but no fp16-weight linear kernel loaded; running fp32",
+                    source.name)
+        # `auto`'s K/V follow the precision that runs: plain fp32 keeps fp32 K/V.
+        kv = choose_kv_dtype(kv_cache_dtype, DtypeChoice(torch.float32, reason), chosen_device, in_place)
+        decoder.kv_dtype = kv.dtype  # no store exists yet
+    log.info("%s runs in %s on %s (linear kernels: %s): %s; KV cache in %s: %s", source.name, precision,
+             chosen_device, kinds, reason, kv.name, kv.reason)
+    return LoadedModel(config, decoder, tokenizer, source, reason, precision, kv.reason)
+
+
+def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shard_names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as bad:
+            raise ModelLoadError(f"{index} is malformed: {bad}") from None
+        files = [_shard(folder, index, name) for name in shard_names]
+    else:
+        files = [folder / "model.safetensors"]
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise ModelLoadError(f"missing weights file {file}")
+        try:
+            weights.update(load_file(str(file)))
+        except (SafetensorError, OSError, ValueError) as bad:
+            raise ModelLoadError(f"{file} is not a readable safetensors file: {bad}") from None
+    return weights
+
+
+def _shard(folder: Path, index: Path, name: object) -> Path:
+    """The file a shard name in `index` stands for, which must lie inside the checkpoint `folder`.
+
+    A checkpoint is often someone else's download: its index must not make the loader open any other file
+    (an absolute path, a `..` climbing out, or a link that resolves elsewhere). One layout links out on
+    purpose and is allowed: the Hugging Face cache, whose `snapshots/<revision>/` files link into the
+    repository's own `blobs/` folder.
+    """
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise ModelLoadError(f"{index} names shard {name!r} outside the checkpoint folder: a shard must be a "
+                             f"relative path inside {folder}")
+    path = folder / name
+    home = folder.resolve()
+    allowed = [home]
+    if home.parent.name == "snapshots":  # <repo>/snapshots/<revision>/ -> <repo>/blobs/
+        allowed.append(home.parent.parent / "blobs")
+    if path.exists() and not any(path.resolve().is_relative_to(root) for root in allowed):
+        raise ModelLoadError(f"{index} names shard {name!r}, which resolves to {path.resolve()}, outside the "
+                             f"checkpoint folder {folder}")
+    return path
+
+
+def _load_gguf(
+    path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None,
+    kv_cache_dtype: str | torch.dtype | None,
+) -> LoadedModel:
+    from ferrox_batch.runtime.loading.gguf_convert import read_gguf
+
+    ckpt = read_gguf(path)
+    config = ModelConfig.from_dict(ckpt.config)
+    tokenizer = Tokenizer.from_parts(
+        ckpt.tokenizer_json,
+        tokenizer_config=ckpt.tokenizer_config,
+        generation_config=ckpt.generation_config,
+        model_config=ckpt.config,
+        source=str(path),
+    )
+    weights = {name: torch.from_numpy(array) for name, array in ckpt.tensors.items()}
+    return _build(config, weights, tokenizer, path, device, dtype, kv_cache_dtype)

@@ -1,0 +1,195 @@
+"""`ModelRunner`: the only part of the engine that touches the device.
+
+It owns the decoder, the paged KV store and the batched sampler, and it knows the scheduler only through
+the shared vocabulary of a forward (`ferrox_batch.forward`). The scheduler sees it through two seams: as
+its `KvLeases` (lease, release and measure each request's KV) and through `execute(plan)`, one forward over
+a `ForwardPlan`'s decode rows and prompt chunks followed by one sampling call over the rows that sample,
+returning a token id (or the error that stops that request) for each, and the log-probabilities of the
+prompt tokens of the chunks that asked for them (read from their own rows). Another device or a
+graph-captured runner plugs in here without the scheduler changing.
+
+Each sequence's sampling state (`RowSampler`: its generator, penalty window, bias, grammar matcher) is the
+runner's own: made when the sequence first samples, from what its `RowToSample` carries, and dropped when
+its lease is released. The decoder is seen through `Decoder`.
+
+Failures: a forward that raises propagates (the scheduler fails every
+request in it). Everything after the forward is per row: a row whose sampler
+state cannot be made, or that the sampler cannot sample, gets its own error
+(`SamplingError`, `GrammarConstraint`, or `InternalError` for anything
+unexpected); when the batched sampling call itself raises, each row is
+sampled again alone, so only the rows that fail alone fail. The worker keeps
+serving in every case.
+
+The sampled ids come back as Python ints, so `execute` returns only once the
+device has finished: its duration is the step's real cost on every device.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from ferrox_batch.errors import DecodeError, InternalError, KvAllocationFailed, KvPoolExhausted
+from ferrox_batch.forward import ForwardPlan, RowToSample, Sampled, StepOutput
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
+from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
+from ferrox_batch.runtime.sampling.logprobs import prompt_logprobs
+from ferrox_batch.runtime.sampling.sampler import BatchSampler, RowSampler
+
+log = logging.getLogger("ferrox_batch.batch")
+
+
+class Decoder(Protocol):
+    """What the runner runs forwards on (`architectures.decoder.Decoder`, or a wrapper in tests)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    def forward(self, chunks: Sequence[SeqChunk], store: PagedKvStore) -> torch.Tensor:
+        """Logits of each chunk's last position, `[len(chunks), >= vocab_size]`."""
+        ...
+
+    def forward_every(self, chunks: Sequence[SeqChunk], store: PagedKvStore,
+                      every: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """`forward`'s logits, and every position's logits of the chunks indexed by `every`."""
+        ...
+
+
+class ModelRunner:
+    def __init__(self, decoder: Decoder, store: PagedKvStore, sampler: BatchSampler) -> None:
+        self.decoder = decoder
+        self.store = store
+        self.sampler = sampler
+        self._next_seq = 0
+        self._samplers: dict[int, RowSampler] = {}  # by seq_id: from a sequence's first sample to its release
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for grammar masks, made on first use
+
+    @property
+    def vocab_size(self) -> int:
+        return self.decoder.vocab_size
+
+    # ------------------------------------------------------------ KvLeases
+
+    def peek(self, tokens: Sequence[int], salt: str | None) -> tuple[int, int]:
+        return self.store.peek(tokens, salt)
+
+    def allocate(self, positions: int, tokens: Sequence[int] = (), salt: str | None = None) -> int:
+        seq_id = self._next_seq
+        while self.store.has_sequence(seq_id):  # a shared store may hold others' sequences
+            seq_id += 1
+        self._next_seq = seq_id + 1
+        try:
+            self.store.add_sequence(seq_id, positions, tokens, salt)
+        except KvPoolExhausted:  # the ledger said yes but the page store said no: the upstream's wording
+            raise KvPoolExhausted() from None
+        except (MemoryError, torch.OutOfMemoryError) as failed:
+            log.warning("allocating KV for a request failed: %s", failed)
+            raise KvAllocationFailed(f"{type(failed).__name__}: {failed}") from None
+        return seq_id
+
+    def publish(self, seq_id: int, tokens: Sequence[int]) -> None:
+        self.store.publish(seq_id, tokens)
+
+    def release(self, seq_id: int) -> int:
+        self._samplers.pop(seq_id, None)
+        return self.store.free_sequence(seq_id)
+
+    def length(self, seq_id: int) -> int:
+        return self.store.seq_len(seq_id)
+
+    def blocks_of(self, seq_id: int) -> Sequence[int]:
+        return self.store.seq(seq_id).blocks
+
+    # ------------------------------------------------------------- execute
+
+    def execute(self, plan: ForwardPlan) -> StepOutput:
+        """Run `plan`'s forward, then sample every row in `plan.sampling` (one outcome each), and score the
+        prompt tokens of the chunks in `plan.scoring`."""
+        chunks = [SeqChunk(seq_id, tokens) for seq_id, tokens in plan.inputs]
+        outcomes, ready = self._rows(plan.sampling)
+        rows = [self._samplers[plan.sampling[i].seq_id] for i in ready]
+        # Grammar masks are computed on another thread while the forward runs, so they can overlap it where
+        # cores are free; on a 2-core machine both compete for the same cores (measured in
+        # docs/benchmarks.md: 0.09 ms of mask work per constrained row and token).
+        masks = None
+        if any(row.matcher is not None for row in rows):
+            masks = self._grammar_pool().submit(self.sampler.grammar_masks, rows)
+        if plan.scoring:  # only a scored prompt needs every position's logits
+            logits, every = self.decoder.forward_every(chunks, self.store, [p.input for p in plan.scoring])
+        else:
+            logits, every = self.decoder.forward(chunks, self.store), []
+        scored = {p.key: prompt_logprobs(positions, p.targets, p.top, self.sampler.vocab_size)
+                  for p, positions in zip(plan.scoring, every)}
+        return StepOutput(self._sample(plan.sampling, logits, outcomes, ready, rows, _computed_masks(masks)), scored)
+
+    def _grammar_pool(self) -> concurrent.futures.ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ferrox-grammar")
+        return self._pool
+
+    def close(self) -> None:
+        """Stop the grammar thread, if one was started."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+    def _rows(self, sampling: Sequence[RowToSample]) -> tuple[list[Sampled], list[int]]:
+        """Every sampling row's state, made when its sequence first samples: (outcomes so far, with a
+        placeholder where a row is ready, the indices into `sampling` of the ready rows)."""
+        outcomes: list[Sampled] = []
+        ready: list[int] = []
+        for i, row in enumerate(sampling):
+            if row.seq_id not in self._samplers:
+                try:
+                    self._samplers[row.seq_id] = self.sampler.new_row(row.sampling, row.seed, row.window,
+                                                                      row.logprobs, row.grammar)
+                except DecodeError as bad:
+                    outcomes.append(bad)
+                    continue
+                except Exception as bad:  # this request's state, not the batch's
+                    log.exception("making a sampler row failed")
+                    outcomes.append(InternalError(f"preparing its sampler failed: {type(bad).__name__}: {bad}"))
+                    continue
+            outcomes.append(-1)  # filled by `_sample`
+            ready.append(i)
+        return outcomes, ready
+
+    def _sample(self, sampling: Sequence[RowToSample], logits: torch.Tensor, outcomes: list[Sampled],
+                ready: list[int], rows: list[RowSampler], masks: tuple[list[int], torch.Tensor] | None) -> list[Sampled]:
+        if not sampling:
+            return []
+        picked = [sampling[i].row for i in ready]
+        if picked != list(range(logits.shape[0])):
+            logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
+        try:
+            tokens: Sequence[Sampled] = self.sampler.sample(logits, rows, masks)
+        except Exception:
+            # The batched call changes no row's state before its last, per-row part, so each row can
+            # be sampled again alone: only the rows that cannot be sampled fail.
+            log.exception("batched sampling failed; sampling each row alone")
+            tokens = [self._sample_alone(logits[j:j + 1], row) for j, row in enumerate(rows)]
+        for i, token in zip(ready, tokens):
+            outcomes[i] = token
+        return outcomes
+
+    def _sample_alone(self, logits: torch.Tensor, row: RowSampler) -> Sampled:
+        try:
+            return self.sampler.sample(logits, [row])[0]
+        except Exception as bad:
+            log.exception("sampling one row failed")
+            return InternalError(f"sampling failed: {type(bad).__name__}: {bad}")
+
+
+def _computed_masks(masks: concurrent.futures.Future | None) -> tuple[list[int], torch.Tensor] | None:
+    """The grammar masks computed beside the forward; None (the sampler then computes them itself, row by
+    row if need be) when there were none or computing them raised."""
+    if masks is None:
+        return None
+    try:
+        return masks.result()
+    except Exception:
+        log.exception("computing grammar masks beside the forward failed; the sampler computes them")
+        return None

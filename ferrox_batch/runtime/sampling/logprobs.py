@@ -1,0 +1,51 @@
+"""Log-probabilities, the model's own: `log_softmax` of the raw logits, with the most likely alternatives.
+
+One module for both places they are read: each sampled token's (`token_logprobs`, for the rows that asked,
+after the sampler chose their tokens) and each scored prompt token's (`prompt_logprobs`, from the rows of
+the prompt's own forward). Both are before penalties, `logit_bias`, temperature and every filter, as vLLM
+and llama.cpp report them, and both cost nothing for requests that did not ask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.runtime.sampling.sampler_rows import RowSampler
+
+
+def ranked(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """For each row of `logits` (`[n, vocab]`): the log-probability of its `chosen` id, and the ids and
+    log-probabilities of its `top` most likely tokens (empty lists when `top` is 0)."""
+    lp = logits.float().log_softmax(dim=-1)
+    picked = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    if not top:
+        return picked, [[] for _ in picked], [[] for _ in picked]
+    values, ids = lp.topk(top, dim=-1)
+    return picked, ids.tolist(), values.tolist()
+
+
+def token_logprobs(x: torch.Tensor, tokens: torch.Tensor, host: list[int], rows: Sequence[RowSampler],
+                   scored: list[int]) -> dict[int, TokenLogprob]:
+    """The log-probabilities (of the raw logits `x`) of each scored row's sampled token (`tokens`, on the
+    device; `host`, the same ids on the host), with as many alternatives as each row asked for."""
+    index = torch.tensor(scored, device=x.device)
+    k = max(rows[i].logprobs or 0 for i in scored)
+    chosen, top_i, top_v = ranked(x.index_select(0, index), tokens.index_select(0, index), k)
+    out = {}
+    for n, i in enumerate(scored):
+        want = rows[i].logprobs or 0
+        out[i] = TokenLogprob(host[i], chosen[n], tuple(zip(top_i[n][:want], top_v[n][:want])))
+    return out
+
+
+def prompt_logprobs(rows: torch.Tensor, targets: Sequence[int], top: int, vocab_size: int) -> list[TokenLogprob]:
+    """The log-probabilities of the prompt tokens a chunk's rows predict: row j predicts `targets[j]` (the
+    chunk's last row predicts the next chunk's first token); `rows` may hold more rows than targets."""
+    if not targets:
+        return []
+    chosen, top_i, top_v = ranked(rows[:len(targets), :vocab_size],
+                                  torch.tensor(list(targets), device=rows.device), top)
+    return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(targets, chosen, top_i, top_v)]

@@ -1,0 +1,118 @@
+"""One request's sampling state: what `BatchSampler` keeps per row, and how a row is made at admission.
+
+A row holds its own generator (non-greedy rows: seeded from the request, or from OS entropy when it has
+none), its penalty window (counts over prompt ++ generated, only when a penalty is on), its dense
+`logit_bias` vector, its grammar state, and how many log-probability alternatives it wants. Making a row
+checks everything that depends on the vocabulary (an out-of-vocabulary id in the penalty window or the
+bias is `TokenOutOfVocab`), so a bad request fails at admission, never mid-batch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ferrox_batch.errors import DecodeError, GrammarConstraint, TokenOutOfVocab
+from ferrox_batch.generation_types import SamplingParams
+
+if TYPE_CHECKING:
+    from ferrox_batch.runtime.sampling.grammar import CompiledGrammar, Grammars
+
+#: Below this a temperature is treated as greedy.
+MIN_TEMPERATURE = 1e-5
+_MAX_SEED = 2**64 - 1
+
+
+class SamplingError(DecodeError):
+    """A row's logits could not be sampled; `row` is its index in the batch handed to `sample`."""
+
+    http_status = 500
+    error_code = "sampling_error"
+    _fields = ("row", "detail")
+
+    def __init__(self, row: int, detail: str) -> None:
+        self.row = row
+        self.detail = detail
+        super().__init__(f"sampling failed: {detail}")
+
+
+@dataclass(slots=True, eq=False)
+class RowSampler:
+    """One request's sampling state, made at admission by `BatchSampler.new_row`.
+
+    `generator` exists only for non-greedy rows; `counts` (float32 `[vocab]` on
+    the device, occurrences over prompt ++ generated) only when a penalty is on.
+    `seed` is the seed the generator was given (drawn from OS entropy when the
+    request had none), so an unseeded answer can still be replayed.
+    """
+
+    params: SamplingParams
+    generator: torch.Generator | None
+    counts: torch.Tensor | None
+    seed: int | None
+    logprobs: int | None = None  # alternatives per token when the request asked for log-probabilities
+    bias: torch.Tensor | None = None  # float32 [vocab] added to the logits (`logit_bias`), when any
+    matcher: Any = None  # the request's grammar state (`runtime.sampling.grammar`), when its output is constrained
+
+    @property
+    def greedy(self) -> bool:
+        return self.generator is None
+
+    def record(self, token: int) -> None:
+        """Count `token` into the penalty window (`sample` does this for the tokens it returns)."""
+        if self.counts is not None:
+            if not 0 <= token < self.counts.shape[0]:
+                raise ValueError(f"token {token} is outside the vocabulary of {self.counts.shape[0]}")
+            self.counts[token] += 1
+
+
+def _penalised(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def new_row(params: SamplingParams, seed: int | None, prompt_ids: Sequence[int], vocab_size: int,
+            device: torch.device, logprobs: int | None = None, grammar: CompiledGrammar | None = None,
+            grammars: Grammars | None = None) -> RowSampler:
+    """The state for one admitted request; `prompt_ids` opens its penalty window; `logprobs`: how many
+    alternatives its tokens' log-probabilities carry (None: it gets none); `grammar`: the compiled
+    grammar its output must follow (`Grammars.compile`, at submit), matched with `grammars`."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"params must be a SamplingParams, got {params!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
+        raise ValueError(f"seed must be None or an integer in [0, 2**64 - 1], got {seed!r}")
+    generator = None
+    if params.temperature >= MIN_TEMPERATURE:
+        if seed is None:
+            seed = int.from_bytes(os.urandom(8), "little")
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+    else:
+        seed = None
+    counts = None
+    if _penalised(params):
+        ids = list(prompt_ids)
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise TokenOutOfVocab(bad[0], vocab_size)
+        counts = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        if ids:
+            # index_add_, not bincount: bincount on CUDA syncs to size its output.
+            index = torch.tensor(ids, dtype=torch.long, device=device)
+            counts.index_add_(0, index, torch.ones(len(ids), dtype=torch.float32, device=device))
+    bias = None
+    if params.logit_bias:
+        ids, values = zip(*params.logit_bias)
+        if max(ids) >= vocab_size:
+            raise TokenOutOfVocab(max(ids), vocab_size)
+        bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+        bias[torch.tensor(ids, device=device)] = torch.tensor(values, dtype=torch.float32, device=device)
+    matcher = None
+    if grammar is not None:
+        if grammars is None:
+            raise GrammarConstraint("this sampler has no grammar engine")
+        matcher = grammars.matcher(grammar)  # a copy of the compiled grammar: microseconds, never a compile
+    return RowSampler(params, generator, counts, seed, logprobs, bias, matcher)
