@@ -21,8 +21,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
 from ferrox_batch.runtime.device import cpu_description  # noqa: E402
+from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
 
 LAYERS, KV, GROUP, HEAD, BLOCK = 30, 3, 3, 64, 16
 

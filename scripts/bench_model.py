@@ -27,10 +27,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ferrox_batch.bench.batcher import default_model  # noqa: E402
-from ferrox_batch.runtime.kv.batch_inputs import SeqChunk  # noqa: E402
-from ferrox_batch.runtime.config import ModelConfig  # noqa: E402
 from ferrox_batch.runtime.architectures.decoder import Decoder  # noqa: E402
+from ferrox_batch.runtime.config import ModelConfig  # noqa: E402
 from ferrox_batch.runtime.device import DTYPES, choose_device  # noqa: E402
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk  # noqa: E402
 
 SMOLLM2_SHAPE = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,

@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from ferrox_batch.runtime.architectures.attention import attend_prefill  # noqa: E402
-from ferrox_batch.runtime.kv.batch_inputs import PrefillChunk  # noqa: E402
 from ferrox_batch.runtime.config import ModelConfig  # noqa: E402
-from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
 from ferrox_batch.runtime.device import cpu_description  # noqa: E402
+from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
+from ferrox_batch.runtime.kv.batch_inputs import PrefillChunk  # noqa: E402
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan  # noqa: E402
 
 KV, GROUP, HEAD, SLOTS = 3, 3, 64, 8192

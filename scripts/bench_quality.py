@@ -20,8 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ferrox_batch.bench.quality import agreement, greedy_outputs, perplexity  # noqa: E402
 from ferrox_batch.bench.batcher import default_model  # noqa: E402
+from ferrox_batch.bench.quality import agreement, greedy_outputs, perplexity  # noqa: E402
 from ferrox_batch.bench.workloads import build_requests  # noqa: E402
 from ferrox_batch.runtime.device import QUALITY_BOUND, cpu_description  # noqa: E402
 from ferrox_batch.runtime.loading.loader import load_model  # noqa: E402

@@ -22,9 +22,9 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
-from ferrox_batch.runtime.device import cpu_description  # noqa: E402
 from ferrox_batch.runtime.architectures.rope import apply_rope  # noqa: E402
+from ferrox_batch.runtime.device import cpu_description  # noqa: E402
+from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
 
 HEADS, KV, HEAD = 9, 3, 64
 POSITIONS, SLOTS = 8192, 40_000

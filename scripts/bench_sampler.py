@@ -25,12 +25,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ferrox_batch.bench.batcher import default_model  # noqa: E402
+from ferrox_batch.forward import GrammarComplete  # noqa: E402
 from ferrox_batch.generation_types import SamplingParams  # noqa: E402
 from ferrox_batch.runtime.device import cpu_description  # noqa: E402
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer  # noqa: E402
 from ferrox_batch.runtime.sampling.grammar import Grammars  # noqa: E402
 from ferrox_batch.runtime.sampling.sampler import BatchSampler  # noqa: E402
-from ferrox_batch.runtime.loading.tokenizer import Tokenizer  # noqa: E402
-from ferrox_batch.forward import GrammarComplete  # noqa: E402
 from ferrox_batch.structured import StructuredOutput  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "items": {"type": "array", "items": {

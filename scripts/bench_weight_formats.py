@@ -30,9 +30,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
-from ferrox_batch.runtime.device import cpu_description  # noqa: E402
 from ferrox_batch.runtime.architectures.linear import Linear  # noqa: E402
+from ferrox_batch.runtime.device import cpu_description  # noqa: E402
+from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (out, in) of one layer's linears
 LAYERS = 30

@@ -8,7 +8,6 @@ import random
 
 import torch
 import torch.nn.functional as F
-
 from numerics import gamma, unit_roundoff
 
 

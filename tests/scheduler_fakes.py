@@ -13,17 +13,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from ferrox_batch.admission.block_budget import BlockBudget, blocks_for
+from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.admission.counters import Counters
+from ferrox_batch.admission.kv import KvElem, KvShape
 from ferrox_batch.admission.queue import AbortInbox, QueueGate
-from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.errors import DecodeError, KvPoolExhausted
 from ferrox_batch.generation_types import GenerationParams, GenerationResult
-from ferrox_batch.admission.kv import KvElem, KvShape
+from ferrox_batch.replies import Chunk, Finished
+from ferrox_batch.scheduler import exits
 from ferrox_batch.scheduler.plan import StepPlan
 from ferrox_batch.scheduler.request import Request
 from ferrox_batch.scheduler.scheduler import Scheduler
-from ferrox_batch.replies import Chunk, Finished
 from ferrox_batch.scheduler.sink import OnceSink
 from ferrox_batch.stop_tokens import StopTokens
 
@@ -154,7 +155,7 @@ class Bench:
     def step(self, sample: Callable[[Request], int | DecodeError] = lambda r: 1,
              seconds: float | None = None) -> StepPlan:
         """One tick as the worker runs it: aborts, schedule, a fake forward, update."""
-        stopped = self.scheduler.abort(self.aborts.drain())
+        stopped = exits.cancel(self.scheduler, self.aborts.drain())
         if stopped:
             self.aborts.add_aborted(stopped)
         plan = self.scheduler.schedule()

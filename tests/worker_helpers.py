@@ -27,8 +27,8 @@ from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.engine.wiring import build_worker, config_ceiling
 from ferrox_batch.engine.worker import Worker
 from ferrox_batch.generation_types import GenerationParams
-from ferrox_batch.scheduler.request import Request
 from ferrox_batch.replies import Chunk, Finished
+from ferrox_batch.scheduler.request import Request
 from ferrox_batch.scheduler.sink import OnceSink, QueueSink
 from ferrox_batch.stop_tokens import StopTokens
 

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import threading
 
+from ferrox_batch.admission.kv import KvShape
 from ferrox_batch.checks import UNLIMITED, check_int
 from ferrox_batch.errors import CONTEXT_LENGTH_EXCEEDED, DecodeError, KvBudgetExceeded
-from ferrox_batch.admission.kv import KvShape
 
 
 class ContextCeiling:

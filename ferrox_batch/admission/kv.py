@@ -18,6 +18,7 @@ from typing import Protocol
 
 from ferrox_batch.checks import UNLIMITED, check_int
 
+
 def _saturate(value: int) -> int:
     return value if value < UNLIMITED else UNLIMITED
 

@@ -68,8 +68,8 @@ def gemm_peak(size: int = 2048, repeats: int = 5) -> GemmPeak:
     """The machine's GEMM rates at `size` x `size` x `size` (fast minimum of `repeats`)."""
     import torch
 
-    from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
     from ferrox_batch.runtime.device import fbgemm_fp16_available
+    from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
 
     gen = torch.Generator().manual_seed(0)
     a, b = torch.randn(size, size, generator=gen), torch.randn(size, size, generator=gen)

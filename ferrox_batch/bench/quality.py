@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.architectures.decoder import Decoder
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.loading.loader import LoadedModel
 
 #: Positions per KV block of the throwaway store a perplexity pass uses.

@@ -28,15 +28,14 @@ from ferrox_batch.bench.conversations import (
 )
 from ferrox_batch.bench.workloads import Request, load_hf, peak_rss_mb
 
-
 #: Our batcher's methods, and whether each runs with the prefix cache.
 OURS = {"ours": True, "ours-nocache": False}
 
 
 def run_ours(args, requests: list[Request], kv_blocks: int, chat=None, *, prefix_cache: bool = True) -> dict:
     """`chat`: (tokenizer, plan) of shape c, run instead of `requests` (then only the warm-up's source)."""
-    from ferrox_batch.engine.handle import ContinuousBatcher
     from ferrox_batch.checks import UNLIMITED
+    from ferrox_batch.engine.handle import ContinuousBatcher
     from ferrox_batch.generation_types import GenerationParams
     from ferrox_batch.runtime.loading.loader import load_model
 

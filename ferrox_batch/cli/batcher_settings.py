@@ -37,8 +37,8 @@ from ferrox_batch.admission.config import (
     SERVING_MAX_BATCH_TOKENS,
     SERVING_MAX_PREFILLS_PER_TICK,
     SERVING_PREFILL_CHUNK,
-    SERVING_STEP_TARGET_MS,
     SERVING_PRIORITY_AGING_MS,
+    SERVING_STEP_TARGET_MS,
     BatcherConfig,
 )
 from ferrox_batch.cli.common import (

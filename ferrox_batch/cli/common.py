@@ -11,10 +11,10 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ferrox_batch.memory_size import parse_memory_size
 from ferrox_batch.admission.config import (
     BatcherConfig,
 )
+from ferrox_batch.memory_size import parse_memory_size
 from ferrox_batch.runtime.errors import FetchError, ModelLoadError
 
 if TYPE_CHECKING:  # the CLI imports torch only once a command needs it: `--help` stays quick

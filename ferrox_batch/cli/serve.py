@@ -15,8 +15,8 @@ import threading
 import time
 from collections.abc import Mapping
 
-from ferrox_batch.api_key_list import split_keys
 from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.api_key_list import split_keys
 from ferrox_batch.cli.batcher_settings import (
     BATCHER_FLAGS,
     BATCHER_SWITCHES,

@@ -15,8 +15,8 @@ from typing import Any
 
 from ray.serve.deployment import Application
 
-from ferrox_batch.api_key_list import split_keys
 from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.api_key_list import split_keys
 from ferrox_batch.deploy.ray_serve import APP_KEYWORDS, COUNT_APP_KEYWORDS, ReplicaSpec, build_application
 
 

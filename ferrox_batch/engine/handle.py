@@ -24,25 +24,25 @@ import threading
 import weakref
 from typing import Any, Callable, Sequence
 
+from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.admission.config import BatcherConfig, decode_log_interval_from_env
 from ferrox_batch.admission.counters import BatcherStats
+from ferrox_batch.checks import check_seconds
 from ferrox_batch.engine.intake import checked_prompt, size_request
 from ferrox_batch.engine.text import Messages, generate_text
 from ferrox_batch.engine.ticket import Ticket
 from ferrox_batch.engine.wiring import build_worker, config_ceiling
 from ferrox_batch.engine.worker import Worker
-from ferrox_batch.admission.budget import ContextCeiling
-from ferrox_batch.checks import check_seconds
 from ferrox_batch.errors import QueueFull
 from ferrox_batch.generation_types import GenerationParams, GenerationResult
-from ferrox_batch.runtime.loading.loader import LoadedModel
+from ferrox_batch.policy.stop import StopMatcher
 from ferrox_batch.runtime.kernels.openmp import release_thread_pool
 from ferrox_batch.runtime.kv.paged_kv import PagedKvConfig
-from ferrox_batch.runtime.sampling.grammar import Grammars
+from ferrox_batch.runtime.loading.loader import LoadedModel
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
+from ferrox_batch.runtime.sampling.grammar import Grammars
 from ferrox_batch.scheduler.request import DecodeFn, Request
 from ferrox_batch.scheduler.sink import OnceSink, QueueSink, ReplySink
-from ferrox_batch.policy.stop import StopMatcher
 from ferrox_batch.stop_tokens import StopTokens
 
 WORKER_THREAD_NAME = "ferrox-continuous-batch"

@@ -15,10 +15,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.structured import StructuredOutput
 from ferrox_batch.generation_types import GenerationParams, GenerationResult, SamplingParams
-from ferrox_batch.runtime.loading.tokenizer import ChatMessage, Tokenizer
 from ferrox_batch.policy.stop import resolve_stop_tokens
+from ferrox_batch.runtime.loading.tokenizer import ChatMessage, Tokenizer
+from ferrox_batch.structured import StructuredOutput
 
 Messages = Sequence[ChatMessage | Mapping[str, Any]]
 

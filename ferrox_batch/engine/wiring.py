@@ -18,12 +18,12 @@ import queue
 import torch
 
 from ferrox_batch.admission.block_budget import BlockBudget
+from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.admission.counters import Counters
-from ferrox_batch.engine.lifecycle import Lifecycle
 from ferrox_batch.admission.queue import AbortInbox, QueueGate
+from ferrox_batch.engine.lifecycle import Lifecycle
 from ferrox_batch.engine.worker import Worker
-from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.runtime.kv.memory import default_kv_memory
 from ferrox_batch.runtime.kv.paged_kv import PagedKvConfig, PagedKvStore
 from ferrox_batch.runtime.runner import ModelRunner

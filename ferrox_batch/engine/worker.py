@@ -45,11 +45,12 @@ import time
 from typing import Callable, Protocol
 
 from ferrox_batch.admission.counters import Counters
-from ferrox_batch.engine.lifecycle import CLOSE, Lifecycle
 from ferrox_batch.admission.queue import AbortInbox
+from ferrox_batch.engine.lifecycle import CLOSE, Lifecycle
 from ferrox_batch.engine.worker_time import WorkerTime
 from ferrox_batch.errors import InternalError, WorkerDied
 from ferrox_batch.forward import ForwardPlan, StepOutput
+from ferrox_batch.scheduler import exits
 from ferrox_batch.scheduler.request import Request
 from ferrox_batch.scheduler.scheduler import Scheduler
 
@@ -127,7 +128,7 @@ class Worker:
         """Aborts, schedule, forward and sampling, update: the body of a tick."""
         clock = time.perf_counter
         planning = clock()
-        stopped = self.scheduler.abort(self.aborts.drain())
+        stopped = exits.cancel(self.scheduler, self.aborts.drain())
         if stopped:
             self.aborts.add_aborted(stopped)
         plan = self.scheduler.schedule()
@@ -141,7 +142,7 @@ class Worker:
         except Exception as bad:
             self.time.add_forward(clock() - began, time.thread_time() - cpu)
             log.exception("forward failed")
-            self.scheduler.fail_step(plan, InternalError(f"forward failed: {type(bad).__name__}: {bad}"))
+            exits.fail_step(self.scheduler, plan, InternalError(f"forward failed: {type(bad).__name__}: {bad}"))
             return
         ran = clock()
         self.time.add_forward(ran - began, time.thread_time() - cpu)
@@ -156,7 +157,7 @@ class Worker:
             raise bad
         log.error("a batch step failed outside any one request; the requests running fail, the worker goes on",
                   exc_info=bad)
-        self.scheduler.fail_admitted(InternalError(f"the batch step failed: {type(bad).__name__}: {bad}"))
+        exits.fail_admitted(self.scheduler, InternalError(f"the batch step failed: {type(bad).__name__}: {bad}"))
 
     def _take(self, item: object) -> None:
         if item is CLOSE:
@@ -178,7 +179,7 @@ class Worker:
         for item in self.lifecycle.mark_dead(cause, self.jobs):
             if isinstance(item, Request):
                 self.scheduler.waiting.add(item)
-        self.scheduler.fail_all(error, self._safely)
+        exits.fail_all(self.scheduler, error, self._safely)
 
     @staticmethod
     def _safely(action: Callable[[], None]) -> None:

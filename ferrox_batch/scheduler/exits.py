@@ -28,6 +28,8 @@ blocks the ledger has reserved equal the blocks the KV store leases to the sched
 
 Each function takes the `Scheduler` itself, seen through `SchedulerState`, and changes its collections in
 place: the scheduler keeps the only copy of its state, and what an exit may touch is spelled out there.
+They are the exits' one interface: the scheduler calls them on itself, the worker calls them on its
+scheduler (a failed forward, a failed tick, a cancel, a dying worker), and neither forwards them.
 """
 
 from __future__ import annotations
@@ -220,7 +222,7 @@ def reconcile(state: SchedulerState) -> int:
     return drift
 
 
-def fail_all(state: SchedulerState, error: DecodeError, safely: Safely) -> None:
+def fail_all(state: SchedulerState, error: DecodeError, safely: Safely = lambda action: action()) -> None:
     """Answer every request `state` holds with `error` and return everything they hold.
 
     `safely` runs each release (a crashed worker passes one that logs and goes on: the state may be what

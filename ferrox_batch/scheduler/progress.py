@@ -8,11 +8,11 @@ raises, fails that request (`isolation`) and leaves every other request of the f
 from __future__ import annotations
 
 from ferrox_batch.errors import DecodeError
+from ferrox_batch.forward import GrammarComplete, Sampled
 from ferrox_batch.generation_types import FinishReason
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.scheduler.isolation import failure
 from ferrox_batch.scheduler.leases import KvLeases
-from ferrox_batch.forward import GrammarComplete, Sampled
 from ferrox_batch.scheduler.request import DecodeFn, Request
 
 

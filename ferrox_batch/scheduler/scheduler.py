@@ -46,27 +46,27 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import islice
 
 from ferrox_batch.admission.block_budget import BlockBudget
 from ferrox_batch.admission.cache_aware import MAX_SKIPS
-from ferrox_batch.admission.config import BatcherConfig, DEFAULT_DECODE_LOG_INTERVAL
+from ferrox_batch.admission.config import DEFAULT_DECODE_LOG_INTERVAL, BatcherConfig
 from ferrox_batch.admission.counters import Counters
 from ferrox_batch.admission.queue import QueueGate
 from ferrox_batch.admission.status import BatchStatus, PoolUsage, PrefillSnapshot, StatusReporter
 from ferrox_batch.admission.step_budget import prefill_budget
-from ferrox_batch.scheduler.step_cost import StepCostModel
 from ferrox_batch.errors import DecodeError
+from ferrox_batch.forward import Sampled
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.scheduler import exits, progress
 from ferrox_batch.scheduler.admission import accept, pick, reservation
 from ferrox_batch.scheduler.isolation import failure
 from ferrox_batch.scheduler.leases import KvLeases
-from ferrox_batch.forward import Sampled
 from ferrox_batch.scheduler.plan import PromptChunk, StepPlan
 from ferrox_batch.scheduler.request import DecodeFn, Request
+from ferrox_batch.scheduler.step_cost import StepCostModel
 from ferrox_batch.scheduler.waiting import WaitingQueue
 
 log = logging.getLogger("ferrox_batch.batch")
@@ -119,16 +119,11 @@ class Scheduler:
     def admitted(self) -> list[Request]:
         return [*self.decoding, *self.prefilling]
 
-    def abort(self, fresh: Iterable[int]) -> int:
-        """Cancel the requests with these abort ids, wherever they are; how many were stopped (`exits.cancel`:
-        an id that matches nothing yet is carried one tick)."""
-        return exits.cancel(self, fresh)
-
     # ---------------------------------------------------------- schedule
 
     def schedule(self) -> StepPlan:
         """Flush, refuse what waited too long, admit, and plan the next forward (empty when there is nothing to run)."""
-        self.flush()
+        exits.flush(self)
         now = self.clock()
         exits.expire(self, now)
         self.waiting.age(now)
@@ -223,8 +218,8 @@ class Scheduler:
                 progress.sampled(request, outcome, self.decode)
         if seconds is not None and self.config.step_target_ms is not None:
             self.step_cost.observe(len(plan.decodes), plan.prompt_tokens, seconds)
-        self.flush()
-        self.check_ledger()
+        exits.flush(self)
+        exits.check_ledger(self)
 
     def _requeue_prompts(self, plan: StepPlan) -> None:
         """Prompts that are through start decoding; the rest are reordered (module docstring)."""
@@ -248,30 +243,6 @@ class Scheduler:
             elif self.config.max_prefills_per_tick == 1:
                 self.prefilling.remove(request)
                 self.prefilling.append(request)
-
-    # ------------------------------------------------------------- exits
-
-    def fail_step(self, plan: StepPlan, error: DecodeError) -> None:
-        """The forward of `plan` failed: every request in it fails with `error`; the rest go on."""
-        exits.fail_step(self, plan, error)
-
-    def flush(self) -> int:
-        """Answer every admitted request that has finished, freeing its lease and blocks; how many left."""
-        return exits.flush(self)
-
-    def fail_admitted(self, error: DecodeError) -> None:
-        """A tick failed and no one request can be blamed: every admitted request fails with `error` and
-        leaves now; waiting requests stay queued; the ledger is brought back in line (`exits.fail_admitted`)."""
-        exits.fail_admitted(self, error)
-
-    def fail_all(self, error: DecodeError, safely: exits.Safely = lambda action: action()) -> None:
-        """Answer every request this scheduler holds with `error` and return everything they hold; `safely`
-        runs each release (`exits.fail_all`)."""
-        exits.fail_all(self, error, safely)
-
-    def check_ledger(self) -> None:
-        """The ledger and the store agree: blocks reserved == blocks our requests lease (with a budget)."""
-        exits.check_ledger(self)
 
     # ------------------------------------------------------------ status
 

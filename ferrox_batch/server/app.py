@@ -44,9 +44,9 @@ from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.server.access import REQUEST_ID_HEADER, AccessMiddleware
 from ferrox_batch.server.access_policy import AccessPolicy
+from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES, ClientPolicy
 from ferrox_batch.server.errors import error_body, error_response
-from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
 from ferrox_batch.server.generation import (
     CLIENT_CLOSED_REQUEST,
     DEFAULT_MAX_BUFFERED_REPLY_BYTES,

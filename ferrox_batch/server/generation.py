@@ -52,15 +52,15 @@ from starlette.responses import JSONResponse, Response
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import BatcherClosed, DecodeError
 from ferrox_batch.generation_types import GenerationResult
+from ferrox_batch.replies import Finished
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.access import cache_namespace, request_id
-from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.body import BodyReadTimedOut, read_body
+from ferrox_batch.server.choices import best, merged
+from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.errors import ServerBusy, error_body, error_response
 from ferrox_batch.server.json_body import JSONBodyResponse
-from ferrox_batch.server.choices import best, merged
 from ferrox_batch.server.metrics import ServerMetrics
-from ferrox_batch.replies import Finished
 from ferrox_batch.server.preparation import Prepared, Preparer
 from ferrox_batch.server.responses import WireFormat, finish_reason
 from ferrox_batch.server.sse_events import sse_events

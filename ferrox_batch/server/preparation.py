@@ -20,8 +20,8 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.admission.budget import ContextCeiling
+from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.choices import candidate_params

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ferrox_batch.engine.text import text_params
 from ferrox_batch.checks import UNLIMITED
+from ferrox_batch.engine.text import text_params
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.generation_types import GenerationParams, SamplingParams
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+from ferrox_batch.generation_types import GenerationResult
+from ferrox_batch.replies import Chunk
 from ferrox_batch.server.errors import error_body
 from ferrox_batch.server.responses import DONE, WireFormat, finish_reason, sse
-from ferrox_batch.replies import Chunk
 from ferrox_batch.server.streaming import Event
-from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.usage import Usage
 
 

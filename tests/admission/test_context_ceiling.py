@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from ferrox_batch.admission.block_budget import BlockBudget
 from ferrox_batch.admission.budget import ContextCeiling
+from ferrox_batch.admission.kv import KvElem, KvShape
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import DecodeError, KvBudgetExceeded
-from ferrox_batch.admission.kv import KvElem, KvShape
 
 
 def shape() -> KvShape:

@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ferrox_batch.admission.kv import KvElem, KvShape
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.runtime.config import ModelConfig
-from ferrox_batch.admission.kv import KvElem, KvShape
 
 
 @dataclass

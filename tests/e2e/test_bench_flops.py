@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrox_batch.bench.flops import gemm_peak, linear_params, workload_flops
-from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
 from ferrox_batch.runtime.config import ModelConfig
+from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
 
 TINY = ModelConfig(architecture="LlamaForCausalLM", vocab_size=10, hidden_size=4, intermediate_size=6,
                    num_layers=2, num_heads=2, num_kv_heads=1, head_dim=2)

@@ -19,9 +19,9 @@ from process_helpers import free_port, server_process, wait_healthy, wait_port_f
 
 from ferrox_batch import cli
 from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.engine.wiring import kv_blocks_in_budget
-from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.errors import FetchError
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from batch_helpers import greedy_params, sequential_ids
 
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.generation_types import FinishReason
-
-from batch_helpers import greedy_params, sequential_ids
 
 
 @pytest.fixture()

@@ -25,11 +25,11 @@ import threading
 import pytest
 import torch
 from batch_helpers import greedy_params, spawn
+from numerics import assert_decisive
 
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.runtime.loading.loader import load_model
-from numerics import assert_decisive
 
 pytestmark = pytest.mark.real_model
 

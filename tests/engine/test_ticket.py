@@ -14,12 +14,11 @@ import threading
 import time
 
 import pytest
+from batch_helpers import budget_config, ceiling_config, greedy_params, sequential_ids, spawn
+from worker_helpers import DEADLINE, Caller, Gate, wait_for
 
 from ferrox_batch.errors import KvBudgetExceeded, WaitTimedOut
 from ferrox_batch.generation_types import FinishReason
-
-from batch_helpers import budget_config, ceiling_config, greedy_params, sequential_ids, spawn
-from worker_helpers import DEADLINE, Caller, Gate, wait_for
 
 
 def test_submit_refuses_on_the_callers_thread_and_queues_nothing(tiny_batch_model):

@@ -16,8 +16,8 @@ from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.engine.lifecycle import CLOSE, Lifecycle
 from ferrox_batch.engine.worker import Worker
 from ferrox_batch.errors import InternalError, WorkerDied
-from ferrox_batch.generation_types import FinishReason
 from ferrox_batch.forward import ForwardPlan, StepOutput
+from ferrox_batch.generation_types import FinishReason
 
 
 class FakeRunner:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ferrox_batch.runtime import device as device_module
+from ferrox_batch.runtime.architectures.linear import FP16_KINDS, preferred_fp16_kind
 from ferrox_batch.runtime.device import (
     BF16_CLEAR_LEAD,
     KV_CACHE_DTYPES,
@@ -21,7 +22,6 @@ from ferrox_batch.runtime.device import (
     cpu_dtype_from_features,
 )
 from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
-from ferrox_batch.runtime.architectures.linear import FP16_KINDS, preferred_fp16_kind
 from ferrox_batch.runtime.loading.loader import load_model
 
 CPU = torch.device("cpu")

@@ -28,10 +28,11 @@ from hypothesis import strategies as st
 from worker_helpers import Caller, drain_reply, make_request, make_worker, wait_for
 
 from ferrox_batch.admission.block_budget import BlockBudget
-from ferrox_batch.admission.config import BatcherConfig
-from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.admission.budget import ContextCeiling
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.admission.kv import KvElem, KvShape
 from ferrox_batch.checks import UNLIMITED
+from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import (
     CONTEXT_LENGTH_EXCEEDED,
     DEVICE_MEMORY_BUDGET_EXCEEDED,
@@ -40,7 +41,6 @@ from ferrox_batch.errors import (
     TokenOutOfVocab,
 )
 from ferrox_batch.generation_types import FinishReason
-from ferrox_batch.admission.kv import KvElem, KvShape
 from ferrox_batch.runtime.kv.paged_kv import PagedKvConfig
 
 # The worked example of docs/upstream.md, KV pricing: 2 layers, 1 kv head, head_dim 4, f32 -> 64 bytes per position.

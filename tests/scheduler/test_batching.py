@@ -32,8 +32,8 @@ from batch_helpers import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tiny_checkpoint import write_tiny_checkpoint
 from numerics import assert_logits_close
+from tiny_checkpoint import write_tiny_checkpoint
 from worker_helpers import Caller, Gate, wait_for, wait_sent
 
 from ferrox_batch.admission.config import BatcherConfig

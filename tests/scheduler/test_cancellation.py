@@ -36,6 +36,7 @@ from worker_helpers import (
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.scheduler import exits
 from ferrox_batch.scheduler.request import RequestStatus
 from ferrox_batch.stop_tokens import StopTokens
 from ferrox_batch.usage import Usage
@@ -87,15 +88,15 @@ def test_a_cancelled_request_leaves_through_the_one_exit_every_request_uses(tiny
         drain_reply(reply)  # the streamed chunks
     ids, neighbour_ids = list(victim.output_ids), list(neighbour.output_ids)
 
-    assert scheduler.abort({7, 99}) == 1
+    assert exits.cancel(scheduler, {7, 99}) == 1
     assert victim.finish == FinishReason.CANCELLED
     # Cancelling only marks: nothing released, nothing replied, the request is still in the batch.
     assert scheduler.decoding == [victim, neighbour] and store.has_sequence(victim.seq_id)
     assert scheduler.budget.free() == 2 and released == []
     assert drain_reply(victim_reply) == ([], [])
-    assert scheduler.abort({7}) == 0, "a request that already finished is not cancelled twice"
+    assert exits.cancel(scheduler, {7}) == 0, "a request that already finished is not cancelled twice"
 
-    assert scheduler.flush() == 1
+    assert exits.flush(scheduler) == 1
     assert released == [victim.seq_id] and scheduler.budget.free() == 5
     assert victim.status is RequestStatus.FINISHED and scheduler.decoding == [neighbour]
     chunks, finished = drain_reply(victim_reply)
@@ -109,9 +110,9 @@ def test_a_cancelled_request_leaves_through_the_one_exit_every_request_uses(tiny
     # The neighbour is untouched, and a second flush has nothing to do.
     assert neighbour.finish is None and neighbour.output_ids == neighbour_ids
     assert drain_reply(neighbour_reply) == ([], [])
-    assert scheduler.flush() == 0
+    assert exits.flush(scheduler) == 0
     assert released == [victim.seq_id]
-    scheduler.check_ledger()
+    exits.check_ledger(scheduler)
 
 
 def test_a_cancel_that_arrives_before_its_request_is_not_lost(tiny_batch_model):
@@ -120,7 +121,7 @@ def test_a_cancel_that_arrives_before_its_request_is_not_lost(tiny_batch_model):
     abort = worker.aborts.next_id()
     worker.aborts.enqueue(abort)
     # The worker drains the inbox before the channel has the request: nothing matches, the id is carried.
-    assert scheduler.abort(worker.aborts.drain()) == 0
+    assert exits.cancel(scheduler, worker.aborts.drain()) == 0
     assert scheduler.carried == {abort} and worker.aborts.aborted() == 0
 
     request, reply = make_request(worker, [1, 2], greedy_params(4), abort=abort)
@@ -143,9 +144,9 @@ def test_a_cancel_that_raced_its_answer_is_dropped_after_one_more_tick(tiny_batc
         worker.tick()
         finished += drain_reply(reply)[1]
     worker.aborts.enqueue(request.abort)  # the caller cancelled just after its answer was sent
-    assert scheduler.abort(worker.aborts.drain()) == 0
+    assert exits.cancel(scheduler, worker.aborts.drain()) == 0
     assert scheduler.carried == {request.abort}, "carried once: its request might still be on the channel"
-    assert scheduler.abort(worker.aborts.drain()) == 0
+    assert exits.cancel(scheduler, worker.aborts.drain()) == 0
     assert scheduler.carried == set() and worker.aborts.aborted() == 0
 
 

@@ -23,9 +23,9 @@ from numerics import logits_tolerance
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.generation_types import GenerationParams, SamplingParams
 from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.replies import Chunk, Finished
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.sampling.sampler import BatchSampler
-from ferrox_batch.replies import Chunk, Finished
 from ferrox_batch.scheduler.sink import QueueSink
 
 PROMPT = [5, 17, 42, 8, 99, 3, 61]

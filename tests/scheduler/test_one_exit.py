@@ -37,6 +37,7 @@ from worker_helpers import (
 )
 
 from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.scheduler import exits
 from ferrox_batch.scheduler.request import RequestStatus
 
 
@@ -68,11 +69,11 @@ def test_flushing_one_request_never_touches_another_requests_state(tiny_batch_mo
     assert scheduler.budget.free() == 16 - 9
 
     middle.cancel()
-    assert scheduler.flush() == 1
+    assert exits.flush(scheduler) == 1
     assert scheduler.decoding == [first, last], "the batch order is kept"
     assert middle.status is RequestStatus.FINISHED and not store.has_sequence(middle.seq_id)
     assert scheduler.budget.free() == 16 - 6
-    scheduler.check_ledger()
+    exits.check_ledger(scheduler)
     for neighbour in (first, last):
         now = (list(neighbour.output_ids), neighbour.seq_id, neighbour.blocks, store.seq_len(neighbour.seq_id),
                neighbour.num_computed_tokens)
@@ -82,7 +83,7 @@ def test_flushing_one_request_never_touches_another_requests_state(tiny_batch_mo
     assert chunks == [] and len(finished) == 1
     assert finished[0].finish_reason == FinishReason.CANCELLED
     assert finished[0].token_ids == tuple(before[id(middle)][0])
-    assert scheduler.flush() == 0, "a second flush has nothing to do"
+    assert exits.flush(scheduler) == 0, "a second flush has nothing to do"
 
     late, late_reply = make_request(worker, [7, 8], greedy_params(8))
     worker.jobs.put(late)
@@ -93,7 +94,7 @@ def test_flushing_one_request_never_touches_another_requests_state(tiny_batch_mo
     for request in (first, last, late):
         assert request.going and store.seq_len(request.seq_id) == request.num_computed_tokens
     assert drain_reply(replies[id(middle)]) == ([], []), "nothing more reaches a request that left"
-    scheduler.check_ledger()
+    exits.check_ledger(scheduler)
 
 
 @settings(max_examples=60, deadline=None)
@@ -124,7 +125,7 @@ def test_sequence_ids_are_unique_and_newcomers_do_not_disturb_the_batch(tiny_bat
             assert leased.setdefault(request.seq_id, request) is request, "a sequence id was issued twice"
             assert store.seq_len(request.seq_id) == request.num_computed_tokens, "a request's KV moved"
         assert sorted(store.seq_ids()) == sorted(r.seq_id for r in scheduler.admitted())
-        scheduler.check_ledger()
+        exits.check_ledger(scheduler)
     while not (scheduler.idle and worker.jobs.empty()):
         worker.tick()
     for request, reply in submitted:

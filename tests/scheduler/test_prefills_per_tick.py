@@ -9,16 +9,15 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+from batch_helpers import greedy_params, identity_decode, sequential_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from ferrox_batch.admission.config import BatcherConfig
-from ferrox_batch.engine.handle import ContinuousBatcher
-from ferrox_batch.admission.step_budget import MIN_PREFILL_CHUNK, prefill_budget
-
-from batch_helpers import greedy_params, identity_decode, sequential_ids
 from scheduler_fakes import VOCAB, Bench
 from worker_helpers import make_request, make_worker
+
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.admission.step_budget import MIN_PREFILL_CHUNK, prefill_budget
+from ferrox_batch.engine.handle import ContinuousBatcher
 
 
 class RecordingDecoder:

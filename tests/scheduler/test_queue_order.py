@@ -23,8 +23,8 @@ from scheduler_fakes import Bench
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.errors import QueueTimeout
 from ferrox_batch.generation_types import GenerationResult
-from ferrox_batch.scheduler.request import RequestStatus
 from ferrox_batch.replies import Finished
+from ferrox_batch.scheduler.request import RequestStatus
 
 
 def admitted_order(bench: Bench, requests) -> list:

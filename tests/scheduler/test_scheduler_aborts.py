@@ -7,6 +7,7 @@ from scheduler_fakes import Bench
 
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.generation_types import FinishReason
+from ferrox_batch.scheduler import exits
 from ferrox_batch.scheduler.request import RequestStatus
 
 
@@ -74,10 +75,10 @@ def test_a_cancel_never_touches_other_requests():
 def test_an_abort_drained_before_its_request_is_carried_one_tick():
     bench = Bench(BatcherConfig())
     request = bench.submit([1], 5, drained=False)
-    assert bench.scheduler.abort({request.abort}) == 0  # the id is drained first ...
+    assert exits.cancel(bench.scheduler, {request.abort}) == 0  # the id is drained first ...
     assert bench.scheduler.carried == {request.abort}
     bench.scheduler.add(request)  # ... its request one tick later
-    assert bench.scheduler.abort(set()) == 1
+    assert exits.cancel(bench.scheduler, set()) == 1
     bench.step()
     assert cancelled(bench, request)
     assert bench.scheduler.carried == set()
@@ -86,8 +87,8 @@ def test_an_abort_drained_before_its_request_is_carried_one_tick():
 
 def test_an_unmatched_abort_is_dropped_after_one_tick():
     bench = Bench(BatcherConfig())
-    bench.scheduler.abort({12345})
-    bench.scheduler.abort(set())
+    exits.cancel(bench.scheduler, {12345})
+    exits.cancel(bench.scheduler, set())
     assert bench.scheduler.carried == set()
     request = bench.submit([1], 3)
     bench.run_until_idle()

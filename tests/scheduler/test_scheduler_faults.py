@@ -8,6 +8,7 @@ from scheduler_fakes import Bench
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.errors import InternalError, WorkerDied
 from ferrox_batch.generation_types import FinishReason
+from ferrox_batch.scheduler import exits
 from ferrox_batch.scheduler.request import RequestStatus
 
 
@@ -20,7 +21,7 @@ def test_a_failed_forward_fails_the_requests_in_it_and_the_rest_go_on():
     assert set(plan.requests) == {decoding, prompt}
     later = bench.submit([3], 2)  # queued while the forward ran: not in it
     error = InternalError("forward failed: RuntimeError: boom")
-    bench.scheduler.fail_step(plan, error)
+    exits.fail_step(bench.scheduler, plan, error)
     assert bench.sink(decoding).result == error and bench.sink(prompt).result == error
     bench.run_until_idle()
     assert bench.sink(later).result.finish_reason == FinishReason.LENGTH
@@ -39,7 +40,7 @@ def test_a_dying_worker_answers_every_request_wherever_it_is():
     assert (decoding.status, prefilling.status, waiting.status) == (
         RequestStatus.DECODING, RequestStatus.PREFILLING, RequestStatus.WAITING)
     error = WorkerDied("RuntimeError: a scheduler bug")
-    bench.scheduler.fail_all(error)
+    exits.fail_all(bench.scheduler, error)
     for request in (decoding, prefilling, waiting):
         assert bench.sink(request).finals == [error]
     bench.assert_nothing_held()
@@ -64,7 +65,7 @@ def test_a_dying_worker_answers_everyone_even_when_releasing_fails():
             skipped.append(failure)
 
     error = WorkerDied("the state is what broke")
-    bench.scheduler.fail_all(error, safely)
+    exits.fail_all(bench.scheduler, error, safely)
     assert bench.sink(first).finals == [error] and bench.sink(second).finals == [error]
     assert len(skipped) == 2
     assert bench.scheduler.idle

@@ -8,8 +8,8 @@ from scheduler_fakes import Bench
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.errors import InternalError
 from ferrox_batch.generation_types import FinishReason, GenerationResult
-from ferrox_batch.scheduler.request import RequestStatus
 from ferrox_batch.replies import Chunk, Finished
+from ferrox_batch.scheduler.request import RequestStatus
 
 
 def test_a_request_ends_at_max_tokens_and_its_last_token_is_not_fed():

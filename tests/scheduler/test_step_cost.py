@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from types import SimpleNamespace
-
 from batch_helpers import greedy_params, sequential_ids
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,11 +16,11 @@ from worker_helpers import drain_reply, make_request, make_worker
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.admission.step_budget import MIN_PREFILL_CHUNK
 from ferrox_batch.scheduler.step_cost import (
+    _RIDGE,
     _ROW_SCALE,
     _TOKEN_SCALE,
     FORGETTING,
     MIN_PROMPT_TICKS,
-    _RIDGE,
     StepCostModel,
 )
 

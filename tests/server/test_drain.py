@@ -16,12 +16,11 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+import uvicorn
 from server_helpers import DEADLINE, MODEL_NAME, gated_batcher, letter_gate, poll
 
 from ferrox_batch.server import create_app
 from ferrox_batch.server.listener import DEFAULT_DRAIN_TIMEOUT_SECS, server_config
-
-import uvicorn
 
 BODY = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
 

@@ -15,8 +15,8 @@ import pytest
 from server_helpers import DEADLINE, served, tiny_batcher
 
 from ferrox_batch.cli import build_parser
-from ferrox_batch.cli.serve import api_keys
 from ferrox_batch.cli.common import CliError
+from ferrox_batch.cli.serve import api_keys
 from ferrox_batch.server.api_keys import ApiKeys
 
 ALICE, BOB = "sk-alice-1", "sk-bob-2"

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferrox_batch.runtime.kv.batch_inputs import DecodeGroup, PrefillChunk
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
+from ferrox_batch.runtime.kv.batch_inputs import DecodeGroup, PrefillChunk
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 
 

@@ -41,18 +41,18 @@ import torch
 import torch.nn.functional as F
 
 from ferrox_batch.runtime.architectures.attention import attend_decode, attend_prefill
-from ferrox_batch.runtime.kv.batch_inputs import SeqChunk, build_inputs
-from ferrox_batch.runtime.config import ModelConfig
-from ferrox_batch.runtime.errors import ModelLoadError
 from ferrox_batch.runtime.architectures.gate_up import GateUp
 from ferrox_batch.runtime.architectures.layer_stack import LayerStack
 from ferrox_batch.runtime.architectures.layer_weights import LayerWeights
 from ferrox_batch.runtime.architectures.linear import Linear
-from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels, cpu_kernels
+from ferrox_batch.runtime.architectures.rope import apply_rope, rope_tables
+from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
+from ferrox_batch.runtime.errors import ModelLoadError
+from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels, cpu_kernels
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk, build_inputs
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
-from ferrox_batch.runtime.architectures.rope import apply_rope, rope_tables
 
 
 class Decoder:

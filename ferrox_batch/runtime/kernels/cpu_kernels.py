@@ -66,7 +66,13 @@ import functools
 import torch
 
 from ferrox_batch.runtime.kernels.kernel_build import build_library
-from ferrox_batch.runtime.kernels.packed_gemm import F16_PANEL, PackedF16Gemm, pack_f16_gated, pack_f16_panels, slice_panels
+from ferrox_batch.runtime.kernels.packed_gemm import (
+    F16_PANEL,
+    PackedF16Gemm,
+    pack_f16_gated,
+    pack_f16_panels,
+    slice_panels,
+)
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}

@@ -34,10 +34,9 @@ from typing import Hashable, Sequence
 import torch
 
 from ferrox_batch.admission.block_budget import blocks_for
-from ferrox_batch.runtime.kv.block_pool import BlockAllocator, BlockPool, BlockPoolExhausted, block_keys
-from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.admission.kv import KvElem, KvShape
-
+from ferrox_batch.runtime.config import ModelConfig
+from ferrox_batch.runtime.kv.block_pool import BlockAllocator, BlockPool, BlockPoolExhausted, block_keys
 
 __all__ = ["BlockAllocator", "BlockPoolExhausted", "PagedKvConfig", "PagedKvStore", "SeqKv"]
 

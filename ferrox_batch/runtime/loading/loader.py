@@ -20,8 +20,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ferrox_batch.runtime.config import ModelConfig
+from ferrox_batch.admission.kv import KvShape
 from ferrox_batch.runtime.architectures.decoder import Decoder
+from ferrox_batch.runtime.architectures.linear import FP16_KINDS
+from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.device import (
     DtypeChoice,
     KvDtypeChoice,
@@ -30,8 +32,6 @@ from ferrox_batch.runtime.device import (
     choose_kv_dtype,
 )
 from ferrox_batch.runtime.errors import ModelLoadError
-from ferrox_batch.runtime.architectures.linear import FP16_KINDS
-from ferrox_batch.admission.kv import KvShape
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 

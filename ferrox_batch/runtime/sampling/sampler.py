@@ -68,12 +68,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ferrox_batch.errors import GrammarConstraint, InternalError
+from ferrox_batch.forward import GrammarComplete, Sampled
 from ferrox_batch.generation_types import SamplingParams
 from ferrox_batch.runtime.sampling.logit_transforms import biased, masked, penalised
 from ferrox_batch.runtime.sampling.logprobs import token_logprobs
 from ferrox_batch.runtime.sampling.sampler_rows import MIN_TEMPERATURE, RowSampler, SamplingError, new_row
 from ferrox_batch.runtime.sampling.sampling_cuts import cuts
-from ferrox_batch.forward import GrammarComplete, Sampled
 
 if TYPE_CHECKING:
     from ferrox_batch.runtime.sampling.grammar import CompiledGrammar, Grammars

@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 import torch
+from numerics import assert_decisive, assert_logits_close
 
 from ferrox_batch.errors import TokenOutOfVocab
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.loading.loader import load_model
-from numerics import assert_decisive, assert_logits_close
 
 PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",

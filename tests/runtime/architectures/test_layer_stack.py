@@ -8,12 +8,12 @@ import random
 
 import pytest
 import torch
-
-from ferrox_batch.runtime.kv.batch_inputs import SeqChunk, build_inputs
-from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
-from ferrox_batch.runtime.loading.loader import load_model
 from kernel_builds import built_kernels, needs_compiler
 from numerics import logits_tolerance
+
+from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk, build_inputs
+from ferrox_batch.runtime.loading.loader import load_model
 
 pytestmark = needs_compiler
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from numerics import assert_same_linear
 
 from ferrox_batch.runtime.architectures.linear import Linear

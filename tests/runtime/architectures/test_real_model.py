@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from numerics import assert_decisive, assert_logits_close, logits_tolerance
 
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.loading.fetch import default_gguf_path
 from ferrox_batch.runtime.loading.loader import load_model
-from numerics import assert_decisive, assert_logits_close, logits_tolerance
 
 pytestmark = pytest.mark.real_model
 

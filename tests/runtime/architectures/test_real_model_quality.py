@@ -18,9 +18,9 @@ import torch
 
 from ferrox_batch.bench.quality import agreement, greedy_outputs, perplexity
 from ferrox_batch.bench.workloads import build_requests
+from ferrox_batch.runtime.architectures.linear import preferred_fp16_kind
 from ferrox_batch.runtime.device import QUALITY_BOUND
 from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
-from ferrox_batch.runtime.architectures.linear import preferred_fp16_kind
 from ferrox_batch.runtime.loading.loader import load_model
 
 pytestmark = pytest.mark.real_model

@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_reference import decode_error_bound, prefill_as_decode, prefill_case, random_case, reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
+from numerics import gamma, logits_tolerance, rounds_alike, steps, steps_apart, unit_roundoff
 
 from ferrox_batch.runtime.kernels import cpu_kernels as kernels_module
 from ferrox_batch.runtime.kernels import kernel_build as build_module
-from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
-from ferrox_batch.runtime.loading.loader import load_model
-from ferrox_batch.runtime.kernels.openmp import loaded_openmp_runtimes
 from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels, cpu_kernels
+from ferrox_batch.runtime.kernels.openmp import loaded_openmp_runtimes
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
-from numerics import gamma, logits_tolerance, rounds_alike, steps, steps_apart, unit_roundoff
-from attention_reference import decode_error_bound, prefill_as_decode, prefill_case, random_case, reference
-from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
+from ferrox_batch.runtime.loading.loader import load_model
 
 pytestmark = needs_compiler
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
+from numerics import assert_same_linear, gamma
 
+from ferrox_batch.runtime.architectures.gate_up import GateUp, gated_agrees
+from ferrox_batch.runtime.architectures.linear import Linear
 from ferrox_batch.runtime.kernels import cpu_kernels as kernels_module
 from ferrox_batch.runtime.kernels import kernel_build as build_module
 from ferrox_batch.runtime.kernels.cpu_kernels import F16_PANEL, CpuKernels
-from ferrox_batch.runtime.architectures.gate_up import GateUp, gated_agrees
-from ferrox_batch.runtime.architectures.linear import Linear
-from numerics import assert_same_linear, gamma
-from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
 
 pytestmark = needs_compiler
 

@@ -8,15 +8,15 @@ import threading
 
 import pytest
 import torch
+from attention_reference import decode_error_bound, prefill_as_decode, prefill_case, reference
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from ferrox_batch.runtime.kv.batch_inputs import PrefillChunk
-from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
-from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
-from attention_reference import decode_error_bound, prefill_as_decode, prefill_case, reference
 from kernel_builds import built_kernels, needs_compiler
 from numerics import rounds_alike, steps
+
+from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
+from ferrox_batch.runtime.kv.batch_inputs import PrefillChunk
+from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 
 pytestmark = needs_compiler
 

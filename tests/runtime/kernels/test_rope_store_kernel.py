@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
+from numerics import gamma, steps
 
+from ferrox_batch.runtime.architectures.rope import apply_rope
 from ferrox_batch.runtime.kernels import cpu_kernels as kernels_module
 from ferrox_batch.runtime.kernels import kernel_build as build_module
 from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
-from ferrox_batch.runtime.architectures.rope import apply_rope
-from numerics import gamma, steps
-from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
 
 pytestmark = needs_compiler
 

@@ -20,11 +20,11 @@ import threading
 import pytest
 import torch
 from batch_helpers import greedy_params, spawn
+from numerics import assert_decisive, assert_logits_close
 
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.loading.loader import load_model
-from numerics import assert_decisive, assert_logits_close
 
 pytestmark = pytest.mark.real_model
 

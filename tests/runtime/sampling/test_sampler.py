@@ -10,12 +10,12 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from numerics import TORCH_EXP_ULPS, TORCH_SOFTMAX_EXP_ULPS, gamma, softmax_error, unit_roundoff
 
 from ferrox_batch.errors import DecodeError, TokenOutOfVocab
 from ferrox_batch.generation_types import FLOAT32_TINY, SamplingParams
 from ferrox_batch.runtime.sampling import sampling_cuts as cuts_module
 from ferrox_batch.runtime.sampling.sampler import BatchSampler, RowSampler, SamplingError
-from numerics import TORCH_EXP_ULPS, TORCH_SOFTMAX_EXP_ULPS, gamma, softmax_error, unit_roundoff
 
 GREEDY = SamplingParams()
 PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.2}
