@@ -60,10 +60,42 @@ def tiny_variant_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
             tmp_path_factory.mktemp("llama3"), seed=2, tie=False, rope_scaling=llama3
         ),
         "qwen2": write_tiny_checkpoint(tmp_path_factory.mktemp("qwen2"), arch="qwen2", seed=3),
+        # Its own head size (24, not 64 / 4), and each head's queries and keys normalised before RoPE.
+        "qwen3": write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3"), arch="qwen3", seed=6, head_dim=24),
+        # The second layer without RoPE.
+        "smollm3-nope": write_tiny_checkpoint(tmp_path_factory.mktemp("smollm3"), arch="smollm3", seed=7,
+                                              no_rope_layers=[1, 0]),
         "mistral-window": write_tiny_checkpoint(
             tmp_path_factory.mktemp("mistral"), arch="mistral", seed=4, sliding_window=7
         ),
+        # Two local layers (window 6, their own RoPE base) and a global one; an attention scale that is not
+        # head_dim ** -0.5; norms as offsets from one; GeGLU.
+        "gemma3": write_tiny_checkpoint(tmp_path_factory.mktemp("gemma3"), arch="gemma3_text", seed=8, layers=3,
+                                        head_dim=32, sliding_window=6, query_pre_attn_scalar=20),
+        # RoPE on 3/4 of each head, longrope's long factors from position 40 (the greedy tests pass it).
+        "phi3-longrope": write_tiny_checkpoint(
+            tmp_path_factory.mktemp("phi3"), arch="phi3", seed=9, partial_rotary_factor=0.75, max_positions=160,
+            rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": LONG_CONTEXT,
+                          "short_factor": [1.0, 1.1, 1.2, 1.3, 1.4, 1.5], "long_factor": [2, 2.5, 3, 3.5, 4, 4.5]},
+        ),
+        "llama-linear-rope": write_tiny_checkpoint(tmp_path_factory.mktemp("linear"), seed=10,
+                                                   rope_scaling={"rope_type": "linear", "factor": 3.0}),
+        # The base grows with the sequence past position 40.
+        "llama-dynamic-rope": write_tiny_checkpoint(tmp_path_factory.mktemp("dynamic"), seed=11,
+                                                    max_positions=LONG_CONTEXT,
+                                                    rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        "qwen3-yarn-rope": write_tiny_checkpoint(
+            tmp_path_factory.mktemp("yarn"), arch="qwen3", seed=12,
+            rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": LONG_CONTEXT,
+                          "beta_fast": 16, "mscale": 1.2, "mscale_all_dim": 0.8},
+        ),
     }
+
+
+#: The pretrained context of the tiny checkpoints whose RoPE changes past it (longrope, dynamic): longer than
+#: every test prompt, so a prompt is rotated as the reference rotates it, and shorter than a prompt and its
+#: 32-token greedy continuation, so the continuation crosses it.
+LONG_CONTEXT = 40
 
 
 @pytest.fixture(scope="session")

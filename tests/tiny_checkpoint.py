@@ -81,25 +81,41 @@ def write_tiny_checkpoint(
     max_positions: int = 512,
     std: float = 0.08,
     chat_template: str | None = None,
+    head_dim: int | None = None,
+    no_rope_layers: list[int] | None = None,
+    partial_rotary_factor: float | None = None,
+    layer_types: list[str] | None = None,
+    query_pre_attn_scalar: float | None = None,
+    extra_config: dict[str, Any] | None = None,
 ) -> Path:
+    """`arch` is a `model_type`: llama, qwen2, mistral, qwen3, smollm3, phi3 or gemma3_text. Gemma 3's norms are
+    stored as offsets from one, as its checkpoints store them; Phi-3's projections fused, as its are."""
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(vocab_size)
     real_vocab = tok.get_vocab_size()
-    head_dim = hidden // heads
+    head_dim = head_dim or hidden // heads
     gen = torch.Generator().manual_seed(seed)
 
     def rand(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * std
 
+    gemma = arch == "gemma3_text"
+    one = 0.0 if gemma else 1.0  # where a norm's weights are centred
     tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(vocab_size, hidden) * 5}
     for i in range(layers):
         p = f"model.layers.{i}."
-        tensors[p + "input_layernorm.weight"] = 1.0 + rand(hidden)
-        tensors[p + "post_attention_layernorm.weight"] = 1.0 + rand(hidden)
+        tensors[p + "input_layernorm.weight"] = one + rand(hidden)
+        tensors[p + "post_attention_layernorm.weight"] = one + rand(hidden)
+        if gemma:
+            tensors[p + "pre_feedforward_layernorm.weight"] = rand(hidden)
+            tensors[p + "post_feedforward_layernorm.weight"] = rand(hidden)
         tensors[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
         tensors[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
         tensors[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
         tensors[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim)
+        if arch in ("qwen3", "gemma3_text"):
+            tensors[p + "self_attn.q_norm.weight"] = one + rand(head_dim)
+            tensors[p + "self_attn.k_norm.weight"] = one + rand(head_dim)
         if arch == "qwen2":
             tensors[p + "self_attn.q_proj.bias"] = rand(heads * head_dim)
             tensors[p + "self_attn.k_proj.bias"] = rand(kv_heads * head_dim)
@@ -107,12 +123,19 @@ def write_tiny_checkpoint(
         tensors[p + "mlp.gate_proj.weight"] = rand(intermediate, hidden)
         tensors[p + "mlp.up_proj.weight"] = rand(intermediate, hidden)
         tensors[p + "mlp.down_proj.weight"] = rand(hidden, intermediate)
-    tensors["model.norm.weight"] = 1.0 + rand(hidden)
+        if arch == "phi3":
+            tensors[p + "self_attn.qkv_proj.weight"] = torch.cat([tensors.pop(p + f"self_attn.{n}_proj.weight")
+                                                                  for n in "qkv"])
+            tensors[p + "mlp.gate_up_proj.weight"] = torch.cat([tensors.pop(p + f"mlp.{n}_proj.weight")
+                                                                for n in ("gate", "up")])
+    tensors["model.norm.weight"] = one + rand(hidden)
     if not tie:
         tensors["lm_head.weight"] = rand(vocab_size, hidden) * 5
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
 
-    architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+    architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
+                     "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
+                     "gemma3_text": "Gemma3ForCausalLM"}
     eos_id = tok.token_to_id("<|im_end|>")
     config: dict[str, Any] = {
         "architectures": [architectures[arch]],
@@ -137,9 +160,36 @@ def write_tiny_checkpoint(
         config["rope_scaling"] = rope_scaling
     if arch == "mistral":
         config["sliding_window"] = sliding_window
-    if arch == "qwen2":
+    if arch in ("qwen2", "qwen3", "smollm3"):
         config["use_sliding_window"] = False
         config["sliding_window"] = None
+    if arch in ("qwen3", "smollm3"):
+        config["attention_bias"] = False
+    if arch == "smollm3":
+        config["no_rope_layers"] = no_rope_layers if no_rope_layers is not None else [1] * layers
+        config["pad_token_id"] = tok.token_to_id("<|endoftext|>")  # its default names an id past this vocabulary
+    if arch == "phi3":
+        config["pad_token_id"] = tok.token_to_id("<|endoftext|>")
+        config["sliding_window"] = sliding_window
+        if partial_rotary_factor is not None:
+            config["partial_rotary_factor"] = partial_rotary_factor
+        if rope_scaling is not None and rope_scaling.get("rope_type") == "longrope":
+            config["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
+    if gemma:
+        config.pop("hidden_act")
+        config.update({
+            "hidden_activation": "gelu_pytorch_tanh",
+            "pad_token_id": tok.token_to_id("<|endoftext|>"),
+            "sliding_window": sliding_window or 8,
+            "layer_types": layer_types or ["sliding_attention"] * (layers - 1) + ["full_attention"],
+            "rope_theta": 1_000_000.0,
+            "rope_local_base_freq": 10_000.0,
+            "query_pre_attn_scalar": query_pre_attn_scalar or head_dim,
+            "rms_norm_eps": 1e-6,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+        })
+    config.update(extra_config or {})
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({

@@ -31,25 +31,27 @@ def attend_decode(q: torch.Tensor, pool: torch.Tensor, group: DecodeGroup, block
     n = group.count
     qd = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
     if kernels is not None:  # the ranges were checked once per forward; build_inputs skipped the gather
-        out = kernels.paged_decode(qd, pool, group.tables, group.lo, group.hi, block_size, c.head_dim ** -0.5,
+        out = kernels.paged_decode(qd, pool, group.tables, group.lo, group.hi, block_size, c.attention_scale,
                                    ranges_checked=True)
     else:
         # Gather each sequence's K and V, `[N, kv_heads, L, head_dim]`, with one `index_select`;
         # the query heads that share a KV head are its "query length" (GQA without expansion).
         ctx = pool.index_select(0, group.ctx_slots).to(q.dtype).view(n, -1, 2, c.num_kv_heads, c.head_dim)
         k, v = ctx[:, :, 0].transpose(1, 2), ctx[:, :, 1].transpose(1, 2)
-        out = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask)
+        out = F.scaled_dot_product_attention(qd, k, v, attn_mask=group.mask, scale=c.attention_scale)
     return out.reshape(n, c.num_heads * c.head_dim)
 
 
 def attend_prefill(q: torch.Tensor, pool: torch.Tensor, chunks: list[PrefillChunk], config: ModelConfig,
-                   kernels: CpuKernels | None = None, plan: PrefillPlan | None = None) -> torch.Tensor:
+                   kernels: CpuKernels | None = None, plan: PrefillPlan | None = None,
+                   window: int | None = None) -> torch.Tensor:
     """The prefill chunks' queries `[rows, heads, head_dim]` (their rows in order) over their contexts: on
     the CPU one kernel call for every chunk (`plan`, its slots checked once per forward), elsewhere one
-    SDPA call per chunk."""
+    SDPA call per chunk under the chunks' masks. `window` is the layer's (the kernel's key range; the
+    chunks' masks already hold it)."""
     c = config
     if kernels is not None and plan is not None:
-        return kernels.prefill_attention(q, pool, plan, c.head_dim ** -0.5, c.sliding_window, plan_checked=True)
+        return kernels.prefill_attention(q, pool, plan, c.attention_scale, window, plan_checked=True)
     outs = []
     row = 0
     for chunk in chunks:
@@ -58,6 +60,6 @@ def attend_prefill(q: torch.Tensor, pool: torch.Tensor, chunks: list[PrefillChun
         ctx = pool.index_select(0, chunk.ctx_slots).to(q.dtype)  # [L, 2, kv, hd]
         k, v = ctx[:, 0].transpose(0, 1)[None], ctx[:, 1].transpose(0, 1)[None]  # [1, kv, L, hd]
         out = F.scaled_dot_product_attention(qc, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                             enable_gqa=c.group_size > 1)
+                                             enable_gqa=c.group_size > 1, scale=c.attention_scale)
         outs.append(out[0].transpose(0, 1).reshape(chunk.length, c.num_heads * c.head_dim))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

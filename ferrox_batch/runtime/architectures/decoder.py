@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from ferrox_batch.runtime.architectures.attention import attend_decode, attend_prefill
+from ferrox_batch.runtime.architectures.families import LAYERS, NORM_OFFSETS
 from ferrox_batch.runtime.architectures.gate_up import GateUp
 from ferrox_batch.runtime.architectures.layer_stack import LayerStack
 from ferrox_batch.runtime.architectures.layer_weights import LayerWeights
@@ -52,6 +53,7 @@ from ferrox_batch.runtime.errors import ModelLoadError
 from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels, cpu_kernels
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk, build_inputs
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
+from ferrox_batch.runtime.kv.window_view import windowed
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 
 
@@ -88,13 +90,22 @@ class Decoder:
             self.lm_head = self._linear(self.embed, keep_weight=True)
         else:
             self.lm_head = self._linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)))
-        self.final_norm = take("model.norm.weight", (config.hidden_size,))
-        self.layers = [self._layer(take, i) for i in range(config.num_layers)]
+        self.final_norm = take("model.norm.weight", (config.hidden_size,)) + NORM_OFFSETS.get(config.family, 0.0)
+        build = LAYERS[config.family]
+        gate_up = lambda weight: GateUp(weight, weights=self.weights_format, kernels=self.kernels,  # noqa: E731
+                                        activation=config.hidden_act)
+        self.layers = [build(take, config, i, self._linear, gate_up) for i in range(config.num_layers)]
         unused = set(weights) - {"lm_head.weight"}
         unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
         if unused:
             raise ModelLoadError(f"checkpoint has tensors this architecture does not use: {sorted(unused)[:5]}")
-        self.cos, self.sin = rope_tables(config, self.device, dtype)
+        # One pair of tables per RoPE kind the layers use. A layer without RoPE writes its K/V through the same
+        # kernel with tables that rotate by nothing: cos 1 and sin 0 leave every value exactly as it was.
+        self.rope = {kind: rope_tables(config, kind, self.device, dtype)
+                     for kind in sorted({layer.rope for layer in self.layers} | {"global"})}
+        self.cos, self.sin = self.rope["global"]
+        # The embeddings' scale as the reference applies it: rounded to the compute dtype first.
+        self.embed_scale = None if config.embed_scale == 1.0 else torch.tensor(config.embed_scale, dtype=dtype)
         # The layers in one C call where every projection is an fp16 panel kernel (`runtime.architectures.layer_stack`).
         self.layer_stack = LayerStack.bind(self.layers, config, dtype) if self.kernels is not None else None
 
@@ -117,34 +128,6 @@ class Decoder:
         for linear in [self.lm_head, *(getattr(layer, name) for layer in self.layers for name in names)]:
             kinds[linear.kind] = kinds.get(linear.kind, 0) + 1
         return kinds
-
-    def _layer(self, take: "_Taker", i: int) -> LayerWeights:
-        c = self.config
-        p = f"model.layers.{i}."
-        q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        qkv = torch.cat([
-            take(p + "self_attn.q_proj.weight", (q_out, c.hidden_size)),
-            take(p + "self_attn.k_proj.weight", (kv_out, c.hidden_size)),
-            take(p + "self_attn.v_proj.weight", (kv_out, c.hidden_size)),
-        ])
-        bias = None
-        if c.attention_bias:
-            bias = torch.cat([
-                take(p + "self_attn.q_proj.bias", (q_out,)),
-                take(p + "self_attn.k_proj.bias", (kv_out,)),
-                take(p + "self_attn.v_proj.bias", (kv_out,)),
-            ])
-        return LayerWeights(
-            input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
-            qkv=self._linear(qkv, bias),
-            o=self._linear(take(p + "self_attn.o_proj.weight", (c.hidden_size, q_out))),
-            post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-            gate_up=GateUp(torch.cat([
-                take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
-                take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
-            ]), weights=self.weights_format, kernels=self.kernels),
-            down=self._linear(take(p + "mlp.down_proj.weight", (c.hidden_size, c.intermediate_size))),
-        )
 
     @property
     def vocab_size(self) -> int:
@@ -180,7 +163,9 @@ class Decoder:
                 f"store holds {store.dtype} on {store.device} but the decoder's KV is {self.kv_dtype} on {self.device}"
             )
         kernel = self.kernels
-        inputs = build_inputs(chunks, store, c.vocab_size, c.sliding_window, decode_gather=kernel is None)
+        inputs = build_inputs(chunks, store, c.vocab_size, c.uniform_window, decode_gather=kernel is None)
+        # Layers whose window is not the inputs' (Gemma 3's local ones) see the same inputs through theirs.
+        local = windowed(inputs, c.sliding_window) if c.sliding_window and c.uniform_window is None else None
         n_tok = inputs.tokens.numel()
         # From the host-side lengths, not `positions.max()`: no device sync on CUDA.
         top = max(length for _, length in inputs.new_lengths) - 1
@@ -198,38 +183,50 @@ class Decoder:
                 plan = PrefillPlan.of(inputs.prefill)
                 plan.check(store.kv.shape[1])
         else:
-            cos = self.cos[inputs.positions][:, None, :]
-            sin = self.sin[inputs.positions][:, None, :]
+            rows = {kind: (cos[inputs.positions][:, None, :], sin[inputs.positions][:, None, :])
+                    for kind, (cos, sin) in self.rope.items()}
         heads, kv_heads = c.num_heads, c.num_kv_heads
         q_width, kv_width = heads * c.head_dim, kv_heads * c.head_dim
 
         h = F.embedding(inputs.tokens, self.embed)
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
         pending: torch.Tensor | None = None  # the MLP output still to be added to h
         if kernel is not None and self.layer_stack is not None:  # the loop below in one C call, bit for bit
             pending = self.layer_stack.run(kernel, h, inputs, plan, store.kv, store.block_size, self.cos, self.sin)
         for index, layer in enumerate(self.layers if pending is None else ()):
             h, x = self._add_norm(h, pending, layer.input_norm, kernel)
             qkv = layer.qkv(x)
+            if layer.q_norm is not None:
+                self._norm_heads(qkv, layer, n_tok)
             pool = store.kv[index]
             if kernel is not None:  # RoPE in place and the K/V write, in one call
-                kernel.rope_store(qkv, self.cos, self.sin, inputs.positions, inputs.slots, pool, heads, checked=True)
+                cos, sin = self.rope[layer.rope]
+                kernel.rope_store(qkv, cos, sin, inputs.positions, inputs.slots, pool, heads, checked=True)
                 q = qkv[:, :q_width].view(n_tok, heads, c.head_dim)
             else:
                 # RoPE on q and k in one pass: their heads are adjacent in the fused projection.
-                qk = apply_rope(qkv[:, : q_width + kv_width].view(n_tok, heads + kv_heads, c.head_dim), cos, sin)
+                qk = qkv[:, : q_width + kv_width].view(n_tok, heads + kv_heads, c.head_dim)
+                if layer.rope != "none":
+                    qk = apply_rope(qk, *rows[layer.rope])
                 q = qk[:, :heads]
                 v = qkv[:, q_width + kv_width:].view(n_tok, kv_heads, c.head_dim)
                 pool.index_copy_(0, inputs.slots, torch.stack((qk[:, heads:], v), dim=1).to(pool.dtype))
+            seen = local if local is not None and layer.window is not None else inputs
             parts = []
             n_dec = 0
-            if inputs.decode is not None:
-                n_dec = inputs.decode.count
-                parts.append(attend_decode(q[:n_dec], pool, inputs.decode, store.block_size, c, kernel))
-            if inputs.prefill:
-                parts.append(attend_prefill(q[n_dec:], pool, inputs.prefill, c, kernel, plan))
-            attn = parts[0] if len(parts) == 1 else torch.cat(parts)
-            h, x = self._add_norm(h, layer.o(attn), layer.post_norm, kernel)
+            if seen.decode is not None:
+                n_dec = seen.decode.count
+                parts.append(attend_decode(q[:n_dec], pool, seen.decode, store.block_size, c, kernel))
+            if seen.prefill:
+                parts.append(attend_prefill(q[n_dec:], pool, seen.prefill, c, kernel, plan, layer.window))
+            attn = layer.o(parts[0] if len(parts) == 1 else torch.cat(parts))
+            if layer.attn_out_norm is not None:
+                attn = self._norm(attn, layer.attn_out_norm, kernel)
+            h, x = self._add_norm(h, attn, layer.post_norm, kernel)
             pending = layer.down(layer.gate_up(x))
+            if layer.mlp_out_norm is not None:
+                pending = self._norm(pending, layer.mlp_out_norm, kernel)
 
         rows = inputs.last_rows
         if every:  # the last rows, then every row of the chunks asked for, through one norm and lm_head
@@ -245,6 +242,22 @@ class Decoder:
             return logits, []
         sizes = [len(chunks[i].tokens) for i in every]
         return logits[: len(chunks)], list(logits[len(chunks):].split(sizes))
+
+    def _norm_heads(self, qkv: torch.Tensor, layer: LayerWeights, n_tok: int) -> None:
+        """RMSNorm each query head and each key head of the fused projection in place, over its `head_dim`
+        (the reference's float32 formula, as for every norm off the C kernel)."""
+        c = self.config
+        assert layer.q_norm is not None and layer.k_norm is not None
+        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        for start, width, weight in ((0, q_width, layer.q_norm), (q_width, kv_width, layer.k_norm)):
+            part = qkv[:, start:start + width].reshape(n_tok, width // c.head_dim, c.head_dim)
+            qkv[:, start:start + width] = _rms_norm(part, weight, c.rms_norm_eps).reshape(n_tok, width)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
+        """`rms_norm(x)`, on a layer's output before it joins the residual (Gemma 3)."""
+        if kernels is not None:
+            return kernels.rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)
+        return _rms_norm(x, weight, self.config.rms_norm_eps)
 
     def _add_norm(
         self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, kernels: CpuKernels | None

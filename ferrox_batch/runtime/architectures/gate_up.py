@@ -1,4 +1,7 @@
-"""The gated MLP's input projection, `silu(x @ gate.T) * (x @ up.T)`, as one call where a kernel allows.
+"""The gated MLP's input projection, `act(x @ gate.T) * (x @ up.T)`, as one call where a kernel allows.
+
+The activation is SiLU (SwiGLU: Llama, Qwen, Phi) or tanh-approximated GELU (GeGLU: Gemma 3); only SiLU
+has a fused kernel.
 
 Llama-family MLPs project the input twice (gate and up, held fused as one `[2n, k]` weight) and
 multiply the SiLU of one by the other. Through `Linear` that is a `[rows, 2n]` product written out,
@@ -27,19 +30,22 @@ FUSED_KIND = "fp16_panels"
 
 
 class GateUp:
-    """`silu(gate(x)) * up(x)` for a fused `[2n, k]` weight (gate rows first)."""
+    """`act(gate(x)) * up(x)` for a fused `[2n, k]` weight (gate rows first)."""
 
-    __slots__ = ("_linear", "_fused", "_half")
+    __slots__ = ("_linear", "_fused", "_half", "_gelu")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weights: str = "dtype",
-                 kernels: CpuKernels | None = None) -> None:
-        """`weights` and `kernels` as for `Linear`; a bias keeps the unfused path."""
+                 kernels: CpuKernels | None = None, activation: str = "silu") -> None:
+        """`weights` and `kernels` as for `Linear`; a bias, or the GELU activation, keeps the unfused path."""
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"a gated projection's activation is silu or gelu_pytorch_tanh; got {activation!r}")
+        self._gelu = activation == "gelu_pytorch_tanh"
         if weight.dim() != 2 or weight.shape[0] % 2:
             raise ValueError(f"a gated projection's weight has an even number of rows; got {tuple(weight.shape)}")
         self._half = weight.shape[0] // 2
         self._fused: PackedF16Gemm | None = None
         self._linear: Linear | None = None
-        fusable = (bias is None and weights == "fp16" and weight.dtype == torch.float32
+        fusable = (bias is None and not self._gelu and weights == "fp16" and weight.dtype == torch.float32
                    and weight.device.type == "cpu" and preferred_fp16_kind(kernels) == FUSED_KIND
                    and fits_fp16(weight))
         if fusable:
@@ -69,6 +75,8 @@ class GateUp:
         if self._fused is not None:
             return self._fused(x)  # a `PackedF16Gemm`, checked when it was bound
         gate, up = self._linear(x).chunk(2, dim=-1)
+        if self._gelu:
+            return F.gelu(gate, approximate="tanh") * up
         return F.silu(gate) * up
 
 

@@ -38,13 +38,17 @@ class LayerStack:
     def bind(cls, layers: Sequence[LayerWeights], config: ModelConfig, dtype: torch.dtype) -> LayerStack | None:
         """The stack for these layers, or None where some layer does not run as the C loop does."""
         c = config
-        if dtype != torch.float32 or not layers:
+        if dtype != torch.float32 or not layers or c.query_pre_attn_scalar is not None or c.embed_scale != 1.0:
+            return None
+        if c.sliding_window is not None and c.uniform_window is None:  # one window for every layer, or none
             return None
         hidden, q_width = c.hidden_size, c.num_heads * c.head_dim
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
         rows: list[list[int]] = []
         owners: list[object] = []
         for layer in layers:
+            if not layer.plain:  # per-head norms and layers without RoPE are the Python loop's
+                return None
             qkv, o, down = layer.qkv.f16_panels, layer.o.f16_panels, layer.down.f16_panels
             gate_up = layer.gate_up.fused_gemm
             if qkv is None or o is None or down is None or gate_up is None:

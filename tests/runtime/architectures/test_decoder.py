@@ -49,9 +49,12 @@ def greedy(model, ids, n, *, block_size=4):
     return out
 
 
-@pytest.mark.parametrize(
-    "variant", ["llama", "llama-untied-llama3-rope", "qwen2", "mistral-window"]
-)
+#: Every tiny checkpoint: one per family and per switch a family has.
+VARIANTS = ["llama", "llama-untied-llama3-rope", "qwen2", "mistral-window", "qwen3", "smollm3-nope", "gemma3",
+            "phi3-longrope", "llama-linear-rope", "llama-dynamic-rope", "qwen3-yarn-rope"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_last_logits_match_transformers_for_every_supported_variant(tiny_variant_dirs, variant, device):
     folder = tiny_variant_dirs[variant]
     ours = load_model(folder, device=device, dtype="float32")
@@ -64,7 +67,7 @@ def test_last_logits_match_transformers_for_every_supported_variant(tiny_variant
         assert_logits_close(got, want, ours.config, len(ids), note=(variant, prompt))
 
 
-@pytest.mark.parametrize("variant", ["llama", "mistral-window"])
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v not in ("llama-untied-llama3-rope", "qwen2")])
 def test_a_32_token_greedy_continuation_is_identical_to_transformers(tiny_variant_dirs, variant, device):
     folder = tiny_variant_dirs[variant]
     ours = load_model(folder, device=device, dtype="float32")
@@ -133,7 +136,9 @@ def test_any_schedule_of_mixed_chunks_gives_each_sequence_the_logits_it_gets_alo
         assert_logits_close(final[i], alone[i], tiny_model.config, len(streams[i]), note=i)
 
 
-def test_a_batch_of_different_lengths_matches_each_sequence_alone(tiny_model):
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "smollm3-nope", "gemma3", "phi3-longrope"])
+def test_a_batch_of_different_lengths_matches_each_sequence_alone(tiny_variant_dirs, variant, device):
+    tiny_model = load_model(tiny_variant_dirs[variant], device=device, dtype="float32")
     enc = [tiny_model.tokenizer.encode(p) for p in PROMPTS]
     alone = [prefill_logits(tiny_model, ids)[0] for ids in enc]
     store = tiny_model.decoder.new_store(4, num_blocks=256)
@@ -150,7 +155,7 @@ def test_a_batch_of_different_lengths_matches_each_sequence_alone(tiny_model):
         assert_logits_close(stepped[i], ref, tiny_model.config, len(ids) + 1, note=i)
 
 
-@pytest.mark.parametrize("variant", ["llama", "mistral-window"])
+@pytest.mark.parametrize("variant", ["llama", "mistral-window", "qwen3", "smollm3-nope", "gemma3", "phi3-longrope"])
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("kv", ["fp32", "fp16"])
 def test_stale_pool_memory_never_reaches_the_logits(tiny_variant_dirs, device, variant, kernels, kv):

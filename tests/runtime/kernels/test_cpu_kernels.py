@@ -260,7 +260,8 @@ def decoder_run(model, with_kernel: bool) -> list[torch.Tensor]:
     return [o.float() for o in outs]
 
 
-@pytest.mark.parametrize("variant", ["llama", "llama-untied-llama3-rope", "qwen2", "mistral-window"])
+@pytest.mark.parametrize("variant", ["llama", "llama-untied-llama3-rope", "qwen2", "mistral-window", "qwen3",
+                                     "smollm3-nope", "gemma3", "phi3-longrope", "llama-dynamic-rope"])
 def test_the_decoder_gives_the_same_float32_logits_with_and_without_the_kernel(tiny_variant_dirs, variant) -> None:
     model = load_model(tiny_variant_dirs[variant], device="cpu", dtype="float32")
     assert model.decoder.kernels is not None  # on by default on the CPU

@@ -105,7 +105,11 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tiny_llama_dir,
 @pytest.mark.parametrize(
     "field,value,match",
     [("num_attention_heads", 3, "multiple of"), ("num_hidden_layers", 0, "num_layers"),
-     ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "yarn")],
+     ("rope_scaling", {"rope_type": "su", "factor": 2.0}, "'su' is not supported"),
+     ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "yarn rope scaling needs a positive original"),
+     ("rope_scaling", {"rope_type": "linear"}, "linear rope scaling needs a factor"),
+     ("rope_scaling", {"rope_type": "linear", "factor": -1}, "factor must be positive"),
+     ("hidden_act", "relu", "activation 'relu' is not supported")],
 )
 def test_malformed_configs_are_refused_with_the_reason(tiny_llama_dir, field, value, match):
     raw = json.loads((tiny_llama_dir / "config.json").read_text())
