@@ -50,11 +50,15 @@ class FakeKv:
         self.fail_next: DecodeError | None = None
         self.released: list[int] = []
         self.published: dict[int, list[int]] = {}
+        self.leased: dict[int, tuple[list[int], object]] = {}  # seq_id -> (tokens it may adopt for, window)
 
     def peek(self, tokens: Sequence[int], salt: str | None) -> tuple[int, int]:
         return 0, 0
 
-    def allocate(self, positions: int, tokens: Sequence[int] = (), salt: str | None = None) -> int:
+    def allocate(self, positions: int, tokens: Sequence[int] = (), salt: str | None = None,
+                 window: object = None) -> int:
+        """A lease of `blocks_for(positions)` blocks; a sliding one (`window`) holds as many, and `run` lets
+        it grow past them as the store's sliding leases do."""
         if self.fail_next is not None:
             error, self.fail_next = self.fail_next, None
             raise error
@@ -64,6 +68,7 @@ class FakeKv:
         self.free -= blocks
         seq_id, self.next_id = self.next_id, self.next_id + 1
         self.seqs[seq_id] = [list(range(self.next_block, self.next_block + blocks)), 0]
+        self.leased[seq_id] = (list(tokens), window)
         self.next_block += blocks
         return seq_id
 

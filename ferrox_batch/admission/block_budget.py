@@ -89,16 +89,18 @@ class BlockBudget:
         with self._lock:
             return self._free
 
-    def immovable_refusal(self, positions: int) -> DecodeError | None:
+    def immovable_refusal(self, requested: int, held: int | None = None) -> DecodeError | None:
         """The refusal no amount of waiting would lift, or None.
 
-        `positions` (prompt + max_tokens, every one of which the row holds) is
-        checked against the context ceiling, then against the whole ledger.
-        The context ceiling is reported first when both bind, and only its
-        counter moves.
+        `requested` (prompt + max_tokens) is checked against the context
+        ceiling, then `held` (the positions the row holds at once: `requested`
+        unless its lease slides a window, `admission.window`) against the
+        whole ledger. The context ceiling is reported first when both bind,
+        and only its counter moves.
         """
-        check_int("positions", positions)
-        refusal = self._ceiling.refusal(positions)
+        check_int("requested", requested)
+        positions = requested if held is None else check_int("held", held)
+        refusal = self._ceiling.refusal(requested)
         if refusal is not None:
             return refusal
         total = self._total

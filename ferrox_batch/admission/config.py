@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Mapping
 
+from ferrox_batch.admission.window import DEFAULT_SWA_EVICTION_INTERVAL
 from ferrox_batch.checks import UNLIMITED
 
 #: Prompt tokens per prefill chunk when unset: the ceiling of the per-tick prefill budget (docs/upstream.md,
@@ -58,6 +59,7 @@ ENV_STEP_TARGET_MS = "FERROX_CB_STEP_TARGET_MS"
 ENV_PREFIX_CACHE = "FERROX_CB_PREFIX_CACHE"
 ENV_MAX_QUEUE_WAIT_MS = "FERROX_CB_MAX_QUEUE_WAIT_MS"
 ENV_PRIORITY_AGING_MS = "FERROX_CB_PRIORITY_AGING_MS"
+ENV_SLIDE_INTERVAL = "FERROX_CB_SLIDE_INTERVAL"
 ENV_DECODE_LOG_INTERVAL = "FERROX_DECODE_LOG_INTERVAL"
 
 #: Upstream `prefill_batch::PREFILL_CHUNK_ENV_KEYS`, ported to the FERROX_ prefix:
@@ -143,6 +145,12 @@ class BatcherConfig:
     priorities, so no priority starves (`scheduler.waiting`). None: no aging.
     With one priority in use it changes nothing.
 
+    `slide_interval`: for a model whose every layer slides by one window,
+    the decode steps between two slides of a row's pages (`admission.window`;
+    the upstream carries it on its paged-store config, ours is here because
+    most batchers build their own store). Fewer steps price a sliding row
+    lower and update its block table more often.
+
     The field defaults are the upstream's; `serving()` holds the defaults
     the server, the CLI and `ContinuousBatcher.from_model` start from.
     """
@@ -159,6 +167,7 @@ class BatcherConfig:
     prefix_cache: bool = False
     max_queue_wait_ms: int | None = None
     priority_aging_ms: int | None = None
+    slide_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
 
     def __post_init__(self) -> None:
         _check_field("max_seqs", self.max_seqs, minimum=1)
@@ -174,6 +183,7 @@ class BatcherConfig:
             raise TypeError(f"prefix_cache must be a bool, got {self.prefix_cache!r}")
         _check_field("max_queue_wait_ms", self.max_queue_wait_ms, minimum=1, optional=True)
         _check_field("priority_aging_ms", self.priority_aging_ms, minimum=1, optional=True)
+        _check_field("slide_interval", self.slide_interval, minimum=1)
 
     @classmethod
     def default(cls) -> BatcherConfig:
@@ -216,6 +226,7 @@ class BatcherConfig:
             "prefix_cache": env_switch(env, ENV_PREFIX_CACHE),
             "max_queue_wait_ms": env_positive(env, ENV_MAX_QUEUE_WAIT_MS),
             "priority_aging_ms": env_positive(env, ENV_PRIORITY_AGING_MS),
+            "slide_interval": env_positive(env, ENV_SLIDE_INTERVAL),
         }
         return dataclasses.replace(base, **{name: value for name, value in found.items() if value is not None})
 

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from ferrox_batch.admission.config import (
     DEFAULT_MAX_QUEUE,
+    DEFAULT_SWA_EVICTION_INTERVAL,
     ENV_KV_BLOCK_SIZE,
     ENV_KV_BLOCKS,
     ENV_MAX_BATCH_TOKENS,
@@ -30,6 +31,7 @@ from ferrox_batch.admission.config import (
     ENV_PREFILL_CHUNK,
     ENV_PREFIX_CACHE,
     ENV_PRIORITY_AGING_MS,
+    ENV_SLIDE_INTERVAL,
     ENV_STEP_TARGET_MS,
     PREFILL_CHUNK_ENV_KEYS,
     PRIVATE_PATH_KEY,
@@ -84,6 +86,9 @@ BATCHER_FLAGS: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
     "priority_aging_ms": ("--priority-aging-ms", ENV_PRIORITY_AGING_MS, str(SERVING_PRIORITY_AGING_MS),
                           "a request that has waited this many milliseconds goes ahead of every request that "
                           "has not, whatever their priorities, so none starves; 0: no aging"),
+    "slide_interval": ("--slide-interval", ENV_SLIDE_INTERVAL, str(DEFAULT_SWA_EVICTION_INTERVAL),
+                       "for a model whose every layer slides by one window: decode steps between two slides "
+                       "of a row's KV pages behind the window (fewer price a long row lower)"),
 })
 #: BatcherConfig field -> (flag, environment variable (0 or 1), default shown in --help, meaning), for the
 #: on/off settings: each gets `--flag` and `--no-flag`.

@@ -64,6 +64,8 @@ class ContinuousBatcher:
         self._vocab_size = worker.scheduler.vocab_size
         self._thread = thread
         self.store = worker.runner.store
+        #: How a row's KV lease slides (a model whose every layer slides by one window), else None.
+        self._window = worker.runner.window
         self.tokenizer = tokenizer
         #: The grammar engine structured output is compiled with, shared with the worker's sampler (None:
         #: this batcher has none, and a request for structured output is refused).
@@ -217,7 +219,7 @@ class ContinuousBatcher:
         refusal = self._lifecycle.refusal()
         if refusal is not None:
             raise refusal
-        sized = size_request(prompt, params, self._budget, self._grammars)
+        sized = size_request(prompt, params, self._budget, self._grammars, self._window)
         params = sized.params  # `max_tokens` clamped to the context ceiling
         # Built here, on the caller's thread and before a queue slot is taken: its cost grows with the
         # stop strings, and the worker serves everyone.
@@ -230,7 +232,7 @@ class ContinuousBatcher:
         abort = self._aborts.next_id()
         replies = QueueSink() if sink is None else None
         request = Request(prompt, params, stop_tokens, OnceSink(replies if sink is None else sink), abort,
-                          sized.blocks, sized.positions, stops=stops, grammar=sized.grammar,
+                          sized.blocks, sized.positions, stops=stops, grammar=sized.grammar, window=sized.window,
                           after=None if after is None else after.abort_id)
         try:
             request.queued(self._clock(), self._config.max_queue_wait_ms)

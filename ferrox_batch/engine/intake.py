@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from ferrox_batch.admission.block_budget import BlockBudget
+from ferrox_batch.admission.window import WindowPolicy, row_hold
 from ferrox_batch.errors import DecodeError, GrammarConstraint, InvalidRequest, TokenOutOfVocab
 from ferrox_batch.generation_types import GenerationParams
 from ferrox_batch.structured import CompiledSpec, StructuredOutput
@@ -36,9 +37,10 @@ class SizedRequest:
     """What the worker needs to know about a request's size, worked out before it is queued."""
 
     params: GenerationParams  # `max_tokens` clamped to the context ceiling
-    positions: int  # KV positions its lease will hold
+    positions: int  # KV positions its lease will hold at once
     blocks: int  # KV blocks those positions take
     grammar: CompiledSpec | None  # compiled `params.structured`, or None without it
+    window: WindowPolicy | None = None  # what its lease slides by; None: it holds every position
 
 
 def checked_prompt(prompt_tokens: Sequence[int], params: GenerationParams, vocab_size: int) -> list[int]:
@@ -66,8 +68,12 @@ def checked_prompt(prompt_tokens: Sequence[int], params: GenerationParams, vocab
 
 
 def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudget,
-                 grammars: GrammarCompiler | None) -> SizedRequest:
+                 grammars: GrammarCompiler | None, window: WindowPolicy | None = None) -> SizedRequest:
     """Fit `params.max_tokens` to the context ceiling, price the request in blocks, and compile its grammar.
+
+    `window`: the batcher's slide policy (a model whose every layer slides by one window), else None. A
+    request is priced at the positions its lease holds at once (`admission.window.row_hold`): every one of
+    `prompt + max_tokens`, or, when its lease slides, its prompt plus the hold bound.
 
     Raises, in this order, the ceiling's refusal of the prompt, `immovable_refusal` (context ceiling,
     then the whole block budget), and `GrammarConstraint` for structured output the batcher cannot
@@ -80,11 +86,11 @@ def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudge
         raise fitted
     if fitted != params.max_tokens:
         params = params.with_max_tokens(fitted)
-    # The paged store keeps every position (no window page recycling), so a row holds
-    # all of them, even for a sliding-window model.
-    positions = len(prompt) + params.max_tokens
-    blocks = budget.blocks_for(positions)
-    refusal = budget.immovable_refusal(positions)
+    requested = len(prompt) + params.max_tokens
+    hold = row_hold(len(prompt), requested, budget.block_size, window)
+    blocks = budget.blocks_for(hold.positions)
+    # The context ceiling sees every position the row computes, the ledger only what it holds at once.
+    refusal = budget.immovable_refusal(requested, hold.positions)
     if refusal is not None:
         raise refusal
     grammar = None
@@ -92,4 +98,4 @@ def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudge
         if grammars is None:
             raise GrammarConstraint("this batcher has no grammar engine: build it with ContinuousBatcher.from_model")
         grammar = grammars.compile(params.structured)  # an invalid or oversized schema is refused here
-    return SizedRequest(params=params, positions=positions, blocks=blocks, grammar=grammar)
+    return SizedRequest(params=params, positions=hold.positions, blocks=blocks, grammar=grammar, window=hold.window)

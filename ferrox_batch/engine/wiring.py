@@ -22,6 +22,7 @@ from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.admission.counters import Counters
 from ferrox_batch.admission.queue import AbortInbox, QueueGate
+from ferrox_batch.admission.window import window_policy
 from ferrox_batch.engine.lifecycle import Lifecycle
 from ferrox_batch.engine.worker import Worker
 from ferrox_batch.runtime.kv.memory import default_kv_memory
@@ -50,13 +51,17 @@ def build_worker(
 
     Every batcher has a block budget: `config.kv_blocks`, else the paged store's size, else as many
     blocks as the device's default budget holds (`with_kv_budget`); the worker's config carries the
-    resolved count.
+    resolved count. The runner carries the model's slide policy (`runner.window`), which the handle prices
+    requests with.
     """
     if paged is None:
         config = with_kv_budget(config, None, decoder)
     store = _store_for(decoder, config, paged)
     total = config.kv_blocks if config.kv_blocks is not None else store.num_blocks
-    runner = ModelRunner(decoder, store, BatchSampler(decoder.vocab_size, store.device, grammars))
+    # A model whose every layer slides by one window gives the pages behind it back (D8): its rows are
+    # priced at the hold bound, and their leases slide every `slide_interval` decode steps.
+    window = window_policy(decoder.config.uniform_window, store.block_size, config.slide_interval)
+    runner = ModelRunner(decoder, store, BatchSampler(decoder.vocab_size, store.device, grammars), window)
     scheduler = Scheduler(
         config=config, budget=BlockBudget(config.kv_block_size, total, ceiling), queue_gate=QueueGate(config.max_queue),
         counters=Counters(), kv=runner, vocab_size=decoder.vocab_size, decode=decode, log_interval=log_interval,

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.errors import DecodeError, InternalError, KvAllocationFailed, KvPoolExhausted
 from ferrox_batch.forward import ForwardPlan, RowToSample, Sampled, StepOutput
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
@@ -60,10 +61,14 @@ class Decoder(Protocol):
 
 
 class ModelRunner:
-    def __init__(self, decoder: Decoder, store: PagedKvStore, sampler: BatchSampler) -> None:
+    def __init__(self, decoder: Decoder, store: PagedKvStore, sampler: BatchSampler,
+                 window: WindowPolicy | None = None) -> None:
         self.decoder = decoder
         self.store = store
         self.sampler = sampler
+        #: How a lease of this model slides (`admission.window`): a model whose every layer slides by one
+        #: window, over this store's blocks. None: every lease keeps every position.
+        self.window = window
         self._next_seq = 0
         self._samplers: dict[int, RowSampler] = {}  # by seq_id: from a sequence's first sample to its release
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for grammar masks, made on first use
@@ -77,13 +82,14 @@ class ModelRunner:
     def peek(self, tokens: Sequence[int], salt: str | None) -> tuple[int, int]:
         return self.store.peek(tokens, salt)
 
-    def allocate(self, positions: int, tokens: Sequence[int] = (), salt: str | None = None) -> int:
+    def allocate(self, positions: int, tokens: Sequence[int] = (), salt: str | None = None,
+                 window: WindowPolicy | None = None) -> int:
         seq_id = self._next_seq
         while self.store.has_sequence(seq_id):  # a shared store may hold others' sequences
             seq_id += 1
         self._next_seq = seq_id + 1
         try:
-            self.store.add_sequence(seq_id, positions, tokens, salt)
+            self.store.add_sequence(seq_id, positions, tokens, salt, window=window)
         except KvPoolExhausted:  # the ledger said yes but the page store said no: the upstream's wording
             raise KvPoolExhausted() from None
         except (MemoryError, torch.OutOfMemoryError) as failed:

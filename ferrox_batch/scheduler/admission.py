@@ -101,7 +101,8 @@ def _accept(request: Request, kv: KvLeases, vocab_size: int, clock: Callable[[],
                                 None if request.params.logprobs is None else ())
     stops = request.stops if request.stops is not None else request.stop_matcher()
     try:
-        seq_id = kv.allocate(request.positions, request.cacheable_tokens, request.params.cache_salt)
+        seq_id = kv.allocate(request.positions, request.cacheable_tokens, request.params.cache_salt,
+                             request.window)
     except DecodeError as refused:
         return refused
     request.admitted(seq_id, clock, stops)

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol
 
+from ferrox_batch.admission.window import WindowPolicy
+
 
 class KvLeases(Protocol):
     """The KV store as the scheduler sees it: leases by sequence id, counted in blocks and positions.
@@ -23,13 +25,19 @@ class KvLeases(Protocol):
         """`(blocks allocate would adopt for these tokens, how many of them no lease references now)`."""
         ...
 
-    def allocate(self, positions: int, tokens: Sequence[int], salt: str | None) -> int:
+    def allocate(self, positions: int, tokens: Sequence[int], salt: str | None,
+                 window: WindowPolicy | None = None) -> int:
         """Lease room for `positions` positions, adopting what `peek` said; the new sequence's id. Raises a
-        typed `DecodeError` (`KvPoolExhausted`, `KvAllocationFailed`) when the store cannot."""
+        typed `DecodeError` (`KvPoolExhausted`, `KvAllocationFailed`) when the store cannot.
+
+        With a `window` the lease holds `positions` at once and slides: the pages behind the window go back
+        to it as the sequence grows and hold its new positions, so it writes past `positions`. A sliding
+        lease adopts nothing and publishes nothing (`tokens` is empty)."""
         ...
 
     def publish(self, seq_id: int, tokens: Sequence[int]) -> None:
-        """Offer the sequence's full computed blocks (`tokens` from position 0) to the prefix cache."""
+        """Offer the sequence's full computed blocks (`tokens` from position 0) to the prefix cache (none
+        for a sliding lease)."""
         ...
 
     def release(self, seq_id: int) -> int:

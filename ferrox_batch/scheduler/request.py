@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ferrox_batch.admission.clock import RowClock
+from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.errors import DecodeError, InternalError
 from ferrox_batch.generation_types import FinishReason, GenerationParams, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
@@ -68,6 +69,9 @@ class Request:
     after: int | None = None
     #: The compiled grammar its output follows (`GenerationParams.structured`, compiled at submit); opaque here.
     grammar: CompiledSpec | None = None
+    #: The window its lease slides by, giving back the pages behind it (`admission.window`; priced at the
+    #: hold bound, not every position). None: its lease keeps every position.
+    window: WindowPolicy | None = None
     seq_id: int | None = None  # its KV lease, from admission on
     skips: int = 0  # times the cache-aware pick admitted a later request first (bounded)
     reserved: int = 0  # blocks admission reserved: `blocks` less the cached ones it adopted that others use
@@ -106,8 +110,11 @@ class Request:
     @property
     def cacheable_tokens(self) -> list[int]:
         """The tokens it may adopt cached blocks for: none when its prompt's log-probabilities are wanted,
-        since those are read from the prompt's own forward."""
-        return [] if self.params.prompt_logprobs is not None else self.prefill_tokens
+        since those are read from the prompt's own forward, nor when its lease slides (a sliding lease
+        recycles its own pages behind the window, so none of them may be shared)."""
+        if self.params.prompt_logprobs is not None or self.window is not None:
+            return []
+        return self.prefill_tokens
 
     @property
     def samples(self) -> bool:

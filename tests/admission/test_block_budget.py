@@ -76,6 +76,18 @@ def test_a_row_is_priced_by_every_position_it_requests():
     assert isinstance(b.immovable_refusal(403), KvBudgetExceeded), "403 positions need 101 blocks"
 
 
+def test_a_sliding_row_is_priced_by_what_it_holds_and_ceilinged_by_what_it_requests():
+    """Upstream's two counts: the context ceiling sees prompt + max_tokens, the ledger the held positions."""
+    b = budget(4, 48, max_context=1000)
+    assert b.immovable_refusal(403, 191) is None, "191 held positions take 48 blocks"
+    err = b.immovable_refusal(403, 193)
+    assert isinstance(err, KvBudgetExceeded) and err.positions == 193 and "needs 49 KV blocks" in err.detail
+    narrow = budget(4, 48, max_context=400)
+    err = narrow.immovable_refusal(403, 191)
+    assert isinstance(err, KvBudgetExceeded) and err.binding == "context_length_exceeded"
+    assert narrow.rejected_too_large() == 0 and b.rejected_too_large() == 1
+
+
 def test_a_zero_block_budget_refuses_every_request_as_too_large():
     b = budget(4, 0)
     err = b.immovable_refusal(0)
@@ -130,6 +142,8 @@ def test_the_block_size_must_be_positive():
         lambda b: b.release(True),
         lambda b: b.immovable_refusal(-1),
         lambda b: b.immovable_refusal("1"),
+        lambda b: b.immovable_refusal(4, -1),
+        lambda b: b.immovable_refusal(4, 1.0),
     ],
 )
 def test_bad_input_is_an_error_never_a_wrong_number(call):

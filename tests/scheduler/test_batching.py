@@ -11,9 +11,10 @@ a long prompt prefills while a neighbour keeps decoding; `max_seqs` counts
 prompts still prefilling.
 
 Out of scope (not ported): grammar and json_object tests (no grammar
-sampler yet), and `a_window_model_slides_while_continuously_batched` (our
-store keeps every position, nothing slides); the sliding-window model is
-instead checked against its sequential ids.
+sampler yet). `a_window_model_slides_while_continuously_batched` lives with
+the other sliding-window tests in `tests/engine/test_sliding_window.py`; here
+a sliding-window model whose rows are too short to slide is checked against
+its sequential ids.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ from __future__ import annotations
 from scheduler_fakes import VOCAB, Bench
 
 from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.errors import KvAllocationFailed, KvPoolExhausted, TokenOutOfVocab
 from ferrox_batch.generation_types import FinishReason
 from ferrox_batch.scheduler.request import RequestStatus
@@ -119,3 +120,20 @@ def test_peak_blocks_are_recorded_at_admission():
     assert bench.scheduler.counters.peak_blocks() == 5
     bench.run_until_idle()
     assert bench.scheduler.counters.peak_blocks() == 5
+
+
+def test_a_sliding_request_leases_with_its_window_and_looks_up_no_cached_prefix():
+    """A row priced at the hold bound (`admission.window`) slides; its lease adopts nothing (D8)."""
+    bench = Bench(BatcherConfig(kv_block_size=4, prefix_cache=True), kv_blocks=100)
+    policy = WindowPolicy(8, 4, 128)
+    sliding = bench.submit([1, 2, 3], 400, drained=False)
+    sliding.window, sliding.positions, sliding.blocks = policy, 191, 48
+    bench.scheduler.add(sliding)
+    plain = bench.submit([1, 2, 3], 4)
+    bench.step()
+    assert sliding.cacheable_tokens == [] and plain.cacheable_tokens == [1, 2, 3]
+    assert bench.kv.leased[sliding.seq_id] == ([], policy)
+    assert bench.kv.leased[plain.seq_id] == ([1, 2, 3], None)
+    assert bench.scheduler.budget.free() == 100 - 48 - 2
+    bench.run_until_idle()
+    bench.assert_nothing_held()

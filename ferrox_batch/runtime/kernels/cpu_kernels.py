@@ -207,14 +207,20 @@ class CpuKernels:
     @staticmethod
     def check_decode_ranges(tables: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, block_size: int,
                             num_blocks: int) -> None:
-        """Raise unless every key range lies inside its table and every block id inside the pool."""
+        """Raise unless every key range lies inside its table and every block id a range reads inside the
+        pool. Entries outside the ranges are never read, and may hold anything: the pages a sliding lease
+        gave back behind its window are negative (`runtime.kv.sliding.RELEASED`), padding is 0."""
         if lo.numel() == 0:
             return
         width = tables.shape[1] * block_size
         if int(lo.min()) < 0 or bool((hi < lo).any()) or int(hi.max()) > width:
             raise ValueError(f"a key range is outside its block table ({width} positions)")
-        if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
-            raise ValueError(f"a block table points outside the KV pool of {num_blocks} blocks")
+        pages = torch.arange(tables.shape[1])[None, :]
+        read = (pages >= (lo // block_size)[:, None]) & (pages * block_size < hi[:, None])
+        if bool(read.any()):
+            blocks = tables[read]
+            if int(blocks.min()) < 0 or int(blocks.max()) >= num_blocks:
+                raise ValueError(f"a block table points outside the KV pool of {num_blocks} blocks")
 
     def rope_store(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
                    slots: torch.Tensor, pool: torch.Tensor, heads: int, *, checked: bool = False) -> None:

@@ -14,6 +14,12 @@ plain slice of the flat projections:
   of different lengths); a chunk that starts a sequence with no window uses
   SDPA's own causal mode, others carry a `[len, L]` mask built here.
 
+With a window (a model whose every layer slides by it) every context starts
+at its first query's window, not at position 0: no path gathers or reads a
+key no query attends to, and so none reads a page a sliding lease gave back
+(`paged_kv.PagedKvStore.before_write`, which each sequence passes here
+first, slides it; this module checks the first key read against it).
+
 Everything is built once per forward and shared by every layer; positions
 come from the store (the KV is the only cursor), and the new tokens' slots are
 computed from the block tables. Inside the model the only Python loop is the
@@ -101,31 +107,31 @@ def build_inputs(
     n_decode = len(order)
     order += [i for i, c in enumerate(chunks) if len(c.tokens) > 1]
 
-    flat_tokens: list[int] = []
+    flat_tokens = [token for i in order for token in chunks[i].tokens]
+    tokens = torch.tensor(flat_tokens, dtype=torch.long)
+    bad = (tokens < 0) | (tokens >= vocab_size)
+    if bool(bad.any()):
+        raise TokenOutOfVocab(int(tokens[bad.nonzero()[0, 0]]), vocab_size)
+    tokens = tokens.to(device)
+
     starts: list[int] = []
     lens: list[int] = []
     tables: list[torch.Tensor] = []
     new_lengths: list[tuple[Hashable, int]] = []
     for i in order:
         chunk = chunks[i]
-        seq = store.seq(chunk.seq_id)
-        end = seq.length + len(chunk.tokens)
-        if end > seq.capacity:
-            raise ValueError(
-                f"sequence {chunk.seq_id!r} would reach {end} positions but its KV lease "
-                f"holds {seq.capacity}"
-            )
-        flat_tokens.extend(chunk.tokens)
+        seq = store.before_write(chunk.seq_id, len(chunk.tokens))  # a sliding lease slides here
+        # With a window, every query of the chunk reads only positions from `first` on (its first query's
+        # window; later queries' windows start later), which a sliding lease never gives back: checked
+        # here, on the host, so no attention path can read a page that now holds other positions.
+        first = _first_key(seq.length, sliding_window)
+        if seq.sliding is not None and first < seq.sliding.released:
+            raise ValueError(f"sequence {chunk.seq_id!r} would read position {first}, but its sliding KV lease "
+                             f"gave back the positions before {seq.sliding.released}")
         starts.append(seq.length)
         lens.append(len(chunk.tokens))
         tables.append(seq.table)
-        new_lengths.append((chunk.seq_id, end))
-
-    tokens = torch.tensor(flat_tokens, dtype=torch.long)
-    bad = (tokens < 0) | (tokens >= vocab_size)
-    if bool(bad.any()):
-        raise TokenOutOfVocab(int(tokens[bad.nonzero()[0, 0]]), vocab_size)
-    tokens = tokens.to(device)
+        new_lengths.append((chunk.seq_id, seq.length + len(chunk.tokens)))
 
     decode = None
     pos_parts: list[torch.Tensor] = []
@@ -139,29 +145,35 @@ def build_inputs(
         lo = torch.zeros_like(d_pos) if sliding_window is None else (ctx_len - sliding_window).clamp(min=0)
         decode = DecodeGroup(n_decode, d_tables, lo, ctx_len)
         if decode_gather:
-            width = max(starts[:n_decode]) + 1
+            # Key j of row i is position lo[i] + j: a row gathers its window only, never a position
+            # before it (with no window, lo is 0 and key j is position j).
+            counts = [start + 1 - _first_key(start, sliding_window) for start in starts[:n_decode]]
+            width = max(counts)
             keys = torch.arange(width, device=device)
-            # Keys past a row's own position are masked, but still gathered: clamped to the
-            # row's last written slot, they read its own finite KV, never stale pool memory
-            # (the store does not clear leases) nor a padded table entry.
-            ctx = _slots(d_tables, torch.minimum(keys[None, :], d_pos[:, None]), bs)
-            mask = (keys[None, :] < ctx_len[:, None]) & (keys[None, :] >= lo[:, None])
-            # Every key of every row counts when all rows sit at the same position inside the
-            # window: known from the host-side starts, with no device sync for `mask.all()`.
-            all_full = min(starts[:n_decode]) == width - 1 and (sliding_window is None or width <= sliding_window)
+            # Keys past a row's own position are masked, but still gathered: clamped to the row's last
+            # written slot, they read its own finite KV, never stale pool memory (the store does not
+            # clear leases) nor a padded table entry.
+            ctx = _slots(d_tables, torch.minimum(lo[:, None] + keys[None, :], d_pos[:, None]), bs)
+            mask = keys[None, :] < (ctx_len - lo)[:, None]
+            # Every key of every row counts when all rows read as many keys: known from the host-side
+            # starts, with no device sync for `mask.all()`.
             decode.ctx_slots = ctx.reshape(-1)
-            decode.mask = None if all_full else mask[:, None, None, :]
+            decode.mask = None if min(counts) == width else mask[:, None, None, :]
     prefill: list[PrefillChunk] = []
     for j in range(n_decode, len(order)):
         start, length = starts[j], lens[j]
         width = start + length
-        keys = torch.arange(width, device=device)
+        # The chunk's keys start at its first query's window (position 0 without a window): the context
+        # is relative to `base`, which attention does not see (RoPE was applied at the absolute positions
+        # when each key was written), and the prefill kernel's window arithmetic is relative too.
+        base = _first_key(start, sliding_window)
+        keys = torch.arange(base, width, device=device)
         ctx = _slots(tables[j][None, :], keys[None, :], bs)[0]
-        qpos = keys[start:]
+        qpos = keys[start - base:]
         pos_parts.append(qpos)
-        slot_parts.append(ctx[start:])
+        slot_parts.append(ctx[start - base:])
         mask = None
-        if start > 0 or (sliding_window is not None and width > sliding_window):
+        if start > base or (sliding_window is not None and width - base > sliding_window):
             mask = keys[None, :] <= qpos[:, None]
             if sliding_window is not None:
                 mask &= keys[None, :] > (qpos[:, None] - sliding_window)
@@ -174,6 +186,11 @@ def build_inputs(
     last_flat = torch.empty(len(chunks), dtype=torch.long)
     last_flat[torch.tensor(order, dtype=torch.long)] = ends
     return BatchInputs(tokens, positions, slots, decode, prefill, last_flat.to(device), new_lengths)
+
+
+def _first_key(start: int, window: int | None) -> int:
+    """The first position a query at `start` reads: `start + 1 - window`, or 0."""
+    return 0 if window is None else max(0, start + 1 - window)
 
 
 def _pad_tables(tables: list[torch.Tensor], device: torch.device) -> torch.Tensor:

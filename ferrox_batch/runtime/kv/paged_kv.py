@@ -22,6 +22,14 @@ With `prefix_cache=True` a sequence adopts the cached blocks of its prompt's
 longest cached prefix instead of computing them, and publishes its own full
 blocks when it is freed (`runtime.kv.block_pool` keeps which block holds what).
 
+A sequence leased with a `WindowPolicy` slides (`runtime.kv.sliding`): it
+leases the blocks of what it holds at once, gives the pages behind its window
+back to its own spares before each write (its table marks them `RELEASED`) and
+writes its new positions into them, so it may write far more positions than
+it holds. Its pages are recycled in place, so it adopts and publishes nothing.
+Every write goes through `before_write`, which slides and installs pages, or
+refuses a write past an ordinary lease.
+
 The store is not thread-safe: only the worker thread (or a single test
 thread) drives it.
 """
@@ -35,21 +43,27 @@ import torch
 
 from ferrox_batch.admission.block_budget import blocks_for
 from ferrox_batch.admission.kv import KvElem, KvShape
+from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.kv.block_pool import BlockAllocator, BlockPool, BlockPoolExhausted, block_keys
+from ferrox_batch.runtime.kv.sliding import SlidingPages
 
 __all__ = ["BlockAllocator", "BlockPoolExhausted", "PagedKvConfig", "PagedKvStore", "SeqKv"]
 
 
 @dataclass(slots=True)
 class SeqKv:
-    """One sequence's block table and how many positions it has written (adopted ones included)."""
+    """One sequence's block table and how many positions it has written (adopted ones included).
+
+    `blocks` are every block its lease holds (what the ledger counts); `table` maps its pages to them (a
+    sliding one's pages behind the window are `sliding.RELEASED`, and its spare blocks are in no page)."""
 
     blocks: list[int]
-    capacity: int
+    capacity: int  # positions its blocks hold at once
     length: int = 0
     table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
     salt: str | None = None  # the prefix-cache namespace it adopts from and publishes to
+    sliding: SlidingPages | None = None  # how its pages slide; None: every position keeps its page
 
 
 class PagedKvStore:
@@ -144,32 +158,64 @@ class PagedKvStore:
         return len(adopted), self.pool.unreferenced(adopted)
 
     def add_sequence(self, seq_id: Hashable, max_positions: int, prefix: Sequence[int] = (),
-                     salt: str | None = None) -> list[int]:
+                     salt: str | None = None, *, window: WindowPolicy | None = None) -> list[int]:
         """Lease `blocks_for(max_positions)` blocks to a new sequence; raises `BlockPoolExhausted`.
 
         With the prefix cache, the leading blocks of `prefix` that are cached (in the namespace `salt`)
-        are adopted instead of leased fresh: the sequence starts with them written (`length`).
+        are adopted instead of leased fresh: the sequence starts with them written (`length`). With a
+        `window` (pages of this store's block size) the sequence slides and `max_positions` is what it holds
+        at once; it adopts nothing (a `prefix` is an error).
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
         if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 0:
             raise ValueError(f"max_positions must be a non-negative integer, got {max_positions!r}")
+        if window is not None and window.page_size != self.block_size:
+            raise ValueError(f"a sliding lease's pages ({window.page_size} positions) must be this store's "
+                             f"blocks ({self.block_size})")
+        if window is not None and window.sliding_window != self.config.uniform_window:
+            # A layer that looked further back would read the pages it gives back.
+            raise ValueError(f"a lease slides only by the window every layer of the model slides by "
+                             f"({self.config.uniform_window}), not {window.sliding_window}")
+        if window is not None and len(prefix):
+            raise ValueError("a sliding lease adopts no cached prefix: it recycles its own pages")
         adopted = self.pool.match(self._adoptable_keys(prefix, salt)) if self.pool.caching else []
         needed = blocks_for(max_positions, self.block_size)
         blocks = self.pool.acquire(adopted, max(0, needed - len(adopted)))
+        sliding = None if window is None else SlidingPages(window, spare=blocks[::-1])
         try:
-            table = torch.tensor(blocks, dtype=torch.long, device=self.device)
+            table = torch.tensor(blocks if sliding is None else [], dtype=torch.long, device=self.device)
         except BaseException:  # the device could not hold the table: the blocks were never leased
             self.pool.release(blocks)
             raise
         self._seqs[seq_id] = SeqKv(blocks, len(blocks) * self.block_size, len(adopted) * self.block_size, table,
-                                   salt)
+                                   salt, sliding)
         return list(blocks)
 
-    def publish(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
-        """Cache the full blocks of `tokens` (the sequence's tokens from position 0) that its KV holds."""
+    def before_write(self, seq_id: Hashable, count: int) -> SeqKv:
+        """Make room for the sequence's next `count` positions: a sliding one slides and installs their
+        pages; raises ValueError, changing nothing, past what its lease holds."""
         seq = self.seq(seq_id)
-        if not self.pool.caching:
+        end = seq.length + count
+        if seq.sliding is None:
+            if end > seq.capacity:
+                raise ValueError(f"sequence {seq_id!r} would reach {end} positions but its KV lease "
+                                 f"holds {seq.capacity}")
+            return seq
+        try:
+            changed = seq.sliding.before_write(seq.length, count)
+        except ValueError as short:
+            raise ValueError(f"sequence {seq_id!r} {short}") from None
+        # Also when an earlier rebuild failed part way: a table short of pages must never be read.
+        if changed or seq.table.numel() != len(seq.sliding.pages):
+            seq.table = torch.tensor(seq.sliding.pages, dtype=torch.long, device=self.device)
+        return seq
+
+    def publish(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
+        """Cache the full blocks of `tokens` (the sequence's tokens from position 0) that its KV holds
+        (none of a sliding sequence's: its pages are recycled in place)."""
+        seq = self.seq(seq_id)
+        if not self.pool.caching or seq.sliding is not None:
             return 0
         keys = block_keys(tokens, self.block_size, seq.salt, limit=seq.length // self.block_size)
         return self.pool.publish(seq.blocks, keys)

@@ -75,10 +75,10 @@ def test_a_failed_allocation_refuses_that_request_and_the_worker_keeps_serving(t
         real = store.add_sequence
         failures = [failure]
 
-        def flaky(seq_id, positions, *prefix):
+        def flaky(seq_id, positions, *prefix, **window):
             if failures:
                 raise failures.pop()
-            return real(seq_id, positions, *prefix)
+            return real(seq_id, positions, *prefix, **window)
 
         store.add_sequence = flaky
         with pytest.raises(KvAllocationFailed) as refused:
