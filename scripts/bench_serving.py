@@ -23,6 +23,11 @@ core), and a context of 1,024 positions per slot, so no request of either shape 
 
     python scripts/bench_serving.py --shape a --repeats 3
     python scripts/bench_serving.py --shape c --ggufs f16 --llama-server /tmp/llama/build/bin/llama-server
+    python scripts/bench_serving.py --model ~/.cache/ferrox-batch/models/gemma3-270m \
+        --gguf ~/.cache/ferrox-batch/gguf/gemma-3-270m-q4_k_m.gguf --shape s
+
+Shape s is the single stream: four requests sent one after another, llama.cpp with one slot (`-np 1`);
+the table's tok/s is the median decode rate after the first token.
 """
 
 from __future__ import annotations
@@ -97,9 +102,9 @@ def gguf(source: Path, model: Path, outtype: str, work: Path, python: str) -> Pa
     return out
 
 
-def llama_command(server: Path, model: Path, cache_prompt: bool, threads: int) -> str:
-    flags = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}", "-np", str(SLOTS), "-cb",
-             "-c", str(SLOTS * CONTEXT_PER_SLOT), "-t", str(threads), "-b", "1024", "-ub", "512"]
+def llama_command(server: Path, model: Path, cache_prompt: bool, threads: int, slots: int = SLOTS) -> str:
+    flags = [str(server), "-m", str(model), "--host", "127.0.0.1", "--port", "{port}", "-np", str(slots), "-cb",
+             "-c", str(slots * CONTEXT_PER_SLOT), "-t", str(threads), "-b", "1024", "-ub", "512"]
     if not cache_prompt:
         flags.append("--no-cache-prompt")
     return shlex.join(flags).replace("'{port}'", "{port}")
@@ -108,9 +113,11 @@ def llama_command(server: Path, model: Path, cache_prompt: bool, threads: int) -
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=default_model(os.environ), help="our checkpoint folder (the fetched default)")
-    p.add_argument("--shape", default="a", choices=("a", "c"))
+    p.add_argument("--shape", default="a", choices=("a", "c", "s"), help="s: the single stream, llama.cpp with one slot")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ggufs", default="f16,f32", help="llama.cpp peers, one per GGUF precision (f16, f32, bf16)")
+    p.add_argument("--gguf", type=Path, help="one llama.cpp peer on this GGUF (the file --model was converted "
+                   "from, e.g. a fetched model's), instead of converting --model (--ggufs)")
     p.add_argument("--ours", action="append", metavar="NAME=FLAGS",
                    help="our configurations (default: the server's defaults)")
     p.add_argument("--llama-server", type=Path, help="a built llama-server (default: build one in --work)")
@@ -122,12 +129,16 @@ def main() -> int:
     p.add_argument("--json", help="write the raw numbers here")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
-    source = llama_source(args.work)
+    # The source is needed for its GGUF converter, and for a build when no server binary is given.
+    source = None if args.gguf is not None and args.llama_server else llama_source(args.work)
     server = args.llama_server or build_llama_server(source)
     peers = []
-    for outtype in filter(None, args.ggufs.split(",")):
+    slots = 1 if args.shape == "s" else SLOTS
+    if args.gguf is not None:
+        peers.append(f"llama.cpp-gguf={llama_command(server, args.gguf, args.shape == 'c', args.threads, slots)}")
+    for outtype in filter(None, "" if args.gguf is not None else args.ggufs.split(",")):
         model = gguf(source, Path(args.model), outtype, args.work, args.convert_python)
-        peers.append(f"llama.cpp-{outtype}={llama_command(server, model, args.shape == 'c', args.threads)}")
+        peers.append(f"llama.cpp-{outtype}={llama_command(server, model, args.shape == 'c', args.threads, slots)}")
     argv = ["--model", args.model, "--shape", args.shape, "--repeats", str(args.repeats)]
     for spec in args.ours or ["ours="]:
         argv += ["--config", spec]

@@ -32,6 +32,7 @@ import argparse
 import http.client
 import json
 import os
+import statistics
 import sys
 import threading
 import time
@@ -61,7 +62,8 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str], prog: str | N
     p.add_argument("--peer", action="append", default=[], metavar="NAME=COMMAND",
                    help="another OpenAI-compatible server, measured beside ours: its command line with {port} "
                         "where the port goes, repeatable (scripts/bench_serving.py builds llama.cpp's)")
-    p.add_argument("--shape", default="a", choices=("a", "b", "c"), help="c: the multi-turn chat")
+    p.add_argument("--shape", default="a", choices=("a", "b", "c", "s"),
+                   help="c: the multi-turn chat; s: the single stream (one request at a time)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16w"))
     p.add_argument("--seed", type=int, default=0)
@@ -139,6 +141,29 @@ def closed_loop(port: int, requests: list[Request], timeout: float) -> dict:
             **latency_summary(ttfts, chunks)}
 
 
+def one_at_a_time(port: int, requests: list[Request], timeout: float) -> dict:
+    """The single stream: each request sent when the one before has finished. Its rate (`tok_s`) is the
+    median over the requests of the decode rate after the first token, what one user sees once text flows."""
+    start = time.perf_counter()
+    ttfts, chunks, rates, tokens, errors = [], [], [], 0, []
+    for i, request in enumerate(requests):
+        submit = time.perf_counter()
+        try:
+            times, count, _ = stream_completion(port, request, timeout)
+        except Exception as error:  # noqa: BLE001 - reported, not raised
+            errors.append(f"request {i}: {type(error).__name__}: {error}")
+            continue
+        tokens += count
+        chunks.append(times)
+        if times:
+            ttfts.append(times[0] - submit)
+        if len(times) > 1 and count > 1:
+            rates.append((count - 1) / (times[-1] - times[0]))
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "tokens": tokens, "tok_s": statistics.median(rates) if rates else 0.0,
+            "errors": errors[:10], "short": [], **latency_summary(ttfts, chunks)}
+
+
 def get_stats(port: int) -> dict | None:
     """`GET /stats` (the batcher's `BatcherStats.to_dict()`), or None if it cannot be read."""
     try:
@@ -194,8 +219,12 @@ def run_one(args: argparse.Namespace, spec: ServerSpec, requests: list[Request],
         closed_loop(server.port, [Request(r.prompt[:16], 4) for r in requests[:2]], args.timeout)  # warm-up
         window = time.perf_counter()
         before = get_stats(server.port)
-        measured = closed_loop(server.port, requests, args.timeout) if chat is None else \
-            chat_loop(server.port, *chat, args.timeout)
+        if chat is not None:
+            measured = chat_loop(server.port, *chat, args.timeout)
+        elif args.shape == "s":
+            measured = one_at_a_time(server.port, requests, args.timeout)
+        else:
+            measured = closed_loop(server.port, requests, args.timeout)
         after = get_stats(server.port)
         # Over the time between the two snapshots, which is what their differences cover.
         return {"config": name, **measured, **worker_split(before, after, time.perf_counter() - window)}

@@ -134,8 +134,11 @@ def shape_lengths(shape: str, seed: int) -> list[tuple[int, int]]:
     """(prompt length, new tokens) per request, deterministic for a seed.
 
     a: 32 requests x 64 new tokens, prompts evenly spread over 20-200 (3,520 prompt tokens) in seeded order;
-    b: 128 requests, prompt and output lengths each drawn uniformly from 16-256.
+    b: 128 requests, prompt and output lengths each drawn uniformly from 16-256;
+    s: the single stream, 4 requests of 64 prompt tokens and 128 new tokens, sent one after another.
     """
+    if shape == "s":
+        return [(64, 128)] * 4
     if shape == "a":
         lengths = [20 + round(i * 180 / 31) for i in range(32)]
         random.Random(seed).shuffle(lengths)
@@ -143,7 +146,7 @@ def shape_lengths(shape: str, seed: int) -> list[tuple[int, int]]:
     if shape == "b":
         rng = random.Random(seed + 1)
         return [(rng.randint(16, 256), rng.randint(16, 256)) for _ in range(128)]
-    raise ValueError(f"unknown shape {shape!r}; use a or b (shape c is a chat: bench.conversations.build_plan)")
+    raise ValueError(f"unknown shape {shape!r}; use a, b or s (shape c is a chat: bench.conversations.build_plan)")
 
 
 def build_requests(shape: str, encode: Callable[[str], list[int]], seed: int = 0, quick: bool = False) -> list[Request]:
