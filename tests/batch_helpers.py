@@ -13,6 +13,7 @@ from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.generation_types import GenerationParams, SamplingParams
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
+from ferrox_batch.runtime.kv.paged_kv import model_groups
 from ferrox_batch.runtime.sampling.sampler import BatchSampler
 from ferrox_batch.stop_tokens import StopTokens
 
@@ -48,7 +49,8 @@ def sequential_ids(
 ) -> list[int]:
     """Decode one request alone: prefill, then sample and feed one token at a time."""
     decoder = model.decoder
-    store = decoder.new_store(16, num_blocks=max(1, (len(prompt) + params.max_tokens) // 16 + 2))
+    groups = len(model_groups(decoder.config).layers)  # a block holds one KV group's layers
+    store = decoder.new_store(16, num_blocks=groups * max(1, (len(prompt) + params.max_tokens) // 16 + 2))
     store.add_sequence(0, len(prompt) + params.max_tokens + 1)
     sampler = BatchSampler(decoder.vocab_size, decoder.device)
     tokens = list(prompt) or [0]

@@ -56,7 +56,7 @@ class FakeKv:
         return 0, 0
 
     def allocate(self, positions: int, tokens: Sequence[int] = (), salt: str | None = None,
-                 window: object = None) -> int:
+                 window: object = None, every: int | None = None) -> int:
         """A lease of `blocks_for(positions)` blocks; a sliding one (`window`) holds as many, and `run` lets
         it grow past them as the store's sliding leases do."""
         if self.fail_next is not None:
@@ -71,6 +71,9 @@ class FakeKv:
         self.leased[seq_id] = (list(tokens), window)
         self.next_block += blocks
         return seq_id
+
+    def window_pool(self) -> tuple[int, int] | None:
+        return None  # one kind of layer
 
     def publish(self, seq_id: int, tokens: Sequence[int]) -> None:
         self.published[seq_id] = list(tokens)

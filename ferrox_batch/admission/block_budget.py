@@ -89,14 +89,17 @@ class BlockBudget:
         with self._lock:
             return self._free
 
-    def immovable_refusal(self, requested: int, held: int | None = None) -> DecodeError | None:
+    def immovable_refusal(self, requested: int, held: int | None = None, *,
+                          blocks: int | None = None) -> DecodeError | None:
         """The refusal no amount of waiting would lift, or None.
 
         `requested` (prompt + max_tokens) is checked against the context
         ceiling, then `held` (the positions the row holds at once: `requested`
         unless its lease slides a window, `admission.window`) against the
         whole ledger. The context ceiling is reported first when both bind,
-        and only its counter moves.
+        and only its counter moves. `blocks`: what the row takes when that is
+        not `blocks_for(held)` (a store of several KV groups prices each,
+        `admission.kv_groups`).
         """
         check_int("requested", requested)
         positions = requested if held is None else check_int("held", held)
@@ -106,7 +109,9 @@ class BlockBudget:
         total = self._total
         if total is None:
             return None
-        blocks = self.blocks_for(positions)
+        if blocks is None:
+            blocks = self.blocks_for(positions)
+        check_int("blocks", blocks)
         if blocks <= total:
             return None
         with self._lock:

@@ -124,6 +124,10 @@ class BatcherStats:
     worker_scheduling_ms: int = 0
     worker_forward_ms: int = 0
     worker_forward_off_cpu_ms: int = 0
+    #: Port-only: the blocks the KV groups of global layers (every position) and of local layers (a
+    #: sliding window) reference now; a model of one kind of layer has only one of them.
+    kv_blocks_global: int = 0
+    kv_blocks_local: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

@@ -14,7 +14,10 @@ upstream. Two rules the types here exist to keep:
   cannot show the change an operator reads a decode log for.
 
 A pool the model does not have (`None`) is omitted from the line, not shown
-as `0/0`, which would claim an allocated-but-empty pool.
+as `0/0`, which would claim an allocated-but-empty pool. A hybrid model (local
+layers sliding a window beside global ones, `admission.kv_groups`) has one
+pool of blocks shared by both kinds; its lines add what each kind holds of it,
+`full token usage` (the global layers') and `swa token usage` (the local ones').
 
 `StatusReporter` holds no clock and no logger: the caller passes the time
 (seconds since the worker started) and logs the returned line at INFO.
@@ -107,12 +110,14 @@ class PoolUsage:
 class BatchStatus:
     """The gauges every status line carries. The batcher fills it with
     `running_reqs = rows + prefills`, `queue_reqs = waiting` (jobs still in
-    the channel not included), `kv_pages` in blocks, `page_size` = block size."""
+    the channel not included), `kv_pages` in blocks, `page_size` = block size. `window_pages`, for a
+    hybrid model only: `(global groups' blocks, local groups' blocks)` of the same pool."""
 
     running_reqs: int
     queue_reqs: int
     kv_pages: PoolUsage
     page_size: int
+    window_pages: tuple[PoolUsage, PoolUsage] | None = None
 
     def __post_init__(self) -> None:
         check_int("running_reqs", self.running_reqs)
@@ -120,6 +125,16 @@ class BatchStatus:
         check_int("page_size", self.page_size)
         if not isinstance(self.kv_pages, PoolUsage):
             raise TypeError(f"kv_pages must be a PoolUsage, got {type(self.kv_pages).__name__}")
+        if self.window_pages is not None and not all(isinstance(p, PoolUsage) for p in self.window_pages):
+            raise TypeError("window_pages must be two PoolUsage")
+
+    def usage(self) -> str:
+        """`token usage: r`, and for a hybrid model what each kind of layer holds of the pool."""
+        line = f"token usage: {self.kv_pages.ratio():.2f}"
+        if self.window_pages is not None:
+            full, swa = self.window_pages
+            line += f", full token usage: {full.ratio():.2f}, swa token usage: {swa.ratio():.2f}"
+        return line
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +190,7 @@ class StatusReporter:
         tput = throughput(snapshot.new_tokens, gap)
         return (
             f"Prefill batch, #new-seq: {snapshot.new_seqs}, #new-token: {snapshot.new_tokens}, "
-            f"#cached-token: {snapshot.cached_tokens}, token usage: {status.kv_pages.ratio():.2f}, "
+            f"#cached-token: {snapshot.cached_tokens}, {status.usage()}, "
             f"#running-req: {status.running_reqs}, #queue-req: {status.queue_reqs}, "
             f"input throughput (token/s): {tput:.2f}"
         )
@@ -200,6 +215,6 @@ class StatusReporter:
         return (
             f"Decode batch, #running-req: {status.running_reqs}, "
             f"#token: {status.kv_pages.used * status.page_size}, "
-            f"token usage: {status.kv_pages.ratio():.2f}, "
+            f"{status.usage()}, "
             f"gen throughput (token/s): {tput:.2f}, #queue-req: {status.queue_reqs}"
         )

@@ -64,8 +64,10 @@ class ContinuousBatcher:
         self._vocab_size = worker.scheduler.vocab_size
         self._thread = thread
         self.store = worker.runner.store
-        #: How a row's KV lease slides (a model whose every layer slides by one window), else None.
+        #: How a row's local KV groups slide (the model's window over the store's blocks), else None.
         self._window = worker.runner.window
+        #: What a row costs over the store's KV groups, priced with that window.
+        self._pricing = worker.runner.pricing
         self.tokenizer = tokenizer
         #: The grammar engine structured output is compiled with, shared with the worker's sampler (None:
         #: this batcher has none, and a request for structured output is refused).
@@ -136,6 +138,7 @@ class ContinuousBatcher:
         prefix_queries, prefix_hits = self._counters.prefix_cache()
         total = self._budget.total
         times = self._worker_time.snapshot()
+        held_global, held_local = self.store.blocks_by_kind()
         return BatcherStats(
             prefill_chunks=prefill_chunks,
             prefill_tokens=prefill_tokens,
@@ -156,6 +159,8 @@ class ContinuousBatcher:
             prefix_cache_queries=prefix_queries,
             prefix_cache_hits=prefix_hits,
             kv_blocks_cached=self.store.pool.num_cached,
+            kv_blocks_global=held_global,
+            kv_blocks_local=held_local,
             worker_idle_ms=round(times.idle_s * 1e3),
             worker_scheduling_ms=round(times.scheduling_s * 1e3),
             worker_forward_ms=round(times.forward_s * 1e3),
@@ -219,7 +224,7 @@ class ContinuousBatcher:
         refusal = self._lifecycle.refusal()
         if refusal is not None:
             raise refusal
-        sized = size_request(prompt, params, self._budget, self._grammars, self._window)
+        sized = size_request(prompt, params, self._budget, self._grammars, self._window, groups=self._pricing)
         params = sized.params  # `max_tokens` clamped to the context ceiling
         # Built here, on the caller's thread and before a queue slot is taken: its cost grows with the
         # stop strings, and the worker serves everyone.

@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 from ferrox_batch.admission.block_budget import BlockBudget
-from ferrox_batch.admission.window import WindowPolicy, row_hold
+from ferrox_batch.admission.kv_groups import GroupPricing
+from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.errors import DecodeError, GrammarConstraint, InvalidRequest, TokenOutOfVocab
 from ferrox_batch.generation_types import GenerationParams
 from ferrox_batch.structured import CompiledSpec, StructuredOutput
@@ -37,8 +38,8 @@ class SizedRequest:
     """What the worker needs to know about a request's size, worked out before it is queued."""
 
     params: GenerationParams  # `max_tokens` clamped to the context ceiling
-    positions: int  # KV positions its lease will hold at once
-    blocks: int  # KV blocks those positions take
+    positions: int  # KV positions its lease holds at once in each group it slides (or keeps whole)
+    blocks: int  # KV blocks its lease takes over every group
     grammar: CompiledSpec | None  # compiled `params.structured`, or None without it
     window: WindowPolicy | None = None  # what its lease slides by; None: it holds every position
 
@@ -68,12 +69,15 @@ def checked_prompt(prompt_tokens: Sequence[int], params: GenerationParams, vocab
 
 
 def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudget,
-                 grammars: GrammarCompiler | None, window: WindowPolicy | None = None) -> SizedRequest:
+                 grammars: GrammarCompiler | None, window: WindowPolicy | None = None, *,
+                 groups: GroupPricing | None = None) -> SizedRequest:
     """Fit `params.max_tokens` to the context ceiling, price the request in blocks, and compile its grammar.
 
-    `window`: the batcher's slide policy (a model whose every layer slides by one window), else None. A
-    request is priced at the positions its lease holds at once (`admission.window.row_hold`): every one of
-    `prompt + max_tokens`, or, when its lease slides, its prompt plus the hold bound.
+    `groups`: the store's KV groups and the slide policy of its local ones (`admission.kv_groups`); without
+    them, one group of every layer, sliding by `window` (a model whose every layer slides by one window)
+    or by nothing. A request is priced at what its lease holds at once (`GroupPricing.hold`): each global
+    group every one of `prompt + max_tokens` positions, each local group its prompt plus the hold bound
+    when that saves blocks (`admission.window.row_hold`), else every position too.
 
     Raises, in this order, the ceiling's refusal of the prompt, `immovable_refusal` (context ceiling,
     then the whole block budget), and `GrammarConstraint` for structured output the batcher cannot
@@ -87,10 +91,10 @@ def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudge
     if fitted != params.max_tokens:
         params = params.with_max_tokens(fitted)
     requested = len(prompt) + params.max_tokens
-    hold = row_hold(len(prompt), requested, budget.block_size, window)
-    blocks = budget.blocks_for(hold.positions)
+    pricing = groups if groups is not None else GroupPricing.uniform(window)
+    hold = pricing.hold(len(prompt), requested, budget.block_size)
     # The context ceiling sees every position the row computes, the ledger only what it holds at once.
-    refusal = budget.immovable_refusal(requested, hold.positions)
+    refusal = budget.immovable_refusal(requested, hold.held, blocks=hold.blocks)
     if refusal is not None:
         raise refusal
     grammar = None
@@ -98,4 +102,4 @@ def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudge
         if grammars is None:
             raise GrammarConstraint("this batcher has no grammar engine: build it with ContinuousBatcher.from_model")
         grammar = grammars.compile(params.structured)  # an invalid or oversized schema is refused here
-    return SizedRequest(params=params, positions=hold.positions, blocks=blocks, grammar=grammar, window=hold.window)
+    return SizedRequest(params=params, positions=hold.held, blocks=hold.blocks, grammar=grammar, window=hold.window)

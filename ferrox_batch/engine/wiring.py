@@ -51,16 +51,17 @@ def build_worker(
 
     Every batcher has a block budget: `config.kv_blocks`, else the paged store's size, else as many
     blocks as the device's default budget holds (`with_kv_budget`); the worker's config carries the
-    resolved count. The runner carries the model's slide policy (`runner.window`), which the handle prices
-    requests with.
+    resolved count. The runner carries the model's slide policy (`runner.window`) and the store's KV groups
+    priced with it (`runner.pricing`), which the handle prices requests with.
     """
     if paged is None:
         config = with_kv_budget(config, None, decoder)
     store = _store_for(decoder, config, paged)
     total = config.kv_blocks if config.kv_blocks is not None else store.num_blocks
-    # A model whose every layer slides by one window gives the pages behind it back (D8): its rows are
-    # priced at the hold bound, and their leases slide every `slide_interval` decode steps.
-    window = window_policy(decoder.config.uniform_window, store.block_size, config.slide_interval)
+    # A model with local layers gives the pages behind their window back (D8): their KV groups are priced
+    # at the hold bound, and their leases slide every `slide_interval` decode steps.
+    local = decoder.config.sliding_window if store.groups.local_groups else None
+    window = window_policy(local, store.block_size, config.slide_interval)
     runner = ModelRunner(decoder, store, BatchSampler(decoder.vocab_size, store.device, grammars), window)
     scheduler = Scheduler(
         config=config, budget=BlockBudget(config.kv_block_size, total, ceiling), queue_gate=QueueGate(config.max_queue),

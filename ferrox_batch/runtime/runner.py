@@ -33,6 +33,7 @@ from typing import Protocol
 
 import torch
 
+from ferrox_batch.admission.kv_groups import GroupPricing
 from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.errors import DecodeError, InternalError, KvAllocationFailed, KvPoolExhausted
 from ferrox_batch.forward import ForwardPlan, RowToSample, Sampled, StepOutput
@@ -66,9 +67,11 @@ class ModelRunner:
         self.decoder = decoder
         self.store = store
         self.sampler = sampler
-        #: How a lease of this model slides (`admission.window`): a model whose every layer slides by one
-        #: window, over this store's blocks. None: every lease keeps every position.
+        #: How a lease's local KV groups slide (`admission.window`): the model's window over this store's
+        #: blocks. None: every lease keeps every position.
         self.window = window
+        #: What a row costs over the store's KV groups (`admission.kv_groups`): what the handle prices with.
+        self.pricing: GroupPricing = store.groups.pricing(window)
         self._next_seq = 0
         self._samplers: dict[int, RowSampler] = {}  # by seq_id: from a sequence's first sample to its release
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for grammar masks, made on first use
@@ -83,13 +86,13 @@ class ModelRunner:
         return self.store.peek(tokens, salt)
 
     def allocate(self, positions: int, tokens: Sequence[int] = (), salt: str | None = None,
-                 window: WindowPolicy | None = None) -> int:
+                 window: WindowPolicy | None = None, every: int | None = None) -> int:
         seq_id = self._next_seq
         while self.store.has_sequence(seq_id):  # a shared store may hold others' sequences
             seq_id += 1
         self._next_seq = seq_id + 1
         try:
-            self.store.add_sequence(seq_id, positions, tokens, salt, window=window)
+            self.store.add_sequence(seq_id, positions, tokens, salt, window=window, every=every)
         except KvPoolExhausted:  # the ledger said yes but the page store said no: the upstream's wording
             raise KvPoolExhausted() from None
         except (MemoryError, torch.OutOfMemoryError) as failed:
@@ -109,6 +112,10 @@ class ModelRunner:
 
     def blocks_of(self, seq_id: int) -> Sequence[int]:
         return self.store.seq(seq_id).blocks
+
+    def window_pool(self) -> tuple[int, int] | None:
+        groups = self.store.groups
+        return self.store.blocks_by_kind() if groups.global_groups and groups.local_groups else None
 
     # ------------------------------------------------------------- execute
 

@@ -102,7 +102,7 @@ def _accept(request: Request, kv: KvLeases, vocab_size: int, clock: Callable[[],
     stops = request.stops if request.stops is not None else request.stop_matcher()
     try:
         seq_id = kv.allocate(request.positions, request.cacheable_tokens, request.params.cache_salt,
-                             request.window)
+                             request.window, every=len(request.prompt_tokens) + request.params.max_tokens)
     except DecodeError as refused:
         return refused
     request.admitted(seq_id, clock, stops)

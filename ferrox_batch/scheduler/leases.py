@@ -26,13 +26,15 @@ class KvLeases(Protocol):
         ...
 
     def allocate(self, positions: int, tokens: Sequence[int], salt: str | None,
-                 window: WindowPolicy | None = None) -> int:
+                 window: WindowPolicy | None = None, every: int | None = None) -> int:
         """Lease room for `positions` positions, adopting what `peek` said; the new sequence's id. Raises a
         typed `DecodeError` (`KvPoolExhausted`, `KvAllocationFailed`) when the store cannot.
 
         With a `window` the lease holds `positions` at once and slides: the pages behind the window go back
         to it as the sequence grows and hold its new positions, so it writes past `positions`. A sliding
-        lease adopts nothing and publishes nothing (`tokens` is empty)."""
+        lease adopts nothing and publishes nothing (`tokens` is empty). `every` (prompt + max_tokens,
+        default `positions`) is what a lease holds in the KV groups that keep every position (a model's
+        global layers, when others slide)."""
         ...
 
     def publish(self, seq_id: int, tokens: Sequence[int]) -> None:
@@ -49,3 +51,8 @@ class KvLeases(Protocol):
         ...
 
     def blocks_of(self, seq_id: int) -> Sequence[int]: ...
+
+    def window_pool(self) -> tuple[int, int] | None:
+        """`(blocks the global KV groups hold, blocks the local ones hold)` for a store with both kinds
+        (a hybrid model), else None."""
+        ...

@@ -252,5 +252,9 @@ class Scheduler:
     def batch_status(self) -> BatchStatus:
         total = self.budget.total
         pages = PoolUsage.empty() if total is None else PoolUsage.from_available(total, self.budget.free())
+        kinds = self.kv.window_pool()
+        window = None
+        if kinds is not None and total is not None:  # a hybrid model: what each kind of layer holds
+            window = (PoolUsage(min(kinds[0], total), total), PoolUsage(min(kinds[1], total), total))
         return BatchStatus(len(self.decoding) + len(self.prefilling), len(self.waiting), pages,
-                           self.budget.block_size)
+                           self.budget.block_size, window)

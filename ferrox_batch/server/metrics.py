@@ -62,6 +62,8 @@ _STATS_HELP = {
     "worker_scheduling_ms": "Worker time in its own Python between forwards, ms (cumulative).",
     "worker_forward_ms": "Worker time running forwards and sampling, ms (cumulative).",
     "worker_forward_off_cpu_ms": "Forward time the worker thread was not on a core, ms (cumulative).",
+    "kv_blocks_global": "KV blocks the global layers' groups reference now (every position).",
+    "kv_blocks_local": "KV blocks the local layers' groups reference now (a sliding window).",
 }
 
 # Buckets close to vLLM's, so dashboards built for it read the same ranges.

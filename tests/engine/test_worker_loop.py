@@ -114,10 +114,10 @@ def test_a_kv_lease_that_cannot_be_made_fails_that_request_alone_and_the_loop_go
     worker = make_loop(bench, FakeRunner(bench))
     allocate = bench.kv.allocate
 
-    def allocate_unless_victim(positions, tokens=(), salt=None, window=None):
+    def allocate_unless_victim(positions, tokens=(), salt=None, window=None, every=None):
         if list(tokens) == [1]:
             raise TypeError("a bug in allocate")
-        return allocate(positions, tokens, salt, window)
+        return allocate(positions, tokens, salt, window, every)
 
     bench.kv.allocate = allocate_unless_victim
     victim = bench.submit([1], 2, drained=False)

@@ -51,9 +51,8 @@ from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
 from ferrox_batch.runtime.errors import ModelLoadError
 from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels, cpu_kernels
-from ferrox_batch.runtime.kv.batch_inputs import SeqChunk, build_inputs
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk, build_group_inputs
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
-from ferrox_batch.runtime.kv.window_view import windowed
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 
 
@@ -163,9 +162,11 @@ class Decoder:
                 f"store holds {store.dtype} on {store.device} but the decoder's KV is {self.kv_dtype} on {self.device}"
             )
         kernel = self.kernels
-        inputs = build_inputs(chunks, store, c.vocab_size, c.uniform_window, decode_gather=kernel is None)
-        # Layers whose window is not the inputs' (Gemma 3's local ones) see the same inputs through theirs.
-        local = windowed(inputs, c.sliding_window) if c.sliding_window and c.uniform_window is None else None
+        # One set of inputs per KV group (its own block tables; a local group's through the window), the
+        # tokens, positions and last rows shared: a model of one kind of layer has one group.
+        groups = build_group_inputs(chunks, store, c.vocab_size, decode_gather=kernel is None)
+        inputs = groups[0]
+        where = [store.groups.slot(index) for index in range(len(self.layers))]
         n_tok = inputs.tokens.numel()
         # From the host-side lengths, not `positions.max()`: no device sync on CUDA.
         top = max(length for _, length in inputs.new_lengths) - 1
@@ -173,15 +174,16 @@ class Decoder:
             raise ValueError(
                 f"position {top} is past this model's {c.max_position_embeddings} trained positions"
             )
-        plan: PrefillPlan | None = None
-        if kernel is not None:  # once per forward; the kernels read and write unchecked
-            kernel.check_rope_store(inputs.positions, inputs.slots, self.cos.shape[0], store.kv.shape[1])
-            if inputs.decode is not None:
-                d = inputs.decode
-                kernel.check_decode_ranges(d.tables, d.lo, d.hi, store.block_size, store.num_blocks)
-            if inputs.prefill:
-                plan = PrefillPlan.of(inputs.prefill)
-                plan.check(store.kv.shape[1])
+        plans: list[PrefillPlan | None] = [None] * len(groups)
+        if kernel is not None:  # once per forward and group; the kernels read and write unchecked
+            for group, seen in enumerate(groups):
+                kernel.check_rope_store(seen.positions, seen.slots, self.cos.shape[0], store.kv.shape[1])
+                if seen.decode is not None:
+                    d = seen.decode
+                    kernel.check_decode_ranges(d.tables, d.lo, d.hi, store.block_size, store.num_blocks)
+                if seen.prefill:
+                    plans[group] = PrefillPlan.of(seen.prefill)
+                    plans[group].check(store.kv.shape[1])
         else:
             rows = {kind: (cos[inputs.positions][:, None, :], sin[inputs.positions][:, None, :])
                     for kind, (cos, sin) in self.rope.items()}
@@ -193,16 +195,20 @@ class Decoder:
             h = h * self.embed_scale
         pending: torch.Tensor | None = None  # the MLP output still to be added to h
         if kernel is not None and self.layer_stack is not None:  # the loop below in one C call, bit for bit
-            pending = self.layer_stack.run(kernel, h, inputs, plan, store.kv, store.block_size, self.cos, self.sin)
+            # Bound only where every layer is of one kind: one group, its slots the layers.
+            pending = self.layer_stack.run(kernel, h, inputs, plans[0], store.kv, store.block_size, self.cos,
+                                           self.sin)
         for index, layer in enumerate(self.layers if pending is None else ()):
             h, x = self._add_norm(h, pending, layer.input_norm, kernel)
             qkv = layer.qkv(x)
             if layer.q_norm is not None:
                 self._norm_heads(qkv, layer, n_tok)
-            pool = store.kv[index]
+            group, slot = where[index]
+            seen, plan = groups[group], plans[group]
+            pool = store.kv[slot]  # the layer's K/V in every block, written and read through its group's tables
             if kernel is not None:  # RoPE in place and the K/V write, in one call
                 cos, sin = self.rope[layer.rope]
-                kernel.rope_store(qkv, cos, sin, inputs.positions, inputs.slots, pool, heads, checked=True)
+                kernel.rope_store(qkv, cos, sin, seen.positions, seen.slots, pool, heads, checked=True)
                 q = qkv[:, :q_width].view(n_tok, heads, c.head_dim)
             else:
                 # RoPE on q and k in one pass: their heads are adjacent in the fused projection.
@@ -211,8 +217,7 @@ class Decoder:
                     qk = apply_rope(qk, *rows[layer.rope])
                 q = qk[:, :heads]
                 v = qkv[:, q_width + kv_width:].view(n_tok, kv_heads, c.head_dim)
-                pool.index_copy_(0, inputs.slots, torch.stack((qk[:, heads:], v), dim=1).to(pool.dtype))
-            seen = local if local is not None and layer.window is not None else inputs
+                pool.index_copy_(0, seen.slots, torch.stack((qk[:, heads:], v), dim=1).to(pool.dtype))
             parts = []
             n_dec = 0
             if seen.decode is not None:

@@ -6,13 +6,15 @@ sequence is admitted (`add_sequence`) and takes them back when it is freed,
 so the ledger and the memory it stands for can never disagree: the ledger's
 arithmetic (`blocks_for`) is the store's arithmetic.
 
-Layout: one pool `[num_layers, num_blocks * block_size, 2, num_kv_heads,
-head_dim]` holding K (`[..., 0, ...]`) and V side by side, so that one
-`index_copy_` writes a layer's new keys and values and one `index_select`
-gathers a batch's whole context (measured: a flat `index_select` is about
-1.5x faster than advanced indexing here, and one gather beats two). Position
-`p` of a sequence lives in slot `table[p // block_size] * block_size + p %
-block_size`. No per-sequence Python work happens inside a layer.
+Layout: the layers are split into KV groups of one kind each (`admission.kv_groups`: a model without
+local layers, or whose every layer slides by one window, is one group of all its layers), and one pool
+`[group_size, num_blocks * block_size, 2, num_kv_heads, head_dim]` of uniform blocks serves every group:
+a block holds `group_size` layers' K (`[..., 0, ...]`) and V for `block_size` positions, and layer `i`
+reads and writes `kv[index]` (its index within its group) through its group's tables. K and V side by
+side, so that one `index_copy_` writes a layer's new keys and values and one `index_select` gathers a
+batch's whole context (measured: a flat `index_select` is about 1.5x faster than advanced indexing here,
+and one gather beats two). Position `p` of a sequence lives in slot `table[p // block_size] * block_size
++ p % block_size` of its group's table. No per-sequence Python work happens inside a layer.
 
 The pool is allocated whole, at its bounded size, when the store is made:
 there is no growing store (see `runtime.kv.memory` for the size a batcher gets
@@ -22,13 +24,13 @@ With `prefix_cache=True` a sequence adopts the cached blocks of its prompt's
 longest cached prefix instead of computing them, and publishes its own full
 blocks when it is freed (`runtime.kv.block_pool` keeps which block holds what).
 
-A sequence leased with a `WindowPolicy` slides (`runtime.kv.sliding`): it
-leases the blocks of what it holds at once, gives the pages behind its window
-back to its own spares before each write (its table marks them `RELEASED`) and
-writes its new positions into them, so it may write far more positions than
-it holds. Its pages are recycled in place, so it adopts and publishes nothing.
-Every write goes through `before_write`, which slides and installs pages, or
-refuses a write past an ordinary lease.
+A sequence leased with a `WindowPolicy` slides its local groups (`runtime.kv.sliding`): each leases
+the blocks of what it holds at once, gives the pages behind its window back to its own spares before
+each write (its table marks them `RELEASED`) and writes its new positions into them, so it may write far
+more positions than it holds; its global groups hold every position. Its pages are recycled in place, so
+it adopts and publishes nothing. Every write goes through `before_write`, which slides and installs
+pages, or refuses a write past an ordinary lease. Each group's lease takes exactly what
+`admission.kv_groups.GroupPricing` priced it at, so the ledger equals the store.
 
 The store is not thread-safe: only the worker thread (or a single test
 thread) drives it.
@@ -36,34 +38,25 @@ thread) drives it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Hashable, Sequence
 
 import torch
 
-from ferrox_batch.admission.block_budget import blocks_for
 from ferrox_batch.admission.kv import KvElem, KvShape
+from ferrox_batch.admission.kv_groups import KvGroups, group_blocks
 from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.kv.block_pool import BlockAllocator, BlockPool, BlockPoolExhausted, block_keys
+from ferrox_batch.runtime.kv.group_lease import GroupTable, SeqKv
 from ferrox_batch.runtime.kv.sliding import SlidingPages
 
-__all__ = ["BlockAllocator", "BlockPoolExhausted", "PagedKvConfig", "PagedKvStore", "SeqKv"]
+__all__ = ["BlockAllocator", "BlockPoolExhausted", "PagedKvConfig", "PagedKvStore", "SeqKv", "model_groups"]
 
 
-@dataclass(slots=True)
-class SeqKv:
-    """One sequence's block table and how many positions it has written (adopted ones included).
-
-    `blocks` are every block its lease holds (what the ledger counts); `table` maps its pages to them (a
-    sliding one's pages behind the window are `sliding.RELEASED`, and its spare blocks are in no page)."""
-
-    blocks: list[int]
-    capacity: int  # positions its blocks hold at once
-    length: int = 0
-    table: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
-    salt: str | None = None  # the prefix-cache namespace it adopts from and publishes to
-    sliding: SlidingPages | None = None  # how its pages slide; None: every position keeps its page
+def model_groups(config: ModelConfig) -> KvGroups:
+    """The KV groups of `config`'s layers: local where the layer attends over a window."""
+    return KvGroups.of([config.window(layer) is not None for layer in range(config.num_layers)])
 
 
 class PagedKvStore:
@@ -81,10 +74,11 @@ class PagedKvStore:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.config = config
         self.block_size = block_size
+        self.groups = model_groups(config)
         self.pool = BlockPool(num_blocks, caching=prefix_cache)
         self.device = torch.device(device)
         self.dtype = dtype
-        shape = (config.num_layers, num_blocks * block_size, 2, config.num_kv_heads, config.head_dim)
+        shape = (self.groups.size, num_blocks * block_size, 2, config.num_kv_heads, config.head_dim)
         # Uninitialised, so a large pool costs no resident memory until blocks are used, and
         # never cleared: every reader reads only positions its own sequence has written
         # (`batch_inputs` clamps the decode gather to them), so stale or never-written memory,
@@ -92,6 +86,9 @@ class PagedKvStore:
         # 6.5 ms per admitted 1,088-position request (SmolLM2 bf16), 42 ms at 8,192.
         self.kv = torch.empty(shape, device=self.device, dtype=dtype)
         self._seqs: dict[Hashable, SeqKv] = {}
+        # Blocks the live sequences' global and local groups reference, each counted once: plain ints, so
+        # another thread may read them (`blocks_by_kind`) while the worker drives the store.
+        self._held = [0, 0]
 
     @staticmethod
     def kv_shape(config: ModelConfig, dtype: torch.dtype) -> KvShape:
@@ -100,8 +97,9 @@ class PagedKvStore:
 
     @classmethod
     def bytes_per_block(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """A block holds one KV group's layers (`model_groups(config).size`) for `block_size` positions."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+        return 2 * model_groups(config).size * block_size * config.num_kv_heads * config.head_dim * elem
 
     @classmethod
     def blocks_in_memory(cls, config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:
@@ -145,87 +143,123 @@ class PagedKvStore:
         """Blocks a new lease can take: free ones and cached ones nobody references."""
         return self.pool.num_free
 
-    def _adoptable_keys(self, prefix: Sequence[int], salt: str | None) -> list[bytes]:
+    def blocks_by_kind(self) -> tuple[int, int]:
+        """`(blocks the global groups reference, blocks the local groups reference)`, each once."""
+        return self._held[0], self._held[1]
+
+    def _keys(self, tokens: Sequence[int], salt: str | None, group: int, limit: int) -> list[bytes]:
+        # Each group caches in its own namespace (the same tokens are other layers' K/V there); a store of
+        # one group keeps `salt`'s own, as before groups.
+        if len(self.groups.layers) > 1:
+            salt = f"{salt or ''}\0kv-group-{group}"
+        return block_keys(tokens, self.block_size, salt, limit=limit)
+
+    def _adoptable_keys(self, prefix: Sequence[int], salt: str | None, group: int) -> list[bytes]:
         # At most the blocks before the prompt's last token: that token is always computed here, so a
         # fully cached prompt still gets the logits its first sampled token comes from.
-        return block_keys(prefix, self.block_size, salt, limit=max(0, len(prefix) - 1) // self.block_size)
+        return self._keys(prefix, salt, group, max(0, len(prefix) - 1) // self.block_size)
+
+    def _matches(self, prefix: Sequence[int], salt: str | None) -> list[list[int]]:
+        """Each group's cached blocks for `prefix`, cut to the run every group has."""
+        if not self.pool.caching or not len(prefix):
+            return [[] for _ in self.groups.layers]
+        found = [self.pool.match(self._adoptable_keys(prefix, salt, group)) for group in range(len(self.groups.layers))]
+        run = min(len(blocks) for blocks in found)
+        return [blocks[:run] for blocks in found]
 
     def peek(self, prefix: Sequence[int], salt: str | None = None) -> tuple[int, int]:
         """`(blocks add_sequence would adopt for this prefix, how many of them nobody references now)`."""
-        if not self.pool.caching:
-            return 0, 0
-        adopted = self.pool.match(self._adoptable_keys(prefix, salt))
-        return len(adopted), self.pool.unreferenced(adopted)
+        matches = self._matches(prefix, salt)
+        return sum(len(m) for m in matches), sum(self.pool.unreferenced(m) for m in matches)
 
     def add_sequence(self, seq_id: Hashable, max_positions: int, prefix: Sequence[int] = (),
-                     salt: str | None = None, *, window: WindowPolicy | None = None) -> list[int]:
-        """Lease `blocks_for(max_positions)` blocks to a new sequence; raises `BlockPoolExhausted`.
+                     salt: str | None = None, *, window: WindowPolicy | None = None,
+                     every: int | None = None) -> list[int]:
+        """Lease a new sequence its blocks in every group; raises `BlockPoolExhausted`, leasing nothing.
 
-        With the prefix cache, the leading blocks of `prefix` that are cached (in the namespace `salt`)
-        are adopted instead of leased fresh: the sequence starts with them written (`length`). With a
-        `window` (pages of this store's block size) the sequence slides and `max_positions` is what it holds
-        at once; it adopts nothing (a `prefix` is an error).
+        Each group that keeps every position leases `blocks_for(every)` blocks (`every` defaults to
+        `max_positions`). Without a `window` so does every other group; with the prefix cache, the leading
+        blocks of `prefix` cached in every group (in the namespace `salt`) are adopted instead of leased
+        fresh: the sequence starts with them written (`length`). With a `window` (pages of this store's
+        block size) the local groups slide and lease `blocks_for(max_positions)`, what each holds at once;
+        such a sequence adopts nothing (a `prefix` is an error). The blocks are what
+        `GroupPricing.blocks` prices; all of them are returned, in group order.
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already holds KV blocks")
-        if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 0:
-            raise ValueError(f"max_positions must be a non-negative integer, got {max_positions!r}")
-        if window is not None and window.page_size != self.block_size:
+        for name, value in (("max_positions", max_positions), ("every", max_positions if every is None else every)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if window is not None:
+            self._check_window(window, prefix)
+        positions = max_positions if every is None else every
+        held = max_positions if window is not None else positions
+        adopted = self._matches(prefix, salt)
+        groups: list[GroupTable] = []
+        counts = [0, 0]
+        try:
+            for group, local in enumerate(self.groups.local):
+                needed = group_blocks(local, positions, held, self.block_size)
+                new_refs = self.pool.unreferenced(adopted[group]) + max(0, needed - len(adopted[group]))
+                blocks = self.pool.acquire(adopted[group], max(0, needed - len(adopted[group])))
+                counts[int(local)] += new_refs
+                sliding = SlidingPages(window, spare=blocks[::-1]) if local and window is not None else None
+                groups.append(GroupTable(blocks, torch.empty(0, dtype=torch.long), sliding))
+                groups[-1].table = torch.tensor(blocks if sliding is None else [], dtype=torch.long,
+                                                device=self.device)
+        except BaseException:  # a group the pool or the device could not hold: nothing was leased
+            for group in groups:
+                self.pool.release(group.blocks)
+            raise
+        capacity = len(groups[0].blocks) * self.block_size if groups[0].sliding is None else positions
+        run = len(adopted[0])
+        self._seqs[seq_id] = SeqKv(groups, capacity, run * self.block_size, salt)
+        self._held[0] += counts[0]
+        self._held[1] += counts[1]
+        return list(self._seqs[seq_id].blocks)
+
+    def _check_window(self, window: WindowPolicy, prefix: Sequence[int]) -> None:
+        if window.page_size != self.block_size:
             raise ValueError(f"a sliding lease's pages ({window.page_size} positions) must be this store's "
                              f"blocks ({self.block_size})")
-        if window is not None and window.sliding_window != self.config.uniform_window:
+        if not self.groups.local_groups or window.sliding_window != self.config.sliding_window:
             # A layer that looked further back would read the pages it gives back.
-            raise ValueError(f"a lease slides only by the window every layer of the model slides by "
-                             f"({self.config.uniform_window}), not {window.sliding_window}")
-        if window is not None and len(prefix):
+            raise ValueError(f"a lease slides only by the window its local layers slide by "
+                             f"({self.config.sliding_window if self.groups.local_groups else None}), "
+                             f"not {window.sliding_window}")
+        if len(prefix):
             raise ValueError("a sliding lease adopts no cached prefix: it recycles its own pages")
-        adopted = self.pool.match(self._adoptable_keys(prefix, salt)) if self.pool.caching else []
-        needed = blocks_for(max_positions, self.block_size)
-        blocks = self.pool.acquire(adopted, max(0, needed - len(adopted)))
-        sliding = None if window is None else SlidingPages(window, spare=blocks[::-1])
-        try:
-            table = torch.tensor(blocks if sliding is None else [], dtype=torch.long, device=self.device)
-        except BaseException:  # the device could not hold the table: the blocks were never leased
-            self.pool.release(blocks)
-            raise
-        self._seqs[seq_id] = SeqKv(blocks, len(blocks) * self.block_size, len(adopted) * self.block_size, table,
-                                   salt, sliding)
-        return list(blocks)
 
     def before_write(self, seq_id: Hashable, count: int) -> SeqKv:
-        """Make room for the sequence's next `count` positions: a sliding one slides and installs their
+        """Make room for the sequence's next `count` positions: its sliding groups slide and install their
         pages; raises ValueError, changing nothing, past what its lease holds."""
         seq = self.seq(seq_id)
-        end = seq.length + count
-        if seq.sliding is None:
-            if end > seq.capacity:
-                raise ValueError(f"sequence {seq_id!r} would reach {end} positions but its KV lease "
-                                 f"holds {seq.capacity}")
-            return seq
-        try:
-            changed = seq.sliding.before_write(seq.length, count)
-        except ValueError as short:
-            raise ValueError(f"sequence {seq_id!r} {short}") from None
-        # Also when an earlier rebuild failed part way: a table short of pages must never be read.
-        if changed or seq.table.numel() != len(seq.sliding.pages):
-            seq.table = torch.tensor(seq.sliding.pages, dtype=torch.long, device=self.device)
+        seq.before_write(seq_id, count, self.device)
         return seq
 
     def publish(self, seq_id: Hashable, tokens: Sequence[int]) -> int:
-        """Cache the full blocks of `tokens` (the sequence's tokens from position 0) that its KV holds
-        (none of a sliding sequence's: its pages are recycled in place)."""
+        """Cache the full blocks of `tokens` (the sequence's tokens from position 0) that its KV holds, in
+        every group (none of a sliding sequence's: its pages are recycled in place)."""
         seq = self.seq(seq_id)
         if not self.pool.caching or seq.sliding is not None:
             return 0
-        keys = block_keys(tokens, self.block_size, seq.salt, limit=seq.length // self.block_size)
-        return self.pool.publish(seq.blocks, keys)
+        published = 0
+        for index, group in enumerate(seq.groups):
+            keys = self._keys(tokens, seq.salt, index, seq.length // self.block_size)
+            published += self.pool.publish(group.blocks, keys)
+        return published
 
     def free_sequence(self, seq_id: Hashable) -> int:
         """Drop the sequence; how many of its blocks nobody references any more (what the ledger gets back)."""
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             raise KeyError(f"sequence {seq_id!r} holds no KV blocks")
-        return self.pool.release(seq.blocks)
+        returned = 0
+        for group, local in zip(seq.groups, self.groups.local):
+            back = self.pool.release(group.blocks)
+            self._held[int(local)] -= back
+            returned += back
+        return returned
 
     def has_sequence(self, seq_id: Hashable) -> bool:
         return seq_id in self._seqs

@@ -117,10 +117,10 @@ def test_the_store_refuses_what_a_sliding_lease_cannot_do():
         store.add_sequence("s", 40, [1, 2, 3, 4, 5], window=WindowPolicy(8, 4))
     with pytest.raises(ValueError, match="must be this store's blocks"):
         store.add_sequence("s", 40, window=WindowPolicy(8, 8))
-    with pytest.raises(ValueError, match="every layer of the model slides by"):
+    with pytest.raises(ValueError, match="the window its local layers slide by"):
         store.add_sequence("s", 40, window=WindowPolicy(16, 4))
     unwindowed = PagedKvStore(dataclasses.replace(WINDOWED, sliding_window=None), 20, 4)
-    with pytest.raises(ValueError, match="every layer of the model slides by"):
+    with pytest.raises(ValueError, match="the window its local layers slide by"):
         unwindowed.add_sequence("s", 40, window=WindowPolicy(8, 4))
     assert store.num_free_blocks == 20 and store.seq_ids() == []
     store.add_sequence("s", 8)
