@@ -56,6 +56,23 @@ def make_request(
     return request, sink.events
 
 
+def priced(worker: Worker, prompt: list[int], max_tokens: int) -> tuple[Request, queue.SimpleQueue]:
+    """A greedy request priced as `ContinuousBatcher.submit` prices it (its window and KV groups included),
+    holding a queue slot, and the queue its reply arrives on: for tests that drive the worker tick by tick."""
+    from batch_helpers import greedy_params
+
+    from ferrox_batch.engine.intake import size_request
+
+    assert worker.scheduler.queue_gate.try_reserve() is None
+    sized = size_request(prompt, greedy_params(max_tokens), worker.scheduler.budget, None, worker.runner.window,
+                         groups=worker.runner.pricing)
+    sink = QueueSink()
+    request = Request(prompt, sized.params, StopTokens.default(), OnceSink(sink), worker.aborts.next_id(),
+                      sized.blocks, sized.positions, window=sized.window)
+    request.queued(worker.scheduler.clock(), None)
+    return request, sink.events
+
+
 def drain_reply(reply: queue.SimpleQueue) -> tuple[list[str], list[object]]:
     """Everything on a reply channel now: (chunk texts, finished results)."""
     chunks, finished = [], []

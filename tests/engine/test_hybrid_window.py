@@ -12,13 +12,12 @@ status line and the stats report what each kind of group holds.
 
 from __future__ import annotations
 
-import queue
 
 import pytest
 import torch
 from batch_helpers import greedy_params, identity_decode, sequential_ids
 from numerics import assert_decisive
-from worker_helpers import drain_reply, make_worker, wait_for
+from worker_helpers import drain_reply, make_worker, wait_for, priced
 
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.engine.handle import ContinuousBatcher
@@ -29,9 +28,6 @@ from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
 from ferrox_batch.runtime.kv.paged_kv import PagedKvConfig
 from ferrox_batch.runtime.kv.sliding import RELEASED
 from ferrox_batch.runtime.loading.loader import load_model
-from ferrox_batch.scheduler.request import Request
-from ferrox_batch.scheduler.sink import OnceSink, QueueSink
-from ferrox_batch.stop_tokens import StopTokens
 
 PROMPTS = ([5, 17, 42], [9, 8, 7], [1, 30, 2])
 STEPS = 200
@@ -80,18 +76,6 @@ def test_a_row_that_fits_only_because_its_local_groups_slide(gemma):
         assert batcher.stats().kv_blocks_peak == ROW_BLOCKS
         wait_for(lambda: batcher.stats().kv_blocks_free == 200, "every block back in the ledger")
         assert batcher.store.num_free_blocks == 200 and batcher.store.blocks_by_kind() == (0, 0)
-
-
-def priced(worker, prompt: list[int], max_tokens: int) -> tuple[Request, queue.SimpleQueue]:
-    """A request priced as `ContinuousBatcher.submit` prices it, over the store's KV groups."""
-    assert worker.scheduler.queue_gate.try_reserve() is None
-    sized = size_request(prompt, greedy_params(max_tokens), worker.scheduler.budget, None, worker.runner.window,
-                         groups=worker.runner.pricing)
-    sink = QueueSink()
-    request = Request(prompt, sized.params, StopTokens.default(), OnceSink(sink), worker.aborts.next_id(),
-                      sized.blocks, sized.positions, window=sized.window)
-    request.queued(worker.scheduler.clock(), None)
-    return request, sink.events
 
 
 def test_concurrent_rows_equal_each_alone_and_the_ledger_equals_the_store_at_every_tick(gemma):

@@ -15,14 +15,13 @@ page) still does.
 
 from __future__ import annotations
 
-import queue
 
 import pytest
 import torch
 from batch_helpers import budget_config, greedy_params, identity_decode, sequential_ids
 from numerics import assert_decisive
 from tiny_checkpoint import write_tiny_checkpoint
-from worker_helpers import Caller, Gate, drain_reply, make_worker, wait_for, wait_sent
+from worker_helpers import Caller, Gate, drain_reply, make_worker, wait_for, wait_sent, priced
 
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.admission.window import WindowPolicy
@@ -34,9 +33,6 @@ from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
 from ferrox_batch.runtime.kv.paged_kv import PagedKvConfig
 from ferrox_batch.runtime.kv.sliding import RELEASED
 from ferrox_batch.runtime.loading.loader import load_model
-from ferrox_batch.scheduler.request import Request
-from ferrox_batch.scheduler.sink import OnceSink, QueueSink
-from ferrox_batch.stop_tokens import StopTokens
 
 WINDOW = 8
 PROMPTS = ([1, 2, 3], [9, 8, 7])
@@ -92,17 +88,6 @@ def test_without_the_window_a_100_block_store_cannot_serve_either_row(window_dir
     with paged(window_model, 100, budget_config(4, None)) as batcher:
         sized = size_request(list(PROMPTS[0]), greedy_params(400), batcher._budget, None, batcher._window)
         assert (sized.positions, sized.blocks, sized.window) == (191, 48, WindowPolicy(WINDOW, 4, 128))
-
-
-def priced(worker, prompt: list[int], max_tokens: int) -> tuple[Request, queue.SimpleQueue]:
-    """A request priced as `ContinuousBatcher.submit` prices it, sliding window included."""
-    assert worker.scheduler.queue_gate.try_reserve() is None
-    sized = size_request(prompt, greedy_params(max_tokens), worker.scheduler.budget, None, worker.runner.window)
-    sink = QueueSink()
-    request = Request(prompt, sized.params, StopTokens.default(), OnceSink(sink), worker.aborts.next_id(),
-                      sized.blocks, sized.positions, window=sized.window)
-    request.queued(worker.scheduler.clock(), None)
-    return request, sink.events
 
 
 def test_the_ledger_equals_the_store_at_every_tick_while_rows_slide_and_reuse_their_pages(window_model):
