@@ -72,14 +72,15 @@ def test_a_32_token_greedy_continuation_is_identical_to_transformers(tiny_varian
     folder = tiny_variant_dirs[variant]
     ours = load_model(folder, device=device, dtype="float32")
     ref = reference(folder)
-    ids = ours.tokenizer.encode(PROMPTS[0])
-    with torch.no_grad():
-        out = ref.generate(
-            torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0,
-            output_logits=True, return_dict_in_generate=True,
-        )
-    assert_decisive([step[0] for step in out.logits], ours.config, len(ids), note=variant)
-    assert greedy(ours, ids, 32) == out.sequences[0, len(ids):].tolist()
+    for prompt in PROMPTS[:3]:
+        ids = ours.tokenizer.encode(prompt)
+        with torch.no_grad():
+            out = ref.generate(
+                torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0,
+                output_logits=True, return_dict_in_generate=True,
+            )
+        assert_decisive([step[0] for step in out.logits], ours.config, len(ids), note=(variant, prompt))
+        assert greedy(ours, ids, 32) == out.sequences[0, len(ids):].tolist(), (variant, prompt)
 
 
 def test_paged_decode_equals_a_full_sequence_forward(tiny_model):
