@@ -32,12 +32,19 @@ from ferrox_batch.checks import check_int
 
 @dataclass(frozen=True, slots=True)
 class KvGroups:
-    """Which layers each group holds (`layers[k]`, at most `size` of them, in slot order) and whether it
-    is local (`local[k]`: its layers attend over the model's window only)."""
+    """Which layers each group holds (`layers[k]`, at most `size` of them, in slot order), whether it
+    is local (`local[k]`: its layers attend over the model's window only), and, derived from `layers`,
+    where each layer lives (`slots[i]`: `(group, index within it)`, read once per layer of every forward)."""
 
     size: int
     layers: tuple[tuple[int, ...], ...]
     local: tuple[bool, ...]
+    slots: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        where = {layer: (group, index) for group, members in enumerate(self.layers)
+                 for index, layer in enumerate(members)}
+        object.__setattr__(self, "slots", tuple(where[layer] for layer in range(len(where))))
 
     @classmethod
     def of(cls, local_layers: Sequence[bool]) -> KvGroups:
@@ -67,10 +74,9 @@ class KvGroups:
     def slot(self, layer: int) -> tuple[int, int]:
         """`(group, index within its group)` of `layer`: it reads and writes `pool[index]` through that
         group's tables."""
-        for group, members in enumerate(self.layers):
-            if layer in members:
-                return group, members.index(layer)
-        raise ValueError(f"layer {layer} is in no KV group")
+        if not 0 <= layer < len(self.slots):
+            raise ValueError(f"layer {layer} is in no KV group")
+        return self.slots[layer]
 
     def pricing(self, window: WindowPolicy | None) -> GroupPricing:
         """What a row costs over these groups when its local groups slide by `window` (None: no group

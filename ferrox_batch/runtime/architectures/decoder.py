@@ -166,7 +166,7 @@ class Decoder:
         # tokens, positions and last rows shared: a model of one kind of layer has one group.
         groups = build_group_inputs(chunks, store, c.vocab_size, decode_gather=kernel is None)
         inputs = groups[0]
-        where = [store.groups.slot(index) for index in range(len(self.layers))]
+        where = store.groups.slots  # (group, index within it) of each layer
         n_tok = inputs.tokens.numel()
         # From the host-side lengths, not `positions.max()`: no device sync on CUDA.
         top = max(length for _, length in inputs.new_lengths) - 1
