@@ -25,6 +25,13 @@ core), and a context of 1,024 positions per slot, so no request of either shape 
     python scripts/bench_serving.py --shape c --ggufs f16 --llama-server /tmp/llama/build/bin/llama-server
     python scripts/bench_serving.py --model ~/.cache/ferrox-batch/models/gemma3-270m \
         --gguf ~/.cache/ferrox-batch/downloads/gemma-3-270m-q4_k_m.gguf --shape s
+    python scripts/bench_serving.py --model ~/.cache/ferrox-batch/bench-models/llama-1b-shaped \
+        --gguf ~/.cache/ferrox-batch/bench-models/llama-1b-shaped-q8_0.gguf \
+        --ours "ours-q8_0=--model ~/.cache/ferrox-batch/bench-models/llama-1b-shaped-q8_0.gguf" \
+        --ours "ours-bf16=" --llama-server /path/to/llama-server
+
+Our configurations take any `serve` flags: `--model FILE.gguf` serves a GGUF as it stores its weights
+(`--weights auto`), `--weights q8_0` quantizes --model at load.
 
 Shape s is the single stream: four requests sent one after another, llama.cpp with one slot (`-np 1`);
 the table's tok/s is the median decode rate after the first token.
@@ -116,8 +123,10 @@ def main() -> int:
     p.add_argument("--shape", default="a", choices=("a", "c", "s"), help="s: the single stream, llama.cpp with one slot")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ggufs", default="f16,f32", help="llama.cpp peers, one per GGUF precision (f16, f32, bf16)")
-    p.add_argument("--gguf", type=Path, help="one llama.cpp peer on this GGUF (the file --model was converted "
-                   "from, e.g. a fetched model's), instead of converting --model (--ggufs)")
+    p.add_argument("--gguf", type=Path, action="append",
+                   help="a llama.cpp peer on this GGUF (the file --model was converted from, e.g. a fetched model's, "
+                        "or one `scripts/make_bench_models.py` wrote), instead of converting --model (--ggufs); "
+                        "repeat it for several, each named after its file")
     p.add_argument("--ours", action="append", metavar="NAME=FLAGS",
                    help="our configurations (default: the server's defaults)")
     p.add_argument("--llama-server", type=Path, help="a built llama-server (default: build one in --work)")
@@ -134,8 +143,8 @@ def main() -> int:
     server = args.llama_server or build_llama_server(source)
     peers = []
     slots = 1 if args.shape == "s" else SLOTS
-    if args.gguf is not None:
-        peers.append(f"llama.cpp-gguf={llama_command(server, args.gguf, args.shape == 'c', args.threads, slots)}")
+    for path in args.gguf or ():
+        peers.append(f"llama.cpp-{peer_name(path)}={llama_command(server, path, args.shape == 'c', args.threads, slots)}")
     for outtype in filter(None, "" if args.gguf is not None else args.ggufs.split(",")):
         model = gguf(source, Path(args.model), outtype, args.work, args.convert_python)
         peers.append(f"llama.cpp-{outtype}={llama_command(server, model, args.shape == 'c', args.threads, slots)}")
@@ -151,6 +160,16 @@ def main() -> int:
         if peak is not None:
             print("\n".join(peak_report(args.model, json.loads(Path(out).read_text())["runs"], peak)))
     return code
+
+
+def peer_name(path: Path) -> str:
+    """A peer's name from its file: the format after the last `-` or `.` of the stem (`q8_0`, `q4_k_m`, `f16`),
+    else the stem."""
+    stem = path.stem.lower()
+    for sep in ("-", "."):
+        if sep in stem:
+            return stem.rsplit(sep, 1)[1]
+    return stem
 
 
 def peak_report(model: str, runs: list[dict], peak: GemmPeak) -> list[str]:

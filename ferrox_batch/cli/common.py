@@ -36,6 +36,8 @@ ENV_HOME = "FERROX_HOME"
 DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16", "fp16w")
 #: `--kv-cache-dtype`: auto and `runtime.device.KV_CACHE_DTYPES` (a test keeps them equal).
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp32", "fp16", "bf16")
+#: `--weights`: `runtime.quant.choice.WEIGHTS_CHOICES` (a test keeps them equal).
+WEIGHTS_CHOICES = ("auto", "widen", "q8_0", "q4_0", "q4_1", "q5_0")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 #: `create_app`'s defaults, repeated so that building the parser imports no server (nor torch); a test
 #: keeps them equal to `server.requests` and `server.app`.
@@ -139,6 +141,11 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                        help="what the KV cache stores; auto is fp16 under fp16w where the CPU decode kernel reads "
                             "the pool in place (half the bytes per position, widened exactly when read), else the "
                             "compute dtype: plain fp32 keeps fp32 K/V (default: auto)")
+    group.add_argument("--weights", choices=WEIGHTS_CHOICES, default="auto",
+                       help="how the weights are held: auto serves a .gguf in the quantized formats it stores (Q8_0, "
+                            "Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) on the CPU and keeps a safetensors checkpoint dense; widen "
+                            "widens every weight to --dtype; q8_0, q4_0, q4_1 or q5_0 quantize every linear weight and "
+                            "the embedding at load (CPU) (default: auto)")
     _add_home_flag(group)
     group.add_argument("--no-progress", action="store_true", help="no progress bars while fetching")
 
@@ -189,7 +196,8 @@ def load(args: argparse.Namespace, env: Mapping[str, str]) -> LoadedModel:
         raise CliError(f"--device: {err}", status=2) from None
     path = model_path(args, env)
     try:
-        return load_model(path, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+        return load_model(path, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                          weights=args.weights)
     except (ModelLoadError, ValueError, OSError) as err:  # UnsupportedArchitecture is a ModelLoadError
         message = str(err)
         raise CliError(message if str(path) in message else f"cannot load {path}: {message}") from None

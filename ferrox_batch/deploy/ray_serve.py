@@ -49,6 +49,7 @@ from ferrox_batch.deploy import ROUTERS
 from ferrox_batch.deploy.relay import REPLICA_HEADER, InProcessApp, RelayedRequest, relayed_response
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
+from ferrox_batch.runtime.quant.choice import WEIGHTS_CHOICES
 from ferrox_batch.server.access_policy import AccessPolicy
 from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
 from ferrox_batch.server.client_policy import ClientPolicy
@@ -91,6 +92,8 @@ class ReplicaSpec:
     app: Mapping[str, Any] = field(default_factory=dict)
     #: What the KV cache stores (`--kv-cache-dtype`).
     kv_cache_dtype: str = "auto"
+    #: How the weights are held (`--weights`: `runtime.quant.choice`).
+    weights: str = "auto"
     #: Replicas sharing one machine's default KV budget (`runtime.kv.memory.default_kv_memory`), when neither
     #: `kv_memory` nor `batcher.kv_blocks` is set: each takes this share of it.
     kv_share: int = 1
@@ -106,6 +109,8 @@ class ReplicaSpec:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of auto, "
                              f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.weights not in WEIGHTS_CHOICES:
+            raise ValueError(f"unknown weights {self.weights!r}; use one of {', '.join(WEIGHTS_CHOICES)}")
         # Malformed access or priority settings fail here, before any replica starts.
         AccessPolicy.from_settings(self.app)
         if "client_priorities" in self.app:
@@ -134,7 +139,8 @@ class FerroxReplica:
 
         if spec.log_level is not None:
             logging.getLogger("ferrox_batch").setLevel(spec.log_level)
-        loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype)
+        loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype,
+                            weights=spec.weights)
         config = with_kv_budget(spec.batcher, spec.kv_memory, loaded.decoder, share=spec.kv_share)
         self.batcher = ContinuousBatcher.from_model(loaded, config)
         self.replica = serve.get_replica_context().replica_id.unique_id

@@ -69,6 +69,8 @@ class ContinuousBatcher:
         #: What a row costs over the store's KV groups, priced with that window.
         self._pricing = worker.runner.pricing
         self.tokenizer = tokenizer
+        #: What `/stats` reports about the model beside the batcher's counters (`from_model` fills it).
+        self.model_stats: dict[str, Any] = {}
         #: The grammar engine structured output is compiled with, shared with the worker's sampler (None:
         #: this batcher has none, and a request for structured output is refused).
         self._grammars = worker.runner.sampler.grammars
@@ -114,6 +116,8 @@ class ContinuousBatcher:
                             sorted(model.tokenizer.stop_tokens.ids))
         batcher = cls.spawn_with_ceiling(model.decoder, model.tokenizer.decode, config, ceiling, grammars=grammars)
         batcher.tokenizer = model.tokenizer
+        batcher.model_stats = {"precision": model.precision, "weight_bytes": model.decoder.weight_bytes,
+                               "weight_formats": model.decoder.weight_formats}
         return batcher
 
     @classmethod

@@ -192,7 +192,7 @@ class ServerState:
         return Response(self.generations.metrics.render(), media_type=CONTENT_TYPE)
 
     async def stats(self) -> dict[str, Any]:
-        return self.batcher.stats().to_dict()
+        return {**self.batcher.stats().to_dict(), **self.batcher.model_stats}
 
     async def tokenize(self, request: Request) -> Response:
         tokenizer, ceiling = self.generations.tokenizer, self.batcher.ceiling

@@ -55,6 +55,7 @@ def serve(
     device: str = "auto",
     dtype: str = "auto",
     kv_cache_dtype: str = "auto",
+    weights: str = "auto",
     default_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
     default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -77,7 +78,8 @@ def serve(
     (or file) name; the other keywords are `create_app`'s.
     """
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype,
-                                                                                kv_cache_dtype=kv_cache_dtype)
+                                                                                kv_cache_dtype=kv_cache_dtype,
+                                                                                weights=weights)
     name = model_name or default_model_name(loaded.source)
     batcher = ContinuousBatcher.from_model(loaded, batcher_config if batcher_config is not None
                                            else BatcherConfig.serving())

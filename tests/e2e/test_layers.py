@@ -2,7 +2,7 @@
 
 From the bottom (`docs/architecture.md` draws it): the shared vocabulary (the modules at the package's top,
 then the stop and UTF-8 policies in `policy/`), the admission arithmetic (`admission/`, the upstream's own
-modules), the scheduler (`scheduler/`), the runtime (`runtime/`: its shared modules, then `kv/`,
+modules), the scheduler (`scheduler/`), the runtime (`runtime/`: its shared modules, then `quant/`, `kv/`,
 `kernels/`, `architectures/`, `sampling/`, `loading/`, and the runner on top), the engine (`engine/`), then
 the server, the deployments, the benchmarks and the command line. Every import in the package, lazy ones
 and type-only ones included, is read from the source; one that goes up a layer, or between two folders of
@@ -22,7 +22,7 @@ RANKS = {
     "": 0.0, "policy": 0.5,
     "admission": 1.0,
     "scheduler": 2.0,
-    "runtime": 3.0, "runtime.kv": 3.1, "runtime.kernels": 3.2, "runtime.architectures": 3.3,
+    "runtime": 3.0, "runtime.quant": 3.05, "runtime.kv": 3.1, "runtime.kernels": 3.2, "runtime.architectures": 3.3,
     "runtime.sampling": 3.4, "runtime.loading": 3.5, "runtime.runner": 3.6,
     "engine": 4.0,
     "server": 5.0,

@@ -35,17 +35,22 @@ copy of the gathered context on the torch path).
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ferrox_batch.runtime.architectures.attention import attend_decode, attend_prefill
+from ferrox_batch.runtime.architectures.embedding import Embedding
 from ferrox_batch.runtime.architectures.families import LAYERS, NORM_OFFSETS
 from ferrox_batch.runtime.architectures.gate_up import GateUp
 from ferrox_batch.runtime.architectures.layer_stack import LayerStack
 from ferrox_batch.runtime.architectures.layer_weights import LayerWeights
 from ferrox_batch.runtime.architectures.linear import Linear
+from ferrox_batch.runtime.architectures.quantized_linear import (
+    QuantizedLinear,
+    formats_that_run,
+    is_quantized_kind,
+)
 from ferrox_batch.runtime.architectures.rope import apply_rope, rope_tables
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
@@ -54,6 +59,9 @@ from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels, cpu_kernels
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk, build_group_inputs
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
+from ferrox_batch.runtime.quant.formats import QuantFormat
+from ferrox_batch.runtime.quant.quantize import quantizable, quantize
+from ferrox_batch.runtime.quant.weight import QuantizedWeight, Weight
 
 
 class Decoder:
@@ -69,10 +77,15 @@ class Decoder:
         dtype: torch.dtype = torch.float32,
         weights_format: str = "dtype",
         kv_dtype: torch.dtype | None = None,
+        keep_quantized: bool = False,
+        quantize_to: QuantFormat | None = None,
     ) -> None:
-        """`weights_format` is how the linear layers (the lm head included) store their weights:
+        """`weights_format` is how the linear layers (the lm head included) store their dense weights:
         in `dtype`, or "fp16" (an fp32 model on the CPU; `runtime.architectures.linear`). `kv_dtype` is what the KV
-        store holds (`dtype` when None): K and V are rounded to it once, when written."""
+        store holds (`dtype` when None): K and V are rounded to it once, when written. `keep_quantized` serves
+        the checkpoint's quantized weights (`QuantizedWeight`s in `weights`) as stored, in every format the
+        kernels run here, widening the rest; `quantize_to` quantizes every dense 2-D weight (the linears and
+        the embedding) to that format at load. Either needs the CPU kernels (ModelLoadError otherwise)."""
         if kv_dtype is None:
             kv_dtype = dtype
         if kv_dtype not in KV_CACHE_DTYPES.values():
@@ -83,15 +96,23 @@ class Decoder:
         self.kv_dtype = kv_dtype
         self.weights_format = weights_format
         self.kernels = self.kernels_for(self.device, dtype)
-        take = _Taker(weights, self.device, dtype)
-        self.embed = take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size))
-        if config.tie_word_embeddings and "lm_head.weight" not in weights:
-            self.lm_head = self._linear(self.embed, keep_weight=True)
+        runs = formats_that_run(self.kernels, dtype) if keep_quantized or quantize_to is not None else frozenset()
+        if quantize_to is not None and quantize_to.name not in runs:
+            raise ModelLoadError(f"weights cannot be served in {quantize_to.name} here: the quantized kernels run on "
+                                 f"the CPU with float32 or bf16 activations, and "
+                                 f"{'did not build' if self.kernels is None else 'did not pass their check'}")
+        take = _Taker(weights, self.device, dtype, runs if keep_quantized else frozenset(), quantize_to)
+        self.embed = Embedding(take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size)), dtype,
+                               self.kernels)
+        #: Whether the output head multiplies by the embedding's own weight (a packed head still owns its packing).
+        self.lm_head_tied = config.tie_word_embeddings and "lm_head.weight" not in weights
+        if self.lm_head_tied:
+            self.lm_head = self._linear(self.embed.weight, keep_weight=True)
         else:
             self.lm_head = self._linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)))
         self.final_norm = take("model.norm.weight", (config.hidden_size,)) + NORM_OFFSETS.get(config.family, 0.0)
         build = LAYERS[config.family]
-        gate_up = lambda weight: GateUp(weight, weights=self.weights_format, kernels=self.kernels,  # noqa: E731
+        gate_up = lambda weight: GateUp(weight, weights=self.weights_format, kernels=self.kernels,
                                         activation=config.hidden_act)
         self.layers = [build(take, config, i, self._linear, gate_up) for i in range(config.num_layers)]
         unused = set(weights) - {"lm_head.weight"}
@@ -115,16 +136,48 @@ class Decoder:
             return cpu_kernels()
         return None
 
-    def _linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                keep_weight: bool = False) -> Linear:
+    def _linear(self, weight: Weight, bias: torch.Tensor | None = None, *,
+                keep_weight: bool = False) -> Linear | QuantizedLinear:
+        if isinstance(weight, QuantizedWeight):
+            assert self.kernels is not None  # `_Taker` keeps weights quantized only where they run
+            return QuantizedLinear(weight, bias, self.kernels)
         return Linear(weight, bias, keep_weight=keep_weight, weights=self.weights_format, kernels=self.kernels)
+
+    def _linears(self) -> list[Linear | QuantizedLinear | GateUp]:
+        names = ("qkv", "o", "gate_up", "down")
+        return [self.lm_head, *(getattr(layer, name) for layer in self.layers for name in names)]
+
+    @property
+    def weight_formats(self) -> dict[str, int]:
+        """How many linear layers (the lm head included) keep their weight in each quantized format, and how
+        many are dense ("dense")."""
+        formats: dict[str, int] = {}
+        for linear in self._linears():
+            name = linear.kind if is_quantized_kind(linear.kind) else "dense"
+            formats[name] = formats.get(name, 0) + 1
+        return formats
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes the model's weights take in memory: the embedding, every linear layer as it stores its
+        weight (quantized blocks, packed or dense; a head tied to the embedding counted once), the norms."""
+        total = self.embed.nbytes
+        for linear in self._linears():
+            if linear is self.lm_head and self.lm_head_tied and (linear.kind == "plain" or is_quantized_kind(linear.kind)):
+                continue  # it multiplies by the embedding's own memory
+            total += linear.nbytes
+        norms = [self.final_norm]
+        for layer in self.layers:
+            norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.attn_out_norm,
+                                  layer.mlp_out_norm) if t is not None]
+        return total + sum(t.numel() * t.element_size() for t in norms)
 
     @property
     def linear_kinds(self) -> dict[str, int]:
-        """How many linear layers run each kernel (`Linear.kind`): what the load actually got."""
+        """How many linear layers run each kernel (`Linear.kind`; a quantized layer's formats): what the load
+        actually got."""
         kinds: dict[str, int] = {}
-        names = ("qkv", "o", "gate_up", "down")
-        for linear in [self.lm_head, *(getattr(layer, name) for layer in self.layers for name in names)]:
+        for linear in self._linears():
             kinds[linear.kind] = kinds.get(linear.kind, 0) + 1
         return kinds
 
@@ -190,7 +243,7 @@ class Decoder:
         heads, kv_heads = c.num_heads, c.num_kv_heads
         q_width, kv_width = heads * c.head_dim, kv_heads * c.head_dim
 
-        h = F.embedding(inputs.tokens, self.embed)
+        h = self.embed(inputs.tokens)
         if self.embed_scale is not None:
             h = h * self.embed_scale
         pending: torch.Tensor | None = None  # the MLP output still to be added to h
@@ -284,18 +337,31 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class _Taker:
-    """Takes named tensors out of a checkpoint (consuming the dict), checking their shapes."""
+    """Takes named tensors out of a checkpoint (consuming the dict), checking their shapes.
 
-    def __init__(self, weights: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype) -> None:
+    A quantized weight whose formats are all in `keep` is handed on as stored; any other is widened to the
+    decoder's dtype. With `quantize_to`, every 2-D weight not kept as stored (the linears and the embedding;
+    norms and biases are 1-D) is quantized to that format from its float32 values."""
+
+    def __init__(self, weights: dict[str, Weight], device: torch.device, dtype: torch.dtype,
+                 keep: frozenset[str] = frozenset(), quantize_to: QuantFormat | None = None) -> None:
         self.weights = weights
         self.device = device
         self.dtype = dtype
+        self.keep = keep
+        self.quantize_to = quantize_to
 
-    def __call__(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def __call__(self, name: str, shape: tuple[int, ...]) -> Weight:
         # Popped, so the checkpoint's copy can be freed as soon as ours exists (peak memory at load).
         tensor = self.weights.pop(name, None)
         if tensor is None:
             raise ModelLoadError(f"checkpoint is missing the tensor {name!r}")
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+        if isinstance(tensor, QuantizedWeight):
+            if set(tensor.format_names) <= self.keep:
+                return tensor
+            tensor = tensor.dequantize()
+        if self.quantize_to is not None and len(shape) == 2 and quantizable(tensor, self.quantize_to):
+            return quantize(tensor, self.quantize_to)
         return tensor.to(device=self.device, dtype=self.dtype).contiguous()

@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from ferrox_batch.runtime.architectures.linear import Linear, fits_fp16, preferred_fp16_kind, probe_input
+from ferrox_batch.runtime.architectures.linear import (
+    Linear,
+    fits_fp16,
+    preferred_fp16_kind,
+    probe_input,
+)
+from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
+from ferrox_batch.runtime.quant.weight import QuantizedWeight, Weight
 
 if TYPE_CHECKING:
     from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
@@ -32,19 +39,25 @@ FUSED_KIND = "fp16_panels"
 class GateUp:
     """`act(gate(x)) * up(x)` for a fused `[2n, k]` weight (gate rows first)."""
 
-    __slots__ = ("_linear", "_fused", "_half", "_gelu")
+    __slots__ = ("_fused", "_gelu", "_half", "_linear")
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, weights: str = "dtype",
+    def __init__(self, weight: Weight, bias: torch.Tensor | None = None, *, weights: str = "dtype",
                  kernels: CpuKernels | None = None, activation: str = "silu") -> None:
-        """`weights` and `kernels` as for `Linear`; a bias, or the GELU activation, keeps the unfused path."""
+        """`weights` and `kernels` as for `Linear`; a bias, or the GELU activation, keeps the unfused path. A
+        quantized weight runs the quantized kernel, then the activation and product in torch."""
         if activation not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"a gated projection's activation is silu or gelu_pytorch_tanh; got {activation!r}")
         self._gelu = activation == "gelu_pytorch_tanh"
-        if weight.dim() != 2 or weight.shape[0] % 2:
+        if len(weight.shape) != 2 or weight.shape[0] % 2:
             raise ValueError(f"a gated projection's weight has an even number of rows; got {tuple(weight.shape)}")
         self._half = weight.shape[0] // 2
         self._fused: PackedF16Gemm | None = None
-        self._linear: Linear | None = None
+        self._linear: Linear | QuantizedLinear | None = None
+        if isinstance(weight, QuantizedWeight):
+            if kernels is None:
+                raise ValueError("a quantized projection runs on the CPU kernels; widen it where they are not")
+            self._linear = QuantizedLinear(weight, bias, kernels)
+            return
         fusable = (bias is None and not self._gelu and weights == "fp16" and weight.dtype == torch.float32
                    and weight.device.type == "cpu" and preferred_fp16_kind(kernels) == FUSED_KIND
                    and fits_fp16(weight))
@@ -60,6 +73,13 @@ class GateUp:
     def kind(self) -> str:
         """The kernel that runs the projection (`Linear.kind`'s names)."""
         return FUSED_KIND if self._fused is not None else self._linear.kind
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its weight is stored in (`Linear.nbytes`)."""
+        if self._fused is not None:
+            return 2 * self._half * self._fused.in_features * 2  # both halves in fp16 panels
+        return self._linear.nbytes
 
     @property
     def fused(self) -> bool:

@@ -21,6 +21,7 @@ import torch
 from ferrox_batch.runtime.architectures import llama
 from ferrox_batch.runtime.architectures.layer_weights import LayerWeights
 from ferrox_batch.runtime.config import ModelConfig
+from ferrox_batch.runtime.quant.weight import cat_rows
 
 
 def layer(take: llama.Take, c: ModelConfig, i: int, linear: llama.MakeLinear,
@@ -34,14 +35,14 @@ def layer(take: llama.Take, c: ModelConfig, i: int, linear: llama.MakeLinear,
 
     return LayerWeights(
         input_norm=norm("input_layernorm.weight", c.hidden_size),
-        qkv=linear(torch.cat([
+        qkv=linear(cat_rows([
             take(p + "self_attn.q_proj.weight", (q_out, c.hidden_size)),
             take(p + "self_attn.k_proj.weight", (kv_out, c.hidden_size)),
             take(p + "self_attn.v_proj.weight", (kv_out, c.hidden_size)),
         ]), None),
         o=linear(take(p + "self_attn.o_proj.weight", (c.hidden_size, q_out)), None),
         post_norm=norm("pre_feedforward_layernorm.weight", c.hidden_size),
-        gate_up=gate_up(torch.cat([
+        gate_up=gate_up(cat_rows([
             take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
             take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
         ])),

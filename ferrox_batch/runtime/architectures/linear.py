@@ -53,7 +53,7 @@ FP16_KINDS = ("fp16_panels", "fbgemm_fp16")
 
 
 class Linear:
-    __slots__ = ("weight", "bias", "_packed", "_kind", "_kernels", "_out_features")
+    __slots__ = ("_dtype_size", "_in_features", "_kernels", "_kind", "_out_features", "_packed", "bias", "weight")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True, keep_weight: bool = False,
@@ -70,6 +70,8 @@ class Linear:
         self._kind = "plain"
         self._kernels = kernels
         self._out_features = weight.shape[0]
+        self._in_features = weight.shape[1]
+        self._dtype_size = weight.element_size()
         on_cpu = pack and weight.device.type == "cpu"
         if on_cpu and weights == "fp16" and weight.dtype == torch.float32:
             self._try_pack_fp16()
@@ -77,6 +79,14 @@ class Linear:
             self._try_pack()
         if self._kind != "plain" and not keep_weight:
             self.weight = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its weight is stored in: fp16 panels 2 per weight, else the weight's dtype (packed or not),
+        and the bias."""
+        per_weight = 2 if self._kind in FP16_KINDS else self._dtype_size
+        return self._out_features * self._in_features * per_weight + (
+            0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
     @property
     def kind(self) -> str:

@@ -16,21 +16,23 @@ import torch
 from ferrox_batch.runtime.architectures.gate_up import GateUp
 from ferrox_batch.runtime.architectures.layer_weights import LayerWeights
 from ferrox_batch.runtime.architectures.linear import Linear
+from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.config import ModelConfig
+from ferrox_batch.runtime.quant.weight import Weight, cat_rows
 
-#: Takes one named tensor of the checkpoint, checking its shape.
-Take = Callable[[str, tuple[int, ...]], torch.Tensor]
+#: Takes one named tensor of the checkpoint, checking its shape: a 2-D weight may come quantized.
+Take = Callable[[str, tuple[int, ...]], Weight]
 #: Builds a linear layer from its weight and optional bias, in the decoder's weight format.
-MakeLinear = Callable[[torch.Tensor, torch.Tensor | None], Linear]
+MakeLinear = Callable[[Weight, torch.Tensor | None], Linear | QuantizedLinear]
 #: Builds the fused gate/up projection from its weight.
-MakeGateUp = Callable[[torch.Tensor], GateUp]
+MakeGateUp = Callable[[Weight], GateUp]
 
 
 def layer(take: Take, c: ModelConfig, i: int, linear: MakeLinear, gate_up: MakeGateUp) -> LayerWeights:
     """Layer `i` of a Llama-family checkpoint."""
     p = f"model.layers.{i}."
     q_out, kv_out = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    qkv = torch.cat([
+    qkv = cat_rows([
         take(p + "self_attn.q_proj.weight", (q_out, c.hidden_size)),
         take(p + "self_attn.k_proj.weight", (kv_out, c.hidden_size)),
         take(p + "self_attn.v_proj.weight", (kv_out, c.hidden_size)),
@@ -47,7 +49,7 @@ def layer(take: Take, c: ModelConfig, i: int, linear: MakeLinear, gate_up: MakeG
         qkv=linear(qkv, bias),
         o=linear(take(p + "self_attn.o_proj.weight", (c.hidden_size, q_out)), None),
         post_norm=take(p + "post_attention_layernorm.weight", (c.hidden_size,)),
-        gate_up=gate_up(torch.cat([
+        gate_up=gate_up(cat_rows([
             take(p + "mlp.gate_proj.weight", (c.intermediate_size, c.hidden_size)),
             take(p + "mlp.up_proj.weight", (c.intermediate_size, c.hidden_size)),
         ])),

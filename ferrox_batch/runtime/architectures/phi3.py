@@ -9,12 +9,11 @@ so that its rotated pairs sit where a full rotation puts them, and its RoPE tabl
 
 from __future__ import annotations
 
-import torch
-
 from ferrox_batch.runtime.architectures import llama
 from ferrox_batch.runtime.architectures.layer_weights import LayerWeights
 from ferrox_batch.runtime.architectures.rope import reorder_heads, rotary_permutation
 from ferrox_batch.runtime.config import ModelConfig
+from ferrox_batch.runtime.quant.weight import cat_rows, reorder_rows, split_rows
 
 
 def layer(take: llama.Take, c: ModelConfig, i: int, linear: llama.MakeLinear,
@@ -25,9 +24,9 @@ def layer(take: llama.Take, c: ModelConfig, i: int, linear: llama.MakeLinear,
     qkv = take(p + "self_attn.qkv_proj.weight", (q_out + 2 * kv_out, c.hidden_size))
     if c.rotary_dim < c.head_dim:
         order = rotary_permutation(c.head_dim, c.rotary_dim)
-        q, k, v = qkv.split((q_out, kv_out, kv_out))
-        qkv = torch.cat([reorder_heads(q, c.num_heads, c.head_dim, order),
-                         reorder_heads(k, c.num_kv_heads, c.head_dim, order), v])
+        q, k, v = split_rows(qkv, (q_out, kv_out, kv_out))
+        qkv = cat_rows([reorder_rows(q, lambda rows: reorder_heads(rows, c.num_heads, c.head_dim, order)),
+                        reorder_rows(k, lambda rows: reorder_heads(rows, c.num_kv_heads, c.head_dim, order)), v])
     return LayerWeights(
         input_norm=take(p + "input_layernorm.weight", (c.hidden_size,)),
         qkv=linear(qkv, None),

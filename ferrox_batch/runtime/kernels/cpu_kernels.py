@@ -1,6 +1,6 @@
 """The CPU kernels in `csrc/`: their typed, checked entry points.
 
-Five hot spots of a CPU step are not worth torch's generic kernels:
+Six hot spots of a CPU step are not worth torch's generic kernels:
 
 * paged decode attention (`csrc/paged_decode.c`): torch gathers every
   sequence's paged context into a contiguous tensor and then runs SDPA over
@@ -48,12 +48,27 @@ Five hot spots of a CPU step are not worth torch's generic kernels:
   each slice. A gated variant computes the MLP's `silu(gate) * up` in the
   same pass (`runtime.architectures.gate_up`), so the `[rows, 2n]` projection is never
   written out.
+* linear layers and embedding rows with weights in GGUF's quantized blocks
+  (`csrc/quant_gemm.c`: Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, as the file stores
+  them): each thread decodes 4 weight rows at a time (exactly, into float32)
+  in a scratch of its own, once per call, and sweeps every input row past them in
+  register tiles, so a step streams the file's 4.5-8.5 bits per weight
+  instead of 16 or 32. At one row the decode is the cost: on a 2-core Emerald
+  Rapids VM (2 threads, two runs of `scripts/bench_quant_gemm.py`) the default
+  model's projections in Q8_0 took 0.7-1.7x the time of torch's packed bf16
+  linear and 0.4-0.9x its packed float32, each weight alone and so held in the
+  VM's 260 MB L3 (the lm head, timed interleaved with the others: 0.6x bf16);
+  at 32 rows 0.7-0.8x bf16 and 1.0-1.25x float32. An int8-activation variant
+  (`bind_quant_linear_q8act`, Q8_0 and Q4_0: x quantized per 32-block,
+  integer dot products) ran 1.2-2.1x as fast as the widening kernel at 1-2
+  rows and 0.75-1.35x at 8. `quant_rows` decodes only the rows a forward's tokens name.
+  Bound to a weight once (`quant_gemm.QuantGemm`), as the fp16 kernel is.
 
 They are built once per process by `kernel_build` (the system's GCC, flags
 for the CPU that runs them, nothing cached); `cpu_kernels()` returns None
 when they cannot be, and the decoder then keeps torch's ops (the two paths
 agree to float rounding, tested). They run on the calling thread's OpenMP
-team, and ctypes drops the GIL for each call. A sixth entry point,
+team, and ctypes drops the GIL for each call. One more entry point,
 `csrc/layer_stack.c`, runs the decoder's whole layer loop over these kernels
 in one call (`runtime.architectures.layer_stack` checks its inputs).
 """
@@ -62,6 +77,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -73,11 +89,17 @@ from ferrox_batch.runtime.kernels.packed_gemm import (
     pack_f16_panels,
     slice_panels,
 )
+from ferrox_batch.runtime.kernels.quant_gemm import QuantGemm, check_status
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
+from ferrox_batch.runtime.quant.formats import BY_GGML_TYPE, QuantFormat
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 #: What the kernels' pools may hold (their `pool_kind`, csrc/half.h): the activation dtypes, or fp16.
 POOL_KINDS = {**_DTYPES, torch.float16: 2}
+#: `ferrox_quant_path()`'s answer: which loops the quantized kernel was built with (csrc/quant_gemm.c).
+QUANT_PATHS = ("scalar", "avx2", "avx512")
+#: The formats the int8-activation kernel multiplies (`bind_quant_linear_q8act`).
+Q8ACT_FORMATS = ("q8_0", "q4_0")
 
 
 class CpuKernels:
@@ -109,6 +131,17 @@ class CpuKernels:
         self._f16_gemm_gated.restype = i32
         #: Whether the fp16-weight linear was built with AVX2, FMA and F16C (else scalar: correct, slow).
         self.f16_gemm_vectorised = bool(library.ferrox_f16_gemm_vectorised())
+        self._quant_gemm = library.ferrox_quant_gemm
+        self._quant_gemm.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
+        self._quant_gemm.restype = i32
+        self._quant_gemm_q8act = library.ferrox_quant_gemm_q8act
+        self._quant_gemm_q8act.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
+        self._quant_gemm_q8act.restype = i32
+        self._quant_rows = library.ferrox_quant_rows
+        self._quant_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32, i32]
+        self._quant_rows.restype = i32
+        #: The quantized kernel's loops: "scalar", "avx2" or "avx512" (float32 FMAs, bf16 activations widened).
+        self.quant_path = QUANT_PATHS[library.ferrox_quant_path()]
         self._library = library  # keeps the mapping alive as long as the kernels
 
     @property
@@ -308,6 +341,51 @@ class CpuKernels:
     def bind_f16_gated_linear(self, panels: torch.Tensor, out_features: int) -> PackedF16Gemm:
         """`f16_gated_linear` bound to one packed weight, as `bind_f16_linear`."""
         return PackedF16Gemm(self._f16_gemm_gated, panels, out_features, 2 * slice_panels(out_features))
+
+    def bind_quant_linear(self, segments: Sequence[tuple[QuantFormat, torch.Tensor]], in_features: int) -> QuantGemm:
+        """`x @ w.T` for a weight of `in_features` inputs kept in quantized blocks: `segments` are `(format,
+        [rows, format.row_bytes(in_features)] uint8)` pairs stacked in order along the outputs (a fused
+        projection may mix formats). Checked now, once; each call checks only its input (`quant_gemm`)."""
+        return QuantGemm(self._quant_gemm, segments, in_features)
+
+    def bind_quant_linear_q8act(self, segments: Sequence[tuple[QuantFormat, torch.Tensor]],
+                                in_features: int) -> QuantGemm:
+        """As `bind_quant_linear`, for the int8-activation kernel (`csrc/quant_gemm.c`'s
+        `ferrox_quant_gemm_q8act`): each 32-block of x is quantized to int8 with a scale of its own and
+        multiplied with integer dot products, so the result also carries x's quantization (each x within
+        half a step of its block's scale). Q8_0 and Q4_0 weights only."""
+        for fmt, _ in segments:
+            if fmt.name not in Q8ACT_FORMATS:
+                raise ValueError(f"the int8-activation kernel runs {' and '.join(Q8ACT_FORMATS)} weights; "
+                                 f"got {fmt.name}")
+        return QuantGemm(self._quant_gemm_q8act, segments, in_features)
+
+    def quant_rows(self, fmt: QuantFormat, raw: torch.Tensor, index: torch.Tensor, k: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` `[n]` (int64) of a `[rows, fmt.row_bytes(k)]` quantized table, decoded: `[n, k]` in
+        `dtype`, float32 exactly as gguf's reference dequantizes, or that rounded to bfloat16 (nearest even,
+        as torch casts). The kernel reads the rows unchecked, so the indices are checked here (their min and
+        max: two reductions over a forward's tokens)."""
+        if dtype not in _DTYPES:
+            raise ValueError(f"quantized rows decode to one of {list(_DTYPES)}; got {dtype}")
+        if BY_GGML_TYPE.get(fmt.ggml_type) != fmt:
+            raise ValueError(f"the quantized kernels do not decode {fmt.name} (GGML type {fmt.ggml_type})")
+        row_bytes = fmt.row_bytes(k)
+        if raw.dtype != torch.uint8 or raw.dim() != 2 or raw.shape[1] != row_bytes:
+            raise ValueError(f"a {fmt.name} table of rows of {k} is [rows, {row_bytes}] uint8; got {raw.dtype} "
+                             f"{tuple(raw.shape)}")
+        if index.dtype != torch.int64 or index.dim() != 1:
+            raise ValueError(f"row indices are a 1-D int64 tensor; got {index.dtype} {tuple(index.shape)}")
+        index = index.contiguous()
+        _check_cpu_contiguous(raw, index)
+        n = index.shape[0]
+        if n and (int(index.min()) < 0 or int(index.max()) >= raw.shape[0]):
+            raise ValueError(f"a row index is outside the table's {raw.shape[0]} rows")
+        out = torch.empty(n, k, dtype=dtype)
+        status = self._quant_rows(fmt.ggml_type, raw.data_ptr(), k, index.data_ptr(), n, out.data_ptr(),
+                                  _DTYPES[dtype], torch.get_num_threads())
+        check_status("quantized rows", status)
+        return out
 
 
 def _check_dtypes(what: str, *tensors: torch.Tensor) -> None:

@@ -17,9 +17,11 @@ compiles wins. On x86-64 that is the first, `-march=native
 -mprefer-vector-width=512`: code for the CPU that builds it. On an AVX2-only
 machine that is AVX2 + FMA with 256-bit vectors (the 512-bit preference has
 nothing to apply to) and glibc's AVX2 `expf`; on an AVX-512 machine, AVX-512
-with 512-bit vectors and the AVX-512 `expf`. No bf16 instructions are used on
-either (bf16 is widened and rounded with integer bit operations, `bf16.h`), so
-`avx512_bf16` and AMX change nothing here. The later sets are for compilers
+with 512-bit vectors and the AVX-512 `expf`. bf16 is widened and rounded with
+integer bit operations (`bf16.h`), so no bf16 instructions are used (the
+quantized linear, `quant_gemm.c`, measured `vdpbf16ps` slower than float32 FMAs
+and says why); its int8-activation entry point uses `vpdpbusd` where
+`__AVX512VNNI__` is defined. AMX changes nothing here. The later sets are for compilers
 that refuse the earlier flags (the vector-width flag is x86-only); the last
 targets the compiler's baseline (SSE2 on x86-64). Building for `native` is safe
 because the library is built in the process that runs it, on that machine, and
@@ -52,7 +54,8 @@ from typing import Callable, TypeVar
 log = logging.getLogger("ferrox_batch.models")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ("paged_decode.c", "prefill_attention.c", "rms_norm.c", "rope_store.c", "f16_gemm.c", "layer_stack.c")
+SOURCES = ("paged_decode.c", "prefill_attention.c", "rms_norm.c", "rope_store.c", "f16_gemm.c", "layer_stack.c",
+           "quant_gemm.c")
 #: GCC flag sets tried in order: the first that compiles wins (x86 first, then any target).
 COMPILE_FLAGS = (
     ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math"],

@@ -27,6 +27,8 @@ import numpy as np
 from ferrox_batch.runtime.errors import ModelLoadError, UnsupportedArchitecture
 from ferrox_batch.runtime.loading.gguf_families import FAMILIES, GgufFamily
 from ferrox_batch.runtime.loading.gguf_tokenizer import eog_ids, tokenizer_from_metadata
+from ferrox_batch.runtime.quant.formats import BY_GGML_TYPE
+from ferrox_batch.runtime.quant.weight import QuantizedWeight
 
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
 
@@ -36,17 +38,21 @@ Progress = Callable[[int, int, str], None]
 
 @dataclass(slots=True)
 class ConvertedCheckpoint:
-    """Everything an HF folder holds, in memory; `tensors` are fp32 under HF names."""
+    """Everything an HF folder holds, in memory; `tensors` are fp32 under HF names (or, read with
+    `keep_quantized`, some of them `QuantizedWeight`s)."""
 
     config: dict[str, Any]
-    tensors: dict[str, np.ndarray]
+    tensors: dict[str, np.ndarray | QuantizedWeight]
     tokenizer_json: str
     tokenizer_config: dict[str, Any]
     generation_config: dict[str, Any]
 
 
-def read_gguf(path: str | Path, *, progress: Progress | None = None) -> ConvertedCheckpoint:
-    """Convert the GGUF at `path`; `progress` is told about each dequantized tensor."""
+def read_gguf(path: str | Path, *, progress: Progress | None = None, keep_quantized: bool = False) -> ConvertedCheckpoint:
+    """Convert the GGUF at `path`; `progress` is told about each dequantized tensor. With `keep_quantized`,
+    every 2-D weight stored in one of `runtime.quant.formats.FORMATS` stays in its blocks, copied into
+    memory as a `QuantizedWeight` (its rows reordered where llama.cpp permuted them, exactly: rows are
+    independent), and only the rest is dequantized."""
     import gguf  # deferred: only conversion needs it
 
     path = Path(path)
@@ -73,7 +79,7 @@ def read_gguf(path: str | Path, *, progress: Progress | None = None) -> Converte
         config["vocab_size"] = _embedding_rows(by_name)
         _token_ids(meta, config)
         tokenizer_json, tokenizer_config = tokenizer_from_metadata(meta, config)
-        tensors = _tensors(reader.tensors, family, config, progress)
+        tensors = _tensors(reader.tensors, family, config, progress, keep_quantized)
     except ModelLoadError as err:
         raise ModelLoadError(f"{path}: {err}") from None
     except (KeyError, ValueError, TypeError, IndexError, NotImplementedError) as err:
@@ -159,14 +165,18 @@ def _token_ids(meta: dict[str, Any], config: dict[str, Any]) -> None:
 
 
 def _tensors(gguf_tensors: list[Any], family: GgufFamily, config: dict[str, Any],
-             progress: Progress | None) -> dict[str, np.ndarray]:
+             progress: Progress | None, keep_quantized: bool = False) -> dict[str, np.ndarray | QuantizedWeight]:
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     weights = [t for t in gguf_tensors if family.hf_name(t.name) is not None]
-    out: dict[str, np.ndarray] = {}
+    out: dict[str, np.ndarray | QuantizedWeight] = {}
     for done, t in enumerate(weights, 1):
         name = family.hf_name(t.name)
         assert name is not None
-        weight = _dequantized(t)
+        fmt = BY_GGML_TYPE.get(int(t.tensor_type))
+        if keep_quantized and fmt is not None and len(t.shape) == 2:
+            weight = np.asarray(t.data)  # [rows, row_bytes]: the file's blocks, reordered below by whole rows
+        else:
+            weight = _dequantized(t)
         if family.permuted_qk and t.name.endswith(("attn_q.weight", "attn_q.bias")):
             weight = unpermute_rope_rows(weight, heads)
         elif family.permuted_qk and t.name.endswith(("attn_k.weight", "attn_k.bias")):
@@ -176,7 +186,11 @@ def _tensors(gguf_tensors: list[Any], family: GgufFamily, config: dict[str, Any]
             weight = weight - np.float32(family.norm_offset)
         if name in out:
             raise ModelLoadError(f"tensor {t.name} appears twice")
-        out[name] = weight
+        if weight.dtype == np.uint8:
+            cols = int(t.shape.tolist()[0])
+            out[name] = QuantizedWeight.of(fmt, weight.reshape(-1, fmt.row_bytes(cols)), cols)
+        else:
+            out[name] = weight
         if progress:
             progress(done, len(weights), name)
     _check_shapes(out, family.expected_shapes(config))

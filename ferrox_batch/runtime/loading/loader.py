@@ -3,8 +3,9 @@
 A folder needs `config.json`, `tokenizer.json` and its weights as
 `model.safetensors` or shards listed in `model.safetensors.index.json` (each
 inside the folder: an index cannot point the loader at another file). A
-`.gguf` file is dequantized in memory through the same conversion `fetch`
-uses. Every failure is a `ModelLoadError` that names the file and what is
+`.gguf` file is read through the same conversion `fetch` uses, its quantized
+weights kept in their blocks or widened as `--weights` says
+(`runtime.quant.choice`). Every failure is a `ModelLoadError` that names the file and what is
 wrong with it; an unsupported architecture is refused before any weight is
 read.
 """
@@ -34,6 +35,8 @@ from ferrox_batch.runtime.device import (
 from ferrox_batch.runtime.errors import ModelLoadError
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
+from ferrox_batch.runtime.quant.choice import WeightsChoice, choose_weights
+from ferrox_batch.runtime.quant.weight import QuantizedWeight, Weight
 
 log = logging.getLogger("ferrox_batch.models")
 
@@ -50,6 +53,14 @@ class LoadedModel:
     precision: str = "fp32"
     #: Why the KV store holds `decoder.kv_dtype` (`auto`'s rule, or "asked for").
     kv_dtype_reason: str = "asked for"
+    #: How the weights are held (`runtime.quant.choice`), and why.
+    weights_reason: str = "asked for"
+
+    @property
+    def weights_summary(self) -> str:
+        """The weights' formats and memory, as the start line and `/stats` say them."""
+        formats = ", ".join(f"{count} {name}" for name, count in self.decoder.weight_formats.items())
+        return f"{self.decoder.weight_bytes / 2**20:.1f} MiB of weights (linear layers: {formats})"
 
     @property
     def kv_dtype_name(self) -> str:
@@ -67,30 +78,35 @@ def load_model(
     device: str | torch.device | None = "auto",
     dtype: str | torch.dtype | None = "auto",
     kv_cache_dtype: str | torch.dtype | None = "auto",
+    weights: str | None = "auto",
 ) -> LoadedModel:
     """`dtype` is the precision (`runtime.device`); `kv_cache_dtype` what the KV store holds (auto, fp32,
-    fp16 or bf16: `device.choose_kv_dtype`)."""
+    fp16 or bf16: `device.choose_kv_dtype`); `weights` how the weights are held (auto, widen, or a format to
+    quantize to: `runtime.quant.choice`)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"no model at {path}")
-    if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path, device, dtype, kv_cache_dtype)
+    gguf = path.is_file() and path.suffix == ".gguf"
+    held = choose_weights(weights, gguf=gguf, device=choose_device(device))
+    if gguf:
+        return _load_gguf(path, device, dtype, kv_cache_dtype, held)
     if not path.is_dir():
         raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
     config = ModelConfig.from_file(path / "config.json")
     tokenizer = Tokenizer.from_dir(path)
-    weights = _read_safetensors(path)
-    return _build(config, weights, tokenizer, path, device, dtype, kv_cache_dtype)
+    tensors = _read_safetensors(path)
+    return _build(config, tensors, tokenizer, path, device, dtype, kv_cache_dtype, held)
 
 
 def _build(
     config: ModelConfig,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, Weight],
     tokenizer: Tokenizer,
     source: Path,
     device: str | torch.device | None,
     dtype: str | torch.dtype | None,
     kv_cache_dtype: str | torch.dtype | None,
+    held: WeightsChoice,
 ) -> LoadedModel:
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(
@@ -102,7 +118,10 @@ def _build(
     in_place = Decoder.kernels_for(chosen_device, chosen.dtype) is not None
     kv = choose_kv_dtype(kv_cache_dtype, chosen, chosen_device, in_place)
     decoder = Decoder(config, weights, device=chosen_device, dtype=chosen.dtype, weights_format=chosen.weights,
-                      kv_dtype=kv.dtype)
+                      kv_dtype=kv.dtype, keep_quantized=held.keep_quantized, quantize_to=held.quantize_to)
+    weights_reason = held.reason
+    if held.keep_quantized and "dense" in decoder.weight_formats:
+        weights_reason += "; the weights in other formats (or where no quantized kernel runs here) widened"
     kinds = ", ".join(f"{count} {kind}" for kind, count in decoder.linear_kinds.items())
     precision, reason = chosen.name, chosen.reason
     if chosen.weights == "fp16" and not set(FP16_KINDS) & set(decoder.linear_kinds):
@@ -113,9 +132,10 @@ def _build(
         # `auto`'s K/V follow the precision that runs: plain fp32 keeps fp32 K/V.
         kv = choose_kv_dtype(kv_cache_dtype, DtypeChoice(torch.float32, reason), chosen_device, in_place)
         decoder.kv_dtype = kv.dtype  # no store exists yet
-    log.info("%s runs in %s on %s (linear kernels: %s): %s; KV cache in %s: %s", source.name, precision,
-             chosen_device, kinds, reason, kv.name, kv.reason)
-    return LoadedModel(config, decoder, tokenizer, source, reason, precision, kv.reason)
+    loaded = LoadedModel(config, decoder, tokenizer, source, reason, precision, kv.reason, weights_reason)
+    log.info("%s runs in %s on %s (linear kernels: %s): %s; KV cache in %s: %s; %s: %s", source.name, precision,
+             chosen_device, kinds, reason, kv.name, kv.reason, loaded.weights_summary, weights_reason)
+    return loaded
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -163,11 +183,11 @@ def _shard(folder: Path, index: Path, name: object) -> Path:
 
 def _load_gguf(
     path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None,
-    kv_cache_dtype: str | torch.dtype | None,
+    kv_cache_dtype: str | torch.dtype | None, held: WeightsChoice,
 ) -> LoadedModel:
     from ferrox_batch.runtime.loading.gguf_convert import read_gguf
 
-    ckpt = read_gguf(path)
+    ckpt = read_gguf(path, keep_quantized=held.keep_quantized)
     config = ModelConfig.from_dict(ckpt.config)
     tokenizer = Tokenizer.from_parts(
         ckpt.tokenizer_json,
@@ -176,5 +196,6 @@ def _load_gguf(
         model_config=ckpt.config,
         source=str(path),
     )
-    weights = {name: torch.from_numpy(array) for name, array in ckpt.tensors.items()}
-    return _build(config, weights, tokenizer, path, device, dtype, kv_cache_dtype)
+    weights: dict[str, Weight] = {name: value if isinstance(value, QuantizedWeight) else torch.from_numpy(value)
+                                  for name, value in ckpt.tensors.items()}
+    return _build(config, weights, tokenizer, path, device, dtype, kv_cache_dtype, held)
