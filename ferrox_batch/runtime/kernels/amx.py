@@ -2,10 +2,11 @@
 
 An AMX instruction in a process that has not asked the kernel for the tile data state (`arch_prctl`
 with `ARCH_REQ_XCOMP_PERM` for `XFEATURE_XTILEDATA`) dies with SIGILL: llama.cpp's server, built
-native on an AMX Xeon, did exactly that loading a Q8_0 file. The kernels therefore ask once per process,
-before their first AMX call, and take their AVX-512 path when the answer is no: a CPU without AMX, a
-kernel older than 5.16 or one that refuses the larger signal frame, or a platform that is not x86-64
-Linux. oneDNN asks for itself on torch's behalf; this answer is ours.
+native on an AMX Xeon, did exactly that loading a Q8_0 file. A kernel of ours that uses tiles must
+therefore be guarded by `amx_permission()`, asked once per process, and take the AVX-512 path when the
+answer is no: a CPU without AMX, a kernel older than 5.16 or one that refuses the larger signal frame,
+or a platform that is not x86-64 Linux. No kernel of ours uses tiles yet (the machines this was built
+on expose none to test one on); oneDNN asks for itself on torch's behalf.
 
 Promises: `request_amx_tiles` never raises; it returns whether tiles may be used, and why.
 """

@@ -55,7 +55,7 @@ log = logging.getLogger("ferrox_batch.models")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_decode.c", "prefill_attention.c", "rms_norm.c", "rope_store.c", "f16_gemm.c", "layer_stack.c",
-           "quant_gemm.c")
+           "quant_gemm.c", "quant_q8act.c")
 #: GCC flag sets tried in order: the first that compiles wins (x86 first, then any target).
 COMPILE_FLAGS = (
     ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math"],

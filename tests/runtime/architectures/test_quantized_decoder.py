@@ -146,3 +146,31 @@ def test_without_the_kernels_a_file_is_widened_and_quantizing_is_refused(files: 
     assert "widened" in model.weights_reason
     with pytest.raises(ModelLoadError, match="cannot be served in q8_0 here"):
         load_model(tiny_batch_dir, device="cpu", dtype="float32", weights="q8_0")
+
+
+def test_kept_blocks_are_the_process_s_memory_not_the_file_s(files: dict[str, FamilyGguf],
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The KV budget's default is a share of the memory available after the load: blocks left as a view of
+    the mapped file would count as free page cache there, so every kept weight lies outside the mapping."""
+    import gguf
+
+    from ferrox_batch.runtime.loading.gguf_convert import read_gguf
+    from ferrox_batch.runtime.quant.weight import QuantizedWeight
+
+    readers = []
+
+    class Recording(gguf.GGUFReader):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            readers.append(self)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Recording)
+    kept = read_gguf(files["gemma3"].path, keep_quantized=True).tensors
+    (reader,) = readers
+    start = reader.data.ctypes.data
+    quantized = [w for w in kept.values() if isinstance(w, QuantizedWeight)]
+    assert quantized
+    for weight in quantized:
+        for segment in weight.segments:
+            address = segment.data.data_ptr()
+            assert not start <= address < start + reader.data.nbytes
