@@ -146,8 +146,10 @@ def test_health_and_stats(server):
     health = httpx.get(f"{base_url}/health", timeout=DEADLINE)
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     body = stats(base_url)
-    assert set(body) == set(batcher.stats().to_dict())
+    # the batcher's counters, and what the server adds about the model it serves
+    assert set(body) == set(batcher.stats().to_dict()) | {"precision", "weight_bytes", "weight_formats"}
     assert body["worker_alive"] is True and body["kv_blocks_total"] == 256
+    assert set(body["weight_formats"]) == {"dense"} and body["weight_bytes"] > 0  # a dense fp32 checkpoint
 
 
 def _free_port() -> int:
