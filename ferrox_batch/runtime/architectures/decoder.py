@@ -56,6 +56,7 @@ from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
 from ferrox_batch.runtime.errors import ModelLoadError
 from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels, cpu_kernels
+from ferrox_batch.runtime.kernels.packed_quant import PackedQuant
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk, build_group_inputs
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
@@ -79,13 +80,18 @@ class Decoder:
         kv_dtype: torch.dtype | None = None,
         keep_quantized: bool = False,
         quantize_to: QuantFormat | None = None,
+        int8_activations: bool = True,
     ) -> None:
         """`weights_format` is how the linear layers (the lm head included) store their dense weights:
         in `dtype`, or "fp16" (an fp32 model on the CPU; `runtime.architectures.linear`). `kv_dtype` is what the KV
         store holds (`dtype` when None): K and V are rounded to it once, when written. `keep_quantized` serves
         the checkpoint's quantized weights (`QuantizedWeight`s in `weights`) as stored, in every format the
         kernels run here, widening the rest; `quantize_to` quantizes every dense 2-D weight (the linears and
-        the embedding) to that format at load. Either needs the CPU kernels (ModelLoadError otherwise)."""
+        the embedding) to that format at load. Either needs the CPU kernels (ModelLoadError otherwise).
+        `int8_activations` picks the quantized layers' kernel: int8 activations and integer dot products over
+        weights repacked at load (the default: llama.cpp's arithmetic, and each row's result independent of
+        its batch), or the weight-only kernel that decodes the file's blocks to float32 and leaves x as it
+        is (exactly the widened weights' product, summed in another order)."""
         if kv_dtype is None:
             kv_dtype = dtype
         if kv_dtype not in KV_CACHE_DTYPES.values():
@@ -96,14 +102,15 @@ class Decoder:
         self.kv_dtype = kv_dtype
         self.weights_format = weights_format
         self.kernels = self.kernels_for(self.device, dtype)
-        runs = formats_that_run(self.kernels, dtype) if keep_quantized or quantize_to is not None else frozenset()
+        self.int8_activations = int8_activations
+        runs = formats_that_run(self.kernels, dtype, int8_activations) if keep_quantized or quantize_to is not None else frozenset()
         if quantize_to is not None and quantize_to.name not in runs:
             raise ModelLoadError(f"weights cannot be served in {quantize_to.name} here: the quantized kernels run on "
                                  f"the CPU with float32 or bf16 activations, and "
                                  f"{'did not build' if self.kernels is None else 'did not pass their check'}")
         take = _Taker(weights, self.device, dtype, runs if keep_quantized else frozenset(), quantize_to)
         self.embed = Embedding(take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size)), dtype,
-                               self.kernels)
+                               self.kernels, int8_activations)
         #: Whether the output head multiplies by the embedding's own weight (a packed head still owns its packing).
         self.lm_head_tied = config.tie_word_embeddings and "lm_head.weight" not in weights
         if self.lm_head_tied:
@@ -113,7 +120,7 @@ class Decoder:
         self.final_norm = take("model.norm.weight", (config.hidden_size,)) + NORM_OFFSETS.get(config.family, 0.0)
         build = LAYERS[config.family]
         gate_up = lambda weight: GateUp(weight, weights=self.weights_format, kernels=self.kernels,
-                                        activation=config.hidden_act)
+                                        activation=config.hidden_act, int8_activations=int8_activations)
         self.layers = [build(take, config, i, self._linear, gate_up) for i in range(config.num_layers)]
         unused = set(weights) - {"lm_head.weight"}
         unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
@@ -136,11 +143,11 @@ class Decoder:
             return cpu_kernels()
         return None
 
-    def _linear(self, weight: Weight, bias: torch.Tensor | None = None, *,
+    def _linear(self, weight: Weight | PackedQuant, bias: torch.Tensor | None = None, *,
                 keep_weight: bool = False) -> Linear | QuantizedLinear:
-        if isinstance(weight, QuantizedWeight):
+        if isinstance(weight, (QuantizedWeight, PackedQuant)):
             assert self.kernels is not None  # `_Taker` keeps weights quantized only where they run
-            return QuantizedLinear(weight, bias, self.kernels)
+            return QuantizedLinear(weight, bias, self.kernels, self.int8_activations)
         return Linear(weight, bias, keep_weight=keep_weight, weights=self.weights_format, kernels=self.kernels)
 
     def _linears(self) -> list[Linear | QuantizedLinear | GateUp]:

@@ -42,9 +42,10 @@ class GateUp:
     __slots__ = ("_fused", "_gelu", "_half", "_linear")
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None, *, weights: str = "dtype",
-                 kernels: CpuKernels | None = None, activation: str = "silu") -> None:
+                 kernels: CpuKernels | None = None, activation: str = "silu", int8_activations: bool = True) -> None:
         """`weights` and `kernels` as for `Linear`; a bias, or the GELU activation, keeps the unfused path. A
-        quantized weight runs the quantized kernel, then the activation and product in torch."""
+        quantized weight runs the quantized kernel (`QuantizedLinear`'s `int8_activations`), then the activation
+        and product in torch."""
         if activation not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"a gated projection's activation is silu or gelu_pytorch_tanh; got {activation!r}")
         self._gelu = activation == "gelu_pytorch_tanh"
@@ -56,7 +57,7 @@ class GateUp:
         if isinstance(weight, QuantizedWeight):
             if kernels is None:
                 raise ValueError("a quantized projection runs on the CPU kernels; widen it where they are not")
-            self._linear = QuantizedLinear(weight, bias, kernels)
+            self._linear = QuantizedLinear(weight, bias, kernels, int8_activations)
             return
         fusable = (bias is None and not self._gelu and weights == "fp16" and weight.dtype == torch.float32
                    and weight.device.type == "cpu" and preferred_fp16_kind(kernels) == FUSED_KIND

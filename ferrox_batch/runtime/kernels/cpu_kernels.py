@@ -89,6 +89,7 @@ from ferrox_batch.runtime.kernels.packed_gemm import (
     pack_f16_panels,
     slice_panels,
 )
+from ferrox_batch.runtime.kernels.packed_quant import PackedLibrary, PackedQuant
 from ferrox_batch.runtime.kernels.quant_gemm import QuantGemm, check_status
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 from ferrox_batch.runtime.quant.formats import BY_GGML_TYPE, QuantFormat
@@ -98,8 +99,6 @@ _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 POOL_KINDS = {**_DTYPES, torch.float16: 2}
 #: `ferrox_quant_path()`'s answer: which loops the quantized kernel was built with (csrc/quant_gemm.c).
 QUANT_PATHS = ("scalar", "avx2", "avx512")
-#: The formats the int8-activation kernel multiplies (`bind_quant_linear_q8act`).
-Q8ACT_FORMATS = ("q8_0", "q4_0")
 
 
 class CpuKernels:
@@ -131,12 +130,12 @@ class CpuKernels:
         self._f16_gemm_gated.restype = i32
         #: Whether the fp16-weight linear was built with AVX2, FMA and F16C (else scalar: correct, slow).
         self.f16_gemm_vectorised = bool(library.ferrox_f16_gemm_vectorised())
+        self._packed = PackedLibrary(library)
+        #: The int8 kernel's loops (`packed_quant.PACKED_PATHS`).
+        self.packed_path = self._packed.path
         self._quant_gemm = library.ferrox_quant_gemm
         self._quant_gemm.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
         self._quant_gemm.restype = i32
-        self._quant_gemm_q8act = library.ferrox_quant_gemm_q8act
-        self._quant_gemm_q8act.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
-        self._quant_gemm_q8act.restype = i32
         self._quant_rows = library.ferrox_quant_rows
         self._quant_rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32, i32]
         self._quant_rows.restype = i32
@@ -348,17 +347,11 @@ class CpuKernels:
         projection may mix formats). Checked now, once; each call checks only its input (`quant_gemm`)."""
         return QuantGemm(self._quant_gemm, segments, in_features)
 
-    def bind_quant_linear_q8act(self, segments: Sequence[tuple[QuantFormat, torch.Tensor]],
-                                in_features: int) -> QuantGemm:
-        """As `bind_quant_linear`, for the int8-activation kernel (`csrc/quant_gemm.c`'s
-        `ferrox_quant_gemm_q8act`): each 32-block of x is quantized to int8 with a scale of its own and
-        multiplied with integer dot products, so the result also carries x's quantization (each x within
-        half a step of its block's scale). Q8_0 and Q4_0 weights only."""
-        for fmt, _ in segments:
-            if fmt.name not in Q8ACT_FORMATS:
-                raise ValueError(f"the int8-activation kernel runs {' and '.join(Q8ACT_FORMATS)} weights; "
-                                 f"got {fmt.name}")
-        return QuantGemm(self._quant_gemm_q8act, segments, in_features)
+    def pack_quant(self, segments: Sequence[tuple[QuantFormat, torch.Tensor]], in_features: int) -> PackedQuant:
+        """A weight of `in_features` inputs kept in quantized blocks (`(format, [rows, format.row_bytes(k)]
+        uint8)` segments stacked along the outputs), repacked for the int8 kernel: `x @ w.T` with x
+        quantized per 32-block, and row lookups (`packed_quant`)."""
+        return PackedQuant(self._packed, segments, in_features)
 
     def quant_rows(self, fmt: QuantFormat, raw: torch.Tensor, index: torch.Tensor, k: int,
                    dtype: torch.dtype) -> torch.Tensor:

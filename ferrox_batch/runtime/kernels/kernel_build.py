@@ -20,7 +20,7 @@ nothing to apply to) and glibc's AVX2 `expf`; on an AVX-512 machine, AVX-512
 with 512-bit vectors and the AVX-512 `expf`. bf16 is widened and rounded with
 integer bit operations (`bf16.h`), so no bf16 instructions are used (the
 quantized linear, `quant_gemm.c`, measured `vdpbf16ps` slower than float32 FMAs
-and says why); its int8-activation entry point uses `vpdpbusd` where
+and says why); the int8 one, `quant_int8.c`, uses `vpdpbusd` where
 `__AVX512VNNI__` is defined. AMX changes nothing here. The later sets are for compilers
 that refuse the earlier flags (the vector-width flag is x86-only); the last
 targets the compiler's baseline (SSE2 on x86-64). Building for `native` is safe
@@ -38,6 +38,11 @@ one Newton step; it also assumes finite values, so a norm row holding an
 infinity comes out all NaN. The library is *linked* without it, because
 linking a shared library with `-ffast-math` adds a constructor that turns on
 flush-to-zero for the whole process (a test checks denormals survive).
+
+One source opts out of part of it (`SOURCE_FLAGS`): the int8 quantized linear,
+`quant_int8.c`, promises the same bits on every path and at every batch size,
+so GCC may not reassociate its products or replace its divisions by
+reciprocals there (measured: it regrouped `(D * sc) * dx` on one path only).
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ log = logging.getLogger("ferrox_batch.models")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_decode.c", "prefill_attention.c", "rms_norm.c", "rope_store.c", "f16_gemm.c", "layer_stack.c",
-           "quant_gemm.c", "quant_q8act.c")
+           "quant_gemm.c", "quant_pack.c", "quant_int8.c")
+#: Flags added after the set's for one source: what its promises need undone of -ffast-math.
+SOURCE_FLAGS = {"quant_int8.c": ("-fno-associative-math", "-fno-reciprocal-math")}
 #: GCC flag sets tried in order: the first that compiles wins (x86 first, then any target).
 COMPILE_FLAGS = (
     ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math"],
@@ -81,7 +88,7 @@ def build_library(load: Callable[[ctypes.CDLL], Loaded]) -> Loaded | None:
             objects = [Path(folder) / f"{Path(name).stem}.o" for name in SOURCES]
             built = None
             for name, obj in zip(SOURCES, objects):
-                built = built or _run([compiler, *flags, "-fopenmp", "-fPIC", "-I", str(CSRC), "-c",
+                built = built or _run([compiler, *flags, *SOURCE_FLAGS.get(name, ()), "-fopenmp", "-fPIC", "-I", str(CSRC), "-c",
                                        str(CSRC / name), "-o", str(obj)])
             built = built or _run([compiler, "-shared", "-fopenmp", *map(str, objects), "-o", str(lib), "-lm"])
             if built is None:

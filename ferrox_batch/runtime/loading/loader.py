@@ -79,15 +79,17 @@ def load_model(
     dtype: str | torch.dtype | None = "auto",
     kv_cache_dtype: str | torch.dtype | None = "auto",
     weights: str | None = "auto",
+    int8_activations: bool = True,
 ) -> LoadedModel:
     """`dtype` is the precision (`runtime.device`); `kv_cache_dtype` what the KV store holds (auto, fp32,
     fp16 or bf16: `device.choose_kv_dtype`); `weights` how the weights are held (auto, widen, or a format to
-    quantize to: `runtime.quant.choice`)."""
+    quantize to: `runtime.quant.choice`); `int8_activations` which kernel multiplies quantized weights
+    (`Decoder`'s: int8 activations by default, else the weight-only kernel)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"no model at {path}")
     gguf = path.is_file() and path.suffix == ".gguf"
-    held = choose_weights(weights, gguf=gguf, device=choose_device(device))
+    held = choose_weights(weights, gguf=gguf, device=choose_device(device), int8_activations=int8_activations)
     if gguf:
         return _load_gguf(path, device, dtype, kv_cache_dtype, held)
     if not path.is_dir():
@@ -118,7 +120,8 @@ def _build(
     in_place = Decoder.kernels_for(chosen_device, chosen.dtype) is not None
     kv = choose_kv_dtype(kv_cache_dtype, chosen, chosen_device, in_place)
     decoder = Decoder(config, weights, device=chosen_device, dtype=chosen.dtype, weights_format=chosen.weights,
-                      kv_dtype=kv.dtype, keep_quantized=held.keep_quantized, quantize_to=held.quantize_to)
+                      kv_dtype=kv.dtype, keep_quantized=held.keep_quantized, quantize_to=held.quantize_to,
+                      int8_activations=held.int8_activations)
     weights_reason = held.reason
     if held.keep_quantized and "dense" in decoder.weight_formats:
         weights_reason += "; the weights in other formats (or where no quantized kernel runs here) widened"

@@ -10,7 +10,10 @@
   (`quantize`), from whatever the checkpoint stores; a CPU option.
 
 The precision (`--dtype`) still decides the activations and what stays dense; a choice carries its
-reason, which the loader logs beside the precision's.
+reason, which the loader logs beside the precision's. Quantized weights are multiplied with int8
+activations and integer dot products by default (llama.cpp's arithmetic; each row's result is independent
+of its batch); `int8_activations=False` keeps x in the precision and decodes the weights to float32 instead
+(the weight-only kernel: the widened weights' product exactly, up to summation order; slower).
 """
 
 from __future__ import annotations
@@ -33,10 +36,20 @@ class WeightsChoice:
     #: Quantize every dense 2-D weight to this format at load.
     quantize_to: QuantFormat | None
     reason: str
+    #: Multiply quantized weights with int8 activations (else the weight-only kernel).
+    int8_activations: bool = True
 
 
-def choose_weights(asked: str | None, *, gguf: bool, device: torch.device) -> WeightsChoice:
+def choose_weights(asked: str | None, *, gguf: bool, device: torch.device, int8_activations: bool = True) -> WeightsChoice:
     """How to hold the weights of a checkpoint (a `gguf` file or not) on `device` (module docstring)."""
+    choice = _choose(asked, gguf=gguf, device=device)
+    if int8_activations:
+        return choice
+    return WeightsChoice(choice.keep_quantized, choice.quantize_to,
+                         choice.reason + "; quantized weights multiplied by the weight-only kernel", False)
+
+
+def _choose(asked: str | None, *, gguf: bool, device: torch.device) -> WeightsChoice:
     asked = asked or "auto"
     if asked not in WEIGHTS_CHOICES:
         raise ValueError(f"unknown weights choice {asked!r}; use one of {', '.join(WEIGHTS_CHOICES)}")

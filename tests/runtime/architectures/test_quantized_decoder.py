@@ -73,7 +73,7 @@ def run(model: Any, ids: list[int], new_tokens: int) -> tuple[torch.Tensor, list
 @pytest.mark.parametrize("name", CASES)
 def test_a_file_served_as_stored_is_the_file_widened(files: dict[str, FamilyGguf], name: str) -> None:
     path = files[name].path
-    stored = load_model(path, device="cpu", dtype="float32")
+    stored = load_model(path, device="cpu", dtype="float32", int8_activations=False)
     widened = load_model(path, device="cpu", dtype="float32", weights="widen")
     kinds = stored.decoder.linear_kinds
     assert all(kind.split("+")[0] in FORMATS or kind in ("mkldnn", "plain") for kind in kinds), kinds
@@ -94,7 +94,7 @@ def test_a_file_served_as_stored_is_the_file_widened(files: dict[str, FamilyGguf
 @pytest.mark.parametrize("name", CASES)
 def test_bf16_serving_of_the_stored_blocks_stays_close_to_float32(files: dict[str, FamilyGguf], name: str) -> None:
     path = files[name].path
-    bf16 = load_model(path, device="cpu", dtype="bfloat16")
+    bf16 = load_model(path, device="cpu", dtype="bfloat16", int8_activations=False)
     fp32 = load_model(path, device="cpu", dtype="float32", weights="widen")
     assert len(bf16.decoder.weight_formats) > 1  # quantized layers run (f16 parts of the file stay dense)
     ids = bf16.tokenizer.encode(PROMPT)
@@ -109,7 +109,7 @@ def test_the_embedding_and_its_tied_head_share_the_stored_blocks(files: dict[str
     model = load_model(files["gemma3"].path, device="cpu", dtype="float32")
     decoder = model.decoder
     assert decoder.lm_head_tied and decoder.lm_head.kind == "q8_0"
-    assert decoder.lm_head.quantized is decoder.embed.weight
+    assert decoder.lm_head.stored is decoder.embed.weight  # one packing, read as rows and multiplied by
     widened = load_model(files["gemma3"].path, device="cpu", dtype="float32", weights="widen")
     assert widened.decoder.weight_bytes > 1.5 * decoder.weight_bytes  # its f16 parts are widened on both sides
 
@@ -118,7 +118,7 @@ def test_the_embedding_and_its_tied_head_share_the_stored_blocks(files: dict[str
 def test_quantizing_at_load_serves_the_blocks_gguf_writes(tiny_batch_dir: Path, fmt: str) -> None:
     """A dense folder quantized at load gives the model whose weights are gguf's quantize-then-dequantize of
     the folder's (every linear weight and the embedding; norms stay dense)."""
-    model = load_model(tiny_batch_dir, device="cpu", dtype="float32", weights=fmt)
+    model = load_model(tiny_batch_dir, device="cpu", dtype="float32", weights=fmt, int8_activations=False)
     assert model.decoder.weight_formats == {fmt: 4 * len(model.decoder.layers) + 1}
     config = ModelConfig.from_file(tiny_batch_dir / "config.json")
     qtype = GGMLQuantizationType(FORMATS[fmt].ggml_type)

@@ -3,7 +3,8 @@
 * Memory: the default model's Q4_1 file, served as stored, holds its weights in the file's tensor bytes
   within 10% (the f32 norms are narrowed to the precision's dtype; every file measured is within 0.1%,
   docs/benchmarks.md).
-* Quality (`runtime.device.QUALITY_BOUND`, 1%): a file served as stored, in the precision `auto` picks,
+* Quality (`runtime.device.QUALITY_BOUND`, 1%): a file served as stored (int8 activations, the default
+  kernel), in the precision `auto` picks,
   against the same file widened to float32; the default model quantized to Q8_0 at load against its
   float32 weights. The 4-bit formats: their blocks are bit for bit the ones llama.cpp's reference
   quantizer writes (tests/runtime/quant/test_weight.py), so they cost what llama.cpp's files of those
@@ -11,9 +12,11 @@
   quantized again at load from this already-4-bit model, the coarsest (Q4_0) must stay below 1.5x float32's
   perplexity, where a broken format is in the thousands (measured: Q4_1 +8%, Q5_0 +10%, Q4_0 +27%,
   docs/benchmarks.md).
-* Gemma 3 270M as stored (Q5_0, Q4_K, Q6_K and Q8_0 in one file), in float32, against the folder its fetch
-  converted (the same blocks widened): last logits within float32 rounding and 12 greedy tokens identical,
-  every step decided by the arithmetic.
+* Gemma 3 270M as stored (Q5_0, Q4_K, Q6_K and Q8_0 in one file), in float32 with the weight-only kernel,
+  against the folder its fetch converted (the same blocks widened): last logits within float32 rounding
+  and 12 greedy tokens identical, every step decided by the arithmetic.
+* The same answer alone or batched: the default file as stored (int8 activations, `auto`'s precision),
+  32 prompts in one step and each alone, logits equal bit for bit, prefill and decode.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import gguf
 import pytest
+import torch
 from numerics import assert_decisive, assert_logits_close
 
 from ferrox_batch.bench.quality import perplexity
@@ -86,7 +90,8 @@ def gemma() -> tuple[LoadedModel, LoadedModel]:
     home = ferrox_home_from_env(os.environ)
     folder = fetch_default_model(home, progress=False, log=lambda *_: None, source=GEMMA3_270M)
     path = default_gguf_path(home, GEMMA3_270M)
-    return load_model(path, device="cpu", dtype="fp32"), load_model(folder, device="cpu", dtype="fp32")
+    return (load_model(path, device="cpu", dtype="fp32", int8_activations=False),
+            load_model(folder, device="cpu", dtype="fp32"))
 
 
 def test_gemma_s_file_as_stored_is_the_file_widened(gemma: tuple[LoadedModel, LoadedModel]) -> None:
@@ -109,3 +114,29 @@ def test_gemma_s_file_as_stored_is_the_file_widened(gemma: tuple[LoadedModel, Lo
     assert_logits_close(got, want, stored.config, len(ids), note="gemma3 270M")
     assert_decisive(want_steps, stored.config, len(ids), note="gemma3 270M")
     assert got_ids == want_ids
+
+
+def test_a_request_s_logits_are_the_same_alone_or_batched(default_gguf: Path) -> None:
+    """32 prompts of different lengths prefilled in one forward, then 4 decode steps of all 32, against each
+    prompt run alone: equal bit for bit (every quantized product's row depends on that row only, and so do
+    the norms, RoPE and the attention kernels)."""
+    model = load_model(default_gguf, device="cpu")
+    assert "dense" not in model.decoder.weight_formats
+    ids = model.tokenizer.encode(TEXT)
+    prompts = [ids[3 * i: 3 * i + 8 + i % 11] for i in range(32)]
+
+    def run(batch: list[list[int]]) -> list[torch.Tensor]:
+        store = model.decoder.new_store(16, num_blocks=4 * len(batch))
+        for seq, prompt in enumerate(batch):
+            store.add_sequence(seq, len(prompt) + 4)
+        logits = model.decoder.forward([SeqChunk(seq, prompt) for seq, prompt in enumerate(batch)], store)
+        steps = [logits]
+        for _ in range(4):
+            logits = model.decoder.forward([SeqChunk(seq, [int(row.argmax())]) for seq, row in enumerate(logits)],
+                                           store)
+            steps.append(logits)
+        return [torch.stack([step[seq] for step in steps]) for seq in range(len(batch))]
+
+    batched = run(prompts)
+    for seq, prompt in enumerate(prompts):
+        assert torch.equal(batched[seq], run([prompt])[0]), seq

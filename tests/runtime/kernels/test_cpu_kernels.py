@@ -11,11 +11,24 @@ from pathlib import Path
 
 import pytest
 import torch
-from attention_reference import decode_error_bound, prefill_as_decode, prefill_case, random_case, reference
+from attention_reference import (
+    decode_error_bound,
+    prefill_as_decode,
+    prefill_case,
+    random_case,
+    reference,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
-from numerics import gamma, logits_tolerance, rounds_alike, steps, steps_apart, unit_roundoff
+from numerics import (
+    gamma,
+    logits_tolerance,
+    rounds_alike,
+    steps,
+    steps_apart,
+    unit_roundoff,
+)
 
 from ferrox_batch.runtime.kernels import cpu_kernels as kernels_module
 from ferrox_batch.runtime.kernels import kernel_build as build_module

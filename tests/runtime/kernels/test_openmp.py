@@ -13,7 +13,10 @@ import torch
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.runtime.kernels import openmp
-from ferrox_batch.runtime.kernels.openmp import loaded_openmp_runtimes, release_thread_pool
+from ferrox_batch.runtime.kernels.openmp import (
+    loaded_openmp_runtimes,
+    release_thread_pool,
+)
 
 MAPS = """\
 7f00aa000000-7f00aa022000 r--p 00000000 08:01 1234 /venv/lib/torch/lib/libgomp.so.1

@@ -8,7 +8,12 @@ import threading
 
 import pytest
 import torch
-from attention_reference import decode_error_bound, prefill_as_decode, prefill_case, reference
+from attention_reference import (
+    decode_error_bound,
+    prefill_as_decode,
+    prefill_case,
+    reference,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_builds import built_kernels, needs_compiler

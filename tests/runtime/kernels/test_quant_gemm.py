@@ -1,7 +1,6 @@
-"""The quantized-weight kernels (`csrc/quant_gemm.c`): every format's rows decoded bit for bit as gguf's
-reference decodes them, products against exact arithmetic over those weights within bounds derived from
-the arithmetic (the int8-activation kernel's including x's quantization), every flag set's build, the
-bound object, and the refusals."""
+"""The weight-only quantized kernel (`csrc/quant_gemm.c`): every format's rows decoded bit for bit as
+gguf's reference decodes them, products against exact arithmetic over those weights within bounds derived
+from the arithmetic, every flag set's build, the bound object, and the refusals."""
 
 from __future__ import annotations
 
@@ -9,30 +8,26 @@ import gc
 import platform
 import subprocess
 
-import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize, quantize
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
-from numerics import gamma, unit_roundoff
+from quant_weights import (
+    DTYPES,
+    assert_exact_sums,
+    blocks,
+    random_blocks,
+    reference,
+)
 
 from ferrox_batch.runtime.kernels import cpu_kernels as kernels_module
 from ferrox_batch.runtime.kernels import kernel_build as build_module
-from ferrox_batch.runtime.kernels.cpu_kernels import Q8ACT_FORMATS, CpuKernels
+from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
 from ferrox_batch.runtime.kernels.quant_gemm import QuantGemm
 from ferrox_batch.runtime.quant.formats import FORMATS, QuantFormat
 
 pytestmark = needs_compiler
-
-#: The formats gguf's numpy code can quantize: their test weights are quantized normals, the K-quants'
-#: random blocks.
-QUANTIZABLE = ("q8_0", "q4_0", "q4_1", "q5_0")
-#: Where each format keeps its fp16 scales (Q4_1's fp16 minimum, Q4_K's dmin too) within a block.
-SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
-DTYPES = (torch.float32, torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
@@ -40,95 +35,11 @@ def kernels() -> CpuKernels:
     return built_kernels()
 
 
-def random_blocks(fmt: QuantFormat, n: int, k: int, seed: int) -> torch.Tensor:
-    """n rows of k weights of random bytes, so every bit pattern of the quants, Q5_0's fifth bits and the
-    K-quants' packed sub-block scales and mins occurs, with each fp16 scale replaced by a finite one of
-    either sign between 2^-20 and 2^-4 (fp16 subnormals included: they must widen exactly too). Random
-    bytes there would put infinities and NaNs in the weights."""
-    rng = np.random.default_rng(seed)
-    raw = rng.integers(0, 256, size=(n, k // fmt.block_elems, fmt.block_bytes), dtype=np.uint8)
-    for offset in SCALE_OFFSETS[fmt.name]:
-        scales = rng.choice([-1.0, 1.0], size=raw.shape[:2]) * 2.0 ** rng.uniform(-20, -4, size=raw.shape[:2])
-        raw[:, :, offset:offset + 2] = scales.astype(np.float16)[..., None].view(np.uint8)
-    return torch.from_numpy(raw.reshape(n, fmt.row_bytes(k)))
-
-
-def blocks(fmt: QuantFormat, n: int, k: int, seed: int) -> torch.Tensor:
-    """A test weight: gguf's quantization of random normals where gguf quantizes the format, else random
-    blocks (`random_blocks`)."""
-    if fmt.name not in QUANTIZABLE:
-        return random_blocks(fmt, n, k, seed)
-    weights = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
-    return torch.from_numpy(np.ascontiguousarray(quantize(weights, GGMLQuantizationType(fmt.ggml_type))))
-
-
-def reference(fmt: QuantFormat, raw: torch.Tensor) -> torch.Tensor:
-    """gguf's dequantization (float32, the formats' reference semantics)."""
-    return torch.from_numpy(dequantize(raw.numpy(), GGMLQuantizationType(fmt.ggml_type)))
-
-
-def assert_exact_sums(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """`got` is `x @ weight.T` as the kernel may compute it, within bounds from its arithmetic.
-
-    float32 x: the kernel multiplies the exact float32 decodes (the weights gguf computes, bit for bit:
-    `test_rows_decode_exactly_as_gguf` checks the decoder both entry points share), so the only error is
-    the float32 sum of each output's k products, once each, in some order, fused or not: within gamma(k)
-    of their magnitudes |x| |w| (no term for the weights, which are exact).
-
-    bfloat16 x (x itself exact in bf16): widened exactly, so the float32 sum is within the same gamma(k);
-    the output is then rounded to bf16 once, within u = 2^-8 (bf16 keeps 8 significant bits) of that sum.
-    """
-    x64, w64 = x.double(), weight.double()
-    exact = x64 @ w64.T
-    magnitudes = x64.abs() @ w64.abs().T
-    k = x.shape[-1]
-    if got.dtype == torch.float32:
-        bound = gamma(k) * magnitudes
-    else:
-        summed = gamma(k) * magnitudes
-        bound = summed + unit_roundoff(torch.bfloat16) * (exact.abs() + summed)
-    assert got.dtype == x.dtype and got.shape == exact.shape
-    error = (got.double() - exact).abs()
-    worst = float((error / bound.clamp(min=1e-300)).max()) if exact.numel() else 0.0
-    assert bool((error <= bound).all()), f"{worst:.3g} times the bound"
-
-
-def assert_sums_of_quantized_x(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> None:
-    """`got` is `x @ weight.T` as the int8-activation kernel may compute it.
-
-    Each 32-block of a row of x, of largest magnitude a, is quantized with dx = a / 127 and q = nearest(x
-    * (127 / a)). Forming dx and 127 / a (a division each, or a reciprocal and a product under
-    -freciprocal-math) errs by at most 2u each and the product x * (127 / a) by u more, so that product is
-    within 127 * 5u (|x| <= a) of x / dx, the quant within 1/2 + 635u of it, and x' = dx * q within
-    dx * (1/2 + 636u) of x, dx at most (a / 127)(1 + 2u): the step below. (A block with a below 2^-119
-    quantizes to zero, each x moved by at most a.) The weight's quants and x's multiply exactly in int32;
-    what is summed in float32 is, per output, at most k/4 + 1 lane sums of 4 products (or k/32 block
-    sums) each times its dx * dw (one rounding more), then reduced across 16 lanes: within gamma(k) of
-    the magnitudes |x'| |w| <= (|x| + step) |w|. bf16 output adds one rounding (u of bf16) of the float32
-    sum, as in `assert_exact_sums`."""
-    u = unit_roundoff(torch.float32)
-    x64, w64 = x.double(), weight.double()
-    m, k = x.shape
-    amax = x64.view(m, k // 32, 32).abs().amax(-1, keepdim=True)
-    step = torch.where(amax < 2.0**-119, amax, amax / 127 * (1 + 2 * u) * (0.5 + 636 * u))
-    step = step.expand(m, k // 32, 32).reshape(m, k)
-    exact = x64 @ w64.T
-    summed = step @ w64.abs().T + gamma(k) * ((x64.abs() + step) @ w64.abs().T)
-    bound = summed if got.dtype == torch.float32 else summed + unit_roundoff(torch.bfloat16) * (exact.abs() + summed)
-    assert got.dtype == x.dtype and got.shape == exact.shape
-    error = (got.double() - exact).abs()
-    worst = float((error / bound.clamp(min=1e-300)).max()) if exact.numel() else 0.0
-    assert bool((error <= bound).all()), f"{worst:.3g} times the bound"
-
-
 def check_product(built: CpuKernels, fmt: QuantFormat, m: int, n: int, k: int, dtype: torch.dtype,
-                  seed: int, *, q8act: bool = False) -> None:
+                  seed: int) -> None:
     raw = blocks(fmt, n, k, seed)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    if q8act:
-        assert_sums_of_quantized_x(built.bind_quant_linear_q8act([(fmt, raw)], k)(x), x, reference(fmt, raw))
-    else:
-        assert_exact_sums(built.bind_quant_linear([(fmt, raw)], k)(x), x, reference(fmt, raw))
+    assert_exact_sums(built.bind_quant_linear([(fmt, raw)], k)(x), x, reference(fmt, raw))
 
 
 def block_counts(fmt: QuantFormat) -> tuple[int, ...]:
@@ -184,37 +95,6 @@ def test_segments_of_different_formats_stack_along_the_outputs(kernels, dtype):
         for m in (1, 7, 70):
             x = torch.randn(m, k, generator=gen).to(dtype)
             assert_exact_sums(gemm(x), x, weight)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("name", Q8ACT_FORMATS)
-def test_int8_activations_sum_the_product_with_quantized_x(kernels, name, dtype):
-    """Row counts across its 4-row tiles and past the 8 it is made for, widths ending inside a weight tile,
-    k of an odd number of blocks (the AVX-512 path takes two at a time) and the model's 576 and 1,536."""
-    fmt = FORMATS[name]
-    shapes = [(1, 13, 32), (2, 40, 64), (3, 1, 96), (4, 77, 576), (5, 13, 1536), (8, 40, 96), (9, 7, 576),
-              (17, 13, 64)]
-    for seed, (m, n, k) in enumerate(shapes):
-        check_product(kernels, fmt, m, n, k, dtype, seed, q8act=True)
-
-
-def test_int8_activations_stack_segments_and_run_only_their_formats(kernels):
-    gen = torch.Generator().manual_seed(15)
-    segments = [(FORMATS[name], blocks(FORMATS[name], rows, 96, seed))
-                for seed, (name, rows) in enumerate((("q4_0", 9), ("q8_0", 6)))]
-    weight = torch.cat([reference(fmt, raw) for fmt, raw in segments])
-    gemm = kernels.bind_quant_linear_q8act(segments, 96)
-    x = torch.randn(5, 96, generator=gen)
-    assert_sums_of_quantized_x(gemm(x), x, weight)
-    # A block of x all below 2^-119 quantizes to zero, rather than to a subnormal scale.
-    x[:, 32:64] = 1e-37 * torch.randn(5, 32, generator=gen)
-    assert_sums_of_quantized_x(gemm(x), x, weight)
-    assert gemm(torch.zeros(0, 96)).shape == (0, 15)
-    with pytest.raises(ValueError, match="runs q8_0 and q4_0 weights; got q5_0"):
-        kernels.bind_quant_linear_q8act([(FORMATS["q5_0"], blocks(FORMATS["q5_0"], 2, 32, 3))], 32)
-    gemm._triples[1, 0] = FORMATS["q5_0"].ggml_type  # the C side refuses it too
-    with pytest.raises(ValueError, match="not one the kernel decodes"):
-        gemm(x)
 
 
 def test_a_bound_weight_holds_its_segments_and_takes_any_leading_shape(kernels):
@@ -344,8 +224,8 @@ def expected_path(flags: list[str]) -> str:
 @pytest.mark.parametrize("flags", [*build_module.COMPILE_FLAGS, *EXTRA_FLAGS], ids=" ".join)
 def test_every_flag_set_builds_kernels_that_decode_and_sum_exactly(monkeypatch, flags):
     """Each flag set another CPU would get is built and checked here, and on x86 two more that force the
-    AVX2 and the scalar loops, so every path runs on this machine (the
-    int8-activation kernel's three paths too: VNNI, AVX2's `vpmaddubsw` and plain C)."""
+    AVX2 and the scalar loops, so every path runs on this machine (the int8 kernel's paths are checked
+    against each other bit for bit in test_packed_quant.py)."""
     monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
     built = kernels_module.cpu_kernels.__wrapped__()
     if built is None:
@@ -363,9 +243,6 @@ def test_every_flag_set_builds_kernels_that_decode_and_sum_exactly(monkeypatch, 
                 check_product(built, fmt, m, n, blocks_per_row * fmt.block_elems, dtype, seed)
     check_product(built, FORMATS["q8_0"], 70, 13, 1536, torch.float32, 1)  # several x blocks
     check_product(built, FORMATS["q8_0"], 130, 13, 1536, torch.bfloat16, 2)
-    for name in Q8ACT_FORMATS:
-        for dtype in DTYPES:
-            check_product(built, FORMATS[name], 5, 9, 96, dtype, 3, q8act=True)
 
 
 @settings(max_examples=25, deadline=None)

@@ -25,10 +25,15 @@ int ferrox_quant_supported(int type);
 int ferrox_quant_path(void);
 int ferrox_quant_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const int64_t *segments, int64_t n_segments,
                       void *y, int threads);
-int ferrox_quant_gemm_q8act(const void *x, int x_bf16, int64_t m, int64_t k, const int64_t *segments,
-                            int64_t n_segments, void *y, int threads);
 int ferrox_quant_rows(int type, const void *w, int64_t k, const int64_t *rows, int64_t n, void *out, int out_bf16,
                       int threads);
+int64_t ferrox_packed_bytes(int type, int64_t rows, int64_t k);
+int ferrox_packed_pack(int type, const void *raw, int64_t rows, int64_t k, void *out, int threads);
+int ferrox_packed_rows(int type, const void *packed, int64_t k, const int64_t *rows, int64_t n, void *out,
+                       int out_bf16, int threads);
+int ferrox_packed_path(void);
+int ferrox_packed_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const int64_t *segments, int64_t n_segments,
+                       void *y, int threads);
 int ferrox_layer_stack(float *h, float *pending, float *x, float *qkv, float *attn, float *qdec, float *mlp,
                        int64_t rows, int64_t hidden, int64_t inter, int64_t layers, const int64_t *weights,
                        char *pool, int64_t pool_stride, int pool_kind, const float *cos, const float *sin,

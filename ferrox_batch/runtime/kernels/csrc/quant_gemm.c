@@ -37,10 +37,11 @@
  * `ferrox_quant_rows` decodes whole rows (the embedding's lookups), exact in float32 and rounded to
  * bf16 with bf16.h's integer rounding (subnormals kept, as torch's cast keeps them).
  *
- * `ferrox_quant_gemm_q8act` (quant_q8act.c) quantizes x to int8 instead, for few rows.
+ * This is the weight-only kernel: x stays as it is. The layers' default, quant_int8.c, quantizes x to
+ * int8 instead and multiplies weights repacked for integer dot products.
  *
  * Return values: 0; -1 when k is not a whole number of a segment's blocks (or a count is negative);
- * -2 for a type that is not one of the six (of Q8_0 and Q4_0 for `ferrox_quant_gemm_q8act`); -3 when
+ * -2 for a type that is not one of the six; -3 when
  * scratch memory could not be had. */
 #include <omp.h>
 #include <stdint.h>

@@ -1,6 +1,6 @@
 /* The rows of a quantized weight as the kernels take them: segments of one format each, stacked along
- * the outputs and cut into tiles of NT rows (quant_gemm.c and quant_q8act.c share them, and the
- * horizontal sums their register tiles end with). A call passes (ggml type, rows, address) triples;
+ * the outputs and cut into tiles of NT rows (quant_gemm.c's), and the horizontal sums its register tiles
+ * end with. A call passes (ggml type, rows, address) triples;
  * `read_segments` checks and parses them once per call. */
 #ifndef FERROX_QUANT_SEGMENTS_H
 #define FERROX_QUANT_SEGMENTS_H
@@ -14,7 +14,7 @@
 #include <immintrin.h>
 #endif
 
-/* Weight rows per tile: decoded (or, with int8 activations, read) together, one accumulator column each. */
+/* Weight rows per tile: decoded together, one accumulator column each. */
 #define NT 4
 
 typedef struct {

@@ -1,0 +1,459 @@
+/* The quantized linear, `ferrox_packed_gemm`: y = x @ w.T with w in quant_packed.h's layout and x
+ * quantized per call to int8, each 32-block of each row with a scale of its own, as llama.cpp's CPU
+ * matmuls do: integer dot products where a float kernel would widen every weight.
+ *
+ * The arithmetic, the same on every path and at every batch size:
+ *   x's block: dx = max|x| / 127, qx = nearest(x * (127 / max|x|)), so |x - dx * qx| <= dx / 2 up to the
+ *   roundings of dx and of the product (a block whose max |x| is below 2^-119 quantizes to zero: its dx
+ *   would be subnormal; each x moves by less than 2^-119).
+ *   per weight row and block (per half block for Q6_K's 16-input scales), in block order:
+ *     i   = sum u * qx - o * sum qx                     (int32, exact: |i| < 2^20)
+ *     acc = fma((float)i, d * dx, acc)                  (two roundings)
+ *     acc = fma(m, dx * sum qx, acc)                    (formats with a minimum)
+ * A row's result therefore depends on that row alone: not on how many rows share the call, nor on the
+ * thread count, nor on the path (the integer sums are exact in any order, and the float steps are the
+ * same operations in the same order). That is what makes a request's answer the same alone or batched.
+ *
+ * Paths (what the build targets):
+ *   AVX-512 with AVX512BW and AVX512_VNNI: a weight vector is 16 rows by 4 inputs as packed, expanded in
+ *     registers (nibbles masked and shifted, the fifth bit added under a byte mask, the 2-bit pairs
+ *     shifted into place), and `vpdpbusd` multiplies it by 4 of x's bytes broadcast: 8 of them per row
+ *     and block, into two int32 accumulators. Tiles of up to 8 x rows share each expanded block.
+ *   AVX2 (+ FMA, F16C): the same over 8 weight rows at a time, `vpmaddubsw` then `vpmaddwd` by ones.
+ *     Q8_0's quants go signed with x taking their sign (llama.cpp's arrangement), so no 16-bit pair sum
+ *     can saturate (2 * 128 * 127 < 2^15); the other formats' u are at most 63.
+ *   anything else: the same sums in plain C over weights unpacked a group at a time. */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "kernels.h"
+#include "quant_packed.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define PACKED_PATH 2
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define PACKED_PATH 1
+#else
+#define PACKED_PATH 0
+#endif
+#if PACKED_PATH > 0
+#include <immintrin.h>
+#endif
+
+#define TINY_BLOCK 0x1p-119f
+/* x rows a tile shares an expanded weight block among (AVX2 keeps fewer vectors in its 16 registers). */
+#if PACKED_PATH == 1
+#define MR 4
+#else
+#define MR 8
+#endif
+
+int ferrox_packed_path(void) { return PACKED_PATH; }
+
+typedef struct {
+    int64_t k, nb;
+    int8_t *q;    /* [m][k] */
+    float *dx;    /* [m][nb] */
+    int32_t *sq;  /* [m][2 nb]: sums of each 16 quants */
+    float *s;     /* [m][nb]: dx * the block's sum */
+} acts_t;
+
+typedef struct {
+    const uint8_t *w;
+    int64_t rows, col, first_group, group_bytes;
+    int type;
+    packed_fmt_t f;
+} pseg_t;
+
+static void quantize_row(const void *x, int x_bf16, int64_t r, const acts_t *a) {
+    const int64_t k = a->k, nb = a->nb;
+    int8_t *q = a->q + r * k;
+    for (int64_t b = 0; b < nb; ++b) {
+        float v[32], amax = 0.0f;
+        row_f32(x, r * k + 32 * b, 32, x_bf16, v);
+        uint32_t special = 0; /* an infinity or a NaN, by its exponent bits (-ffast-math assumes neither) */
+        for (int j = 0; j < 32; ++j) {
+            uint32_t bits;
+            memcpy(&bits, &v[j], sizeof bits);
+            special |= (bits & 0x7f800000u) == 0x7f800000u;
+            amax = fmaxf(amax, fabsf(v[j]));
+        }
+        const int tiny = special || amax < TINY_BLOCK;
+        /* A block holding an infinity or a NaN makes its row's outputs NaN, as a float product would. */
+        const float d = special ? __builtin_nanf("") : tiny ? 0.0f : amax / 127.0f, inv = tiny ? 0.0f : 127.0f / amax;
+        int32_t lo = 0, hi = 0;
+        for (int j = 0; j < 32; ++j) {
+            const int8_t qj = (int8_t)lrintf(v[j] * inv); /* |v * inv| < 127.5 */
+            q[32 * b + j] = qj;
+            if (j < 16) lo += qj; else hi += qj;
+        }
+        a->dx[r * nb + b] = d;
+        a->sq[r * 2 * nb + 2 * b] = lo;
+        a->sq[r * 2 * nb + 2 * b + 1] = hi;
+        a->s[r * nb + b] = d * (float)(lo + hi);
+    }
+}
+
+static inline void store_row(void *y, int out_bf16, int64_t n, int64_t row, int64_t col, const float *v, int count) {
+    if (out_bf16) {
+        uint16_t *dst = (uint16_t *)y + row * n + col;
+        for (int c = 0; c < count; ++c) dst[c] = bf16_round(v[c]);
+    } else {
+        memcpy((float *)y + row * n + col, v, sizeof(float) * (size_t)count);
+    }
+}
+
+#if PACKED_PATH == 2
+static inline __m512i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+/* Rows r0 .. r0 + R of x times the 16 weight rows of one group (`gw`), into out[R][16]. */
+static inline __attribute__((always_inline)) void tile(const int type, const int R, const pseg_t *s, const uint8_t *gw,
+                                                       const acts_t *a, int64_t r0, float *out) {
+    packed_fmt_t f; /* constants: `type` is a literal at every call, so this switch folds away */
+    packed_fmt(type, &f);
+    const int bpu = f.unit_k / 32;
+    const int64_t units = a->k / f.unit_k, unit_bytes = packed_unit_bytes(&f), nb = a->nb, k = a->k;
+    const __m512i nib = _mm512_set1_epi8(15), pair = _mm512_set1_epi8(0x30), sixteen = _mm512_set1_epi8(16);
+    __m512 acc[MR];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < units; ++t) {
+        const uint8_t *unit = gw + t * unit_bytes;
+        const __m512 big = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)unit));
+        for (int j = 0; j < bpu; ++j) {
+            const int64_t b = t * bpu + j;
+            const uint8_t *q = unit + f.head + j * f.qbytes;
+            __m512 dv0 = big, dv1 = big, mv = _mm512_setzero_ps();
+            if (type == QT_Q4_1) mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + 32)));
+            if (type == QT_Q4_K) {
+                const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(unit + 64 + 16 * j))));
+                const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(unit + 192 + 16 * j))));
+                dv0 = dv1 = _mm512_mul_ps(big, sc);
+                mv = _mm512_sub_ps(_mm512_setzero_ps(),
+                                   _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(unit + 32))), mn));
+            }
+            if (type == QT_Q6_K) {
+                const __m128i s0 = _mm_loadu_si128((const __m128i *)(unit + 32 + 32 * j));
+                const __m128i s1 = _mm_loadu_si128((const __m128i *)(unit + 48 + 32 * j));
+                dv0 = _mm512_mul_ps(big, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s0)));
+                dv1 = _mm512_mul_ps(big, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s1)));
+            }
+            __m512i w[8];
+            if (f.bits == 8) {
+                for (int kd = 0; kd < 8; ++kd) w[kd] = _mm512_loadu_si512(q + 64 * kd);
+            } else {
+                for (int c = 0; c < 4; ++c) {
+                    const __m512i v = _mm512_loadu_si512(q + 64 * c);
+                    w[2 * c] = _mm512_and_si512(v, nib);
+                    w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                }
+                if (f.bits == 5) {
+                    for (int kd = 0; kd < 8; ++kd) {
+                        uint64_t bits;
+                        memcpy(&bits, q + 256 + 8 * kd, sizeof bits);
+                        w[kd] = _mm512_mask_add_epi8(w[kd], (__mmask64)bits, w[kd], sixteen);
+                    }
+                } else if (f.bits == 6) {
+                    for (int p = 0; p < 2; ++p) {
+                        const __m512i v = _mm512_loadu_si512(q + 256 + 64 * p);
+                        w[4 * p] = _mm512_or_si512(w[4 * p], _mm512_and_si512(_mm512_slli_epi16(v, 4), pair));
+                        w[4 * p + 1] = _mm512_or_si512(w[4 * p + 1], _mm512_and_si512(_mm512_slli_epi16(v, 2), pair));
+                        w[4 * p + 2] = _mm512_or_si512(w[4 * p + 2], _mm512_and_si512(v, pair));
+                        w[4 * p + 3] = _mm512_or_si512(w[4 * p + 3], _mm512_and_si512(_mm512_srli_epi16(v, 2), pair));
+                    }
+                }
+            }
+            for (int r = 0; r < R; ++r) {
+                const int64_t row = r0 + r;
+                const int8_t *xq = a->q + row * k + 32 * b;
+                const int32_t *sq = a->sq + row * 2 * nb + 2 * b;
+                const __m512 dx = _mm512_set1_ps(a->dx[row * nb + b]);
+                if (f.sub == 32) {
+                    __m512i i0 = _mm512_set1_epi32(-f.zero * (sq[0] + sq[1])), i1 = _mm512_setzero_si512();
+                    for (int kd = 0; kd < 8; kd += 2) {
+                        i0 = _mm512_dpbusd_epi32(i0, w[kd], bcast4(xq + 4 * kd));
+                        i1 = _mm512_dpbusd_epi32(i1, w[kd + 1], bcast4(xq + 4 * kd + 4));
+                    }
+                    i0 = _mm512_add_epi32(i0, i1);
+                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(dv0, dx), acc[r]);
+                    if (f.has_min) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a->s[row * nb + b]), acc[r]);
+                } else {
+                    for (int h = 0; h < 2; ++h) {
+                        __m512i i0 = _mm512_set1_epi32(-f.zero * sq[h]), i1 = _mm512_setzero_si512();
+                        i0 = _mm512_dpbusd_epi32(i0, w[4 * h], bcast4(xq + 16 * h));
+                        i1 = _mm512_dpbusd_epi32(i1, w[4 * h + 1], bcast4(xq + 16 * h + 4));
+                        i0 = _mm512_dpbusd_epi32(i0, w[4 * h + 2], bcast4(xq + 16 * h + 8));
+                        i1 = _mm512_dpbusd_epi32(i1, w[4 * h + 3], bcast4(xq + 16 * h + 12));
+                        i0 = _mm512_add_epi32(i0, i1);
+                        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i0), _mm512_mul_ps(h ? dv1 : dv0, dx), acc[r]);
+                    }
+                }
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+}
+#define HALVES 1
+#define LANES 16
+
+#elif PACKED_PATH == 1
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* 32 bytes of 0xff / 0x00, byte i from bit i of `bits`. */
+static inline __m256i bytes_of_bits(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits),
+                                               _mm256_setr_epi64x(0, 0x0101010101010101LL, 0x0202020202020202LL,
+                                                                  0x0303030303030303LL));
+    const __m256i select = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
+}
+
+/* As the AVX-512 tile, for the 8 weight rows of half h of a group: out[R][8]. */
+static inline __attribute__((always_inline)) void tile_half(const int type, const int R, const pseg_t *s,
+                                                            const uint8_t *gw, const acts_t *a, int64_t r0, int h,
+                                                            float *out) {
+    packed_fmt_t f; /* constants: `type` is a literal at every call, so this switch folds away */
+    packed_fmt(type, &f);
+    const int bpu = f.unit_k / 32;
+    const int64_t units = a->k / f.unit_k, unit_bytes = packed_unit_bytes(&f), nb = a->nb, k = a->k;
+    const __m256i nib = _mm256_set1_epi8(15), pair = _mm256_set1_epi8(0x30), ones = _mm256_set1_epi16(1);
+    __m256 acc[MR];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t t = 0; t < units; ++t) {
+        const uint8_t *unit = gw + t * unit_bytes;
+        const __m256 big = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 16 * h)));
+        for (int j = 0; j < bpu; ++j) {
+            const int64_t b = t * bpu + j;
+            const uint8_t *q = unit + f.head + j * f.qbytes;
+            __m256 dv0 = big, dv1 = big, mv = _mm256_setzero_ps();
+            if (type == QT_Q4_1) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 32 + 16 * h)));
+            if (type == QT_Q4_K) {
+                const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(unit + 64 + 16 * j + 8 * h))));
+                const __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(unit + 192 + 16 * j + 8 * h))));
+                dv0 = dv1 = _mm256_mul_ps(big, sc);
+                mv = _mm256_sub_ps(_mm256_setzero_ps(),
+                                   _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 32 + 16 * h))), mn));
+            }
+            if (type == QT_Q6_K) {
+                const __m128i s0 = _mm_loadl_epi64((const __m128i *)(unit + 32 + 32 * j + 8 * h));
+                const __m128i s1 = _mm_loadl_epi64((const __m128i *)(unit + 48 + 32 * j + 8 * h));
+                dv0 = _mm256_mul_ps(big, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s0)));
+                dv1 = _mm256_mul_ps(big, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s1)));
+            }
+            __m256i w[8];
+            if (f.bits == 8) {
+                for (int kd = 0; kd < 8; ++kd)
+                    w[kd] = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * kd + 32 * h)),
+                                             _mm256_set1_epi8((char)0x80)); /* the signed quants */
+            } else {
+                for (int c = 0; c < 4; ++c) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * c + 32 * h));
+                    w[2 * c] = _mm256_and_si256(v, nib);
+                    w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                }
+                if (f.bits == 5) {
+                    for (int kd = 0; kd < 8; ++kd) {
+                        uint32_t bits;
+                        memcpy(&bits, q + 256 + 8 * kd + 4 * h, sizeof bits);
+                        w[kd] = _mm256_or_si256(w[kd], _mm256_and_si256(bytes_of_bits(bits), _mm256_set1_epi8(16)));
+                    }
+                } else if (f.bits == 6) {
+                    for (int p = 0; p < 2; ++p) {
+                        const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 256 + 64 * p + 32 * h));
+                        w[4 * p] = _mm256_or_si256(w[4 * p], _mm256_and_si256(_mm256_slli_epi16(v, 4), pair));
+                        w[4 * p + 1] = _mm256_or_si256(w[4 * p + 1], _mm256_and_si256(_mm256_slli_epi16(v, 2), pair));
+                        w[4 * p + 2] = _mm256_or_si256(w[4 * p + 2], _mm256_and_si256(v, pair));
+                        w[4 * p + 3] = _mm256_or_si256(w[4 * p + 3], _mm256_and_si256(_mm256_srli_epi16(v, 2), pair));
+                    }
+                }
+            }
+            for (int r = 0; r < R; ++r) {
+                const int64_t row = r0 + r;
+                const int8_t *xq = a->q + row * k + 32 * b;
+                const int32_t *sq = a->sq + row * 2 * nb + 2 * b;
+                const __m256 dx = _mm256_set1_ps(a->dx[row * nb + b]);
+                for (int g = 0; g < (f.sub == 32 ? 1 : 2); ++g) {
+                    const int first = f.sub == 32 ? 0 : 4 * g, count = f.sub == 32 ? 8 : 4;
+                    const int32_t sum = f.sub == 32 ? sq[0] + sq[1] : sq[g];
+                    __m256i i0 = _mm256_set1_epi32(type == QT_Q8_0 ? 0 : -f.zero * sum);
+                    for (int kd = first; kd < first + count; ++kd) {
+                        const __m256i xb = bcast4(xq + 4 * kd);
+                        const __m256i prod = type == QT_Q8_0
+                            ? _mm256_maddubs_epi16(_mm256_abs_epi8(w[kd]), _mm256_sign_epi8(xb, w[kd]))
+                            : _mm256_maddubs_epi16(w[kd], xb);
+                        i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(prod, ones));
+                    }
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(g ? dv1 : dv0, dx), acc[r]);
+                }
+                if (f.has_min) acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a->s[row * nb + b]), acc[r]);
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + 8 * r, acc[r]);
+}
+
+#define HALVES 2
+#define LANES 8
+static inline __attribute__((always_inline)) void tile(const int type, const int R, const pseg_t *s, const uint8_t *gw,
+                                                       const acts_t *a, int64_t r0, float *out) {
+    float half[MR * 8];
+    for (int h = 0; h < 2; ++h) {
+        tile_half(type, R, s, gw, a, r0, h, half);
+        for (int r = 0; r < R; ++r) memcpy(out + 16 * r + 8 * h, half + 8 * r, 8 * sizeof(float));
+    }
+}
+#endif
+
+#if PACKED_PATH > 0
+/* The tiles of one type, R rows at a time: 8 (or 4), then what is left, largest first. Every row's sums
+ * are the same operations whichever tile it falls in. */
+#define TILES(T)                                                                                  \
+    for (; r + MR <= r1; r += MR) { tile(T, MR, s, gw, a, r, out); emit(MR); }                   \
+    if (MR > 4 && r + 4 <= r1) { tile(T, 4, s, gw, a, r, out); emit(4); r += 4; }               \
+    if (r + 2 <= r1) { tile(T, 2, s, gw, a, r, out); emit(2); r += 2; }                          \
+    if (r < r1) { tile(T, 1, s, gw, a, r, out); emit(1); r += 1; }
+
+static void group_rows(const pseg_t *s, int64_t g, const acts_t *a, int64_t r0, int64_t r1, void *y, int out_bf16,
+                       int64_t n) {
+    const uint8_t *gw = s->w + g * s->group_bytes;
+    const int valid = (int)(s->rows - g * PG < PG ? s->rows - g * PG : PG);
+    const int64_t col = s->col + g * PG;
+    float out[MR * 16];
+    int64_t r = r0;
+#define emit(R) for (int i = 0; i < (R); ++i) store_row(y, out_bf16, n, r + i, col, out + 16 * i, valid)
+    switch (s->type) {
+    case QT_Q8_0: TILES(QT_Q8_0) break;
+    case QT_Q4_0: TILES(QT_Q4_0) break;
+    case QT_Q4_1: TILES(QT_Q4_1) break;
+    case QT_Q5_0: TILES(QT_Q5_0) break;
+    case QT_Q4_K: TILES(QT_Q4_K) break;
+    case QT_Q6_K: TILES(QT_Q6_K) break;
+    default: break;
+    }
+#undef emit
+}
+#else
+/* Plain C: the group's u values and scales unpacked once (into `scratch`), then every x row. */
+static void group_rows(const pseg_t *s, int64_t g, const acts_t *a, int64_t r0, int64_t r1, void *y, int out_bf16,
+                       int64_t n, uint8_t *scratch) {
+    const packed_fmt_t f = s->f;
+    const int64_t k = a->k, nb = a->nb, unit_bytes = packed_unit_bytes(&f), bpu = f.unit_k / 32;
+    const int valid = (int)(s->rows - g * PG < PG ? s->rows - g * PG : PG);
+    uint8_t *u = scratch;                             /* [16][k] */
+    float *d = (float *)(scratch + PG * k);           /* [16][2 nb] */
+    float *m = d + PG * 2 * nb;                       /* [16][nb] */
+    for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t *unit = s->w + g * s->group_bytes + b / bpu * unit_bytes;
+        const int j = (int)(b % bpu);
+        for (int r = 0; r < PG; ++r) {
+            packed_ints(&f, unit + f.head + j * f.qbytes, r, u + r * k + 32 * b);
+            packed_scales(s->type, unit, j, r, d + r * 2 * nb + 2 * b, m + r * nb + b);
+        }
+    }
+    for (int64_t row = r0; row < r1; ++row) {
+        const int8_t *xq = a->q + row * k;
+        const int32_t *sq = a->sq + row * 2 * nb;
+        float out[PG];
+        for (int c = 0; c < valid; ++c) {
+            const uint8_t *uc = u + c * k;
+            float acc = 0.0f;
+            for (int64_t b = 0; b < nb; ++b) {
+                const float dx = a->dx[row * nb + b];
+                for (int h = 0; h < (f.sub == 32 ? 1 : 2); ++h) {
+                    const int from = f.sub == 32 ? 0 : 16 * h, count = f.sub;
+                    int32_t i = -f.zero * (f.sub == 32 ? sq[2 * b] + sq[2 * b + 1] : sq[2 * b + h]);
+                    for (int l = from; l < from + count; ++l) i += (int32_t)uc[32 * b + l] * xq[32 * b + l];
+                    acc = fmaf((float)i, d[c * 2 * nb + 2 * b + h] * dx, acc);
+                }
+                if (f.has_min) acc = fmaf(m[c * nb + b], a->s[row * nb + b], acc);
+            }
+            out[c] = acc;
+        }
+        store_row(y, out_bf16, n, row, s->col + g * PG, out, valid);
+    }
+}
+#endif
+
+/* x [m][k] (float32, or bf16 when `x_bf16`) times the packed weights `segments` ((type, rows, address)
+ * triples, stacked along the outputs) -> y [m][n] in x's dtype. -1: k is not a whole number of a
+ * format's units; -2: a type not packed here; -3: no memory. */
+int ferrox_packed_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const int64_t *segments, int64_t n_segments,
+                       void *y, int threads) {
+    if (k <= 0 || m < 0 || n_segments < 0 || k % 32 != 0) return -1;
+    pseg_t few[8];
+    pseg_t *segs = n_segments <= 8 ? few : (pseg_t *)malloc(sizeof(pseg_t) * (size_t)n_segments);
+    if (segs == NULL) return -3;
+    int64_t n = 0, groups = 0;
+    int status = 0;
+    for (int64_t i = 0; i < n_segments && status == 0; ++i) {
+        pseg_t *s = &segs[i];
+        s->type = (int)segments[3 * i];
+        s->rows = segments[3 * i + 1];
+        s->w = (const uint8_t *)(intptr_t)segments[3 * i + 2];
+        if ((int64_t)s->type != segments[3 * i] || !packed_fmt(s->type, &s->f)) status = -2;
+        else if (s->rows < 0 || k % s->f.unit_k != 0) status = -1;
+        else {
+            s->group_bytes = packed_group_bytes(&s->f, k);
+            s->col = n;
+            s->first_group = groups;
+            n += s->rows;
+            groups += (s->rows + PG - 1) / PG;
+        }
+    }
+    acts_t a = {k, k / 32, NULL, NULL, NULL, NULL};
+    if (status == 0 && m > 0 && groups > 0) {
+        a.q = (int8_t *)malloc((size_t)(m * k));
+        a.dx = (float *)malloc(sizeof(float) * (size_t)(m * a.nb));
+        a.sq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * 2 * a.nb));
+        a.s = (float *)malloc(sizeof(float) * (size_t)(m * a.nb));
+        if (a.q == NULL || a.dx == NULL || a.sq == NULL || a.s == NULL) status = -3;
+    }
+    if (status == 0 && m > 0 && groups > 0) {
+        /* Rows in chunks whose quants stay in the cache while every group passes over them. */
+        const int64_t chunk = k * 64 >= (int64_t)1 << 20 ? 64 : ((int64_t)1 << 20) / k / 8 * 8;
+        int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+        {
+#if PACKED_PATH == 0
+            uint8_t *scratch = (uint8_t *)malloc((size_t)(PG * k + sizeof(float) * PG * 3 * (k / 32)));
+            failed = scratch == NULL;
+#endif
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; ++r) quantize_row(x, x_bf16, r, &a);
+            for (int64_t r0 = 0; r0 < m; r0 += chunk) {
+                const int64_t r1 = r0 + chunk < m ? r0 + chunk : m;
+#pragma omp for schedule(static) nowait
+                for (int64_t g = 0; g < groups; ++g) {
+                    int64_t i = 0;
+                    while (i + 1 < n_segments && segs[i + 1].first_group <= g) ++i;
+#if PACKED_PATH == 0
+                    if (scratch != NULL) group_rows(&segs[i], g - segs[i].first_group, &a, r0, r1, y, x_bf16, n, scratch);
+#else
+                    group_rows(&segs[i], g - segs[i].first_group, &a, r0, r1, y, x_bf16, n);
+#endif
+                }
+            }
+#if PACKED_PATH == 0
+            free(scratch);
+#endif
+        }
+        if (failed) status = -3;
+    }
+    free(a.q);
+    free(a.dx);
+    free(a.sq);
+    free(a.s);
+    if (segs != few) free(segs);
+    return status;
+}

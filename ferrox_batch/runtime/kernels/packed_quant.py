@@ -1,0 +1,153 @@
+"""`PackedQuant`: a quantized weight repacked once for the int8 kernel (`csrc/quant_int8.c`), and the two
+things done with it: `x @ w.T` and looking rows up (an embedding, or a head tied to one).
+
+The packing (`csrc/quant_packed.h`) moves the file's bits into vectors of 16 rows by 4 inputs, the operand
+integer dot products take, in the file's bytes (Q4_K's scales, unpacked to bytes, add 2.8%). It is done
+once, when a layer binds its weight, and the file's blocks are then no longer needed: the caller drops
+them, so the model holds one copy.
+
+Promises: the segments are checked once here (uint8, 2-D, contiguous CPU rows of `format.row_bytes(k)`
+bytes, a format the kernel packs); each call checks only its input (float32 or bfloat16, on the CPU, last
+dimension k) and returns the input's dtype and leading dimensions. Every row of the product depends on
+that row of x alone, whatever the batch and thread count (the kernel's arithmetic); a refusal is a
+ValueError and a failed allocation a MemoryError.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+
+import torch
+
+from ferrox_batch.runtime.kernels.quant_gemm import check_status
+from ferrox_batch.runtime.quant.formats import BY_GGML_TYPE, QuantFormat
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+#: `ferrox_packed_path()`'s answer: the loops the int8 kernel was built with.
+PACKED_PATHS = ("scalar", "avx2", "avx512-vnni")
+
+
+class PackedLibrary:
+    """The packed kernel's entry points in the compiled library, typed once."""
+
+    __slots__ = ("bytes", "gemm", "pack", "path", "rows")
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+        self.bytes = library.ferrox_packed_bytes
+        self.bytes.argtypes = [i32, i64, i64]
+        self.bytes.restype = i64
+        self.pack = library.ferrox_packed_pack
+        self.pack.argtypes = [i32, ptr, i64, i64, ptr, i32]
+        self.pack.restype = i32
+        self.rows = library.ferrox_packed_rows
+        self.rows.argtypes = [i32, ptr, i64, ptr, i64, ptr, i32, i32]
+        self.rows.restype = i32
+        self.gemm = library.ferrox_packed_gemm
+        self.gemm.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
+        self.gemm.restype = i32
+        #: "scalar", "avx2" or "avx512-vnni": the same arithmetic, bit for bit, on each.
+        self.path = PACKED_PATHS[library.ferrox_packed_path()]
+
+
+class PackedQuant:
+    """A weight of `in_features` inputs from `(format, [rows, format.row_bytes(k)] uint8)` segments stacked
+    along the outputs, repacked; the file's blocks are not kept."""
+
+    __slots__ = ("_address", "_count", "_formats", "_k", "_lib", "_n", "_packed", "_rows", "_triples")
+
+    def __init__(self, lib: PackedLibrary, segments: Sequence[tuple[QuantFormat, torch.Tensor]],
+                 in_features: int) -> None:
+        if not segments:
+            raise ValueError("a quantized linear needs at least one segment of rows")
+        if in_features < 1:
+            raise ValueError(f"a quantized linear needs at least one input feature; got {in_features}")
+        packed, triples = [], []
+        for fmt, data in segments:
+            if BY_GGML_TYPE.get(fmt.ggml_type) != fmt:
+                raise ValueError(f"the quantized linear does not run {fmt.name} (GGML type {fmt.ggml_type})")
+            row_bytes = fmt.row_bytes(in_features)  # raises unless k is a whole number of blocks
+            if data.dtype != torch.uint8 or data.dim() != 2:
+                raise ValueError(f"a quantized segment is a 2-D uint8 tensor of blocks; got {data.dtype} "
+                                 f"{tuple(data.shape)}")
+            if data.device.type != "cpu" or not data.is_contiguous():
+                raise ValueError("the CPU kernels take contiguous CPU tensors")
+            if data.shape[1] != row_bytes:
+                raise ValueError(f"{fmt.name} rows of {in_features} weights take {row_bytes} bytes; got rows of "
+                                 f"{data.shape[1]}")
+            rows = data.shape[0]
+            size = lib.bytes(fmt.ggml_type, rows, in_features)
+            check_status(f"packing {fmt.name}", int(size) if size < 0 else 0)
+            out = torch.empty(int(size), dtype=torch.uint8)
+            check_status(f"packing {fmt.name}", lib.pack(fmt.ggml_type, data.data_ptr(), rows, in_features,
+                                                         out.data_ptr(), torch.get_num_threads()))
+            packed.append(out)
+            triples.append((fmt.ggml_type, rows, out.data_ptr()))
+        self._lib = lib
+        self._packed = tuple(packed)  # own the memory the addresses point into
+        self._formats = tuple(fmt for fmt, _ in segments)
+        self._rows = tuple(rows for _, rows, _ in triples)
+        self._triples = torch.tensor(triples, dtype=torch.int64)
+        self._address = self._triples.data_ptr()
+        self._count = len(triples)
+        self._k = in_features
+        self._n = sum(self._rows)
+
+    @property
+    def in_features(self) -> int:
+        return self._k
+
+    @property
+    def out_features(self) -> int:
+        return self._n
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self._n, self._k)
+
+    @property
+    def format_names(self) -> tuple[str, ...]:
+        """Each segment's format, in row order."""
+        return tuple(fmt.name for fmt in self._formats)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.numel() for p in self._packed)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """`[..., k]` float32 or bfloat16 CPU input -> `[..., out_features]` in the input's dtype."""
+        k, n = self._k, self._n
+        flag = _DTYPES.get(x.dtype)
+        if flag is None:
+            raise ValueError(f"the quantized linear takes float32 or bfloat16 input; got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != k:
+            raise ValueError(f"a quantized weight of {k} inputs does not take input {tuple(x.shape)}")
+        if not x.is_cpu:
+            raise ValueError("the CPU kernels take contiguous CPU tensors")
+        rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+        out = torch.empty(rows.shape[0], n, dtype=x.dtype)
+        status = self._lib.gemm(rows.data_ptr(), flag, rows.shape[0], k, self._address, self._count, out.data_ptr(),
+                                torch.get_num_threads())
+        check_status("the quantized linear", status)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `index` `[n]` (int64) of a weight of one segment, decoded: `[n, k]` in `dtype`, float32 exactly
+        as gguf dequantizes, or that rounded to bfloat16 (nearest even, as torch casts). The kernel reads
+        the rows unchecked, so their range is checked here."""
+        if self._count != 1:
+            raise ValueError(f"rows are looked up in a weight of one format; this one is {'+'.join(self.format_names)}")
+        if dtype not in _DTYPES:
+            raise ValueError(f"quantized rows decode to one of {list(_DTYPES)}; got {dtype}")
+        if index.dtype != torch.int64 or index.dim() != 1 or not index.is_cpu:
+            raise ValueError(f"row indices are a 1-D int64 CPU tensor; got {index.dtype} {tuple(index.shape)}")
+        index = index.contiguous()
+        n = index.shape[0]
+        if n and (int(index.min()) < 0 or int(index.max()) >= self._n):
+            raise ValueError(f"a row index is outside the table's {self._n} rows")
+        out = torch.empty(n, self._k, dtype=dtype)
+        status = self._lib.rows(self._formats[0].ggml_type, self._packed[0].data_ptr(), self._k, index.data_ptr(), n,
+                                out.data_ptr(), _DTYPES[dtype], torch.get_num_threads())
+        check_status("quantized rows", status)
+        return out
