@@ -1,21 +1,20 @@
-"""The quantized-weight linear kernel (`csrc/quant_gemm.c`) beside torch's packed dense linears.
+"""The quantized-weight linear kernels beside torch's packed dense linears.
 
-The default model's projections, (k, n) = (576, 960) fused qkv, (576, 576) o, (576, 3072) fused
-gate/up, (1536, 576) down and (576, 49,152) the lm head, at 1, 4, 32 and 256 rows, side by side:
+A model's projections (`--shapes smollm2`: (k, n) = (576, 960) fused qkv, (576, 576) o, (576, 3072) fused
+gate/up, (1536, 576) down and (576, 49,152) the lm head; `--shapes llama-1b`: the 1B-shaped checkpoint's
+(2048, 3072) qkv, (2048, 2048) o, (2048, 16,384) gate/up, (8192, 2048) down and (2048, 49,152) head) at
+`--rows`, side by side, bf16 activations:
 - torch's oneDNN linear over a weight packed once (`mkldnn._reorder_linear_weight` +
   `mkldnn._linear_pointwise`, what `runtime.architectures.linear.Linear` runs), in float32 and bf16;
-- ours over Q8_0, Q4_1, Q4_K and Q6_K blocks, with float32 and with bf16 activations.
+- ours over Q8_0, Q4_1, Q4_K and Q6_K blocks: the int8 kernel the layers run (`pack_quant`,
+  `csrc/quant_int8.c`) and the weight-only one (`bind_quant_linear`, `csrc/quant_gemm.c`).
 Each cell is microseconds per call and the weight's bytes streamed per second (GB/s: the format's
 bytes, 4 or 2 bytes a weight for the dense ones); "-" where k is not a whole number of the format's
-blocks (the K-quants' 256 divide only the down projection's 1,536). The blocks are random bytes with small finite fp16
-scales: the kernel's time does not depend on the values. Medians of `--repeats` timings, each of
-enough calls to last about 5 ms, on torch's thread count (2 unless `--threads`).
+blocks. The blocks are random bytes with small finite fp16 scales: the kernels' time does not depend on
+the values. Medians of `--repeats` timings, each of enough calls to last about 5 ms, on torch's thread
+count (2 unless `--threads`).
 
-Then the small-batch alternative (`ferrox_quant_gemm_q8act`, where built): x quantized to int8 per
-32-block and multiplied with integer dot products, against the widening kernel above at 1, 2, 4 and 8
-rows in Q8_0 and Q4_0 (float32 activations).
-
-    python scripts/bench_quant_gemm.py [--rows 1,4,32,256] [--repeats 5] [--threads 2]
+    python scripts/bench_quant_gemm.py [--shapes smollm2|llama-1b] [--rows 1,4,32,256] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -37,10 +36,13 @@ from ferrox_batch.runtime.device import cpu_description  # noqa: E402
 from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
 from ferrox_batch.runtime.quant.formats import FORMATS, QuantFormat  # noqa: E402
 
-PROJECTIONS = [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
-               ("lm_head", 576, 49152)]
+SHAPES = {
+    "smollm2": [("qkv", 576, 960), ("o", 576, 576), ("gate_up", 576, 3072), ("down", 1536, 576),
+                ("lm_head", 576, 49152)],
+    "llama-1b": [("qkv", 2048, 3072), ("o", 2048, 2048), ("gate_up", 2048, 16384), ("down", 8192, 2048),
+                 ("lm_head", 2048, 49152)],
+}
 QUANT = ("q8_0", "q4_1", "q4_k", "q6_k")
-Q8ACT = ("q8_0", "q4_0")
 #: Where each format keeps its fp16 scales (and Q4_1's minimum, Q4_K's dmin) within a block.
 SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
 
@@ -73,6 +75,7 @@ def cell(us: float, weight_bytes: int) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shapes", default="smollm2", choices=sorted(SHAPES))
     p.add_argument("--rows", default="1,4,32,256")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
@@ -85,17 +88,20 @@ def main() -> int:
     rows = [int(r) for r in args.rows.split(",")]
     rng = np.random.default_rng(0)
     print(f"# cpu: {cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"quant path {kernels.quant_path}")
-    print("# us per call (GB/s of weight bytes); ours with float32 / bf16 activations")
-    print("| proj | rows | fp32 packed | bf16 packed | " + " | ".join(f"{q} fp32 | {q} bf16" for q in QUANT) + " |")
+          f"int8 path {kernels.packed_path}, weight-only path {kernels.quant_path}")
+    print("# us per call (GB/s of weight bytes), bf16 activations; int8: the layers' kernel, w-only: the "
+          "weight-only one")
+    print("| proj | rows | fp32 packed | bf16 packed | " + " | ".join(f"{q} int8 | {q} w-only" for q in QUANT) + " |")
     print("|---|---|---|---|" + "---|" * (2 * len(QUANT)))
-    for name, k, n in PROJECTIONS:
+    for name, k, n in SHAPES[args.shapes]:
         w = torch.randn(n, k) / k**0.5
         packed32 = torch.ops.mkldnn._reorder_linear_weight(w, 32)
         packed16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), 32)
-        # A K-quant's rows are whole 256-weight super-blocks: only the down projection's k = 1536 is.
-        gemms = {q: kernels.bind_quant_linear([(FORMATS[q], random_blocks(FORMATS[q], n, k, rng))], k)
-                 for q in QUANT if k % FORMATS[q].block_elems == 0}
+        gemms = {}
+        for q in QUANT:
+            if k % FORMATS[q].block_elems == 0:  # a K-quant's rows are whole 256-weight super-blocks
+                segment = [(FORMATS[q], random_blocks(FORMATS[q], n, k, rng))]
+                gemms[q] = (kernels.pack_quant(segment, k), kernels.bind_quant_linear(segment, k))
         for m in rows:
             x = torch.randn(m, k)
             xb = x.bfloat16()
@@ -106,28 +112,8 @@ def main() -> int:
                 if q not in gemms:
                     cells += ["-", "-"]
                     continue
-                gemm, size = gemms[q], n * FORMATS[q].row_bytes(k)
-                cells += [cell(median_us(args.repeats, gemm, x), size), cell(median_us(args.repeats, gemm, xb), size)]
-            print(f"| {name} {k}->{n} | {m} | " + " | ".join(cells) + " |")
-    if not hasattr(kernels, "bind_quant_linear_q8act"):
-        return 0
-    print()
-    print("# int8 activations (x quantized per 32-block, integer dot products) against the widening kernel, "
-          "float32 activations: us per call")
-    print("| proj | rows | " + " | ".join(f"{q} widen | {q} q8act | q8act speed-up" for q in Q8ACT) + " |")
-    print("|---|---|" + "---|" * (3 * len(Q8ACT)))
-    for name, k, n in PROJECTIONS:
-        pairs = {}
-        for q in Q8ACT:
-            segment = [(FORMATS[q], random_blocks(FORMATS[q], n, k, rng))]
-            pairs[q] = (kernels.bind_quant_linear(segment, k), kernels.bind_quant_linear_q8act(segment, k))
-        for m in (1, 2, 4, 8):
-            x = torch.randn(m, k)
-            cells = []
-            for q in Q8ACT:
-                widen, q8act = pairs[q]
-                a, b = median_us(args.repeats, widen, x), median_us(args.repeats, q8act, x)
-                cells += [f"{a:.0f}", f"{b:.0f}", f"{a / b:.2f}x"]
+                size = n * FORMATS[q].row_bytes(k)
+                cells += [cell(median_us(args.repeats, gemm, xb), size) for gemm in gemms[q]]
             print(f"| {name} {k}->{n} | {m} | " + " | ".join(cells) + " |")
     return 0
 

@@ -19,10 +19,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from ferrox_batch.runtime.kernels.packed_quant import PackedQuant
 from ferrox_batch.runtime.quant.formats import QuantFormat
 from ferrox_batch.runtime.quant.weight import QuantizedWeight
-
-from ferrox_batch.runtime.kernels.packed_quant import PackedQuant
 
 if TYPE_CHECKING:
     from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels

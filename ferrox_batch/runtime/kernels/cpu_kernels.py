@@ -49,20 +49,18 @@ Six hot spots of a CPU step are not worth torch's generic kernels:
   same pass (`runtime.architectures.gate_up`), so the `[rows, 2n]` projection is never
   written out.
 * linear layers and embedding rows with weights in GGUF's quantized blocks
-  (`csrc/quant_gemm.c`: Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, as the file stores
-  them): each thread decodes 4 weight rows at a time (exactly, into float32)
-  in a scratch of its own, once per call, and sweeps every input row past them in
-  register tiles, so a step streams the file's 4.5-8.5 bits per weight
-  instead of 16 or 32. At one row the decode is the cost: on a 2-core Emerald
-  Rapids VM (2 threads, two runs of `scripts/bench_quant_gemm.py`) the default
-  model's projections in Q8_0 took 0.7-1.7x the time of torch's packed bf16
-  linear and 0.4-0.9x its packed float32, each weight alone and so held in the
-  VM's 260 MB L3 (the lm head, timed interleaved with the others: 0.6x bf16);
-  at 32 rows 0.7-0.8x bf16 and 1.0-1.25x float32. An int8-activation variant
-  (`bind_quant_linear_q8act`, Q8_0 and Q4_0: x quantized per 32-block,
-  integer dot products) ran 1.2-2.1x as fast as the widening kernel at 1-2
-  rows and 0.75-1.35x at 8. `quant_rows` decodes only the rows a forward's tokens name.
-  Bound to a weight once (`quant_gemm.QuantGemm`), as the fp16 kernel is.
+  (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q6_K, as the file stores them), two ways:
+  `pack_quant` repacks a weight once for integer dot products and multiplies
+  with x quantized per 32-block to int8 (`csrc/quant_int8.c`, the layers'
+  default: each row's result depends on that row alone, and the three paths
+  give the same bits); `bind_quant_linear` keeps the file's blocks and decodes
+  4 weight rows at a time into float32 in a scratch of its own, once per call,
+  sweeping every input row past them (`csrc/quant_gemm.c`, the weight-only
+  kernel: the widened weights' product up to summation order). On a 2-core
+  Emerald Rapids VM the int8 kernel ran the 1B-shaped model's projections
+  2.6-6.8x the weight-only kernel's speed at one row and 1.3-2.1x at 512
+  (`scripts/bench_quant_gemm.py`). `quant_rows` decodes only the rows a
+  forward's tokens name.
 
 They are built once per process by `kernel_build` (the system's GCC, flags
 for the CPU that runs them, nothing cached); `cpu_kernels()` returns None
