@@ -26,6 +26,7 @@ from ferrox_batch.runtime.architectures.linear import (
     probe_input,
 )
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
+from ferrox_batch.runtime.kernels.packed_quant import PackedQuant
 from ferrox_batch.runtime.quant.weight import QuantizedWeight, Weight
 
 if TYPE_CHECKING:
@@ -39,7 +40,7 @@ FUSED_KIND = "fp16_panels"
 class GateUp:
     """`act(gate(x)) * up(x)` for a fused `[2n, k]` weight (gate rows first)."""
 
-    __slots__ = ("_fused", "_gelu", "_half", "_linear")
+    __slots__ = ("_fused", "_gelu", "_half", "_kernels", "_linear")
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None, *, weights: str = "dtype",
                  kernels: CpuKernels | None = None, activation: str = "silu", int8_activations: bool = True) -> None:
@@ -54,10 +55,12 @@ class GateUp:
         self._half = weight.shape[0] // 2
         self._fused: PackedF16Gemm | None = None
         self._linear: Linear | QuantizedLinear | None = None
+        self._kernels: CpuKernels | None = None  # set where a quantized projection's SiLU and product run in C
         if isinstance(weight, QuantizedWeight):
             if kernels is None:
                 raise ValueError("a quantized projection runs on the CPU kernels; widen it where they are not")
             self._linear = QuantizedLinear(weight, bias, kernels, int8_activations)
+            self._kernels = None if self._gelu else kernels
             return
         fusable = (bias is None and not self._gelu and weights == "fp16" and weight.dtype == torch.float32
                    and weight.device.type == "cpu" and preferred_fp16_kind(kernels) == FUSED_KIND
@@ -92,9 +95,22 @@ class GateUp:
         """The bound fused kernel when the projection and its SiLU gate run in it, else None."""
         return self._fused
 
+    @property
+    def packed_gemm(self) -> PackedQuant | None:
+        """The int8 kernel's packed weight when the projection runs it and its SiLU and product run in C
+        (`CpuKernels.silu_mul`, as the layer stack runs them), with no bias; else None."""
+        linear = self._linear
+        if self._kernels is None or not isinstance(linear, QuantizedLinear) or linear.bias is not None:
+            return None
+        return linear.stored if isinstance(linear.stored, PackedQuant) else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
             return self._fused(x)  # a `PackedF16Gemm`, checked when it was bound
+        if self._kernels is not None:
+            projected = self._linear(x)
+            return self._kernels.silu_mul(projected.reshape(-1, projected.shape[-1])).view(
+                *projected.shape[:-1], self._half)
         gate, up = self._linear(x).chunk(2, dim=-1)
         if self._gelu:
             return F.gelu(gate, approximate="tanh") * up

@@ -1,4 +1,5 @@
-"""`LayerStack`: the decoder's layers in one C call on the CPU, when every projection runs the fp16-weight kernel.
+"""`LayerStack`: the decoder's layers in one C call on the CPU, when every projection runs the fp16-weight
+kernel, or every one the int8 quantized kernel.
 
 A decode step drives about 240 kernel calls from Python; their checks, allocations and argument
 conversions cost about a tenth of a 32-row step on two cores, and the OpenMP team's second thread
@@ -8,7 +9,9 @@ holds the layers' weight addresses, and checks once per forward what the C code 
 
 It applies to a float32 decoder whose every projection is one bound fp16 panel kernel with no bias
 (`Linear.f16_panels`, `GateUp.fused_gemm`): the `fp16w` precision on a CPU with AVX2, FMA and F16C,
-for models without attention biases. Anything else keeps the Python loop.
+for models without attention biases; and to a float32 or bf16 decoder whose every projection is a packed
+quantized weight with no bias (`QuantizedLinear.packed_gemm`, `GateUp.packed_gemm`: a GGUF served as
+stored, every linear in a format the int8 kernel runs). Anything else keeps the Python loop.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 import torch
 
 from ferrox_batch.runtime.architectures.layer_weights import LayerWeights
+from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.kernels.cpu_kernels import POOL_KINDS, CpuKernels
 from ferrox_batch.runtime.kv.batch_inputs import BatchInputs
@@ -27,45 +31,61 @@ from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 class LayerStack:
     """The addresses of every layer's norms and packed weights, in `csrc/layer_stack.c`'s order."""
 
-    __slots__ = ("_weights", "_owners", "_config")
+    __slots__ = ("_config", "_dtype", "_owners", "_packed", "_weights")
 
-    def __init__(self, weights: torch.Tensor, owners: list[object], config: ModelConfig) -> None:
-        self._weights = weights  # int64 [layers, 6]
+    def __init__(self, weights: torch.Tensor, owners: list[object], config: ModelConfig, packed: bool,
+                 dtype: torch.dtype) -> None:
+        self._weights = weights  # int64 [layers, 10]
         self._owners = owners  # what keeps those addresses valid
         self._config = config
+        self._packed = packed
+        self._dtype = dtype
+
+    @property
+    def packed(self) -> bool:
+        """Whether the stack runs quantized weights (else fp16 panels)."""
+        return self._packed
 
     @classmethod
     def bind(cls, layers: Sequence[LayerWeights], config: ModelConfig, dtype: torch.dtype) -> LayerStack | None:
         """The stack for these layers, or None where some layer does not run as the C loop does."""
         c = config
-        if dtype != torch.float32 or not layers or c.query_pre_attn_scalar is not None or c.embed_scale != 1.0:
+        if dtype not in (torch.float32, torch.bfloat16) or not layers or c.query_pre_attn_scalar is not None \
+                or c.embed_scale != 1.0:
             return None
         if c.sliding_window is not None and c.uniform_window is None:  # one window for every layer, or none
             return None
         hidden, q_width = c.hidden_size, c.num_heads * c.head_dim
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        packed = isinstance(layers[0].qkv, QuantizedLinear)
+        if not packed and dtype != torch.float32:
+            return None
         rows: list[list[int]] = []
         owners: list[object] = []
         for layer in layers:
             if not layer.plain:  # per-head norms and layers without RoPE are the Python loop's
                 return None
-            qkv, o, down = layer.qkv.f16_panels, layer.o.f16_panels, layer.down.f16_panels
-            gate_up = layer.gate_up.fused_gemm
-            if qkv is None or o is None or down is None or gate_up is None:
+            if packed:
+                gemms = [getattr(getattr(layer, name), "packed_gemm", None) for name in ("qkv", "o", "gate_up", "down")]
+            else:
+                gemms = [getattr(layer.qkv, "f16_panels", None), getattr(layer.o, "f16_panels", None),
+                         getattr(layer.gate_up, "fused_gemm", None), getattr(layer.down, "f16_panels", None)]
+            if any(g is None for g in gemms):
                 return None
+            qkv, o, gate_up, down = gemms
+            up_width = 2 * c.intermediate_size if packed else c.intermediate_size
             shapes = ((qkv.in_features, qkv.out_features), (o.in_features, o.out_features),
                       (gate_up.in_features, gate_up.out_features), (down.in_features, down.out_features))
-            if shapes != ((hidden, width), (q_width, hidden), (hidden, c.intermediate_size),
-                          (c.intermediate_size, hidden)):
+            if shapes != ((hidden, width), (q_width, hidden), (hidden, up_width), (c.intermediate_size, hidden)):
                 return None
             norms = (layer.input_norm, layer.post_norm)
-            if any(n.dtype != torch.float32 or not n.is_cpu or not n.is_contiguous() or n.shape != (hidden,)
-                   for n in norms):
+            if any(n.dtype != dtype or not n.is_cpu or not n.is_contiguous() or n.shape != (hidden,) for n in norms):
                 return None
+            counts = [g.segment_count for g in gemms] if packed else [0, 0, 0, 0]
             rows.append([layer.input_norm.data_ptr(), qkv.address, o.address, layer.post_norm.data_ptr(),
-                         gate_up.address, down.address])
+                         gate_up.address, down.address, *counts])
             owners.extend([layer.input_norm, qkv, o, layer.post_norm, gate_up, down])
-        return cls(torch.tensor(rows, dtype=torch.int64), owners, c)
+        return cls(torch.tensor(rows, dtype=torch.int64), owners, c, packed, dtype)
 
     def run(self, kernels: CpuKernels, h: torch.Tensor, inputs: BatchInputs, plan: PrefillPlan | None,
             pool: torch.Tensor, block_size: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -78,8 +98,11 @@ class LayerStack:
         if pool.dtype not in POOL_KINDS or pool.shape[0] != self._weights.shape[0] or not pool.is_contiguous():
             raise ValueError(f"the layer stack needs a contiguous pool of one of {list(POOL_KINDS)} per layer; "
                              f"got {pool.dtype} {tuple(pool.shape)}")
-        if h.dtype != torch.float32 or not h.is_contiguous() or hidden != c.hidden_size:
-            raise ValueError(f"the layer stack takes contiguous float32 [rows, {c.hidden_size}]; got {tuple(h.shape)}")
+        if h.dtype != self._dtype or not h.is_contiguous() or hidden != c.hidden_size:
+            raise ValueError(f"the layer stack takes contiguous {self._dtype} [rows, {c.hidden_size}]; got "
+                             f"{h.dtype} {tuple(h.shape)}")
+        if cos.dtype != self._dtype or sin.dtype != self._dtype:
+            raise ValueError(f"the layer stack's RoPE tables are {self._dtype}; got {cos.dtype}")
         index = (inputs.positions, inputs.slots)
         decode = inputs.decode
         if decode is not None:
@@ -90,16 +113,19 @@ class LayerStack:
             raise ValueError("the layer stack's indices must be contiguous int64 CPU tensors")
         n_dec = 0 if decode is None else decode.count
         width = (c.num_heads + 2 * kv) * d
+        dtype = self._dtype
         pending = torch.empty_like(h)
         x = torch.empty_like(h)
-        qkv = torch.empty(rows, width)
-        attn = torch.empty(rows, c.num_heads * d)
-        qdec = torch.empty(max(n_dec, 1), c.num_heads * d)
-        mlp = torch.empty(rows, inter)
+        qkv = torch.empty(rows, width, dtype=dtype)
+        attn = torch.empty(rows, c.num_heads * d, dtype=dtype)
+        qdec = torch.empty(max(n_dec, 1), c.num_heads * d, dtype=dtype)
+        mlp = torch.empty(rows, inter, dtype=dtype)
+        gu = torch.empty(rows, 2 * inter, dtype=dtype) if self._packed else mlp
         nothing = 0  # a null pointer for a group that is absent
         status = kernels.layer_stack_entry(
             h.data_ptr(), pending.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), qdec.data_ptr(),
-            mlp.data_ptr(), rows, hidden, inter, self._weights.shape[0], self._weights.data_ptr(),
+            mlp.data_ptr(), gu.data_ptr(), rows, hidden, inter, self._weights.shape[0], self._weights.data_ptr(),
+            int(self._packed), int(dtype == torch.bfloat16),
             pool.data_ptr(), pool.stride(0), POOL_KINDS[pool.dtype], cos.data_ptr(), sin.data_ptr(),
             inputs.positions.data_ptr(), inputs.slots.data_ptr(), c.num_heads, kv, d, c.rms_norm_eps,
             d ** -0.5, n_dec, nothing if decode is None else decode.tables.data_ptr(),

@@ -68,6 +68,11 @@ class QuantizedLinear:
         return None
 
     @property
+    def packed_gemm(self) -> PackedQuant | None:
+        """The int8 kernel's packed weight where the layer is exactly that product (no bias), else None."""
+        return self.stored if isinstance(self.stored, PackedQuant) and self.bias is None else None
+
+    @property
     def nbytes(self) -> int:
         return self.stored.nbytes + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 

@@ -117,9 +117,12 @@ class CpuKernels:
         self._prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, f32, i32, i32, i32]
         self._prefill.restype = i32
         self._layer_stack = library.ferrox_layer_stack
-        self._layer_stack.argtypes = [ptr] * 7 + [i64] * 4 + [ptr, ptr, i64, i32] + [ptr] * 4 + [i64] * 3 + [f32, f32] \
-            + [i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i32]
+        self._layer_stack.argtypes = [ptr] * 8 + [i64] * 4 + [ptr, i32, i32, ptr, i64, i32] + [ptr] * 4 + [i64] * 3 \
+            + [f32, f32] + [i64, ptr, i64, ptr, ptr, i64, ptr, ptr, i64, i64, i32]
         self._layer_stack.restype = i32
+        self._silu_mul = library.ferrox_silu_mul
+        self._silu_mul.argtypes = [ptr, ptr, i64, i64, i32, i32]
+        self._silu_mul.restype = i32
         self._f16_gemm = library.ferrox_f16_gemm
         self._f16_gemm.argtypes = [ptr, i64, i64, ptr, i64, ptr, i32]
         self._f16_gemm.restype = i32
@@ -344,6 +347,20 @@ class CpuKernels:
         [rows, format.row_bytes(in_features)] uint8)` pairs stacked in order along the outputs (a fused
         projection may mix formats). Checked now, once; each call checks only its input (`quant_gemm`)."""
         return QuantGemm(self._quant_gemm, segments, in_features)
+
+    def silu_mul(self, gu: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of a `[rows, 2n]` projection holding gate then up (float32 or bf16, contiguous,
+        CPU): `[rows, n]` in its dtype, the product rounded once (`csrc/silu_mul.c`, what the layer stack
+        runs for quantized projections)."""
+        _check_dtypes("silu_mul", gu)
+        _check_cpu_contiguous(gu)
+        if gu.dim() != 2 or gu.shape[1] % 2:
+            raise ValueError(f"silu_mul takes [rows, 2n] gate then up; got {tuple(gu.shape)}")
+        rows, n = gu.shape[0], gu.shape[1] // 2
+        out = torch.empty(rows, n, dtype=gu.dtype)
+        if self._silu_mul(gu.data_ptr(), out.data_ptr(), rows, n, _DTYPES[gu.dtype], torch.get_num_threads()) != 0:
+            raise ValueError("silu_mul: negative sizes")
+        return out
 
     def pack_quant(self, segments: Sequence[tuple[QuantFormat, torch.Tensor]], in_features: int) -> PackedQuant:
         """A weight of `in_features` inputs kept in quantized blocks (`(format, [rows, format.row_bytes(k)]

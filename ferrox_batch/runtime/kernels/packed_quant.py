@@ -103,6 +103,15 @@ class PackedQuant:
         return self._n
 
     @property
+    def address(self) -> int:
+        """Where its (type, rows, address) segment triples are (int64): what `csrc/layer_stack.c` reads."""
+        return self._address
+
+    @property
+    def segment_count(self) -> int:
+        return self._count
+
+    @property
     def shape(self) -> tuple[int, int]:
         return (self._n, self._k)
 

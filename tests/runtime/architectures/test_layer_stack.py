@@ -1,6 +1,6 @@
 """The layer stack (`runtime.architectures.layer_stack`, `csrc/layer_stack.c`): every layer in one C call gives the Python
-loop's logits bit for bit, applies exactly where each projection is one fp16 panel kernel, and refuses
-inputs it cannot read."""
+loop's logits bit for bit, applies exactly where each projection is one fp16 panel kernel or each one a
+packed quantized weight (in float32 and bf16), and refuses inputs it cannot read."""
 
 from __future__ import annotations
 
@@ -57,6 +57,24 @@ def test_the_stack_gives_the_python_loops_logits_bit_for_bit(tiny_variant_dirs, 
     assert model.decoder.layer_stack is not None
     for got, want in zip(mixed_schedule(model, True), mixed_schedule(model, False)):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize(("variant", "weights"), [("llama", "q8_0"), ("llama-untied-llama3-rope", "q4_1"),
+                                                  ("mistral-window", "q5_0")])
+def test_over_quantized_weights_the_stack_gives_the_python_loops_logits_bit_for_bit(tiny_variant_dirs, variant,
+                                                                                    weights, dtype) -> None:
+    model = load_model(tiny_variant_dirs[variant], device="cpu", dtype=dtype, weights=weights)
+    assert model.decoder.layer_stack is not None and model.decoder.layer_stack.packed
+    for got, want in zip(mixed_schedule(model, True), mixed_schedule(model, False)):
+        assert torch.equal(got, want)
+
+
+def test_over_quantized_weights_it_needs_every_projection_packed(tiny_variant_dirs) -> None:
+    """The weight-only kernel, or a bias (Qwen2's q|k|v), keeps the Python loop."""
+    path = tiny_variant_dirs["llama"]
+    assert load_model(path, device="cpu", weights="q8_0", int8_activations=False).decoder.layer_stack is None
+    assert load_model(tiny_variant_dirs["qwen2"], device="cpu", weights="q8_0").decoder.layer_stack is None
 
 
 def test_it_applies_only_where_every_projection_is_one_fp16_panel_kernel(tiny_variant_dirs) -> None:

@@ -73,7 +73,9 @@ def test_the_chat_template_and_stop_tokens_come_from_the_checkpoint(ours):
 
 def test_the_gguf_loads_directly_and_gives_the_folders_logits(ours, real_model_dir):
     gguf_path = default_gguf_path(real_model_dir.parent.parent)
-    direct = load_model(gguf_path, device=ours.decoder.device, dtype="float32")
+    # The weight-only kernel: the file's weights exactly (the default int8 kernel also rounds the
+    # activations, which the quality tests bound).
+    direct = load_model(gguf_path, device=ours.decoder.device, dtype="float32", int8_activations=False)
     ids = ours.tokenizer.encode(PROMPTS[1])
     assert direct.tokenizer.encode(PROMPTS[1]) == ids
     a, _ = run_prompt(ours, ids)

@@ -34,12 +34,13 @@ int ferrox_packed_rows(int type, const void *packed, int64_t k, const int64_t *r
 int ferrox_packed_path(void);
 int ferrox_packed_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const int64_t *segments, int64_t n_segments,
                        void *y, int threads);
-int ferrox_layer_stack(float *h, float *pending, float *x, float *qkv, float *attn, float *qdec, float *mlp,
+int ferrox_silu_mul(const void *gu, void *out, int64_t rows, int64_t n, int is_bf16, int threads);
+int ferrox_layer_stack(void *h, void *pending, void *x, void *qkv, void *attn, void *qdec, void *mlp, void *gu,
                        int64_t rows, int64_t hidden, int64_t inter, int64_t layers, const int64_t *weights,
-                       char *pool, int64_t pool_stride, int pool_kind, const float *cos, const float *sin,
-                       const int64_t *positions, const int64_t *slots, int64_t heads, int64_t kv, int64_t d, float eps,
-                       float scale, int64_t n_dec, const int64_t *tables, int64_t max_blocks, const int64_t *lo,
-                       const int64_t *hi, int64_t block_size, const int64_t *plan_slots, const int64_t *plan_chunks,
-                       int64_t n_chunks, int64_t window, int threads);
+                       int packed, int is_bf16, char *pool, int64_t pool_stride, int pool_kind, const void *cos,
+                       const void *sin, const int64_t *positions, const int64_t *slots, int64_t heads, int64_t kv,
+                       int64_t d, float eps, float scale, int64_t n_dec, const int64_t *tables, int64_t max_blocks,
+                       const int64_t *lo, const int64_t *hi, int64_t block_size, const int64_t *plan_slots,
+                       const int64_t *plan_chunks, int64_t n_chunks, int64_t window, int threads);
 
 #endif
