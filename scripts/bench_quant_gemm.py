@@ -15,6 +15,7 @@ the values. Medians of `--repeats` timings, each of enough calls to last about 5
 count (2 unless `--threads`).
 
     python scripts/bench_quant_gemm.py [--shapes smollm2|llama-1b] [--rows 1,4,32,256] [--repeats 5]
+        [--build-flags "-O3 -ffast-math -mavx2 -mfma -mf16c -mno-avx512f"]   # another path, forced
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from ferrox_batch.runtime.device import cpu_description  # noqa: E402
-from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels  # noqa: E402
+from ferrox_batch.runtime.kernels import kernel_build  # noqa: E402
+from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels, cpu_kernels  # noqa: E402
 from ferrox_batch.runtime.quant.formats import FORMATS, QuantFormat  # noqa: E402
 
 SHAPES = {
@@ -76,12 +78,18 @@ def cell(us: float, weight_bytes: int) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shapes", default="smollm2", choices=sorted(SHAPES))
+    p.add_argument("--build-flags", help="build the kernels with these GCC flags instead (e.g. the AVX2 path: "
+                                         "\"-O3 -ffast-math -mavx2 -mfma -mf16c -mno-avx512f\")")
     p.add_argument("--rows", default="1,4,32,256")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    kernels = cpu_kernels()
+    if args.build_flags:
+        kernel_build.COMPILE_FLAGS = (args.build_flags.split(),)
+        kernels = kernel_build.build_library(CpuKernels)
+    else:
+        kernels = cpu_kernels()
     if kernels is None:
         print("the CPU kernels did not build here (see the log)")
         return 1
