@@ -64,7 +64,7 @@ test: deps fetch fetch-gemma3
 # 2-core AVX2 machine.
 NUMERIC_TESTS := tests/runtime/kernels/test_cpu_kernels.py tests/runtime/architectures/test_decoder.py tests/runtime/sampling/test_sampler.py \
 	tests/runtime/architectures/test_linear.py tests/runtime/loading/test_gguf_convert.py tests/runtime/loading/test_gguf_families.py \
-	tests/runtime/architectures/test_real_model.py \
+	tests/runtime/architectures/test_real_model.py tests/runtime/architectures/test_quantized_decoder.py \
 	tests/scheduler/test_batching.py tests/scheduler/test_logprobs.py tests/runtime/kv/test_real_model_prefix_cache.py
 LOWER_CPU_CAPABILITIES := import torch; order = ["avx512", "avx2", "default"]; \
 	native = torch.backends.cpu.get_cpu_capability().lower(); \

@@ -20,10 +20,14 @@ from collections.abc import Sequence
 
 import torch
 
-from ferrox_batch.runtime.kernels.quant_gemm import check_status
-from ferrox_batch.runtime.quant.formats import BY_GGML_TYPE, QuantFormat
+from ferrox_batch.runtime.kernels.quant_gemm import (
+    DTYPES,
+    check_segments,
+    check_status,
+    input_rows,
+)
+from ferrox_batch.runtime.quant.formats import QuantFormat
 
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 #: `ferrox_packed_path()`'s answer: the loops the int8 kernel was built with.
 PACKED_PATHS = ("scalar", "avx2", "avx512-vnni")
 
@@ -59,23 +63,9 @@ class PackedQuant:
 
     def __init__(self, lib: PackedLibrary, segments: Sequence[tuple[QuantFormat, torch.Tensor]],
                  in_features: int) -> None:
-        if not segments:
-            raise ValueError("a quantized linear needs at least one segment of rows")
-        if in_features < 1:
-            raise ValueError(f"a quantized linear needs at least one input feature; got {in_features}")
+        check_segments(segments, in_features)
         packed, triples = [], []
         for fmt, data in segments:
-            if BY_GGML_TYPE.get(fmt.ggml_type) != fmt:
-                raise ValueError(f"the quantized linear does not run {fmt.name} (GGML type {fmt.ggml_type})")
-            row_bytes = fmt.row_bytes(in_features)  # raises unless k is a whole number of blocks
-            if data.dtype != torch.uint8 or data.dim() != 2:
-                raise ValueError(f"a quantized segment is a 2-D uint8 tensor of blocks; got {data.dtype} "
-                                 f"{tuple(data.shape)}")
-            if data.device.type != "cpu" or not data.is_contiguous():
-                raise ValueError("the CPU kernels take contiguous CPU tensors")
-            if data.shape[1] != row_bytes:
-                raise ValueError(f"{fmt.name} rows of {in_features} weights take {row_bytes} bytes; got rows of "
-                                 f"{data.shape[1]}")
             rows = data.shape[0]
             size = lib.bytes(fmt.ggml_type, rows, in_features)
             check_status(f"packing {fmt.name}", int(size) if size < 0 else 0)
@@ -127,14 +117,7 @@ class PackedQuant:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., k]` float32 or bfloat16 CPU input -> `[..., out_features]` in the input's dtype."""
         k, n = self._k, self._n
-        flag = _DTYPES.get(x.dtype)
-        if flag is None:
-            raise ValueError(f"the quantized linear takes float32 or bfloat16 input; got {x.dtype}")
-        if x.dim() == 0 or x.shape[-1] != k:
-            raise ValueError(f"a quantized weight of {k} inputs does not take input {tuple(x.shape)}")
-        if not x.is_cpu:
-            raise ValueError("the CPU kernels take contiguous CPU tensors")
-        rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+        rows, flag = input_rows(x, k)
         out = torch.empty(rows.shape[0], n, dtype=x.dtype)
         status = self._lib.gemm(rows.data_ptr(), flag, rows.shape[0], k, self._address, self._count, out.data_ptr(),
                                 torch.get_num_threads())
@@ -147,8 +130,8 @@ class PackedQuant:
         the rows unchecked, so their range is checked here."""
         if self._count != 1:
             raise ValueError(f"rows are looked up in a weight of one format; this one is {'+'.join(self.format_names)}")
-        if dtype not in _DTYPES:
-            raise ValueError(f"quantized rows decode to one of {list(_DTYPES)}; got {dtype}")
+        if dtype not in DTYPES:
+            raise ValueError(f"quantized rows decode to one of {list(DTYPES)}; got {dtype}")
         if index.dtype != torch.int64 or index.dim() != 1 or not index.is_cpu:
             raise ValueError(f"row indices are a 1-D int64 CPU tensor; got {index.dtype} {tuple(index.shape)}")
         index = index.contiguous()
@@ -157,6 +140,6 @@ class PackedQuant:
             raise ValueError(f"a row index is outside the table's {self._n} rows")
         out = torch.empty(n, self._k, dtype=dtype)
         status = self._lib.rows(self._formats[0].ggml_type, self._packed[0].data_ptr(), self._k, index.data_ptr(), n,
-                                out.data_ptr(), _DTYPES[dtype], torch.get_num_threads())
+                                out.data_ptr(), DTYPES[dtype], torch.get_num_threads())
         check_status("quantized rows", status)
         return out

@@ -23,8 +23,8 @@ import torch
 
 from ferrox_batch.runtime.quant.formats import BY_GGML_TYPE, QuantFormat
 
-#: The activation dtypes the kernel takes, by the `x_bf16` flag it passes.
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+#: The activation dtypes the quantized kernels take, by the `x_bf16` flag they pass.
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
 class QuantGemm:
@@ -38,24 +38,8 @@ class QuantGemm:
 
     def __init__(self, fn: Callable[..., int], segments: Sequence[tuple[QuantFormat, torch.Tensor]],
                  in_features: int) -> None:
-        if not segments:
-            raise ValueError("a quantized linear needs at least one segment of rows")
-        if in_features < 1:
-            raise ValueError(f"a quantized linear needs at least one input feature; got {in_features}")
-        triples = []
-        for fmt, data in segments:
-            if BY_GGML_TYPE.get(fmt.ggml_type) != fmt:
-                raise ValueError(f"the quantized linear does not run {fmt.name} (GGML type {fmt.ggml_type})")
-            row_bytes = fmt.row_bytes(in_features)  # raises unless k is a whole number of blocks
-            if data.dtype != torch.uint8 or data.dim() != 2:
-                raise ValueError(f"a quantized segment is a 2-D uint8 tensor of blocks; got {data.dtype} "
-                                 f"{tuple(data.shape)}")
-            if data.device.type != "cpu" or not data.is_contiguous():
-                raise ValueError("the CPU kernels take contiguous CPU tensors")
-            if data.shape[1] != row_bytes:
-                raise ValueError(f"{fmt.name} rows of {in_features} weights take {row_bytes} bytes; got rows of "
-                                 f"{data.shape[1]}")
-            triples.append((fmt.ggml_type, data.shape[0], data.data_ptr()))
+        check_segments(segments, in_features)
+        triples = [(fmt.ggml_type, data.shape[0], data.data_ptr()) for fmt, data in segments]
         self._fn = fn
         self._segments = tuple(data for _, data in segments)  # own the memory the addresses point into
         self._triples = torch.tensor(triples, dtype=torch.int64)
@@ -75,19 +59,46 @@ class QuantGemm:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., k]` float32 or bfloat16 CPU input -> `[..., out_features]` in the input's dtype."""
         k, n = self._k, self._n
-        flag = _DTYPES.get(x.dtype)
-        if flag is None:
-            raise ValueError(f"the quantized linear takes float32 or bfloat16 input; got {x.dtype}")
-        if x.dim() == 0 or x.shape[-1] != k:
-            raise ValueError(f"a quantized weight of {k} inputs does not take input {tuple(x.shape)}")
-        if not x.is_cpu:
-            raise ValueError("the CPU kernels take contiguous CPU tensors")
-        rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+        rows, flag = input_rows(x, k)
         out = torch.empty(rows.shape[0], n, dtype=x.dtype)
         status = self._fn(rows.data_ptr(), flag, rows.shape[0], k, self._address, self._count, out.data_ptr(),
                           torch.get_num_threads())
         check_status("the quantized linear", status)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+def check_segments(segments: Sequence[tuple[QuantFormat, torch.Tensor]], in_features: int) -> None:
+    """What both quantized kernels check of a weight once, when it is bound: at least one segment, k >= 1,
+    and each segment a contiguous CPU 2-D uint8 tensor of whole rows of a format the kernels run."""
+    if not segments:
+        raise ValueError("a quantized linear needs at least one segment of rows")
+    if in_features < 1:
+        raise ValueError(f"a quantized linear needs at least one input feature; got {in_features}")
+    for fmt, data in segments:
+        if BY_GGML_TYPE.get(fmt.ggml_type) != fmt:
+            raise ValueError(f"the quantized linear does not run {fmt.name} (GGML type {fmt.ggml_type})")
+        row_bytes = fmt.row_bytes(in_features)  # raises unless k is a whole number of blocks
+        if data.dtype != torch.uint8 or data.dim() != 2:
+            raise ValueError(f"a quantized segment is a 2-D uint8 tensor of blocks; got {data.dtype} "
+                             f"{tuple(data.shape)}")
+        if data.device.type != "cpu" or not data.is_contiguous():
+            raise ValueError("the CPU kernels take contiguous CPU tensors")
+        if data.shape[1] != row_bytes:
+            raise ValueError(f"{fmt.name} rows of {in_features} weights take {row_bytes} bytes; got rows of "
+                             f"{data.shape[1]}")
+
+
+def input_rows(x: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    """What both quantized kernels check of each call's input: `[..., k]` float32 or bfloat16 on the CPU,
+    as contiguous `[rows, k]`, and the `x_bf16` flag the C entry points take."""
+    flag = DTYPES.get(x.dtype)
+    if flag is None:
+        raise ValueError(f"the quantized linear takes float32 or bfloat16 input; got {x.dtype}")
+    if x.dim() == 0 or x.shape[-1] != k:
+        raise ValueError(f"a quantized weight of {k} inputs does not take input {tuple(x.shape)}")
+    if not x.is_cpu:
+        raise ValueError("the CPU kernels take contiguous CPU tensors")
+    return (x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()), flag
 
 
 def check_status(what: str, status: int) -> None:
