@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import platform
 import shutil
 
 import pytest
@@ -21,3 +22,24 @@ def built_kernels() -> CpuKernels:
     built = cpu_kernels()
     assert built is not None, "a C compiler is on PATH, so the kernels must build"
     return built
+
+
+#: Flag sets that force the narrower loops on x86, whatever this machine has.
+X86_FLAGS = {
+    "avx2": ["-O3", "-ffast-math", "-mavx2", "-mfma", "-mf16c", "-mno-avx512f"],
+    "scalar": ["-O3", "-ffast-math", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"],
+}
+
+
+def forced_builds(monkeypatch: pytest.MonkeyPatch) -> dict[str, CpuKernels]:
+    """This machine's build, then (on x86) one built with each of `X86_FLAGS` alone, by name; skips
+    elsewhere (the narrower paths are forced with x86 flags)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the narrower paths are forced with x86 flags")
+    builds = {"native": built_kernels()}
+    for path, flags in X86_FLAGS.items():
+        monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
+        built = cpu_kernels.__wrapped__()
+        assert built is not None, f"the {path} flags must build"
+        builds[path] = built
+    return builds

@@ -38,6 +38,8 @@ DTYPE_CHOICES = ("auto", "float32", "fp32", "bfloat16", "bf16", "float16", "fp16
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp32", "fp16", "bf16")
 #: `--weights`: `runtime.quant.choice.WEIGHTS_CHOICES` (a test keeps them equal).
 WEIGHTS_CHOICES = ("auto", "widen", "q8_0", "q4_0", "q4_1", "q5_0")
+#: `--batch-invariant`: `runtime.invariance.BATCH_INVARIANT_CHOICES` (a test keeps them equal).
+BATCH_INVARIANT_CHOICES = ("auto", "on", "off")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 #: `create_app`'s defaults, repeated so that building the parser imports no server (nor torch); a test
 #: keeps them equal to `server.requests` and `server.app`.
@@ -146,6 +148,12 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                             "Q4_0, Q4_1, Q5_0, Q4_K, Q6_K) on the CPU and keeps a safetensors checkpoint dense; widen "
                             "widens every weight to --dtype; q8_0, q4_0, q4_1 or q5_0 quantize every linear weight and "
                             "the embedding at load (CPU) (default: auto)")
+    group.add_argument("--batch-invariant", choices=BATCH_INVARIANT_CHOICES, default="auto",
+                       help="whether each request's answer is the same alone or batched: on runs dense bf16 linears "
+                            "on our batch-invariant kernel and refuses to load where some linear would not be "
+                            "invariant (fp32 dense weights, CUDA); auto does the same where it costs nothing "
+                            "measured (not on AMX CPUs, where oneDNN's tile kernels are faster) and fails nothing; "
+                            "off keeps oneDNN for dense bf16 (default: auto)")
     _add_home_flag(group)
     group.add_argument("--no-progress", action="store_true", help="no progress bars while fetching")
 
@@ -197,7 +205,7 @@ def load(args: argparse.Namespace, env: Mapping[str, str]) -> LoadedModel:
     path = model_path(args, env)
     try:
         return load_model(path, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          weights=args.weights)
+                          weights=args.weights, batch_invariant=args.batch_invariant)
     except (ModelLoadError, ValueError, OSError) as err:  # UnsupportedArchitecture is a ModelLoadError
         message = str(err)
         raise CliError(message if str(path) in message else f"cannot load {path}: {message}") from None

@@ -78,7 +78,8 @@ def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: Bat
     cpus = args.replica_cpus or max(1, (os.cpu_count() or 1) // args.replicas)
     spec = ReplicaSpec(str(model_path(args, env)), args.model_name, args.device, args.dtype, config, memory,
                        replica_app_settings(args, keys), log_level=logging.getLogger("ferrox_batch").level,
-                       kv_cache_dtype=args.kv_cache_dtype, weights=args.weights)
+                       kv_cache_dtype=args.kv_cache_dtype, weights=args.weights,
+                       batch_invariant=args.batch_invariant)
     drain = {} if args.drain_timeout is None else {"drain_timeout": args.drain_timeout}
     app = build_application(spec, args.replicas, max_replicas=args.max_replicas, router=args.router or "affinity",
                             replica_cpus=cpus, replica_gpus=1.0 if device.type == "cuda" else 0.0, **drain)

@@ -205,13 +205,13 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
     kv_bytes = config.kv_blocks * PagedKvStore.bytes_per_block(model.config, config.kv_block_size,
                                                                model.decoder.kv_dtype)
     logging.getLogger("ferrox_batch.cli").info(
-        "%s loaded from %s in %.1f s on %s (%s: %s; KV cache %s: %s; %s: %s); KV budget %d blocks x %d positions (%s); "
+        "%s loaded from %s in %.1f s on %s (%s: %s; KV cache %s: %s; %s: %s; batch-invariant %s: %s); KV budget %d blocks x %d positions (%s); "
         "max_seqs %s, "
         "prefill_chunk %d, max_batch_tokens %d, max_prefills_per_tick %d, step_target_ms %s, max_queue %d, "
         "max_context %s",
         name, model.source, time.monotonic() - started, model.decoder.device,
         model.precision, model.dtype_reason, model.kv_dtype_name, model.kv_dtype_reason, model.weights_summary,
-        model.weights_reason, config.kv_blocks,
+        model.weights_reason, "yes" if model.batch_invariant else "no", model.batch_invariant_reason, config.kv_blocks,
         config.kv_block_size, _size(kv_bytes), "unlimited" if config.unlimited_seqs else config.max_seqs,
         config.prefill_chunk, config.max_batch_tokens, config.max_prefills_per_tick,
         config.step_target_ms or "none", config.max_queue,

@@ -49,6 +49,7 @@ from ferrox_batch.deploy import ROUTERS
 from ferrox_batch.deploy.relay import REPLICA_HEADER, InProcessApp, RelayedRequest, relayed_response
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
+from ferrox_batch.runtime.invariance import BATCH_INVARIANT_CHOICES
 from ferrox_batch.runtime.quant.choice import WEIGHTS_CHOICES
 from ferrox_batch.server.access_policy import AccessPolicy
 from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
@@ -94,6 +95,8 @@ class ReplicaSpec:
     kv_cache_dtype: str = "auto"
     #: How the weights are held (`--weights`: `runtime.quant.choice`).
     weights: str = "auto"
+    #: Whether each request's answer is the same alone or batched (`--batch-invariant`: `runtime.invariance`).
+    batch_invariant: str = "auto"
     #: Replicas sharing one machine's default KV budget (`runtime.kv.memory.default_kv_memory`), when neither
     #: `kv_memory` nor `batcher.kv_blocks` is set: each takes this share of it.
     kv_share: int = 1
@@ -111,6 +114,9 @@ class ReplicaSpec:
                              f"{', '.join(KV_CACHE_DTYPES)}")
         if self.weights not in WEIGHTS_CHOICES:
             raise ValueError(f"unknown weights {self.weights!r}; use one of {', '.join(WEIGHTS_CHOICES)}")
+        if self.batch_invariant not in BATCH_INVARIANT_CHOICES:
+            raise ValueError(f"unknown batch_invariant {self.batch_invariant!r}; use one of "
+                             f"{', '.join(BATCH_INVARIANT_CHOICES)}")
         # Malformed access or priority settings fail here, before any replica starts.
         AccessPolicy.from_settings(self.app)
         if "client_priorities" in self.app:
@@ -140,7 +146,7 @@ class FerroxReplica:
         if spec.log_level is not None:
             logging.getLogger("ferrox_batch").setLevel(spec.log_level)
         loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype,
-                            weights=spec.weights)
+                            weights=spec.weights, batch_invariant=spec.batch_invariant)
         config = with_kv_budget(spec.batcher, spec.kv_memory, loaded.decoder, share=spec.kv_share)
         self.batcher = ContinuousBatcher.from_model(loaded, config)
         self.replica = serve.get_replica_context().replica_id.unique_id

@@ -57,7 +57,7 @@ def app_builder(args: dict[str, Any]) -> Application:
         app["shared_prefix_cache"] = _flag("shared_prefix_cache", args["shared_prefix_cache"])
     if "client_priorities" in args:
         app["client_priorities"] = _priorities(args["client_priorities"])
-    known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "weights", "kv_memory",
+    known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "weights", "batch_invariant", "kv_memory",
                                           "replicas", "max_replicas", "router", "replica_cpus", "replica_gpus",
                                           "api_key_env", "drain_timeout"}
     unknown = set(args) - known
@@ -70,7 +70,8 @@ def app_builder(args: dict[str, Any]) -> Application:
                        dataclasses.replace(BatcherConfig.serving(), **batcher),
                        parse_memory_size(str(memory)) if memory is not None else None, app,
                        kv_cache_dtype=str(args.get("kv_cache_dtype", "auto")),
-                       weights=str(args.get("weights", "auto")))
+                       weights=str(args.get("weights", "auto")),
+                       batch_invariant=str(args.get("batch_invariant", "auto")))
     return build_application(
         spec, _whole("replicas", args.get("replicas", 1)),
         max_replicas=_whole("max_replicas", args["max_replicas"]) if "max_replicas" in args else None,

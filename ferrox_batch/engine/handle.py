@@ -117,7 +117,8 @@ class ContinuousBatcher:
         batcher = cls.spawn_with_ceiling(model.decoder, model.tokenizer.decode, config, ceiling, grammars=grammars)
         batcher.tokenizer = model.tokenizer
         batcher.model_stats = {"precision": model.precision, "weight_bytes": model.decoder.weight_bytes,
-                               "weight_formats": model.decoder.weight_formats}
+                               "weight_formats": model.decoder.weight_formats,
+                               "batch_invariant": model.batch_invariant}
         return batcher
 
     @classmethod

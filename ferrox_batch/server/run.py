@@ -56,6 +56,7 @@ def serve(
     dtype: str = "auto",
     kv_cache_dtype: str = "auto",
     weights: str = "auto",
+    batch_invariant: str = "auto",
     default_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
     default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -79,7 +80,8 @@ def serve(
     """
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype,
                                                                                 kv_cache_dtype=kv_cache_dtype,
-                                                                                weights=weights)
+                                                                                weights=weights,
+                                                                                batch_invariant=batch_invariant)
     name = model_name or default_model_name(loaded.source)
     batcher = ContinuousBatcher.from_model(loaded, batcher_config if batcher_config is not None
                                            else BatcherConfig.serving())

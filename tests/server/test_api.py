@@ -147,9 +147,11 @@ def test_health_and_stats(server):
     assert health.status_code == 200 and health.json() == {"status": "ok"}
     body = stats(base_url)
     # the batcher's counters, and what the server adds about the model it serves
-    assert set(body) == set(batcher.stats().to_dict()) | {"precision", "weight_bytes", "weight_formats"}
+    assert set(body) == set(batcher.stats().to_dict()) | {"precision", "weight_bytes", "weight_formats",
+                                                          "batch_invariant"}
     assert body["worker_alive"] is True and body["kv_blocks_total"] == 256
     assert set(body["weight_formats"]) == {"dense"} and body["weight_bytes"] > 0  # a dense fp32 checkpoint
+    assert body["batch_invariant"] is False  # fp32 dense linears run oneDNN's kernels
 
 
 def _free_port() -> int:

@@ -45,7 +45,7 @@ from ferrox_batch.runtime.architectures.families import LAYERS, NORM_OFFSETS
 from ferrox_batch.runtime.architectures.gate_up import GateUp
 from ferrox_batch.runtime.architectures.layer_stack import LayerStack
 from ferrox_batch.runtime.architectures.layer_weights import LayerWeights
-from ferrox_batch.runtime.architectures.linear import Linear
+from ferrox_batch.runtime.architectures.linear import BATCH_INVARIANT_KINDS, Linear
 from ferrox_batch.runtime.architectures.quantized_linear import (
     QuantizedLinear,
     formats_that_run,
@@ -81,6 +81,7 @@ class Decoder:
         keep_quantized: bool = False,
         quantize_to: QuantFormat | None = None,
         int8_activations: bool = True,
+        batch_invariant: bool = False,
     ) -> None:
         """`weights_format` is how the linear layers (the lm head included) store their dense weights:
         in `dtype`, or "fp16" (an fp32 model on the CPU; `runtime.architectures.linear`). `kv_dtype` is what the KV
@@ -91,7 +92,9 @@ class Decoder:
         `int8_activations` picks the quantized layers' kernel: int8 activations and integer dot products over
         weights repacked at load (the default: llama.cpp's arithmetic, and each row's result independent of
         its batch), or the weight-only kernel that decodes the file's blocks to float32 and leaves x as it
-        is (exactly the widened weights' product, summed in another order)."""
+        is (exactly the widened weights' product, summed in another order). `batch_invariant` runs dense bf16
+        linears on our bf16 kernel rather than oneDNN's (`Linear`), so that with the other kernels here each
+        row's logits depend on that row alone (`batch_invariant` after load says whether every linear does)."""
         if kv_dtype is None:
             kv_dtype = dtype
         if kv_dtype not in KV_CACHE_DTYPES.values():
@@ -103,6 +106,7 @@ class Decoder:
         self.weights_format = weights_format
         self.kernels = self.kernels_for(self.device, dtype)
         self.int8_activations = int8_activations
+        self._prefer_invariant = batch_invariant
         runs = formats_that_run(self.kernels, dtype, int8_activations) if keep_quantized or quantize_to is not None else frozenset()
         if quantize_to is not None and quantize_to.name not in runs:
             raise ModelLoadError(f"weights cannot be served in {quantize_to.name} here: the quantized kernels run on "
@@ -120,7 +124,8 @@ class Decoder:
         self.final_norm = take("model.norm.weight", (config.hidden_size,)) + NORM_OFFSETS.get(config.family, 0.0)
         build = LAYERS[config.family]
         gate_up = lambda weight: GateUp(weight, weights=self.weights_format, kernels=self.kernels,
-                                        activation=config.hidden_act, int8_activations=int8_activations)
+                                        activation=config.hidden_act, int8_activations=int8_activations,
+                                        batch_invariant=batch_invariant)
         self.layers = [build(take, config, i, self._linear, gate_up) for i in range(config.num_layers)]
         unused = set(weights) - {"lm_head.weight"}
         unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
@@ -148,7 +153,8 @@ class Decoder:
         if isinstance(weight, (QuantizedWeight, PackedQuant)):
             assert self.kernels is not None  # `_Taker` keeps weights quantized only where they run
             return QuantizedLinear(weight, bias, self.kernels, self.int8_activations)
-        return Linear(weight, bias, keep_weight=keep_weight, weights=self.weights_format, kernels=self.kernels)
+        return Linear(weight, bias, keep_weight=keep_weight, weights=self.weights_format, kernels=self.kernels,
+                      batch_invariant=self._prefer_invariant)
 
     def _linears(self) -> list[Linear | QuantizedLinear | GateUp]:
         names = ("qkv", "o", "gate_up", "down")
@@ -187,6 +193,17 @@ class Decoder:
         for linear in self._linears():
             kinds[linear.kind] = kinds.get(linear.kind, 0) + 1
         return kinds
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether every linear layer (the lm head included) runs a kernel whose output rows each depend on that
+        input row alone: ours for fp16 or bf16 weights, or the int8 quantized kernel. The decoder's other
+        kernels are row-wise already (norms, RoPE, attention over each sequence's own keys), so each request's
+        logits are then the same alone or batched."""
+        if self.device.type != "cpu" or self.kernels is None:
+            return False
+        return all(linear.kind in BATCH_INVARIANT_KINDS or (is_quantized_kind(linear.kind) and self.int8_activations)
+                   for linear in self._linears())
 
     @property
     def vocab_size(self) -> int:

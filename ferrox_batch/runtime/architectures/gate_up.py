@@ -7,8 +7,10 @@ Llama-family MLPs project the input twice (gate and up, held fused as one `[2n, 
 multiply the SiLU of one by the other. Through `Linear` that is a `[rows, 2n]` product written out,
 split, and read back by two elementwise kernels. Under `fp16w` with the C kernels built vectorised,
 `CpuKernels.f16_gated_linear` instead forms the product in registers, tile by tile, and writes only
-the `[rows, n]` result. Everywhere else (fp32, bf16, CUDA, fbgemm) the projection is a `Linear`
-followed by torch's `silu` and product. At load the fused kernel is checked against that
+the `[rows, n]` result. Under `batch_invariant` a bf16 weight runs our bf16 kernel (`Linear`'s
+"bf16_panels") and its SiLU and product run in C (`CpuKernels.silu_mul`), as the layer stack runs them.
+Everywhere else (fp32, bf16, CUDA, fbgemm) the projection is a `Linear` followed by torch's `silu` and
+product. At load the fused kernel is checked against that
 reference on a probe input, within the bound its arithmetic allows, and dropped if it disagrees.
 """
 
@@ -31,6 +33,7 @@ from ferrox_batch.runtime.quant.weight import QuantizedWeight, Weight
 
 if TYPE_CHECKING:
     from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
+    from ferrox_batch.runtime.kernels.packed_bf16 import PackedBf16
     from ferrox_batch.runtime.kernels.packed_gemm import PackedF16Gemm
 
 #: What the fused path reports as its kernel (`GateUp.kind`).
@@ -43,10 +46,11 @@ class GateUp:
     __slots__ = ("_fused", "_gelu", "_half", "_kernels", "_linear")
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None, *, weights: str = "dtype",
-                 kernels: CpuKernels | None = None, activation: str = "silu", int8_activations: bool = True) -> None:
-        """`weights` and `kernels` as for `Linear`; a bias, or the GELU activation, keeps the unfused path. A
-        quantized weight runs the quantized kernel (`QuantizedLinear`'s `int8_activations`), then the activation
-        and product in torch."""
+                 kernels: CpuKernels | None = None, activation: str = "silu", int8_activations: bool = True,
+                 batch_invariant: bool = False) -> None:
+        """`weights`, `kernels` and `batch_invariant` as for `Linear`; a bias, or the GELU activation, keeps the
+        unfused path. A quantized weight runs the quantized kernel (`QuantizedLinear`'s `int8_activations`),
+        then the activation and product in C (SiLU) or torch (GELU)."""
         if activation not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"a gated projection's activation is silu or gelu_pytorch_tanh; got {activation!r}")
         self._gelu = activation == "gelu_pytorch_tanh"
@@ -55,7 +59,7 @@ class GateUp:
         self._half = weight.shape[0] // 2
         self._fused: PackedF16Gemm | None = None
         self._linear: Linear | QuantizedLinear | None = None
-        self._kernels: CpuKernels | None = None  # set where a quantized projection's SiLU and product run in C
+        self._kernels: CpuKernels | None = None  # set where the SiLU and product run in C (`CpuKernels.silu_mul`)
         if isinstance(weight, QuantizedWeight):
             if kernels is None:
                 raise ValueError("a quantized projection runs on the CPU kernels; widen it where they are not")
@@ -71,7 +75,9 @@ class GateUp:
             if gated_agrees(self(probe), probe, weight.half().float()):
                 return
             self._fused = None
-        self._linear = Linear(weight, bias, weights=weights, kernels=kernels)
+        self._linear = Linear(weight, bias, weights=weights, kernels=kernels, batch_invariant=batch_invariant)
+        if self._linear.kind == "bf16_panels" and not self._gelu:
+            self._kernels = kernels
 
     @property
     def kind(self) -> str:
@@ -103,6 +109,15 @@ class GateUp:
         if self._kernels is None or not isinstance(linear, QuantizedLinear) or linear.bias is not None:
             return None
         return linear.stored if isinstance(linear.stored, PackedQuant) else None
+
+    @property
+    def bf16_gemm(self) -> PackedBf16 | None:
+        """The bf16 kernel's packed weight when the projection runs it and its SiLU and product run in C, with
+        no bias; else None."""
+        linear = self._linear
+        if self._kernels is None or not isinstance(linear, Linear):
+            return None
+        return linear.bf16_panels
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:

@@ -1,5 +1,5 @@
 """`LayerStack`: the decoder's layers in one C call on the CPU, when every projection runs the fp16-weight
-kernel, or every one the int8 quantized kernel.
+kernel, or every one the int8 quantized kernel, or every one the bf16 kernel.
 
 A decode step drives about 240 kernel calls from Python; their checks, allocations and argument
 conversions cost about a tenth of a 32-row step on two cores, and the OpenMP team's second thread
@@ -11,7 +11,9 @@ It applies to a float32 decoder whose every projection is one bound fp16 panel k
 (`Linear.f16_panels`, `GateUp.fused_gemm`): the `fp16w` precision on a CPU with AVX2, FMA and F16C,
 for models without attention biases; and to a float32 or bf16 decoder whose every projection is a packed
 quantized weight with no bias (`QuantizedLinear.packed_gemm`, `GateUp.packed_gemm`: a GGUF served as
-stored, every linear in a format the int8 kernel runs). Anything else keeps the Python loop.
+stored, every linear in a format the int8 kernel runs); and to a bf16 decoder whose every projection runs
+the batch-invariant bf16 kernel with no bias (`Linear.bf16_panels`, `GateUp.bf16_gemm`). Anything else keeps
+the Python loop.
 """
 
 from __future__ import annotations
@@ -28,23 +30,27 @@ from ferrox_batch.runtime.kv.batch_inputs import BatchInputs
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 
 
+#: The weights a stack runs, by `csrc/layer_stack.c`'s `kind` argument.
+STACK_KINDS = ("fp16_panels", "quantized", "bf16_panels")
+
+
 class LayerStack:
     """The addresses of every layer's norms and packed weights, in `csrc/layer_stack.c`'s order."""
 
-    __slots__ = ("_config", "_dtype", "_owners", "_packed", "_weights")
+    __slots__ = ("_config", "_dtype", "_kind", "_owners", "_weights")
 
-    def __init__(self, weights: torch.Tensor, owners: list[object], config: ModelConfig, packed: bool,
+    def __init__(self, weights: torch.Tensor, owners: list[object], config: ModelConfig, kind: str,
                  dtype: torch.dtype) -> None:
         self._weights = weights  # int64 [layers, 10]
         self._owners = owners  # what keeps those addresses valid
         self._config = config
-        self._packed = packed
+        self._kind = kind
         self._dtype = dtype
 
     @property
-    def packed(self) -> bool:
-        """Whether the stack runs quantized weights (else fp16 panels)."""
-        return self._packed
+    def kind(self) -> str:
+        """The weights it runs: one of `STACK_KINDS`."""
+        return self._kind
 
     @classmethod
     def bind(cls, layers: Sequence[LayerWeights], config: ModelConfig, dtype: torch.dtype) -> LayerStack | None:
@@ -57,23 +63,28 @@ class LayerStack:
             return None
         hidden, q_width = c.hidden_size, c.num_heads * c.head_dim
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        packed = isinstance(layers[0].qkv, QuantizedLinear)
-        if not packed and dtype != torch.float32:
-            return None
+        if isinstance(layers[0].qkv, QuantizedLinear):
+            kind = "quantized"
+        else:
+            kind = "bf16_panels" if dtype == torch.bfloat16 else "fp16_panels"
         rows: list[list[int]] = []
         owners: list[object] = []
         for layer in layers:
             if not layer.plain:  # per-head norms and layers without RoPE are the Python loop's
                 return None
-            if packed:
+            if kind == "quantized":
                 gemms = [getattr(getattr(layer, name), "packed_gemm", None) for name in ("qkv", "o", "gate_up", "down")]
+            elif kind == "bf16_panels":
+                gemms = [getattr(layer.qkv, "bf16_panels", None), getattr(layer.o, "bf16_panels", None),
+                         getattr(layer.gate_up, "bf16_gemm", None), getattr(layer.down, "bf16_panels", None)]
             else:
                 gemms = [getattr(layer.qkv, "f16_panels", None), getattr(layer.o, "f16_panels", None),
                          getattr(layer.gate_up, "fused_gemm", None), getattr(layer.down, "f16_panels", None)]
             if any(g is None for g in gemms):
                 return None
             qkv, o, gate_up, down = gemms
-            up_width = 2 * c.intermediate_size if packed else c.intermediate_size
+            # The fp16 gated kernel writes silu(gate) * up; the others write gate | up for `silu_mul`.
+            up_width = c.intermediate_size if kind == "fp16_panels" else 2 * c.intermediate_size
             shapes = ((qkv.in_features, qkv.out_features), (o.in_features, o.out_features),
                       (gate_up.in_features, gate_up.out_features), (down.in_features, down.out_features))
             if shapes != ((hidden, width), (q_width, hidden), (hidden, up_width), (c.intermediate_size, hidden)):
@@ -81,11 +92,11 @@ class LayerStack:
             norms = (layer.input_norm, layer.post_norm)
             if any(n.dtype != dtype or not n.is_cpu or not n.is_contiguous() or n.shape != (hidden,) for n in norms):
                 return None
-            counts = [g.segment_count for g in gemms] if packed else [0, 0, 0, 0]
+            counts = [g.segment_count for g in gemms] if kind == "quantized" else [0, 0, 0, 0]
             rows.append([layer.input_norm.data_ptr(), qkv.address, o.address, layer.post_norm.data_ptr(),
                          gate_up.address, down.address, *counts])
             owners.extend([layer.input_norm, qkv, o, layer.post_norm, gate_up, down])
-        return cls(torch.tensor(rows, dtype=torch.int64), owners, c, packed, dtype)
+        return cls(torch.tensor(rows, dtype=torch.int64), owners, c, kind, dtype)
 
     def run(self, kernels: CpuKernels, h: torch.Tensor, inputs: BatchInputs, plan: PrefillPlan | None,
             pool: torch.Tensor, block_size: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -120,12 +131,12 @@ class LayerStack:
         attn = torch.empty(rows, c.num_heads * d, dtype=dtype)
         qdec = torch.empty(max(n_dec, 1), c.num_heads * d, dtype=dtype)
         mlp = torch.empty(rows, inter, dtype=dtype)
-        gu = torch.empty(rows, 2 * inter, dtype=dtype) if self._packed else mlp
+        gu = mlp if self._kind == "fp16_panels" else torch.empty(rows, 2 * inter, dtype=dtype)
         nothing = 0  # a null pointer for a group that is absent
         status = kernels.layer_stack_entry(
             h.data_ptr(), pending.data_ptr(), x.data_ptr(), qkv.data_ptr(), attn.data_ptr(), qdec.data_ptr(),
             mlp.data_ptr(), gu.data_ptr(), rows, hidden, inter, self._weights.shape[0], self._weights.data_ptr(),
-            int(self._packed), int(dtype == torch.bfloat16),
+            STACK_KINDS.index(self._kind), int(dtype == torch.bfloat16),
             pool.data_ptr(), pool.stride(0), POOL_KINDS[pool.dtype], cos.data_ptr(), sin.data_ptr(),
             inputs.positions.data_ptr(), inputs.slots.data_ptr(), c.num_heads, kv, d, c.rms_norm_eps,
             d ** -0.5, n_dec, nothing if decode is None else decode.tables.data_ptr(),

@@ -28,6 +28,14 @@ was itself 1.1-1.7x packed fp32 at 1-1024 rows, for half the weight bytes.
 The load-time check compares either with `F.linear` over the fp16-rounded
 weight; where neither loads or agrees, the layer falls back to the fp32
 kernels above with the weight unrounded.
+
+bf16 weights under `batch_invariant` run our bf16 kernel instead of oneDNN's
+(`cpu_kernels.CpuKernels.pack_bf16`, "bf16_panels"): oneDNN picks its kernel,
+and with it each output's summation order, by the batch's row count, so a
+request's logits move with the batch it shares; ours sums each output in one
+fixed order whatever the rows. On a 2-core Zen 4 EPYC (avx512_bf16) its
+projections of the default model ran 1.0-1.2x oneDNN's at 1-64 rows
+(`scripts/bench_bf16_gemm.py`).
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ import torch.nn.functional as F
 
 if TYPE_CHECKING:
     from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
+    from ferrox_batch.runtime.kernels.packed_bf16 import PackedBf16
     from ferrox_batch.runtime.kernels.packed_gemm import PackedF16Gemm
 
 # Batch-size hint for the packing; the packed weight serves every batch size.
@@ -50,6 +59,8 @@ WEIGHT_FORMATS = ("dtype", "fp16")
 PROBE_ROWS = 7
 #: The kernels that run fp16 weights (`Linear.kind`), ours first.
 FP16_KINDS = ("fp16_panels", "fbgemm_fp16")
+#: The dense kernels whose every output row depends on that input row alone, whatever the batch.
+BATCH_INVARIANT_KINDS = ("fp16_panels", "bf16_panels")
 
 
 class Linear:
@@ -57,11 +68,12 @@ class Linear:
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True, keep_weight: bool = False,
-        weights: str = "dtype", kernels: CpuKernels | None = None,
+        weights: str = "dtype", kernels: CpuKernels | None = None, batch_invariant: bool = False,
     ) -> None:
         """`keep_weight=False` lets a packed layer drop its plain weight (half the memory or less);
         pass True when the tensor is shared (a tied embedding). `weights` is one of `WEIGHT_FORMATS`;
-        `kernels` (the compiled CPU kernels, when built) may run fp16 weights."""
+        `kernels` (the compiled CPU kernels, when built) may run fp16 weights, and bf16 weights where
+        `batch_invariant` asks for our kernel over oneDNN's."""
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight format {weights!r}; use one of {', '.join(WEIGHT_FORMATS)}")
         self.weight: torch.Tensor | None = weight
@@ -75,6 +87,8 @@ class Linear:
         on_cpu = pack and weight.device.type == "cpu"
         if on_cpu and weights == "fp16" and weight.dtype == torch.float32:
             self._try_pack_fp16()
+        if on_cpu and batch_invariant and weight.dtype == torch.bfloat16 and kernels is not None:
+            self._try_pack_bf16()
         if on_cpu and self._kind == "plain" and weight.dtype in _PACKED_DTYPES:
             self._try_pack()
         if self._kind != "plain" and not keep_weight:
@@ -84,6 +98,8 @@ class Linear:
     def nbytes(self) -> int:
         """Bytes its weight is stored in: fp16 panels 2 per weight, else the weight's dtype (packed or not),
         and the bias."""
+        if self._kind == "bf16_panels":
+            return self._packed.nbytes + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
         per_weight = 2 if self._kind in FP16_KINDS else self._dtype_size
         return self._out_features * self._in_features * per_weight + (
             0 if self.bias is None else self.bias.numel() * self.bias.element_size())
@@ -91,7 +107,8 @@ class Linear:
     @property
     def kind(self) -> str:
         """Which kernel runs: "fp16_panels" (fp16 weight, our kernel), "fbgemm_fp16" (fp16 weight,
-        fbgemm), "mkldnn" (packed for oneDNN) or "plain" (`F.linear`)."""
+        fbgemm), "bf16_panels" (bf16 weight, our batch-invariant kernel), "mkldnn" (packed for oneDNN) or
+        "plain" (`F.linear`)."""
         return self._kind
 
     def _try_pack_fp16(self) -> None:
@@ -117,6 +134,13 @@ class Linear:
         except (AttributeError, RuntimeError, NotImplementedError):
             self._packed, self._kind = None, "plain"
 
+    def _try_pack_bf16(self) -> None:
+        packed = self._kernels.pack_bf16(self.weight)
+        self._packed, self._kind = packed, "bf16_panels"
+        probe = probe_input(self.weight)
+        if not _agree(self(probe), probe, self.weight, self.bias):
+            self._packed, self._kind = None, "plain"
+
     def _try_pack(self) -> None:
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, _PACK_HINT)
@@ -133,7 +157,17 @@ class Linear:
         call), else None."""
         return self._packed if self._kind == "fp16_panels" and self.bias is None else None
 
+    @property
+    def bf16_panels(self) -> PackedBf16 | None:
+        """The packed bf16 weight when this layer runs our bf16 kernel with no bias, else None."""
+        return self._packed if self._kind == "bf16_panels" and self.bias is None else None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._kind == "bf16_panels":  # a `PackedBf16`: the weight was checked when it was packed
+            if self.bias is None:
+                return self._packed(x)
+            # The bias joins the float32 sums and the result rounds once, as oneDNN's fused bias does.
+            return self._packed(x, out_f32=True).add_(self.bias).to(torch.bfloat16)
         if self._kind == "fp16_panels":
             out = self._packed(x)  # a `PackedF16Gemm`: the weight was checked when it was bound
             return out if self.bias is None else out.add_(self.bias)

@@ -87,6 +87,7 @@ from ferrox_batch.runtime.kernels.packed_gemm import (
     pack_f16_panels,
     slice_panels,
 )
+from ferrox_batch.runtime.kernels.packed_bf16 import Bf16Library, PackedBf16
 from ferrox_batch.runtime.kernels.packed_quant import PackedLibrary, PackedQuant
 from ferrox_batch.runtime.kernels.quant_gemm import QuantGemm, check_status
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
@@ -134,6 +135,9 @@ class CpuKernels:
         self._packed = PackedLibrary(library)
         #: The int8 kernel's loops (`packed_quant.PACKED_PATHS`).
         self.packed_path = self._packed.path
+        self._bf16 = Bf16Library(library)
+        #: The bf16 kernel's loops (`packed_bf16.BF16_PATHS`).
+        self.bf16_path = self._bf16.path
         self._quant_gemm = library.ferrox_quant_gemm
         self._quant_gemm.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
         self._quant_gemm.restype = i32
@@ -361,6 +365,11 @@ class CpuKernels:
         if self._silu_mul(gu.data_ptr(), out.data_ptr(), rows, n, _DTYPES[gu.dtype], torch.get_num_threads()) != 0:
             raise ValueError("silu_mul: negative sizes")
         return out
+
+    def pack_bf16(self, weight: torch.Tensor) -> PackedBf16:
+        """An `[n, k]` weight (rounded to bf16) packed for the batch-invariant bf16 kernel: `x @ w.T` for bf16
+        x, each row's result a function of that row alone (`packed_bf16`)."""
+        return PackedBf16(self._bf16, weight)
 
     def pack_quant(self, segments: Sequence[tuple[QuantFormat, torch.Tensor]], in_features: int) -> PackedQuant:
         """A weight of `in_features` inputs kept in quantized blocks (`(format, [rows, format.row_bytes(k)]

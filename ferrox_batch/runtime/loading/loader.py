@@ -33,6 +33,7 @@ from ferrox_batch.runtime.device import (
     choose_kv_dtype,
 )
 from ferrox_batch.runtime.errors import ModelLoadError
+from ferrox_batch.runtime.invariance import BATCH_INVARIANT_CHOICES, choose_batch_invariance
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.runtime.quant.choice import WeightsChoice, choose_weights
@@ -55,6 +56,13 @@ class LoadedModel:
     kv_dtype_reason: str = "asked for"
     #: How the weights are held (`runtime.quant.choice`), and why.
     weights_reason: str = "asked for"
+    #: Why the decoder did or did not prefer batch-invariant kernels (`runtime.invariance`).
+    batch_invariant_reason: str = "off"
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether each request's logits are the same alone or batched (every linear runs an invariant kernel)."""
+        return self.decoder.batch_invariant
 
     @property
     def weights_summary(self) -> str:
@@ -80,24 +88,29 @@ def load_model(
     kv_cache_dtype: str | torch.dtype | None = "auto",
     weights: str | None = "auto",
     int8_activations: bool = True,
+    batch_invariant: str | bool | None = "auto",
 ) -> LoadedModel:
     """`dtype` is the precision (`runtime.device`); `kv_cache_dtype` what the KV store holds (auto, fp32,
     fp16 or bf16: `device.choose_kv_dtype`); `weights` how the weights are held (auto, widen, or a format to
     quantize to: `runtime.quant.choice`); `int8_activations` which kernel multiplies quantized weights
-    (`Decoder`'s: int8 activations by default, else the weight-only kernel)."""
+    (`Decoder`'s: int8 activations by default, else the weight-only kernel); `batch_invariant` (auto, on, off
+    or a bool) whether each request's answer must be the same alone or batched (`runtime.invariance`)."""
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"no model at {path}")
     gguf = path.is_file() and path.suffix == ".gguf"
     held = choose_weights(weights, gguf=gguf, device=choose_device(device), int8_activations=int8_activations)
+    if batch_invariant not in (*BATCH_INVARIANT_CHOICES, True, False, None):
+        raise ValueError(f"unknown batch-invariant choice {batch_invariant!r}; use one of "
+                         f"{', '.join(BATCH_INVARIANT_CHOICES)}")
     if gguf:
-        return _load_gguf(path, device, dtype, kv_cache_dtype, held)
+        return _load_gguf(path, device, dtype, kv_cache_dtype, held, batch_invariant)
     if not path.is_dir():
         raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
     config = ModelConfig.from_file(path / "config.json")
     tokenizer = Tokenizer.from_dir(path)
     tensors = _read_safetensors(path)
-    return _build(config, tensors, tokenizer, path, device, dtype, kv_cache_dtype, held)
+    return _build(config, tensors, tokenizer, path, device, dtype, kv_cache_dtype, held, batch_invariant)
 
 
 def _build(
@@ -109,6 +122,7 @@ def _build(
     dtype: str | torch.dtype | None,
     kv_cache_dtype: str | torch.dtype | None,
     held: WeightsChoice,
+    batch_invariant: str | bool | None,
 ) -> LoadedModel:
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(
@@ -119,9 +133,14 @@ def _build(
     chosen = choose_dtype_reasoned(dtype, chosen_device, config)
     in_place = Decoder.kernels_for(chosen_device, chosen.dtype) is not None
     kv = choose_kv_dtype(kv_cache_dtype, chosen, chosen_device, in_place)
+    invariance = choose_batch_invariance(batch_invariant, chosen.dtype, chosen_device)
     decoder = Decoder(config, weights, device=chosen_device, dtype=chosen.dtype, weights_format=chosen.weights,
                       kv_dtype=kv.dtype, keep_quantized=held.keep_quantized, quantize_to=held.quantize_to,
-                      int8_activations=held.int8_activations)
+                      int8_activations=held.int8_activations, batch_invariant=invariance.prefer)
+    if invariance.required and not decoder.batch_invariant:
+        raise ModelLoadError(f"--batch-invariant on: not every linear layer runs a batch-invariant kernel here "
+                             f"(linear kernels: {dict(decoder.linear_kinds)}); the invariant ones are ours for bf16 "
+                             "and fp16 weights and the int8 quantized kernel, on the CPU with the C kernels built")
     weights_reason = held.reason
     if held.keep_quantized and "dense" in decoder.weight_formats:
         weights_reason += "; the weights in other formats (or where no quantized kernel runs here) widened"
@@ -135,9 +154,11 @@ def _build(
         # `auto`'s K/V follow the precision that runs: plain fp32 keeps fp32 K/V.
         kv = choose_kv_dtype(kv_cache_dtype, DtypeChoice(torch.float32, reason), chosen_device, in_place)
         decoder.kv_dtype = kv.dtype  # no store exists yet
-    loaded = LoadedModel(config, decoder, tokenizer, source, reason, precision, kv.reason, weights_reason)
-    log.info("%s runs in %s on %s (linear kernels: %s): %s; KV cache in %s: %s; %s: %s", source.name, precision,
-             chosen_device, kinds, reason, kv.name, kv.reason, loaded.weights_summary, weights_reason)
+    loaded = LoadedModel(config, decoder, tokenizer, source, reason, precision, kv.reason, weights_reason,
+                         invariance.reason)
+    log.info("%s runs in %s on %s (linear kernels: %s): %s; KV cache in %s: %s; %s: %s; batch-invariant: %s (%s)",
+             source.name, precision, chosen_device, kinds, reason, kv.name, kv.reason, loaded.weights_summary,
+             weights_reason, "yes" if loaded.batch_invariant else "no", invariance.reason)
     return loaded
 
 
@@ -186,7 +207,7 @@ def _shard(folder: Path, index: Path, name: object) -> Path:
 
 def _load_gguf(
     path: Path, device: str | torch.device | None, dtype: str | torch.dtype | None,
-    kv_cache_dtype: str | torch.dtype | None, held: WeightsChoice,
+    kv_cache_dtype: str | torch.dtype | None, held: WeightsChoice, batch_invariant: str | bool | None,
 ) -> LoadedModel:
     from ferrox_batch.runtime.loading.gguf_convert import read_gguf
 
@@ -201,4 +222,4 @@ def _load_gguf(
     )
     weights: dict[str, Weight] = {name: value if isinstance(value, QuantizedWeight) else torch.from_numpy(value)
                                   for name, value in ckpt.tensors.items()}
-    return _build(config, weights, tokenizer, path, device, dtype, kv_cache_dtype, held)
+    return _build(config, weights, tokenizer, path, device, dtype, kv_cache_dtype, held, batch_invariant)

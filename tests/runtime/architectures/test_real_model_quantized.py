@@ -16,8 +16,9 @@
   against the folder its fetch converted (the same blocks widened): last logits within float32 rounding
   and 12 greedy tokens identical, every step decided by the arithmetic.
 * The same answer alone or batched: the default file as stored and the folder quantized to Q8_0 at load
-  (int8 activations, `auto`'s precision), 32 concurrent requests through the batcher against each alone,
-  tokens and log-probabilities equal bit for bit.
+  (int8 activations, `auto`'s precision), and the folder's dense weights in bf16 (`--batch-invariant on`:
+  our bf16 kernel), 32 concurrent requests through the batcher against each alone, tokens and
+  log-probabilities equal bit for bit.
 """
 
 from __future__ import annotations
@@ -116,21 +117,26 @@ def test_gemma_s_file_as_stored_is_the_file_widened(gemma: tuple[LoadedModel, Lo
     assert got_ids == want_ids
 
 
-@pytest.mark.parametrize("weights", ["auto", "q8_0"])
+@pytest.mark.parametrize("weights", ["auto", "q8_0", "bf16"])
 def test_32_concurrent_requests_get_what_each_gets_alone(default_gguf: Path, real_model_dir: Path,
                                                          weights: str) -> None:
     """Through the batcher: 32 greedy requests sent at once from 32 threads (prefill chunks and decodes
     mixed in whatever steps the scheduler forms) give each request's tokens and log-probabilities exactly
     as that request alone does: the default file as stored (Q4_1, the tied Q8_0 head) and the folder
-    quantized to Q8_0 at load, in `auto`'s precision."""
+    quantized to Q8_0 at load, in `auto`'s precision; and the folder's weights dense in bf16."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ferrox_batch.admission.config import BatcherConfig
     from ferrox_batch.engine.handle import ContinuousBatcher
     from ferrox_batch.generation_types import GenerationParams
 
-    model = load_model(default_gguf if weights == "auto" else real_model_dir, device="cpu", weights=weights)
-    assert "dense" not in model.decoder.weight_formats
+    if weights == "bf16":
+        model = load_model(real_model_dir, device="cpu", dtype="bf16", batch_invariant="on")
+        assert set(model.decoder.weight_formats) == {"dense"}
+    else:
+        model = load_model(default_gguf if weights == "auto" else real_model_dir, device="cpu", weights=weights)
+        assert "dense" not in model.decoder.weight_formats
+    assert model.batch_invariant
     ids = model.tokenizer.encode(TEXT)
     prompts = [ids[5 * i: 5 * i + 6 + i % 13] for i in range(32)]
     params = GenerationParams(max_tokens=10, ignore_eos=True, logprobs=1)

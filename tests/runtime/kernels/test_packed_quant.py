@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_builds import built_kernels, needs_compiler
+from kernel_builds import X86_FLAGS, built_kernels, forced_builds, needs_compiler
 from quant_weights import (
     DTYPES,
     assert_exact_sums,
@@ -20,8 +20,6 @@ from quant_weights import (
     reference,
 )
 
-from ferrox_batch.runtime.kernels import cpu_kernels as kernels_module
-from ferrox_batch.runtime.kernels import kernel_build as build_module
 from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
 from ferrox_batch.runtime.kernels.packed_quant import PACKED_PATHS, PackedQuant
 from ferrox_batch.runtime.quant.formats import FORMATS, QuantFormat
@@ -171,25 +169,11 @@ def test_bad_bindings_and_inputs_are_refused(kernels):
         packed(torch.randn(1, 64))
 
 
-X86_FLAGS = {
-    "avx2": ["-O3", "-ffast-math", "-mavx2", "-mfma", "-mf16c", "-mno-avx512f"],
-    "scalar": ["-O3", "-ffast-math", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"],
-}
-
-
 def test_every_path_gives_the_same_bits(monkeypatch):
     """This machine's build and, on x86, the AVX2 and plain-C loops forced: each format, both dtypes,
     rows decoded and products, identical to the last bit (the arithmetic is specified per operation)."""
-    import platform
-
-    if platform.machine() not in ("x86_64", "AMD64"):
-        pytest.skip("the narrower paths are forced with x86 flags")
-    builds = {"native": built_kernels()}
-    for path, flags in X86_FLAGS.items():
-        monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
-        built = kernels_module.cpu_kernels.__wrapped__()
-        assert built is not None and built.packed_path == path
-        builds[path] = built
+    builds = forced_builds(monkeypatch)
+    assert [builds[path].packed_path for path in X86_FLAGS] == list(X86_FLAGS)
     assert builds["native"].packed_path in PACKED_PATHS
     for seed, fmt in enumerate(FORMATS.values()):
         k = 3 * 256

@@ -34,10 +34,15 @@ int ferrox_packed_rows(int type, const void *packed, int64_t k, const int64_t *r
 int ferrox_packed_path(void);
 int ferrox_packed_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const int64_t *segments, int64_t n_segments,
                        void *y, int threads);
+int ferrox_bf16_path(void);
+int64_t ferrox_bf16_packed_words(int64_t n, int64_t k);
+int ferrox_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint32_t *out, int threads);
+int ferrox_bf16_gemm(const uint16_t *x, int64_t m, int64_t k, const uint32_t *w, int64_t n, void *y, int y_f32,
+                     int threads);
 int ferrox_silu_mul(const void *gu, void *out, int64_t rows, int64_t n, int is_bf16, int threads);
 int ferrox_layer_stack(void *h, void *pending, void *x, void *qkv, void *attn, void *qdec, void *mlp, void *gu,
                        int64_t rows, int64_t hidden, int64_t inter, int64_t layers, const int64_t *weights,
-                       int packed, int is_bf16, char *pool, int64_t pool_stride, int pool_kind, const void *cos,
+                       int kind, int is_bf16, char *pool, int64_t pool_stride, int pool_kind, const void *cos,
                        const void *sin, const int64_t *positions, const int64_t *slots, int64_t heads, int64_t kv,
                        int64_t d, float eps, float scale, int64_t n_dec, const int64_t *tables, int64_t max_blocks,
                        const int64_t *lo, const int64_t *hi, int64_t block_size, const int64_t *plan_slots,

@@ -1,4 +1,4 @@
-/* The decoder's layer stack in one call on the CPU, for fp16 weights or quantized ones: every layer's norms,
+/* The decoder's layer stack in one call on the CPU, for fp16, bf16 or quantized weights: every layer's norms,
  * projections, RoPE and K/V write, attention and gated MLP, through the same kernels the Python loop calls
  * one by one.
  *
@@ -13,13 +13,14 @@
  * Per layer l (weights[l] holds the addresses of its input norm, q|k|v weight, o weight, post-attention
  * norm, gate|up weight and down weight, then, for quantized weights, the segment counts of the four):
  *   h += pending (from layer 1 on); x = norm(h)          rms_norm.c
- *   qkv = x . Wqkv; RoPE on q and k, K and V to the pool   f16_gemm.c or quant_int8.c, rope_store.c
+ *   qkv = x . Wqkv; RoPE on q and k, K and V to the pool   f16_gemm.c, quant_int8.c or bf16_gemm.c; rope_store.c
  *   attn = decode rows (paged_decode.c, their q copied to `qdec`) | prefill rows (prefill_attention.c)
  *   pending = attn . Wo; h += pending; x = norm(h)
  *   mlp = silu(x . Wgate) * (x . Wup); pending = mlp . Wdown
- * `packed` = 0: fp16 panels as f16_gemm.c lays them out, float32 activations, the gated kernel fused.
- * `packed` = 1: quant_int8.c's packed segments ((type, rows, address) triples at the weight's address),
+ * `kind` = 0: fp16 panels as f16_gemm.c lays them out, float32 activations, the gated kernel fused.
+ * `kind` = 1: quant_int8.c's packed segments ((type, rows, address) triples at the weight's address),
  * activations float32 or bf16 (`is_bf16`), gate|up written to `gu` and multiplied by silu_mul.c.
+ * `kind` = 2: bf16_gemm.c's panels, bf16 activations, gate|up written to `gu` and multiplied by silu_mul.c.
  * On return h is the residual stream before the last layer's MLP output, which is left in `pending`
  * (the caller's final norm adds it, as the Python loop does). The pools (layer l's at pool + l *
  * pool_stride elements) hold `pool_kind` elements (half.h).
@@ -32,17 +33,21 @@
 
 enum { W_INPUT_NORM, W_QKV, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, N_QKV, N_O, N_GATE_UP, N_DOWN, W_COLS };
 
+enum { KIND_F16, KIND_QUANT, KIND_BF16 };
+
 /* y = x . W for the layer's weight in column `at` (its segment count in `count`). */
-static int project(int packed, const int64_t *w, int at, int count, const void *x, int is_bf16, int64_t rows,
+static int project(int kind, const int64_t *w, int at, int count, const void *x, int is_bf16, int64_t rows,
                    int64_t k, int64_t n, void *y, int threads) {
-    if (packed)
+    if (kind == KIND_QUANT)
         return ferrox_packed_gemm(x, is_bf16, rows, k, (const int64_t *)(intptr_t)w[at], w[count], y, threads);
+    if (kind == KIND_BF16)
+        return ferrox_bf16_gemm((const uint16_t *)x, rows, k, (const uint32_t *)(intptr_t)w[at], n, y, 0, threads);
     return ferrox_f16_gemm((const float *)x, rows, k, (const uint16_t *)(intptr_t)w[at], n, (float *)y, threads);
 }
 
 int ferrox_layer_stack(void *h, void *pending, void *x, void *qkv, void *attn, void *qdec, void *mlp, void *gu,
                        int64_t rows, int64_t hidden, int64_t inter, int64_t layers, const int64_t *weights,
-                       int packed, int is_bf16, char *pool, int64_t pool_stride, int pool_kind, const void *cos,
+                       int kind, int is_bf16, char *pool, int64_t pool_stride, int pool_kind, const void *cos,
                        const void *sin, const int64_t *positions, const int64_t *slots, int64_t heads, int64_t kv,
                        int64_t d, float eps, float scale, int64_t n_dec, const int64_t *tables, int64_t max_blocks,
                        const int64_t *lo, const int64_t *hi, int64_t block_size, const int64_t *plan_slots,
@@ -56,7 +61,7 @@ int ferrox_layer_stack(void *h, void *pending, void *x, void *qkv, void *attn, v
         void *layer_pool = pool + l * pool_stride * elem;
         status |= ferrox_rms_norm(h, l > 0 ? pending : NULL, (const void *)(intptr_t)w[W_INPUT_NORM], x, rows, hidden,
                                   eps, is_bf16, threads);
-        status |= project(packed, w, W_QKV, N_QKV, x, is_bf16, rows, hidden, width, qkv, threads);
+        status |= project(kind, w, W_QKV, N_QKV, x, is_bf16, rows, hidden, width, qkv, threads);
         status |= ferrox_rope_store(qkv, cos, sin, positions, slots, layer_pool, rows, heads, kv, d, is_bf16, pool_kind,
                                     threads);
         if (n_dec > 0) {
@@ -69,17 +74,17 @@ int ferrox_layer_stack(void *h, void *pending, void *x, void *qkv, void *attn, v
             status |= ferrox_prefill_attention(qkv_bytes + n_dec * width * act, width, layer_pool, plan_slots,
                                                plan_chunks, n_chunks, attn_bytes + n_dec * q_width * act, kv, g, d,
                                                window, scale, is_bf16, pool_kind, threads);
-        status |= project(packed, w, W_O, N_O, attn, is_bf16, rows, q_width, hidden, pending, threads);
+        status |= project(kind, w, W_O, N_O, attn, is_bf16, rows, q_width, hidden, pending, threads);
         status |= ferrox_rms_norm(h, pending, (const void *)(intptr_t)w[W_POST_NORM], x, rows, hidden, eps, is_bf16,
                                   threads);
-        if (packed) {
-            status |= project(packed, w, W_GATE_UP, N_GATE_UP, x, is_bf16, rows, hidden, 2 * inter, gu, threads);
+        if (kind != KIND_F16) {
+            status |= project(kind, w, W_GATE_UP, N_GATE_UP, x, is_bf16, rows, hidden, 2 * inter, gu, threads);
             status |= ferrox_silu_mul(gu, mlp, rows, inter, is_bf16, threads);
         } else {
             status |= ferrox_f16_gemm_gated((const float *)x, rows, hidden, (const uint16_t *)(intptr_t)w[W_GATE_UP],
                                             inter, (float *)mlp, threads);
         }
-        status |= project(packed, w, W_DOWN, N_DOWN, mlp, is_bf16, rows, inter, hidden, pending, threads);
+        status |= project(kind, w, W_DOWN, N_DOWN, mlp, is_bf16, rows, inter, hidden, pending, threads);
     }
     return status == 0 ? 0 : -1;
 }

@@ -1,0 +1,76 @@
+"""`--batch-invariant` (`runtime.invariance`): what auto, on and off choose on each kind of machine, what the
+loaded decoder reports, that `on` refuses a load it cannot make invariant, and that the bf16 kernel's linear
+layers agree with oneDNN's within the two summation orders' bound."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_builds import needs_compiler
+from numerics import logits_tolerance
+
+from ferrox_batch.runtime.device import CpuFeatures
+from ferrox_batch.runtime.errors import ModelLoadError
+from ferrox_batch.runtime.invariance import choose_batch_invariance
+from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
+from ferrox_batch.runtime.loading.loader import load_model
+
+CPU = torch.device("cpu")
+ZEN4 = CpuFeatures("x86_64", avx512_bf16=True, amx=False, fbgemm=True)
+SAPPHIRE_RAPIDS = CpuFeatures("x86_64", avx512_bf16=True, amx=True, fbgemm=True)
+
+
+def test_auto_prefers_our_kernels_except_for_bf16_on_amx() -> None:
+    assert choose_batch_invariance("auto", torch.bfloat16, CPU, ZEN4).prefer
+    amx = choose_batch_invariance(None, torch.bfloat16, CPU, SAPPHIRE_RAPIDS)
+    assert not amx.prefer and "AMX" in amx.reason
+    # Where no oneDNN bf16 kernel is in play, AMX changes nothing.
+    assert choose_batch_invariance("auto", torch.float32, CPU, SAPPHIRE_RAPIDS).prefer
+    assert not any(choose_batch_invariance("auto", dtype, CPU, ZEN4).required for dtype in (torch.bfloat16,
+                                                                                            torch.float32))
+
+
+def test_on_and_off_and_the_refusals() -> None:
+    on = choose_batch_invariance(True, torch.bfloat16, CPU, SAPPHIRE_RAPIDS)
+    assert on.prefer and on.required
+    assert choose_batch_invariance("on", torch.float32, CPU, ZEN4).required
+    off = choose_batch_invariance("off", torch.bfloat16, CPU, ZEN4)
+    assert not off.prefer and not off.required
+    assert not choose_batch_invariance("auto", torch.bfloat16, torch.device("cuda"), ZEN4).prefer
+    with pytest.raises(ValueError, match="needs the CPU's kernels"):
+        choose_batch_invariance("on", torch.bfloat16, torch.device("cuda"), ZEN4)
+    with pytest.raises(ValueError, match="unknown batch-invariant choice"):
+        choose_batch_invariance("sometimes", torch.bfloat16, CPU, ZEN4)
+
+
+@needs_compiler
+def test_the_loaded_decoder_reports_it_and_on_refuses_what_it_cannot_make_invariant(tiny_variant_dirs) -> None:
+    path = tiny_variant_dirs["llama"]
+    on = load_model(path, device="cpu", dtype="bf16", batch_invariant="on")
+    assert on.batch_invariant and set(on.decoder.linear_kinds) == {"bf16_panels"}
+    off = load_model(path, device="cpu", dtype="bf16", batch_invariant="off")
+    assert not off.batch_invariant and "bf16_panels" not in off.decoder.linear_kinds
+    assert load_model(path, device="cpu", weights="q8_0", batch_invariant="on").batch_invariant
+    with pytest.raises(ModelLoadError, match="not every linear layer runs a batch-invariant kernel"):
+        load_model(path, device="cpu", dtype="fp32", batch_invariant="on")  # fp32 dense: oneDNN only
+    with pytest.raises(ValueError, match="unknown batch-invariant choice"):
+        load_model(path, device="cpu", batch_invariant="maybe")
+    # The same model on either kernel: two bf16 forwards, each within one side's bound of the exact logits.
+    outs = []
+    for model in (on, off):
+        store = model.decoder.new_store(4, num_blocks=32)
+        store.add_sequence(0, 40)
+        outs.append(model.decoder.forward([SeqChunk(0, list(range(3, 30)))], store))
+    bound = 2 * logits_tolerance(on.config, 27, outs[1], torch.bfloat16, sides=1)
+    assert float((outs[0] - outs[1]).abs().max()) <= bound
+
+
+@needs_compiler
+def test_a_biased_projection_adds_its_bias_before_the_one_rounding(tiny_variant_dirs) -> None:
+    """Qwen2's q|k|v bias: the bf16 kernel's float32 sums, plus the bias, rounded once (as oneDNN fuses it)."""
+    model = load_model(tiny_variant_dirs["qwen2"], device="cpu", dtype="bf16", batch_invariant="on")
+    qkv = model.decoder.layers[0].qkv
+    assert qkv.kind == "bf16_panels" and qkv.bias is not None and qkv.bf16_panels is None
+    x = torch.randn(5, qkv._in_features).bfloat16()
+    want = (qkv._packed(x, out_f32=True) + qkv.bias.float()).bfloat16()
+    assert torch.equal(qkv(x), want)
