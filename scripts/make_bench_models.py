@@ -4,7 +4,7 @@
 Why: the default model (SmolLM2-135M) is small enough that per-step overheads hide what the kernels cost,
 and no larger checkpoint can be downloaded here. So this script makes one of Llama-3.2-1B's shape from
 random weights, and turns a checkpoint folder into the GGUF files that ferrox-batch's GGUF loader and
-llama.cpp's `llama-server` (the baseline) both read, at the three weight formats the benchmarks compare.
+llama.cpp's `llama-server` (the baseline) both read, at the four weight formats the benchmarks compare.
 
 What it writes (each file is skipped when it already exists, unless `--force`):
 
@@ -14,8 +14,8 @@ What it writes (each file is skipped when it already exists, unless `--force`):
   `model.safetensors` (bf16, random weights from `transformers`' init, std 0.02, fixed seed), the
   tokenizer files copied from the SmolLM2 folder, and a `README.md` saying the weights are random and the
   model is for timing only: its text is noise.
-- `gguf FOLDER`: `<out-dir>/<folder name>-f16.gguf` and `-q8_0.gguf` from llama.cpp's
-  `convert_hf_to_gguf.py` (`--outtype f16` / `q8_0`, run by the converter's own Python, whose venv keeps
+- `gguf FOLDER`: `<out-dir>/<folder name>-f16.gguf`, `-bf16.gguf` and `-q8_0.gguf` from llama.cpp's
+  `convert_hf_to_gguf.py` (`--outtype f16` / `bf16` / `q8_0`, run by the converter's own Python, whose venv keeps
   sentencepiece's second OpenMP runtime out of the project's), and `-q4_k_m.gguf` from `llama-quantize`
   on the f16 file. `<out-dir>` defaults to `~/.cache/ferrox-batch/bench-models/`.
 - `all`: `shaped`, then `gguf` for the shaped folder and for the default model folder
@@ -54,7 +54,7 @@ CONVERT_PYTHON = Path("/tmp/llamacpp/convert-venv/bin/python")
 
 # The GGUF formats, by the suffix of the file: f16 and q8_0 come from the converter, q4_k_m from
 # llama-quantize on the f16 file (the converter cannot write k-quants).
-CONVERTER_TYPES = {"f16": "f16", "q8_0": "q8_0"}
+CONVERTER_TYPES = {"f16": "f16", "bf16": "bf16", "q8_0": "q8_0"}
 QUANTIZE_TYPES = {"q4_k_m": "Q4_K_M"}
 ALL_TYPES = [*CONVERTER_TYPES, *QUANTIZE_TYPES]
 

@@ -58,7 +58,7 @@ def test_bad_layouts_are_refused(layout):
 def test_the_serve_command_lines_strings_are_read_as_their_types(tiny_batch_dir):
     app = app_builder({"model": str(tiny_batch_dir), "max_seqs": "12", "max_queue": "30", "prefix_cache": "false",
                        "replicas": "2", "replica_cpus": "0.5", "allowed_origins": "https://a.example, https://b.example",
-                       "max_concurrent_requests": "100", "kv_cache_dtype": "fp16"})
+                       "max_concurrent_requests": "100", "kv_cache_dtype": "fp16", "batch_invariant": "on"})
     deployment = app._bound_deployment.init_args[0]._bound_deployment
     spec = deployment.init_args[0]
     assert spec.batcher.max_seqs == 12 and spec.batcher.prefix_cache is False
@@ -66,9 +66,9 @@ def test_the_serve_command_lines_strings_are_read_as_their_types(tiny_batch_dir)
     assert deployment.max_ongoing_requests == 42 and deployment.num_replicas == 2
     assert deployment.ray_actor_options["num_cpus"] == 0.5
     assert spec.kv_share == 2  # no KV size given: the two replicas split one machine's default
-    assert spec.kv_cache_dtype == "fp16"
+    assert spec.kv_cache_dtype == "fp16" and spec.batch_invariant == "on"
     for bad in ({"max_seqs": "12.5"}, {"prefix_cache": "maybe"}, {"replica_cpus": "lots"}, {"replicas": "-1"},
-                {"kv_cache_dtype": "fp8"}):
+                {"kv_cache_dtype": "fp8"}, {"batch_invariant": "sometimes"}):
         with pytest.raises(ValueError):
             app_builder({"model": "/m", **bad})
 

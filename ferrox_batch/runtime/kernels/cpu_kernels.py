@@ -1,6 +1,6 @@
 """The CPU kernels in `csrc/`: their typed, checked entry points.
 
-Six hot spots of a CPU step are not worth torch's generic kernels:
+The hot spots of a CPU step where torch's generic kernels fall short:
 
 * paged decode attention (`csrc/paged_decode.c`): torch gathers every
   sequence's paged context into a contiguous tensor and then runs SDPA over
@@ -61,6 +61,13 @@ Six hot spots of a CPU step are not worth torch's generic kernels:
   2.6-6.8x the weight-only kernel's speed at one row and 1.3-2.1x at 512
   (`scripts/bench_quant_gemm.py`). `quant_rows` decodes only the rows a
   forward's tokens name.
+* linear layers with bf16 weights and activations (`csrc/bf16_gemm.c`,
+  `pack_bf16`): oneDNN's bf16 GEMM orders each output's sum by the batch's
+  row count, so a request's logits change with the batch it shares; this one
+  sums each output in one fixed order (`vdpbf16ps` where the CPU has it, the
+  same steps as FMAs elsewhere, the same bits), so each row's result depends
+  on that row alone. 1.0-1.2x oneDNN's at 1-64 rows for the default model's
+  projections on a 2-core Zen 4 EPYC (`scripts/bench_bf16_gemm.py`).
 
 They are built once per process by `kernel_build` (the system's GCC, flags
 for the CPU that runs them, nothing cached); `cpu_kernels()` returns None

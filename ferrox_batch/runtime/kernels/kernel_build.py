@@ -18,10 +18,11 @@ compiles wins. On x86-64 that is the first, `-march=native
 machine that is AVX2 + FMA with 256-bit vectors (the 512-bit preference has
 nothing to apply to) and glibc's AVX2 `expf`; on an AVX-512 machine, AVX-512
 with 512-bit vectors and the AVX-512 `expf`. bf16 is widened and rounded with
-integer bit operations (`bf16.h`), so no bf16 instructions are used (the
-quantized linear, `quant_gemm.c`, measured `vdpbf16ps` slower than float32 FMAs
-and says why); the int8 one, `quant_int8.c`, uses `vpdpbusd` where
-`__AVX512VNNI__` is defined. AMX changes nothing here. The later sets are for compilers
+integer bit operations (`bf16.h`); the one bf16 instruction used is
+`vdpbf16ps`, by the bf16 linear (`bf16_gemm.c`) where `__AVX512BF16__` is
+defined (the weight-only quantized linear, `quant_gemm.c`, measured it slower
+than float32 FMAs and says why); the int8 one, `quant_int8.c`, uses
+`vpdpbusd` where `__AVX512VNNI__` is defined. AMX changes nothing here. The later sets are for compilers
 that refuse the earlier flags (the vector-width flag is x86-only); the last
 targets the compiler's baseline (SSE2 on x86-64). Building for `native` is safe
 because the library is built in the process that runs it, on that machine, and
@@ -39,10 +40,11 @@ infinity comes out all NaN. The library is *linked* without it, because
 linking a shared library with `-ffast-math` adds a constructor that turns on
 flush-to-zero for the whole process (a test checks denormals survive).
 
-One source opts out of part of it (`SOURCE_FLAGS`): the int8 quantized linear,
-`quant_int8.c`, promises the same bits on every path and at every batch size,
-so GCC may not reassociate its products or replace its divisions by
-reciprocals there (measured: it regrouped `(D * sc) * dx` on one path only).
+Two sources opt out of part of it (`SOURCE_FLAGS`): the int8 quantized linear,
+`quant_int8.c`, and the bf16 linear, `bf16_gemm.c`, promise the same bits on
+every path and at every batch size, so GCC may not reassociate their sums
+(nor, in the int8 one, replace divisions by reciprocals: measured, it
+regrouped `(D * sc) * dx` on one path only).
 """
 
 from __future__ import annotations
