@@ -50,15 +50,19 @@ def main() -> None:
                        batch_invariant=args.batch_invariant)
     decoder = model.decoder
     spent = [0.0]
+    depth = [0]  # `forward_every` may call `forward`: time the outer call only
     for name in ("forward", "forward_every"):
         inner = getattr(decoder, name)
 
         def timed(*a, _inner=inner, **kw):
             began = time.perf_counter()
+            depth[0] += 1
             try:
                 return _inner(*a, **kw)
             finally:
-                spent[0] += time.perf_counter() - began
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[0] += time.perf_counter() - began
 
         setattr(decoder, name, timed)
     vocab = model.config.vocab_size
@@ -81,7 +85,7 @@ def main() -> None:
             result = batcher.generate_streaming(prompt, params, None, on_chunk)
             after = batcher.stats()
             end = time.perf_counter()
-            steps = result.completion_tokens - 1
+            steps = len(result.token_ids) - 1
             if request == 0 or steps < 1 or not start:
                 continue
             wall = (end - start["at"]) / steps * 1e3
