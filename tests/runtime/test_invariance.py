@@ -74,3 +74,43 @@ def test_a_biased_projection_adds_its_bias_before_the_one_rounding(tiny_variant_
     x = torch.randn(5, qkv._in_features).bfloat16()
     want = (qkv._packed(x, out_f32=True) + qkv.bias.float()).bfloat16()
     assert torch.equal(qkv(x), want)
+
+
+@needs_compiler
+@pytest.mark.parametrize(("variant", "dtype", "weights"), [("llama", "bf16", "auto"), ("mistral-window", "bf16", "auto"),
+                                                           ("llama", "fp32", "q8_0"), ("qwen3", "bf16", "auto")])
+def test_a_sequences_logits_do_not_depend_on_its_chunks_or_its_neighbours(tiny_variant_dirs, variant, dtype,
+                                                                          weights) -> None:
+    """Batch-invariant kernels, attention included: one prompt prefilled whole and alone, then decoded alone,
+    against the same prompt prefilled in three chunks, each in a forward with other sequences' prompt chunks
+    and decodes, then decoded beside them: every logit equal, bit for bit (a window smaller than the prompt,
+    per-head norms and the Python loop included). What this pins is the attention kernels' side: at these
+    tiny widths oneDNN's linears happen to be invariant too, and the real model's concurrent test is where
+    theirs is seen to differ."""
+    model = load_model(tiny_variant_dirs[variant], device="cpu", dtype=dtype, weights=weights, batch_invariant="on")
+    decoder = model.decoder
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(11)
+    prompt = torch.randint(3, vocab, (40,), generator=gen).tolist()
+    others = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (7, 23, 12)]
+    steps = [int(t) for t in torch.randint(3, vocab, (5,), generator=gen)]
+
+    store = decoder.new_store(4, num_blocks=128)
+    store.add_sequence("p", 64)
+    alone = [decoder.forward([SeqChunk("p", prompt)], store)[0]]
+    alone += [decoder.forward([SeqChunk("p", [t])], store)[0] for t in steps]
+
+    store = decoder.new_store(4, num_blocks=128)
+    for name in ("p", 0, 1, 2):
+        store.add_sequence(name, 64)
+    decoder.forward([SeqChunk(0, others[0])], store)
+    decoder.forward([SeqChunk(1, others[1][:10]), SeqChunk("p", prompt[:13])], store)
+    decoder.forward([SeqChunk(0, [5]), SeqChunk("p", prompt[13:29]), SeqChunk(1, others[1][10:])], store)
+    last = decoder.forward([SeqChunk(0, [6]), SeqChunk(1, [7]), SeqChunk(2, others[2]), SeqChunk("p", prompt[29:])],
+                           store)
+    together = [last[3]]
+    for i, t in enumerate(steps):
+        batch = [SeqChunk(0, [8 + i]), SeqChunk("p", [t]), SeqChunk(2, [9 + i])]
+        together.append(decoder.forward(batch, store)[1])
+    for step, (one, many) in enumerate(zip(alone, together)):
+        assert torch.equal(one, many), f"step {step}: {float((one - many).abs().max())} apart"

@@ -17,7 +17,7 @@
   and 12 greedy tokens identical, every step decided by the arithmetic.
 * The same answer alone or batched: the default file as stored and the folder quantized to Q8_0 at load
   (int8 activations, `auto`'s precision), and the folder's dense weights in bf16 (`--batch-invariant on`:
-  our bf16 kernel), 32 concurrent requests through the batcher against each alone, tokens and
+  our bf16 kernel) and in fp16w (our fp16-weight kernel), 32 concurrent requests through the batcher against each alone, tokens and
   log-probabilities equal bit for bit.
 """
 
@@ -32,6 +32,8 @@ from numerics import assert_decisive, assert_logits_close
 
 from ferrox_batch.bench.quality import perplexity
 from ferrox_batch.runtime.device import QUALITY_BOUND
+from ferrox_batch.runtime.errors import ModelLoadError
+from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.loading.fetch import (
     GEMMA3_270M,
@@ -117,21 +119,25 @@ def test_gemma_s_file_as_stored_is_the_file_widened(gemma: tuple[LoadedModel, Lo
     assert got_ids == want_ids
 
 
-@pytest.mark.parametrize("weights", ["auto", "q8_0", "bf16"])
+@pytest.mark.parametrize("weights", ["auto", "q8_0", "bf16", "fp16w"])
 def test_32_concurrent_requests_get_what_each_gets_alone(default_gguf: Path, real_model_dir: Path,
                                                          weights: str) -> None:
     """Through the batcher: 32 greedy requests sent at once from 32 threads (prefill chunks and decodes
     mixed in whatever steps the scheduler forms) give each request's tokens and log-probabilities exactly
     as that request alone does: the default file as stored (Q4_1, the tied Q8_0 head) and the folder
-    quantized to Q8_0 at load, in `auto`'s precision; and the folder's weights dense in bf16."""
+    quantized to Q8_0 at load, in `auto`'s precision; and the folder's weights dense in bf16 and in fp16w."""
     from concurrent.futures import ThreadPoolExecutor
 
     from ferrox_batch.admission.config import BatcherConfig
     from ferrox_batch.engine.handle import ContinuousBatcher
     from ferrox_batch.generation_types import GenerationParams
 
-    if weights == "bf16":
-        model = load_model(real_model_dir, device="cpu", dtype="bf16", batch_invariant="on")
+    if weights in ("bf16", "fp16w"):
+        if weights == "fp16w" and not cpu_kernels().f16_gemm_vectorised:  # fbgemm's fp16 GEMM: not invariant
+            with pytest.raises(ModelLoadError, match="batch-invariant"):
+                load_model(real_model_dir, device="cpu", dtype="fp16w", batch_invariant="on")
+            return
+        model = load_model(real_model_dir, device="cpu", dtype=weights, batch_invariant="on")
         assert set(model.decoder.weight_formats) == {"dense"}
     else:
         model = load_model(default_gguf if weights == "auto" else real_model_dir, device="cpu", weights=weights)
