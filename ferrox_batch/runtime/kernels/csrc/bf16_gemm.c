@@ -23,7 +23,10 @@
  * Paths: AVX-512 BF16: tiles of up to 4 rows x 4 panels (16 accumulators), x's pair broadcast.
  * AVX2 + FMA: tiles of up to 4 rows x 1 panel, each weight word split into its even and odd halves
  * by shift and mask (bf16 -> float32 is a 16-bit shift). Otherwise plain C in the same order.
- * Each thread owns a contiguous range of panels and sweeps blocks of ROW_BLOCK rows past them. */
+ * Each thread owns a contiguous range of panels and sweeps every block of ROW_BLOCK rows past one tile's
+ * panels before the next: each weight is read from memory once per call (a large weight, the lm head's,
+ * read once per row block measured 0.8x oneDNN's at 256 rows), while x's rows are read again per tile
+ * of panels, from cache. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -228,11 +231,11 @@ int ferrox_bf16_gemm(const uint16_t *x, int64_t m, int64_t k, const uint32_t *w,
         /* The block's running sums: a tile's accumulators are saved here between spans of k, in float32,
          * so spanning changes nothing of the order. */
         float sums[ROW_BLOCK][TILE_PANELS * PANEL];
-        for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
-            const int64_t r1 = r0 + ROW_BLOCK < m ? r0 + ROW_BLOCK : m;
-            for (int64_t p = first; p < last; p += TILE_PANELS) {
-                const int np = last - p < TILE_PANELS ? (int)(last - p) : TILE_PANELS;
-                const int64_t col = p * PANEL, width = n - col < np * PANEL ? n - col : np * PANEL;
+        for (int64_t p = first; p < last; p += TILE_PANELS) {
+            const int np = last - p < TILE_PANELS ? (int)(last - p) : TILE_PANELS;
+            const int64_t col = p * PANEL, width = n - col < np * PANEL ? n - col : np * PANEL;
+            for (int64_t r0 = 0; r0 < m; r0 += ROW_BLOCK) {
+                const int64_t r1 = r0 + ROW_BLOCK < m ? r0 + ROW_BLOCK : m;
                 memset(sums, 0, sizeof(float) * (size_t)((r1 - r0) * TILE_PANELS * PANEL));
                 for (int64_t t0 = 0; t0 < pairs; t0 += K_SPAN) {
                     const int64_t t1 = t0 + K_SPAN < pairs ? t0 + K_SPAN : pairs;
