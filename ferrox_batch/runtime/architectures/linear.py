@@ -34,8 +34,9 @@ bf16 weights under `batch_invariant` run our bf16 kernel instead of oneDNN's
 and with it each output's summation order, by the batch's row count, so a
 request's logits move with the batch it shares; ours sums each output in one
 fixed order whatever the rows. On a 2-core Zen 4 EPYC (avx512_bf16) its
-projections of the default model ran 1.0-1.2x oneDNN's at 1-64 rows
-(`scripts/bench_bf16_gemm.py`).
+projections of the default model ran 0.91-1.15x oneDNN's at 1-256 rows
+(faster at one row; `scripts/bench_bf16_gemm.py`), and shape (a) over HTTP
+was no slower.
 """
 
 from __future__ import annotations

@@ -66,8 +66,9 @@ The hot spots of a CPU step where torch's generic kernels fall short:
   row count, so a request's logits change with the batch it shares; this one
   sums each output in one fixed order (`vdpbf16ps` where the CPU has it, the
   same steps as FMAs elsewhere, the same bits), so each row's result depends
-  on that row alone. 1.0-1.2x oneDNN's at 1-64 rows for the default model's
-  projections on a 2-core Zen 4 EPYC (`scripts/bench_bf16_gemm.py`).
+  on that row alone. A decode step's projections of the default model ran
+  0.91-1.15x oneDNN's at 1-256 rows on a 2-core Zen 4 EPYC (faster at one
+  row; `scripts/bench_bf16_gemm.py`).
 
 They are built once per process by `kernel_build` (the system's GCC, flags
 for the CPU that runs them, nothing cached); `cpu_kernels()` returns None

@@ -64,6 +64,19 @@ def test_float32_matches_the_reference(kernels, seed, n, kv, g, d, block, window
     assert bool(((got.double() - want).abs() <= decode_error_bound(q, pool, tables, lo, hi, block, d ** -0.5)).all())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [16, 64])
+def test_a_sequence_alone_gets_the_bits_it_gets_among_many(kernels, dtype, d) -> None:
+    """Alone a sequence's KV heads are separate tasks (to fill the team); among many, one task takes them
+    all: each head's sums are the same operations either way, so the results are equal bit for bit."""
+    n = 2 * torch.get_num_threads() + 1  # enough sequences to fill the team without splitting them
+    q, pool, tables, lo, hi = random_case(random.Random(d), n, 3, 3, d, 4, None, dtype)
+    together = kernels.paged_decode(q, pool, tables, lo, hi, 4, d ** -0.5)
+    for i in range(n):
+        alone = kernels.paged_decode(q[i:i + 1], pool, tables[i:i + 1], lo[i:i + 1], hi[i:i + 1], 4, d ** -0.5)
+        assert torch.equal(alone, together[i:i + 1])
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_bfloat16_matches_the_reference_to_bf16_rounding(kernels, seed) -> None:
     rng = random.Random(seed)

@@ -4,8 +4,10 @@
  * The torch path gathers every sequence's context into a contiguous tensor and then runs
  * SDPA over it, so each K/V byte is read, written and read again. Here each byte is read
  * once: pass 1 scores the keys, pass 2 accumulates the values. Work is split over
- * sequences on the calling thread's OpenMP team; within a sequence every query head is
- * scored against a slot's key rows while they are in cache (GQA without copies).
+ * sequences on the calling thread's OpenMP team, and over each sequence's KV heads too when
+ * there are fewer than two sequences per thread (a single stream then still uses every
+ * thread); within a task every query head is scored against a slot's key rows while they are
+ * in cache (GQA without copies).
  *
  * Layouts (q and out are float32 or bfloat16, chosen by `is_bf16`; the pool's element type
  * is `pool_kind`, half.h: float32, bfloat16 or fp16):
@@ -66,11 +68,12 @@ static void softmax_rows(float *scores, int64_t heads, int64_t longest, int64_t 
     }
 }
 
-/* One sequence, one slot at a time: any head size, any element type. */
-static void sequence_generic(const float *qf, const void *pool, int kind, const int64_t *table, int64_t first,
-                             int64_t len, int64_t block_size, int64_t kv, int64_t g, int64_t d, float scale,
-                             int64_t longest, float *scores, float *acc, float *rows, float *inv_sum) {
-    const int64_t heads = kv * g, slot_stride = 2 * kv * d;
+/* KV heads h0 .. h1 - 1 of one sequence, one slot at a time: any head size, any element type. `qf`, scores,
+ * acc and inv_sum as `heads_tiled`'s; rows [(h1 - h0) d] (the slot's widened keys or values). */
+static void heads_generic(const float *qf, const void *pool, int kind, const int64_t *table, int64_t first,
+                          int64_t len, int64_t block_size, int64_t kv, int64_t h0, int64_t h1, int64_t g, int64_t d,
+                          float scale, int64_t longest, float *scores, float *acc, float *rows, float *inv_sum) {
+    const int64_t heads = (h1 - h0) * g, slot_stride = 2 * kv * d, span = (h1 - h0) * d;
     const int64_t elem = kind == ELEM_F32 ? 4 : 2;
     for (int64_t part = 0; part < 2; ++part) { /* 0: scores from K, 1: values from V */
         if (part == 1) {
@@ -81,10 +84,10 @@ static void sequence_generic(const float *qf, const void *pool, int kind, const 
             const int64_t slot = slot_of(table, first + t, block_size);
             if (t + 4 < len) { /* the next slots are rarely adjacent across blocks */
                 const int64_t ahead = slot_of(table, first + t + 4, block_size);
-                const char *at = (const char *)pool + (ahead * slot_stride + part * kv * d) * elem;
-                for (int64_t b = 0; b < kv * d * elem; b += 64) __builtin_prefetch(at + b, 0, 0);
+                const char *at = (const char *)pool + (ahead * slot_stride + part * kv * d + h0 * d) * elem;
+                for (int64_t b = 0; b < span * elem; b += 64) __builtin_prefetch(at + b, 0, 0);
             }
-            elems_f32(pool, slot * slot_stride + part * kv * d, kv * d, kind, rows);
+            elems_f32(pool, slot * slot_stride + part * kv * d + h0 * d, span, kind, rows);
             for (int64_t j = 0; j < heads; ++j) {
                 const float *row = rows + (j / g) * d;
                 if (part == 0) {
@@ -114,6 +117,8 @@ int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, 
     int failed = 0;
     const int64_t heads = kv * g; /* query heads of one sequence */
     int tiled = FERROX_TILE_PATH && d % 8 == 0;
+    /* Tasks per sequence: its KV heads apart when the sequences alone cannot fill the team. */
+    const int64_t split = n < 2 * (int64_t)threads ? kv : 1;
 #if !defined(__F16C__)
     if (pool_kind == ELEM_F16) tiled = 0;
 #endif
@@ -135,35 +140,38 @@ int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, 
         float *rows = acc + heads * d;
         float *inv_sum = rows + rows_len;
         int64_t *slots = (int64_t *)(void *)(((uintptr_t)(inv_sum + heads) + 7u) & ~(uintptr_t)7u);
-        /* One task per sequence. Every thread of the team must reach the worksharing loop, so a
-         * thread without scratch enters it too and fails the tasks it is handed. */
+        /* One task per sequence, or per (sequence, KV head) when there are too few sequences to spread
+         * over the team (a single stream's decode). Each head's sums are the same either way. Every
+         * thread of the team must reach the worksharing loop, so a thread without scratch enters it too
+         * and fails the tasks it is handed. */
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; ++i) {
+        for (int64_t task = 0; task < n * split; ++task) {
             if (scratch == NULL) {
                 failed = 1;
                 continue;
             }
+            const int64_t i = task / split, h0 = task % split * (kv / split), h1 = h0 + kv / split;
             const int64_t first = lo[i], len = hi[i] - lo[i];
             const int64_t *table = tables + i * max_blocks;
-            row_f32(q, i * heads * d, heads * d, is_bf16, qf);
+            row_f32(q, (i * heads + h0 * g) * d, (h1 - h0) * g * d, is_bf16, qf);
 #if FERROX_TILE_PATH
             if (tiled) {
                 for (int64_t t = 0; t < len; ++t) slots[t] = slot_of(table, first + t, block_size);
                 for (int64_t t = len; t < len + AHEAD; ++t) slots[t] = -1;
-                sequence_tiled(qf, pool, pool_kind, slots, len, kv, g, d, scale, longest, scores, acc,
-                               slots + longest + AHEAD,
-                               inv_sum);
+                heads_tiled(qf, pool, pool_kind, slots, len, kv, h0, h1, g, d, scale, longest, scores, acc,
+                            slots + longest + AHEAD, inv_sum);
             } else
 #endif
-                sequence_generic(qf, pool, pool_kind, table, first, len, block_size, kv, g, d, scale, longest,
-                                 scores, acc, rows, inv_sum);
-            for (int64_t j = 0; j < heads; ++j) {
+                heads_generic(qf, pool, pool_kind, table, first, len, block_size, kv, h0, h1, g, d, scale, longest,
+                              scores, acc, rows, inv_sum);
+            for (int64_t j = 0; j < (h1 - h0) * g; ++j) {
                 const float *aj = acc + j * d;
+                const int64_t at = (i * heads + h0 * g + j) * d;
                 if (is_bf16) {
-                    uint16_t *dst = (uint16_t *)out + (i * heads + j) * d;
+                    uint16_t *dst = (uint16_t *)out + at;
                     for (int64_t e = 0; e < d; ++e) dst[e] = bf16_round(aj[e] * inv_sum[j]);
                 } else {
-                    float *dst = (float *)out + (i * heads + j) * d;
+                    float *dst = (float *)out + at;
                     for (int64_t e = 0; e < d; ++e) dst[e] = aj[e] * inv_sum[j];
                 }
             }
