@@ -138,7 +138,7 @@ class Decoder:
         self.cos, self.sin = self.rope["global"]
         # The embeddings' scale as the reference applies it: rounded to the compute dtype first.
         self.embed_scale = None if config.embed_scale == 1.0 else torch.tensor(config.embed_scale, dtype=dtype)
-        # The layers in one C call where every projection is an fp16 panel kernel (`runtime.architectures.layer_stack`).
+        # The layers in one C call where every projection runs one of our kernels (`runtime.architectures.layer_stack`).
         self.layer_stack = LayerStack.bind(self.layers, config, dtype) if self.kernels is not None else None
 
     @staticmethod
