@@ -45,6 +45,14 @@
 #endif
 
 #define TINY_BLOCK 0x1p-119f
+/* A tile of at most PREFETCH_ROWS x rows (a decode step of one or two sequences) is bound by how fast its
+ * weights arrive: each thread reads one group's units in a single stream, which the hardware prefetcher
+ * alone fetched at about 37 GB/s on a 2-core Zen 4 where a bf16 GEMM's four streams reached 45-50. So the
+ * unit PREFETCH_UNITS ahead is asked for while this one is multiplied: the 1B-shaped Q4_K_M model's
+ * one-row forward went from 18.0 to 16.1 ms there (medians of four alternated runs; two units ahead
+ * measured between the two, four no better than none). */
+#define PREFETCH_UNITS 1
+#define PREFETCH_ROWS 2
 /* x rows a tile shares an expanded weight block among (AVX2 keeps fewer vectors in its 16 registers). */
 #if PACKED_PATH == 1
 #define MR 4
@@ -126,6 +134,10 @@ static inline __attribute__((always_inline)) void tile(const int type, const int
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t t = 0; t < units; ++t) {
         const uint8_t *unit = gw + t * unit_bytes;
+        if (R <= PREFETCH_ROWS && t + PREFETCH_UNITS < units) { /* see PREFETCH_UNITS */
+            const char *ahead = (const char *)(unit + PREFETCH_UNITS * unit_bytes);
+            for (int64_t b = 0; b < unit_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        }
         const __m512 big = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)unit));
         for (int j = 0; j < bpu; ++j) {
             const int64_t b = t * bpu + j;
@@ -232,6 +244,10 @@ static inline __attribute__((always_inline)) void tile_half(const int type, cons
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t t = 0; t < units; ++t) {
         const uint8_t *unit = gw + t * unit_bytes;
+        if (R <= PREFETCH_ROWS && h == 0 && t + PREFETCH_UNITS < units) { /* see PREFETCH_UNITS */
+            const char *ahead = (const char *)(unit + PREFETCH_UNITS * unit_bytes);
+            for (int64_t b = 0; b < unit_bytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
+        }
         const __m256 big = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(unit + 16 * h)));
         for (int j = 0; j < bpu; ++j) {
             const int64_t b = t * bpu + j;
