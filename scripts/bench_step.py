@@ -18,6 +18,7 @@ the rest. Per decode step, medians over the requests:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -34,8 +35,6 @@ from ferrox_batch.runtime.loading.loader import load_model  # noqa: E402
 
 
 def main() -> None:
-    import os
-
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=default_model(os.environ))
     p.add_argument("--dtype", default="auto")

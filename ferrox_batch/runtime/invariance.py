@@ -36,15 +36,22 @@ class InvarianceChoice:
     reason: str
 
 
+def batch_invariant_choice(asked: str | bool | None) -> str:
+    """`asked` as one of `BATCH_INVARIANT_CHOICES` (a bool is on or off, None auto); ValueError otherwise."""
+    if isinstance(asked, bool):
+        return "on" if asked else "off"
+    if asked is None:
+        return "auto"
+    if asked not in BATCH_INVARIANT_CHOICES:
+        raise ValueError(f"unknown batch-invariant choice {asked!r}; use one of {', '.join(BATCH_INVARIANT_CHOICES)}")
+    return asked
+
+
 def choose_batch_invariance(asked: str | bool | None, dtype: torch.dtype, device: torch.device,
                             features: CpuFeatures | None = None) -> InvarianceChoice:
     """What `asked` (a `BATCH_INVARIANT_CHOICES` value, a bool, or None for auto) means for a decoder computing
     in `dtype` on `device` (module docstring); `features` defaults to the running CPU's."""
-    if isinstance(asked, bool):
-        asked = "on" if asked else "off"
-    asked = asked or "auto"
-    if asked not in BATCH_INVARIANT_CHOICES:
-        raise ValueError(f"unknown batch-invariant choice {asked!r}; use one of {', '.join(BATCH_INVARIANT_CHOICES)}")
+    asked = batch_invariant_choice(asked)
     if asked == "off":
         return InvarianceChoice(False, False, "asked off: dense bf16 linears run oneDNN's kernels")
     if device.type != "cpu":

@@ -18,6 +18,8 @@ import ctypes
 
 import torch
 
+from ferrox_batch.runtime.kernels.bound_weight import BoundWeight
+
 #: `ferrox_bf16_path()`'s answer: the loops the bf16 kernel was built with (the same bits on each).
 BF16_PATHS = ("scalar", "avx2", "avx512-bf16")
 #: Output columns per panel (`csrc/bf16_gemm.c`).
@@ -44,10 +46,10 @@ class Bf16Library:
         self.path = BF16_PATHS[library.ferrox_bf16_path()]
 
 
-class PackedBf16:
+class PackedBf16(BoundWeight):
     """An `[n, k]` weight (rounded to bf16 if it is not) in the kernel's panels; the caller may drop its own."""
 
-    __slots__ = ("_address", "_k", "_lib", "_n", "_packed")
+    __slots__ = ("_lib", "_packed")
 
     def __init__(self, lib: Bf16Library, weight: torch.Tensor) -> None:
         if weight.dim() != 2 or weight.device.type != "cpu" or not weight.is_floating_point():
@@ -64,19 +66,6 @@ class PackedBf16:
         self._packed = packed  # owns the memory `_address` points into
         self._address = packed.data_ptr()
         self._n, self._k = n, k
-
-    @property
-    def in_features(self) -> int:
-        return self._k
-
-    @property
-    def out_features(self) -> int:
-        return self._n
-
-    @property
-    def address(self) -> int:
-        """Where the panels are (valid as long as this object lives)."""
-        return self._address
 
     @property
     def nbytes(self) -> int:

@@ -18,15 +18,17 @@ from collections.abc import Callable
 
 import torch
 
+from ferrox_batch.runtime.kernels.bound_weight import BoundWeight
+
 #: Output columns per panel of an fp16 weight (`csrc/f16_gemm.c`: one AVX2 vector).
 F16_PANEL = 8
 
 
-class PackedF16Gemm:
+class PackedF16Gemm(BoundWeight):
     """`fn` (a `csrc/f16_gemm.c` entry point) over `panels` for `out_features` outputs; `panel_count` is
     how many panels that many outputs take in the entry point's layout."""
 
-    __slots__ = ("_fn", "_panels", "_address", "_k", "_n")
+    __slots__ = ("_fn", "_panels")
 
     def __init__(self, fn: Callable[..., int], panels: torch.Tensor, out_features: int, panel_count: int) -> None:
         if panels.dtype != torch.float16 or panels.dim() != 3:
@@ -45,19 +47,6 @@ class PackedF16Gemm:
         self._address = panels.data_ptr()
         self._k = k
         self._n = out_features
-
-    @property
-    def in_features(self) -> int:
-        return self._k
-
-    @property
-    def out_features(self) -> int:
-        return self._n
-
-    @property
-    def address(self) -> int:
-        """Where the panels are (valid as long as this object lives)."""
-        return self._address
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., k]` float32 CPU input -> `[..., out_features]` float32."""

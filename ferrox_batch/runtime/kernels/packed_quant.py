@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ferrox_batch.runtime.kernels.bound_weight import BoundWeight
 from ferrox_batch.runtime.kernels.quant_gemm import (
     DTYPES,
     check_segments,
@@ -55,11 +56,11 @@ class PackedLibrary:
         self.path = PACKED_PATHS[library.ferrox_packed_path()]
 
 
-class PackedQuant:
+class PackedQuant(BoundWeight):
     """A weight of `in_features` inputs from `(format, [rows, format.row_bytes(k)] uint8)` segments stacked
     along the outputs, repacked; the file's blocks are not kept."""
 
-    __slots__ = ("_address", "_count", "_formats", "_k", "_lib", "_n", "_packed", "_rows", "_triples")
+    __slots__ = ("_count", "_formats", "_lib", "_packed", "_rows", "_triples")
 
     def __init__(self, lib: PackedLibrary, segments: Sequence[tuple[QuantFormat, torch.Tensor]],
                  in_features: int) -> None:
@@ -79,23 +80,10 @@ class PackedQuant:
         self._formats = tuple(fmt for fmt, _ in segments)
         self._rows = tuple(rows for _, rows, _ in triples)
         self._triples = torch.tensor(triples, dtype=torch.int64)
-        self._address = self._triples.data_ptr()
+        self._address = self._triples.data_ptr()  # the (type, rows, address) triples the C entry points read
         self._count = len(triples)
         self._k = in_features
         self._n = sum(self._rows)
-
-    @property
-    def in_features(self) -> int:
-        return self._k
-
-    @property
-    def out_features(self) -> int:
-        return self._n
-
-    @property
-    def address(self) -> int:
-        """Where its (type, rows, address) segment triples are (int64): what `csrc/layer_stack.c` reads."""
-        return self._address
 
     @property
     def segment_count(self) -> int:

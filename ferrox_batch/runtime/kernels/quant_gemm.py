@@ -21,20 +21,21 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from ferrox_batch.runtime.kernels.bound_weight import BoundWeight
 from ferrox_batch.runtime.quant.formats import BY_GGML_TYPE, QuantFormat
 
 #: The activation dtypes the quantized kernels take, by the `x_bf16` flag they pass.
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
-class QuantGemm:
+class QuantGemm(BoundWeight):
     """The quantized linear kernel bound to one weight: segments checked once (dtype uint8, 2-D, contiguous,
     CPU, row_bytes == format.row_bytes(k), supported type), their addresses packed once into an int64 tensor.
 
     `fn` is `ferrox_quant_gemm` (or an entry point of its signature); `segments` are `(format, rows)` pairs
     stacked in order along the outputs; `in_features` is k."""
 
-    __slots__ = ("_address", "_count", "_fn", "_k", "_n", "_segments", "_triples")
+    __slots__ = ("_count", "_fn", "_segments", "_triples")
 
     def __init__(self, fn: Callable[..., int], segments: Sequence[tuple[QuantFormat, torch.Tensor]],
                  in_features: int) -> None:
@@ -43,18 +44,10 @@ class QuantGemm:
         self._fn = fn
         self._segments = tuple(data for _, data in segments)  # own the memory the addresses point into
         self._triples = torch.tensor(triples, dtype=torch.int64)
-        self._address = self._triples.data_ptr()
+        self._address = self._triples.data_ptr()  # the (type, rows, address) triples the C entry points read
         self._count = len(triples)
         self._k = in_features
         self._n = sum(rows for _, rows, _ in triples)
-
-    @property
-    def in_features(self) -> int:
-        return self._k
-
-    @property
-    def out_features(self) -> int:
-        return self._n
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """`[..., k]` float32 or bfloat16 CPU input -> `[..., out_features]` in the input's dtype."""

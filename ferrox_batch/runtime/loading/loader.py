@@ -33,7 +33,7 @@ from ferrox_batch.runtime.device import (
     choose_kv_dtype,
 )
 from ferrox_batch.runtime.errors import ModelLoadError
-from ferrox_batch.runtime.invariance import BATCH_INVARIANT_CHOICES, choose_batch_invariance
+from ferrox_batch.runtime.invariance import batch_invariant_choice, choose_batch_invariance
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.runtime.quant.choice import WeightsChoice, choose_weights
@@ -100,9 +100,7 @@ def load_model(
         raise ModelLoadError(f"no model at {path}")
     gguf = path.is_file() and path.suffix == ".gguf"
     held = choose_weights(weights, gguf=gguf, device=choose_device(device), int8_activations=int8_activations)
-    if batch_invariant not in (*BATCH_INVARIANT_CHOICES, True, False, None):
-        raise ValueError(f"unknown batch-invariant choice {batch_invariant!r}; use one of "
-                         f"{', '.join(BATCH_INVARIANT_CHOICES)}")
+    batch_invariant = batch_invariant_choice(batch_invariant)  # a bad value fails before the file is read
     if gguf:
         return _load_gguf(path, device, dtype, kv_cache_dtype, held, batch_invariant)
     if not path.is_dir():
