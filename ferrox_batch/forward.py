@@ -52,6 +52,8 @@ class RowToSample:
     logprobs: int | None  # alternatives per token when it asked for log-probabilities
     window: Sequence[int]  # the prompt that opens its penalty window (read only at its first sample)
     grammar: CompiledSpec | None  # the compiled grammar its output follows
+    held: tuple[int, ...] = ()  # ids it may not sample for its first `hold_for` tokens (its stop ids)
+    hold_for: int = 0  # `min_tokens` (read only at its first sample, with `window`)
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from ferrox_batch.finish_reason import FinishReason
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ferrox_batch.stop_limits import check_stop_limits
 from ferrox_batch.structured import StructuredOutput
+from ferrox_batch.token_constraints import check_token_lists
 from ferrox_batch.usage import Usage
 
 __all__ = ["FinishReason", "SamplingParams", "GenerationParams", "GenerationResult"]
@@ -84,12 +85,21 @@ class SamplingParams:
     #: (token id, bias) pairs added to those tokens' logits before sampling (OpenAI's `logit_bias`, each
     #: in [-100, 100]); a mapping is stored as pairs sorted by id.
     logit_bias: tuple[tuple[int, float], ...] = ()
+    #: Only these ids may be sampled (vLLM's `allowed_token_ids`); None: any.
+    allowed_token_ids: tuple[int, ...] | None = None
+    #: Token sequences the output never contains (`token_constraints`: vLLM's `bad_words`, tokenized).
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, Mapping):
             object.__setattr__(self, "logit_bias", tuple(sorted(self.logit_bias.items())))
         elif isinstance(self.logit_bias, Iterable) and not isinstance(self.logit_bias, (str, bytes)):
             object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
+        if isinstance(self.allowed_token_ids, Iterable) and not isinstance(self.allowed_token_ids, (str, bytes)):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words_ids, Iterable) and not isinstance(self.bad_words_ids, (str, bytes)):
+            object.__setattr__(self, "bad_words_ids", tuple(tuple(w) if isinstance(w, Iterable) else w
+                                                            for w in self.bad_words_ids))
         self.validate()
 
     def validate(self) -> None:
@@ -121,6 +131,13 @@ class SamplingParams:
             if pair[0] in seen:
                 raise InvalidRequest("logit_bias", pair, "names a token id twice")
             seen.add(pair[0])
+        check_token_lists(self.allowed_token_ids, self.bad_words_ids)
+
+    @property
+    def token_ids_named(self) -> list[int]:
+        """Every id its bias, allowed list and bad words name (for the batcher's vocabulary check)."""
+        return [*(t for t, _ in self.logit_bias), *(self.allowed_token_ids or ()),
+                *(t for word in self.bad_words_ids for t in word)]
 
     @property
     def is_greedy(self) -> bool:
@@ -159,14 +176,33 @@ class GenerationParams:
     #: Milliseconds this request may wait for admission before it is refused with `QueueTimeout`
     #: (None: the batcher's `max_queue_wait_ms`, which may itself be None: no limit).
     max_queue_wait_ms: int | None = None
+    #: Tokens generated before a stop token may be sampled or a stop string may end the output (vLLM's
+    #: `min_tokens`): the stop ids are banned until then, and a stop string must end after that token.
+    min_tokens: int = 0
+    #: Whether the stop string (or the stop token's text) that ended the output is part of its text.
+    include_stop_str_in_output: bool = False
+    #: Whether special tokens (`<|im_end|>`, `<think>` where it is one) are left out of the text.
+    skip_special_tokens: bool = True
+    #: vLLM's flag for a space between special tokens kept in the text. This detokenizer writes each
+    #: token's own text and never a space between added tokens, which is what `False` asks and what
+    #: `True` gives for a fast (tokenizer.json) tokenizer in vLLM; it is accepted for both.
+    spaces_between_special_tokens: bool = True
+    #: Whether each streamed chunk carries the ids of the tokens generated since the last one.
+    stream_token_ids: bool = False
+    #: The stop strings that are one token, also stopped on by id (`engine.text.text_params` resolves
+    #: them); unlike `stop_token_ids` they are stop strings, so `min_tokens` neither bans them nor lets
+    #: them end the output early.
+    stop_string_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif isinstance(self.stop, Iterable):
             object.__setattr__(self, "stop", tuple(self.stop))
-        if isinstance(self.stop_token_ids, Iterable) and not isinstance(self.stop_token_ids, (str, bytes)):
-            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        for name in ("stop_token_ids", "stop_string_ids"):
+            value = getattr(self, name)
+            if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+                object.__setattr__(self, name, tuple(value))
         self.validate()
 
     def validate(self) -> None:
@@ -186,10 +222,14 @@ class GenerationParams:
                 raise InvalidRequest("stop", s, "entries must be strings")
         if not isinstance(self.stop_token_ids, tuple):
             raise InvalidRequest("stop_token_ids", self.stop_token_ids, "must be a list of integers")
-        for t in self.stop_token_ids:
-            if not _is_int(t) or t < 0:
-                raise InvalidRequest("stop_token_ids", t, "entries must be integers >= 0")
-        check_stop_limits(self.stop, self.stop_token_ids)
+        for name in ("stop_token_ids", "stop_string_ids"):
+            ids = getattr(self, name)
+            if not isinstance(ids, tuple):
+                raise InvalidRequest(name, ids, "must be a list of integers")
+            for t in ids:
+                if not _is_int(t) or t < 0:
+                    raise InvalidRequest(name, t, "entries must be integers >= 0")
+        check_stop_limits(self.stop, self.all_stop_ids)
         if self.cancel is not None and not isinstance(self.cancel, CancelToken):
             raise InvalidRequest("cancel", self.cancel, "must be a CancelToken or None")
         if not isinstance(self.ignore_eos, bool):
@@ -219,6 +259,16 @@ class GenerationParams:
                                                    or not 1 <= self.max_queue_wait_ms <= UNLIMITED):
             raise InvalidRequest("max_queue_wait_ms", self.max_queue_wait_ms,
                                  "must be None or a positive integer number of milliseconds")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise InvalidRequest("min_tokens", self.min_tokens,
+                                 f"must be an integer in [0, max_tokens] (max_tokens is {self.max_tokens})")
+        if self.min_tokens and self.structured is not None:
+            raise InvalidRequest("min_tokens", self.min_tokens, "cannot be combined with structured output, which "
+                                                               "ends where its grammar does")
+        for name in ("include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+                     "stream_token_ids"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(name, getattr(self, name), "must be a bool")
         # Strings reach the prefix cache's hashes and the stop matcher as UTF-8: a lone surrogate is
         # refused here, on the caller's thread, never met on the worker.
         for name, texts in (("cache_salt", () if self.cache_salt is None else (self.cache_salt,)),
@@ -226,6 +276,11 @@ class GenerationParams:
             for text in texts:
                 if not encodable(text):
                     raise InvalidRequest(name, text, "must be valid Unicode text (it holds a lone surrogate)")
+
+    @property
+    def all_stop_ids(self) -> tuple[int, ...]:
+        """Every id it stops on (its own stop ids, then its one-token stop strings')."""
+        return self.stop_token_ids + tuple(t for t in self.stop_string_ids if t not in self.stop_token_ids)
 
     def is_cancelled(self) -> bool:
         return self.cancel is not None and self.cancel.is_cancelled()
@@ -256,6 +311,9 @@ class GenerationResult:
     #: One entry per prompt token when the request asked for them (None for the first, which nothing
     #: predicts); else None.
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    #: The stop token that ended it (an EOS or a `stop_token_ids` entry), which `token_ids` leaves out;
+    #: None when it ended otherwise.
+    stop_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.finish_reason, FinishReason):

@@ -22,3 +22,5 @@ class TokenLogprob:
     token: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    #: 1 + how many tokens are strictly likelier than `token` (vLLM's `rank`); None where not computed.
+    rank: int | None = None

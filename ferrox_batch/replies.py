@@ -16,11 +16,12 @@ from ferrox_batch.logprobs import TokenLogprob
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
-    """A piece of visible text, streamed before the request's `Finished`, with the log-probabilities of the
-    tokens generated since the last chunk (when the request asked for them)."""
+    """A piece of visible text, streamed before the request's `Finished`, with the log-probabilities and the
+    ids of the tokens generated since the last chunk (when the request asked for them)."""
 
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,7 +61,7 @@ def sequential_ids(
     while len(out) < params.max_tokens:
         token = sampler.sample(logits, [row])[0]
         assert isinstance(token, int)
-        if (not params.ignore_eos and token in stops) or token in params.stop_token_ids:
+        if (not params.ignore_eos and token in stops) or token in params.all_stop_ids:
             break
         out.append(token)
         logits = decoder.forward([SeqChunk(0, [token])], store)

@@ -28,12 +28,12 @@ from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.admission.config import BatcherConfig, decode_log_interval_from_env
 from ferrox_batch.admission.counters import BatcherStats
 from ferrox_batch.checks import check_seconds
-from ferrox_batch.engine.intake import checked_prompt, size_request
+from ferrox_batch.engine.intake import check_samplable, checked_prompt, size_request
 from ferrox_batch.engine.text import Messages, generate_text
 from ferrox_batch.engine.ticket import Ticket
 from ferrox_batch.engine.wiring import build_worker, config_ceiling
 from ferrox_batch.engine.worker import Worker
-from ferrox_batch.errors import QueueFull
+from ferrox_batch.errors import InvalidRequest, QueueFull
 from ferrox_batch.generation_types import GenerationParams, GenerationResult
 from ferrox_batch.policy.stop import StopMatcher
 from ferrox_batch.runtime.kernels.openmp import release_thread_pool
@@ -233,9 +233,16 @@ class ContinuousBatcher:
         params = sized.params  # `max_tokens` clamped to the context ceiling
         # Built here, on the caller's thread and before a queue slot is taken: its cost grows with the
         # stop strings, and the worker serves everyone.
-        stops = StopMatcher(params.stop, params.stop_token_ids)
+        stops = StopMatcher(params.stop, params.all_stop_ids)
         if stop_tokens is None:
             stop_tokens = self.tokenizer.stop_tokens if self.tokenizer is not None else StopTokens.default()
+        special_texts = None
+        if not params.skip_special_tokens:
+            if self.tokenizer is None:
+                raise InvalidRequest("skip_special_tokens", False, "needs a batcher that knows its tokenizer's "
+                                                                   "special tokens (ContinuousBatcher.from_model)")
+            special_texts = self.tokenizer.special_texts
+        check_samplable(params, {*params.stop_token_ids, *(() if params.ignore_eos else stop_tokens.ids)})
         depth = self._queue.try_reserve()
         if depth is not None:
             raise QueueFull(depth, self._queue.cap)
@@ -243,7 +250,7 @@ class ContinuousBatcher:
         replies = QueueSink() if sink is None else None
         request = Request(prompt, params, stop_tokens, OnceSink(replies if sink is None else sink), abort,
                           sized.blocks, sized.positions, stops=stops, grammar=sized.grammar, window=sized.window,
-                          after=None if after is None else after.abort_id)
+                          after=None if after is None else after.abort_id, special_texts=special_texts)
         try:
             request.queued(self._clock(), self._config.max_queue_wait_ms)
             self._lifecycle.send(self._jobs, request)
@@ -270,7 +277,8 @@ class ContinuousBatcher:
 
         `options`: temperature, top_p, top_k, min_p, repetition_penalty, presence_penalty,
         frequency_penalty, logit_bias, seed, stop, stop_token_ids, ignore_eos, cancel, cache_salt, priority,
-        max_queue_wait_ms, logprobs, prompt_logprobs, structured.
+        max_queue_wait_ms, logprobs, prompt_logprobs, structured, min_tokens, include_stop_str_in_output,
+        skip_special_tokens, spaces_between_special_tokens, stream_token_ids, bad_words, allowed_token_ids.
         """
         if self.tokenizer is None:
             raise ValueError("generate_text needs a tokenizer: build the batcher with ContinuousBatcher.from_model")

@@ -17,7 +17,7 @@ a closed batcher.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Iterable, Protocol, Sequence
 
 from ferrox_batch.admission.block_budget import BlockBudget
 from ferrox_batch.admission.kv_groups import GroupPricing
@@ -65,7 +65,27 @@ def checked_prompt(prompt_tokens: Sequence[int], params: GenerationParams, vocab
     biased = next((t for t, _ in params.sampling.logit_bias if t >= vocab_size), None)
     if biased is not None:
         raise InvalidRequest("logit_bias", biased, f"names a token id outside the model's vocabulary of {vocab_size}")
+    for name, ids in (("allowed_token_ids", params.sampling.allowed_token_ids or ()),
+                      ("bad_words", [t for word in params.sampling.bad_words_ids for t in word]),
+                      ("stop_token_ids", params.stop_token_ids)):
+        outside = next((t for t in ids if t >= vocab_size), None)
+        if outside is not None:
+            raise InvalidRequest(name, outside, f"names a token id outside the model's vocabulary of {vocab_size}")
     return prompt
+
+
+def check_samplable(params: GenerationParams, held: Iterable[int]) -> None:
+    """`InvalidRequest` when its first `min_tokens` tokens could not be sampled: every allowed id is a stop
+    id banned until then, or a banned one-token bad word."""
+    allowed = params.sampling.allowed_token_ids
+    if allowed is None:
+        return
+    banned = {word[0] for word in params.sampling.bad_words_ids if len(word) == 1}
+    if params.min_tokens:
+        banned.update(held)
+    if banned.issuperset(allowed):
+        raise InvalidRequest("allowed_token_ids", list(allowed)[:8],
+                             "allows only tokens that bad_words or min_tokens (the stop ids) ban")
 
 
 def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudget,

@@ -19,6 +19,7 @@ from ferrox_batch.generation_types import GenerationParams, GenerationResult, Sa
 from ferrox_batch.policy.stop import resolve_stop_tokens
 from ferrox_batch.runtime.loading.tokenizer import ChatMessage, Tokenizer
 from ferrox_batch.structured import StructuredOutput
+from ferrox_batch.token_constraints import bad_words_ids
 
 Messages = Sequence[ChatMessage | Mapping[str, Any]]
 
@@ -51,9 +52,16 @@ def text_params(
     logprobs: int | None = None,
     prompt_logprobs: int | None = None,
     structured: StructuredOutput | None = None,
+    min_tokens: int = 0,
+    include_stop_str_in_output: bool = False,
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+    stream_token_ids: bool = False,
+    bad_words: Sequence[str] = (),
     **sampling_fields: Any,
 ) -> GenerationParams:
-    """`GenerationParams` for text: stop strings that are one token also stop by id.
+    """`GenerationParams` for text: stop strings that are one token also stop by id, and `bad_words` are
+    tokenized into the sampling's `bad_words_ids` (`token_constraints`).
 
     Sampling comes as a ready `SamplingParams` or as its fields (`temperature=...`), not both.
     """
@@ -61,6 +69,9 @@ def text_params(
         sampling = SamplingParams(**sampling_fields)
     elif sampling_fields:
         raise TypeError(f"pass sampling or its fields, not both (got sampling and {sorted(sampling_fields)})")
+    if bad_words:
+        words = bad_words_ids(bad_words, lambda s: tokenizer.encode(s, add_special_tokens=False))
+        sampling = dataclasses.replace(sampling, bad_words_ids=sampling.bad_words_ids + words)
     # Every field is checked before any stop string is tokenized: the stops' count, length and text are
     # bounded before the tokenizer sees them.
     params = GenerationParams(
@@ -77,12 +88,14 @@ def text_params(
         logprobs=logprobs,
         prompt_logprobs=prompt_logprobs,
         structured=structured,
+        min_tokens=min_tokens,
+        include_stop_str_in_output=include_stop_str_in_output,
+        skip_special_tokens=skip_special_tokens,
+        spaces_between_special_tokens=spaces_between_special_tokens,
+        stream_token_ids=stream_token_ids,
     )
-    ids = list(params.stop_token_ids)
-    for token in resolve_stop_tokens(params.stop, lambda s: tokenizer.encode(s, add_special_tokens=False)):
-        if token not in ids:
-            ids.append(token)
-    return dataclasses.replace(params, stop_token_ids=tuple(ids))
+    ids = resolve_stop_tokens(params.stop, lambda s: tokenizer.encode(s, add_special_tokens=False))
+    return dataclasses.replace(params, stop_string_ids=tuple(ids))
 
 
 def generate_text(

@@ -205,6 +205,20 @@ class StopMatcher:
         self._pending, self._state = pending[split:], state
         return Emit(pending[:split])
 
+    def push_unmatched(self, piece: str) -> Emit:
+        """Feed a piece no stop may end in (text of the tokens before `min_tokens`): a stop completing in it
+        is ignored, but a stop's beginning in it is still withheld, so a stop that starts here and ends in
+        a later piece matches there."""
+        if not isinstance(piece, str):
+            raise TypeError(f"piece must be a str, got {type(piece).__name__}")
+        if not self._stops:
+            return Emit(piece)
+        pending = self._pending + piece
+        state = self._automaton.walk(self._state, piece)
+        split = len(pending) - self._automaton.depth(state)
+        self._pending, self._state = pending[split:], state
+        return Emit(pending[:split])
+
     def flush(self) -> str:
         """Return and clear whatever is withheld. Called when generation ends
         for any reason other than a stop match: the text was held against a

@@ -85,6 +85,18 @@ class StopAutomaton:
         """Length of the suffix `state` stands for: what must be withheld."""
         return self._depth[state]
 
+    def walk(self, state: int, text: str) -> int:
+        """Advance `state` over `text`, ignoring the stops that complete in it: the state stands for the
+        longest suffix of everything walked that is a prefix of some stop."""
+        goto, fail = self._goto, self._fail
+        for ch in text:
+            nxt = goto[state].get(ch)
+            while nxt is None and state != ROOT:
+                state = fail[state]
+                nxt = goto[state].get(ch)
+            state = ROOT if nxt is None else nxt
+        return state
+
     def feed(self, state: int, text: str, offset: int) -> tuple[int, tuple[int, str] | None]:
         """Advance `state` over `text`; `offset` is the position of `text[0]`
         in the caller's coordinates. Returns the new state and the match, if

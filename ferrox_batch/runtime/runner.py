@@ -158,7 +158,8 @@ class ModelRunner:
             if row.seq_id not in self._samplers:
                 try:
                     self._samplers[row.seq_id] = self.sampler.new_row(row.sampling, row.seed, row.window,
-                                                                      row.logprobs, row.grammar)
+                                                                      row.logprobs, row.grammar, row.held,
+                                                                      row.hold_for)
                 except DecodeError as bad:
                     outcomes.append(bad)
                     continue

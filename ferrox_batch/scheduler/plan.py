@@ -78,7 +78,7 @@ class StepPlan:
         assert all(r.seq_id is not None for r in self.sampling)
         sampling = tuple(
             RowToSample(r.seq_id, row, r.params.sampling, r.params.seed, r.params.logprobs, r.prefill_tokens,
-                        r.grammar)
+                        r.grammar, r.held_ids, r.params.min_tokens)
             for r, row in zip(self.sampling, self.sampling_rows))
         scoring = []
         for index, chunk in enumerate(self.prompts):

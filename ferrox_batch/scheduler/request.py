@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from ferrox_batch.admission.clock import RowClock
@@ -93,6 +93,22 @@ class Request:
     visible: list[str] = field(default_factory=list)
     finish: FinishReason | None = None
     error: DecodeError | None = None
+    #: Special tokens' own texts, for a request that keeps them (`params.skip_special_tokens` False).
+    special_texts: Mapping[int, bytes] | None = None
+    #: The stop token that ended it (left out of `output_ids`).
+    stop_token_id: int | None = None
+    ids_sent: int = 0  # output ids that went out with chunks (`params.stream_token_ids`)
+
+    @property
+    def held_ids(self) -> tuple[int, ...]:
+        """The ids it may not sample before `params.min_tokens` tokens: its stop tokens (the model's, unless
+        it ignores EOS) and its own stop ids."""
+        if not self.params.min_tokens:
+            return ()
+        ids = set(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ids.update(self.stop_tokens.ids)
+        return tuple(sorted(ids))
 
     @property
     def priority(self) -> int:
@@ -142,7 +158,7 @@ class Request:
     def stop_matcher(self) -> StopMatcher:
         """Its stop strings and stop-token ids as the matcher a decoding row holds (made before its lease,
         so a matcher that cannot be built leaves no lease behind)."""
-        return StopMatcher(self.params.stop, self.params.stop_token_ids)
+        return StopMatcher(self.params.stop, self.params.all_stop_ids)
 
     def admitted(self, seq_id: int, now: Callable[[], float], stops: StopMatcher | None = None) -> None:
         """Admitted with a KV lease; its row is timed on `now`, the clock its queue time was stamped on.
@@ -181,18 +197,42 @@ class Request:
             if self.logprobs is not None:
                 fresh = tuple(self.logprobs[self.logprobs_sent:])
                 self.logprobs_sent = len(self.logprobs)
-            if not self.sink.chunk(text, fresh):
+            ids: tuple[int, ...] = ()
+            if self.params.stream_token_ids:
+                ids = tuple(self.output_ids[self.ids_sent:])
+                self.ids_sent = len(self.output_ids)
+            if not self.sink.chunk(text, fresh, ids):
                 self.cancel()  # nobody can read what it would generate
 
     def _apply_stop_buffer(self, piece: str) -> bool:
-        """Feed decoded text to the stop matcher; True when a stop string matched (the request is finished)."""
+        """Feed decoded text to the stop matcher; True when a stop string matched (the request is finished).
+        No stop may end in the text of its first `min_tokens` tokens."""
         assert self.stops is not None
+        if len(self.output_ids) <= self.params.min_tokens:
+            self.emit(self.stops.push_unmatched(piece).text)
+            return False
         step = self.stops.push(piece)
-        self.emit(step.text)
         if isinstance(step, Matched):
+            self.emit(step.text + step.stop if self.params.include_stop_str_in_output else step.text)
             self.finish = FinishReason.stop_sequence(step.stop)
             return True
+        self.emit(step.text)
         return False
+
+    def _early_stop_string(self, token: int) -> bool:
+        """Whether `token` is a one-token stop string sampled before `min_tokens`: text, not a stop (stop ids
+        are banned until then; a stop string may not end the output before it)."""
+        return (len(self.output_ids) < self.params.min_tokens and token in self.params.stop_string_ids
+                and token not in self.params.stop_token_ids
+                and (self.params.ignore_eos or token not in self.stop_tokens))
+
+    def _render(self, token: int, decode: DecodeFn) -> bytes:
+        """The token's bytes: the detokenizer's, or a kept special token's own text."""
+        if self.special_texts is not None:
+            special = self.special_texts.get(token)
+            if special is not None:
+                return special
+        return decode([token])
 
     def push_token(self, token: int, decode: DecodeFn, logprob: TokenLogprob | None = None) -> bool:
         """Apply one sampled token; True when the request goes on (the token must be fed to the model).
@@ -201,8 +241,12 @@ class Request:
         this request only (`InternalError`), never the worker.
         """
         assert self.stops is not None and self.clock is not None
-        if (not self.params.ignore_eos and token in self.stop_tokens) or self.stops.is_stop_token(token):
+        if ((not self.params.ignore_eos and token in self.stop_tokens) or self.stops.is_stop_token(token)) \
+                and not self._early_stop_string(token):
             self.finish = FinishReason.STOP
+            self.stop_token_id = token
+            if self.params.include_stop_str_in_output:
+                self._include_stop_token(token, decode)
             return False
         self.output_ids.append(token)
         if logprob is not None:
@@ -211,7 +255,7 @@ class Request:
             self.logprobs.append(logprob)
         self.clock.token()
         try:
-            text = decode([token])
+            text = self._render(token, decode)
         except Exception as bad:  # one request's detokenizer failure is its own fault, not the worker's
             log.exception("decode failed")
             self.fail(InternalError(f"decoding token {token} failed: {type(bad).__name__}: {bad}"))
@@ -226,6 +270,18 @@ class Request:
             self.finish = FinishReason.LENGTH
             return False
         return True
+
+    def _include_stop_token(self, token: int, decode: DecodeFn) -> None:
+        """The stop token's text as the output's last text (`include_stop_str_in_output`): what the stop
+        matcher withholds goes first, as it can no longer become a stop."""
+        assert self.stops is not None
+        try:
+            text = self.utf8.push(self._render(token, decode)) + self.utf8.flush()
+        except Exception as bad:
+            log.exception("decode failed")
+            self.fail(InternalError(f"decoding token {token} failed: {type(bad).__name__}: {bad}"))
+            return
+        self.emit(self.stops.flush() + text)
 
     def reply(self) -> None:
         """Send the one final event: the error, or the result with whatever text the stream still holds."""
@@ -256,7 +312,7 @@ class Request:
             logprobs = tuple(self.logprobs or ())
         prompt = None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
         self.sink.finished(GenerationResult(finish, list(self.output_ids), "".join(self.visible), usage, logprobs,
-                                            prompt))
+                                            prompt, self.stop_token_id))
 
     def answer(self, outcome: GenerationResult | DecodeError) -> None:
         """Reply with `outcome` as it is (a refusal, or a result decided without running)."""

@@ -35,6 +35,7 @@ class ReplySink(Protocol):
     """Receives one request's events on the worker thread; must return quickly and never block."""
 
     def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None: ...
+    # A request whose params set `stream_token_ids` gets `token_ids=` (a keyword) on its chunks too.
 
     def finished(self, outcome: GenerationResult | DecodeError) -> None: ...
 
@@ -47,8 +48,8 @@ class QueueSink:
     def __init__(self) -> None:
         self.events: queue.SimpleQueue[Reply] = queue.SimpleQueue()
 
-    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
-        self.events.put(Chunk(text, logprobs))
+    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = (), token_ids: tuple[int, ...] = ()) -> None:
+        self.events.put(Chunk(text, logprobs, token_ids))
 
     def finished(self, outcome: GenerationResult | DecodeError) -> None:
         self.events.put(Finished(outcome))
@@ -72,14 +73,16 @@ class OnceSink:
     def answered(self) -> bool:
         return self._answered
 
-    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> bool:
+    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = (), token_ids: tuple[int, ...] = ()) -> bool:
         """Deliver `text`; False when the sink refused it (its request should stop: nobody reads it)."""
         if self._answered:
             return False
         try:
-            if logprobs:
+            if token_ids:
+                self._sink.chunk(text, logprobs, token_ids=token_ids)
+            elif logprobs:
                 self._sink.chunk(text, logprobs)
-            else:  # sinks that never asked for log-probabilities need not take them
+            else:  # sinks that never asked for log-probabilities or ids need not take them
                 self._sink.chunk(text)
         except Exception:
             log.exception("a reply sink refused a chunk; its request is cancelled")

@@ -25,8 +25,11 @@ from ferrox_batch.generation_types import GenerationParams, GenerationResult
 from ferrox_batch.replies import Finished
 from ferrox_batch.server.streaming import Event, ReplyBridge
 
-#: The most choices (`n`) or candidates (`best_of`) one request may ask for: each is a row of the batch.
+#: The most choices (`n`) or candidates (`best_of`) one request may ask for per prompt: each is a row of the batch.
 MAX_CHOICES = 16
+#: The most rows one completion request may take over all its prompts (prompts x `best_of`): an
+#: evaluation harness batching its prompts sends tens.
+MAX_PROMPT_ROWS = 64
 
 
 def candidate_params(params: GenerationParams, count: int, rank: bool) -> list[GenerationParams]:

@@ -184,8 +184,8 @@ class Generations:
             asked = prepared.request.options.logprobs is not None
             # Built and encoded on the answer pool, a piece at a time, as the client takes it: a big
             # answer never blocks the loop, nor sits whole in a buffer.
-            return JSONBodyResponse(_answer(fmt, results, prepared.request.n, asked), self.answer_pool,
-                                    write_timeout=self.limits.write_timeout)
+            return JSONBodyResponse(_answer(fmt, results, prepared.request.best_of, prepared.request.n, asked),
+                                    self.answer_pool, write_timeout=self.limits.write_timeout)
         finally:
             disconnected.cancel()
             if not handed_off:
@@ -263,9 +263,11 @@ class Generations:
             log.warning("shutdown: the pools were still busy after %.0f s", SHUTDOWN_JOIN_SECS)
 
 
-def _answer(fmt: WireFormat, results: list[GenerationResult], n: int, asked: bool) -> Iterator[str]:
-    """The whole answer's JSON text, in pieces (blocking: for the answer pool); `best_of` ranks there too."""
-    yield from fmt.full(best(results, n, asked), [r.usage for r in results])
+def _answer(fmt: WireFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:
+    """The whole answer's JSON text, in pieces (blocking: for the answer pool); `best_of` ranks each prompt's
+    candidates there too."""
+    chosen = [r for at in range(0, len(results), best_of) for r in best(results[at:at + best_of], n, asked)]
+    yield from fmt.full(chosen, [r.usage for r in results])
 
 
 def _failure_response(error: BaseException) -> Response:

@@ -6,6 +6,9 @@
   choice's text (a stream continues the count from chunk to chunk).
 * Chat: `{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}],
   "refusal": null}`.
+* vLLM's `prompt_logprobs` (both endpoints): one entry per prompt token, `null` for the first (nothing
+  predicts it), then `{"<id>": {"logprob", "rank", "decoded_token"}}` holding the prompt's token (with its
+  rank in the vocabulary) and the k likeliest (ranks 1 to k).
 
 A token's text is what the tokenizer gives for it alone (a token holding part of a UTF-8 character shows
 U+FFFD, its `bytes` hold the exact bytes). JSON has no infinities, so a log-probability of -inf (a token
@@ -48,6 +51,10 @@ class LogprobShapes:
             known = self._texts[token] = (raw.decode("utf-8", errors="replace"), raw)
         return known
 
+    def text(self, token: int) -> str:
+        """A token's text alone (U+FFFD for part of a character)."""
+        return self._token(token)[0]
+
     def chat(self, entries: Sequence[TokenLogprob], *, lazy: bool = False) -> dict[str, Any]:
         return {"content": _sliced(self._chat_entries, entries) if lazy else self._chat_entries(entries),
                 "refusal": None}
@@ -79,3 +86,19 @@ class LogprobShapes:
 def _sliced(shape: Callable[[Sequence[Any]], list[Any]], entries: Sequence[Any]) -> Slices:
     """`shape(entries)`, made `SLICE_CONTAINERS` entries at a time as it is written."""
     return Slices(shape(entries[at:at + SLICE_CONTAINERS]) for at in range(0, len(entries), SLICE_CONTAINERS))
+
+
+def prompt_logprob_entries(shapes: LogprobShapes, entries: Sequence[TokenLogprob | None],
+                           top: int) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` list of a prompt's entries, `top` alternatives each."""
+    out: list[dict[str, Any] | None] = []
+    for entry in entries:
+        if entry is None:
+            out.append(None)
+            continue
+        one = {str(entry.token): {"logprob": finite(entry.logprob), "rank": entry.rank,
+                                  "decoded_token": shapes.text(entry.token)}}
+        for rank, (token, logprob) in enumerate(entry.top[:top], start=1):
+            one.setdefault(str(token), {"logprob": finite(logprob), "rank": rank, "decoded_token": shapes.text(token)})
+        out.append(one)
+    return out

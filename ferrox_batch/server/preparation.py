@@ -9,7 +9,10 @@ blocking work meant for the app's prepare pool, never the event loop. It promise
   admission refusals are all raised from `prepare`, as `DecodeError`s the handler answers as plain JSON.
 * **All choices or none.** A request with several choices (`n`, `best_of`) is one ticket per candidate; if
   a later candidate is refused, the ones already submitted are abandoned before the refusal propagates.
-* **The prompt as submitted is kept** (`Prepared.ids`), so an echoed completion prompt is exactly what ran.
+* **Each prompt as submitted is kept** (`Prepared.prompts`: after `truncate_prompt_tokens`), so an echoed
+  completion prompt, and the prompt ids `return_token_ids` reports, are exactly what ran.
+* **Several prompts** (a completion's list of prompts) are `best_of` rows each, prompt by prompt: choice
+  `i * n + j` is prompt i's choice j, as OpenAI and vLLM number them.
 
 `Preparer.wire_format` picks the answer shapes of a prepared request from what it asked for.
 """
@@ -27,6 +30,7 @@ from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.choices import candidate_params
 from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.errors import ModelNotFound
+from ferrox_batch.server.extra_fields import CONTEXT_LENGTH
 from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
 from ferrox_batch.server.requests import (
     TOOL_PARSER,
@@ -45,8 +49,8 @@ class Prepared:
     """A parsed request whose choices are all submitted."""
 
     request: CompletionRequest | ChatRequest
-    bridges: list[ReplyBridge]  # one per choice (per `best_of` candidate), in order
-    ids: list[int]  # the prompt as submitted
+    bridges: list[ReplyBridge]  # one per candidate: `best_of` per prompt, prompt by prompt
+    prompts: list[list[int]]  # each prompt as submitted
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,47 +82,68 @@ class Preparer:
         options = self.policy.apply(request.options, namespace)
         # Every field is checked before the prompt is tokenized: a refusal costs no tokenizing.
         params = options.generation_params(self.tokenizer, request.max_tokens)
-        if isinstance(request, ChatRequest):
-            ids = chat_ids(self.tokenizer, request, self.batcher.ceiling)
-        elif isinstance(request.prompt, str):
-            ids = encode_prompt(self.tokenizer, request.prompt, self.batcher.ceiling)
-        else:
-            ids = list(request.prompt)
+        prompts = [self._prompt_ids(request, prompt) for prompt in request.prompts]
         bridges: list[ReplyBridge] = []
         try:
-            for candidate in candidate_params(params, request.best_of, request.best_of > request.n):
-                bridge = ReplyBridge(loop, forward_text=request.stream, on_final=on_final,
-                                     max_buffered=self.max_buffered_reply_bytes)
-                # Every choice after the first follows its prompt: admitted once that prompt is through,
-                # it adopts the prompt's cached blocks (`choices`).
-                bridge.ticket = self.batcher.submit(ids, candidate, self.tokenizer.stop_tokens, sink=bridge,
-                                                    after=bridges[0].ticket if bridges else None)
-                bridges.append(bridge)
+            for ids in prompts:
+                first: ReplyBridge | None = None
+                for candidate in candidate_params(params, request.best_of, request.best_of > request.n):
+                    bridge = ReplyBridge(loop, forward_text=request.stream, on_final=on_final,
+                                         max_buffered=self.max_buffered_reply_bytes)
+                    # Every choice after a prompt's first follows that prompt: admitted once it is through,
+                    # it adopts the prompt's cached blocks (`choices`).
+                    bridge.ticket = self.batcher.submit(ids, candidate, self.tokenizer.stop_tokens, sink=bridge,
+                                                        after=None if first is None else first.ticket)
+                    bridges.append(bridge)
+                    first = first or bridge
         except BaseException:
             for bridge in bridges:  # a later candidate was refused: the request fails whole
                 bridge.abandon()
             raise
-        return Prepared(request, bridges, ids)
+        return Prepared(request, bridges, prompts)
+
+    def _prompt_ids(self, request: CompletionRequest | ChatRequest, prompt: object) -> list[int]:
+        """One prompt's ids: templated (chat), tokenized (text) or as sent (ids), then truncated to its last
+        `truncate_prompt_tokens`. A text provably too long for the context is refused untokenized, unless
+        it is to be truncated."""
+        keep = request.truncate_prompt_tokens
+        ceiling = self.batcher.ceiling if keep is None else None
+        if isinstance(request, ChatRequest):
+            ids = chat_ids(self.tokenizer, request, ceiling)
+        elif isinstance(prompt, str):
+            ids = encode_prompt(self.tokenizer, prompt, ceiling)
+        else:
+            ids = list(prompt)  # type: ignore[call-overload]
+        if keep == CONTEXT_LENGTH:
+            keep = self.batcher.ceiling.limit()
+        if keep is not None and len(ids) > keep:
+            ids = ids[len(ids) - keep:]
+        return ids
 
     def wire_format(self, prepared: Prepared, chat: bool, rid: str) -> WireFormat:
         """The request's answer shapes: its endpoint's, with what it asked for (log-probabilities, tool calls,
-        the echoed prompt)."""
+        the echoed prompts, the prompts' log-probabilities, token ids)."""
         request = prepared.request
-        asked = request.options.logprobs is not None
+        asked = request.options.logprobs is not None or request.prompt_logprobs is not None
         fmt: WireFormat = (ChatFormat if chat else CompletionFormat)(self.model_name, rid,
                                                                       self.tokenizer if asked else None)
+        fmt.choices_per_prompt = request.n
+        fmt.sends_logprobs = request.options.logprobs is not None
+        fmt.prompt_logprobs = request.prompt_logprobs
+        if request.return_token_ids:
+            fmt.prompt_ids = prepared.prompts
         if isinstance(request, ChatRequest) and request.parses_tool_calls:
             fmt.tool_parser = TOOL_PARSER  # type: ignore[attr-defined]
         if isinstance(request, CompletionRequest) and request.echo:
-            prompt = request.prompt
-            fmt.echo = (prepared.ids, prompt if isinstance(prompt, str)  # type: ignore[attr-defined]
-                        else self.tokenizer.decode_text(prompt))
+            fmt.echo_top = request.options.logprobs or 0  # type: ignore[attr-defined]
+            fmt.echo = [(ids, prompt if isinstance(prompt, str) and request.truncate_prompt_tokens is None  # type: ignore[attr-defined]
+                         else self.tokenizer.decode_text(ids)) for ids, prompt in zip(prepared.prompts, request.prompts)]
         return fmt
 
 
-def chat_ids(tokenizer: Tokenizer, request: ChatRequest, ceiling: ContextCeiling) -> list[int]:
-    """The templated conversation's ids (refused unread when too long for `ceiling`: `prompt_ids`); a
-    template that refuses the messages is the client's 400."""
+def chat_ids(tokenizer: Tokenizer, request: ChatRequest, ceiling: ContextCeiling | None) -> list[int]:
+    """The templated conversation's ids (refused unread when too long for `ceiling`: `prompt_ids`; None:
+    no such check); a template that refuses the messages is the client's 400."""
     if request.tools and not tokenizer.supports_tools:
         raise InvalidRequest("tools", [t["function"]["name"] for t in request.tools],
                              "cannot be offered to this model: its chat template does not render tools")

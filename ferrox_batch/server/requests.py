@@ -22,7 +22,9 @@ What it promises:
   offending value (`InvalidRequest` shortens it), so a 1 MB field cannot make
   a 1 MB error body.
 * `n` (up to `choices.MAX_CHOICES`) and completions' `best_of` fan out into
-  rows of the batch (`choices`); batched prompts are refused clearly.
+  rows of the batch (`choices`), and so do a completion's several prompts (OpenAI's four prompt forms),
+  up to `choices.MAX_PROMPT_ROWS` rows a request.
+* vLLM's extra fields (`extra_fields`) are read on both endpoints.
 
 Defaults when `max_tokens` / `max_completion_tokens` are absent are supplied
 by the caller (`create_app`): OpenAI's 16 for completions, 1024 for chat.
@@ -41,7 +43,8 @@ from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
 from ferrox_batch.runtime.loading.tokenizer import ChatMessage
 from ferrox_batch.server.body_text import refuse_lone_surrogates
-from ferrox_batch.server.choices import MAX_CHOICES
+from ferrox_batch.server.choices import MAX_CHOICES, MAX_PROMPT_ROWS
+from ferrox_batch.server.extra_fields import read_prompt_logprobs, read_truncation
 from ferrox_batch.server.fields import Fields, is_int
 from ferrox_batch.server.sampling_fields import (
     SamplingOptions,
@@ -91,17 +94,20 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class CompletionRequest:
-    """`POST /v1/completions`: `prompt` is text or token ids."""
+    """`POST /v1/completions`: each prompt is text or token ids; each gets `n` choices."""
 
     model: str | None
-    prompt: str | tuple[int, ...]
+    prompts: tuple[str | tuple[int, ...], ...]
     max_tokens: int
     options: SamplingOptions
     stream: bool = False
     include_usage: bool = False
-    n: int = 1  # choices returned
-    best_of: int = 1  # candidates generated, the best `n` returned (>= n)
-    echo: bool = False  # each choice starts with the prompt (and its log-probabilities, when asked)
+    n: int = 1  # choices returned per prompt
+    best_of: int = 1  # candidates generated per prompt, the best `n` returned (>= n)
+    echo: bool = False  # each choice starts with its prompt (and its log-probabilities, when asked)
+    truncate_prompt_tokens: int | None = None  # keep each prompt's last k tokens (`extra_fields`)
+    return_token_ids: bool = False  # the prompt's and the output's ids in the answer
+    prompt_logprobs: int | None = None  # asked for by name: alternatives per prompt token in the answer
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,11 +123,23 @@ class ChatRequest:
     n: int = 1  # choices returned
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI function tools, rendered by the chat template
     tool_choice: str = "none"  # none, auto, required, or "function:<name>" (`tool_calls.read_tool_choice`)
+    truncate_prompt_tokens: int | None = None  # keep the templated prompt's last k tokens (`extra_fields`)
+    return_token_ids: bool = False  # the prompt's and the output's ids in the answer
+    prompt_logprobs: int | None = None  # alternatives per prompt token in the answer
 
     @property
     def best_of(self) -> int:
         """Chat has no `best_of`: every candidate is returned."""
         return self.n
+
+    @property
+    def prompts(self) -> tuple[tuple[ChatMessage, ...]]:
+        """One prompt: the conversation."""
+        return (self.messages,)
+
+    @property
+    def echo(self) -> bool:
+        return False
 
     @property
     def parses_tool_calls(self) -> bool:
@@ -141,8 +159,13 @@ def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int
     if echo and common["stream"]:
         raise InvalidRequest("echo", echo, "cannot be streamed: send stream: false to echo the prompt")
     if echo and common["options"].logprobs is not None:  # the prompt's own log-probabilities too
-        common["options"] = dataclasses.replace(common["options"], prompt_logprobs=common["options"].logprobs)
-    return CompletionRequest(prompt=read_prompt(body.get("prompt")), best_of=best_of, echo=echo, **common)
+        scored = max(common["options"].logprobs, common["options"].prompt_logprobs or 0)
+        common["options"] = dataclasses.replace(common["options"], prompt_logprobs=scored)
+    prompts = read_prompts(body.get("prompt"))
+    if len(prompts) * best_of > MAX_PROMPT_ROWS:
+        raise InvalidRequest("prompt", len(prompts), f"{len(prompts)} prompts x {best_of} candidates each are more "
+                                                     f"than the {MAX_PROMPT_ROWS} rows one request may take")
+    return CompletionRequest(prompts=prompts, best_of=best_of, echo=echo, **common)
 
 
 def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> ChatRequest:
@@ -176,13 +199,21 @@ def _common(fields: Fields, default_max_tokens: int, logprobs: int | None) -> di
     n = fields.integer("n", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise InvalidRequest("n", n, f"must be an integer in [1, {MAX_CHOICES}]")
+    stream = fields.boolean("stream", False)
+    prompt_logprobs = read_prompt_logprobs(fields, stream)
+    return_token_ids = fields.boolean("return_token_ids", False)
+    options = dataclasses.replace(read_options(fields, logprobs), prompt_logprobs=prompt_logprobs,
+                                  stream_token_ids=return_token_ids and stream)
     return {
         "model": model,
         "n": n,
         "max_tokens": _max_tokens(fields, default_max_tokens),
-        "options": read_options(fields, logprobs),
-        "stream": fields.boolean("stream", False),
+        "options": options,
+        "stream": stream,
         "include_usage": _include_usage(fields.raw("stream_options")),
+        "truncate_prompt_tokens": read_truncation(fields),
+        "return_token_ids": return_token_ids,
+        "prompt_logprobs": prompt_logprobs,
     }
 
 
@@ -211,27 +242,42 @@ def _include_usage(value: Any) -> bool:
     return include
 
 
-def read_prompt(value: Any) -> str | tuple[int, ...]:
-    """A string, a list of token ids, or a one-element list holding a string."""
-    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        value = value[0]
-    if isinstance(value, str):
-        if not value:
-            raise InvalidRequest("prompt", value, "must not be empty")
-        return value
-    if isinstance(value, list):
-        if not value:
-            raise InvalidRequest("prompt", value, "must not be empty")
-        if all(isinstance(v, str) for v in value):
-            raise InvalidRequest("prompt", value, "must be one prompt: batched prompts are not supported "
-                                           "(send one request per prompt)")
-        for token in value:
-            if not is_int(token) or token < 0:
-                raise InvalidRequest("prompt", token, "token ids must be non-negative integers")
-        return tuple(value)
+def read_prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
+    """OpenAI's four forms: a string, a list of strings, a list of token ids, or a list of token-id lists;
+    each prompt of a list is one prompt of the request."""
     if value is None:
         raise InvalidRequest("prompt", value, "is required")
-    raise InvalidRequest("prompt", value, "must be a string, a list of token ids, or a list of one string")
+    if isinstance(value, str):
+        return (_text_prompt("prompt", value),)
+    if not isinstance(value, list):
+        raise InvalidRequest("prompt", value, "must be a string, a list of strings, a list of token ids, "
+                                              "or a list of token-id lists")
+    if not value:
+        raise InvalidRequest("prompt", value, "must not be empty")
+    if len(value) > MAX_PROMPT_ROWS and not all(is_int(v) for v in value):
+        raise InvalidRequest("prompt", len(value), f"may hold at most {MAX_PROMPT_ROWS} prompts")
+    if all(isinstance(v, str) for v in value):
+        return tuple(_text_prompt(f"prompt[{i}]", v) for i, v in enumerate(value))
+    if all(isinstance(v, list) for v in value):
+        return tuple(_id_prompt(f"prompt[{i}]", v) for i, v in enumerate(value))
+    if any(isinstance(v, (str, list)) for v in value):
+        raise InvalidRequest("prompt", value, "must not mix strings, token ids and lists: send one form")
+    return (_id_prompt("prompt", value),)
+
+
+def _text_prompt(where: str, value: str) -> str:
+    if not value:
+        raise InvalidRequest(where, value, "must not be empty")
+    return value
+
+
+def _id_prompt(where: str, value: list[Any]) -> tuple[int, ...]:
+    if not value:
+        raise InvalidRequest(where, value, "must not be empty")
+    for token in value:
+        if not is_int(token) or token < 0:
+            raise InvalidRequest(where, token, "token ids must be non-negative integers")
+    return tuple(value)
 
 
 def read_messages(value: Any) -> tuple[ChatMessage, ...]:

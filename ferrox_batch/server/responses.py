@@ -26,7 +26,7 @@ from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.json_body import json_pieces
-from ferrox_batch.server.logprob_shapes import LogprobShapes
+from ferrox_batch.server.logprob_shapes import LogprobShapes, prompt_logprob_entries
 from ferrox_batch.server.tool_calls import ToolCallParser, ToolStream
 from ferrox_batch.usage import Usage
 
@@ -50,14 +50,18 @@ TIMINGS = {"queue_duration_ms": "queue_time_ms", "prompt_eval_duration_ms": "pre
            "generation_duration_ms": "decode_time_ms", "time_to_first_token_ms": "time_to_first_token_ms"}
 
 
-def combined_usage(usages: Sequence[Usage]) -> Usage:
-    """One request's usage over its choices: the prompt once (the first choice's, with its cache hits and
-    timings), the completion tokens of every choice generated (with `best_of`, those not returned too)."""
+def combined_usage(usages: Sequence[Usage], per_prompt: int = 0) -> Usage:
+    """One request's usage over its choices: each prompt once (the first of every `per_prompt` usages; 0: one
+    prompt), with the first one's timings and every prompt's cache hits, and the completion tokens of every
+    choice generated (with `best_of`, those not returned too)."""
     first = usages[0]
     if len(usages) == 1:
         return first
-    return dataclasses.replace(first, completion_tokens=sum(u.completion_tokens for u in usages),
-                               total_tokens=None)
+    prompts = usages[::per_prompt] if per_prompt else usages[:1]
+    cached = [u.cached_tokens for u in prompts]
+    return dataclasses.replace(first, prompt_tokens=sum(u.prompt_tokens for u in prompts),
+                               completion_tokens=sum(u.completion_tokens for u in usages), total_tokens=None,
+                               cached_tokens=None if None in cached else sum(cached))  # type: ignore[arg-type]
 
 
 def usage_dict(usage: Usage) -> dict[str, Any]:
@@ -77,6 +81,14 @@ def usage_dict(usage: Usage) -> dict[str, Any]:
     return body
 
 
+def output_ids(result: GenerationResult) -> list[int]:
+    """The ids a choice generated, as `return_token_ids` reports them: the stop token that ended it too."""
+    ids = list(result.token_ids)
+    if result.stop_token_id is not None:
+        ids.append(result.stop_token_id)
+    return ids
+
+
 class WireFormat:
     """Shapes for one request: `full` for a whole answer, the `*_chunk` methods for a stream.
 
@@ -86,6 +98,14 @@ class WireFormat:
     id_prefix = ""
     object_full = ""
     object_chunk = ""
+    #: Choices per prompt (`n`): choice i answers prompt i // `choices_per_prompt`.
+    choices_per_prompt = 1
+    #: Whether each choice carries its tokens' log-probabilities (`logprobs`).
+    sends_logprobs = False
+    #: Alternatives per prompt token when the request asked for `prompt_logprobs` by name; else None.
+    prompt_logprobs: int | None = None
+    #: Each prompt's ids when the request asked for `return_token_ids`; else None.
+    prompt_ids: Sequence[Sequence[int]] | None = None
 
     def __init__(self, model: str, request_id: str | None = None, logprobs: Tokenizer | None = None) -> None:
         """`request_id`: the exchange's `X-Request-Id` (a random one when None), after OpenAI's prefix.
@@ -96,6 +116,7 @@ class WireFormat:
         self.model = model
         self._tokenizer = logprobs
         self._shapes: dict[int, LogprobShapes] = {}  # per choice: a completion's text offset runs per choice
+        self._opened: set[int] = set()  # streamed choices that have had their first chunk
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]] | Iterator[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
@@ -107,30 +128,60 @@ class WireFormat:
         log-probabilities, is made only when the text reaches it, so a big answer is never whole in
         memory, and no one call holds the GIL long."""
         body = self._envelope(self.object_full, (self._full_choice_at(i, r) for i, r in enumerate(results)))
-        body["usage"] = usage_dict(combined_usage(usages if usages is not None else [r.usage for r in results]))
+        self._request_fields(body, results)
+        every = usages if usages is not None else [r.usage for r in results]
+        body["usage"] = usage_dict(combined_usage(every, len(every) // len(self._prompts(results))))
         return json_pieces(body)
+
+    def _prompts(self, results: Sequence[GenerationResult]) -> range:
+        return range(max(1, len(results) // self.choices_per_prompt))
+
+    def _request_fields(self, body: dict[str, Any], results: Sequence[GenerationResult]) -> None:
+        """Fields of the whole answer beside its choices (chat's prompt ids and log-probabilities)."""
 
     def _full_choice_at(self, index: int, result: GenerationResult) -> dict[str, Any]:
         choice = self._full_choice(result)
         choice["index"] = index
-        choice["logprobs"] = self._logprobs(index, self._entries(result), lazy=True)
+        choice["logprobs"] = self._logprobs(index, self._entries(index, result), lazy=True)
+        if self.prompt_ids is not None:
+            choice["token_ids"] = output_ids(result)
         return choice
+
+    def _prompt_logprobs(self, result: GenerationResult) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs` of the prompt `result` answered, when asked for by name."""
+        if self.prompt_logprobs is None or self._tokenizer is None:
+            return None
+        return prompt_logprob_entries(LogprobShapes(self._tokenizer), result.prompt_logprobs or (),
+                                      self.prompt_logprobs)
 
     def opening_chunks(self, choices: int) -> list[dict[str, Any]]:
         return []
 
-    def text_chunk(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
+    def text_chunk(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = (),
+                   token_ids: Sequence[int] = ()) -> dict[str, Any]:
         choice = self._chunk_choice(text, None)
         choice["index"] = index
         choice["logprobs"] = self._logprobs(index, logprobs)
-        return self._envelope(self.object_chunk, [choice])
+        return self._streamed(index, choice, token_ids)
 
-    def final_chunk(self, index: int, reason: str, logprobs: Sequence[TokenLogprob] = ()) -> dict[str, Any]:
-        """The choice's chunk with its finish reason; `logprobs`: those of tokens whose text no chunk carried
-        (text held back for a stop string that then matched)."""
+    def final_chunk(self, index: int, reason: str, logprobs: Sequence[TokenLogprob] = (),
+                    token_ids: Sequence[int] = ()) -> dict[str, Any]:
+        """The choice's chunk with its finish reason; `logprobs` and `token_ids`: those of tokens whose text no
+        chunk carried (text held back for a stop string that then matched; the stop token's id)."""
         choice = self._chunk_choice(None, reason)
         choice["index"] = index
         choice["logprobs"] = self._logprobs(index, logprobs) if logprobs else None
+        return self._streamed(index, choice, token_ids)
+
+    def _streamed(self, index: int, choice: dict[str, Any], token_ids: Sequence[int]) -> dict[str, Any]:
+        """A stream's chunk of one choice, with its tokens' ids when the request asked for them."""
+        if self.prompt_ids is not None:
+            choice["token_ids"] = list(token_ids)
+        first = index not in self._opened
+        self._opened.add(index)
+        return self._chunk_envelope(index, choice, first)
+
+    def _chunk_envelope(self, index: int, choice: dict[str, Any], first: bool) -> dict[str, Any]:
         return self._envelope(self.object_chunk, [choice])
 
     def streamed_text(self, index: int, text: str) -> str:
@@ -143,11 +194,11 @@ class WireFormat:
 
     def usage_chunk(self, usages: Sequence[Usage]) -> dict[str, Any]:
         body = self._envelope(self.object_chunk, [])
-        body["usage"] = usage_dict(combined_usage(usages))
+        body["usage"] = usage_dict(combined_usage(usages, self.choices_per_prompt))
         return body
 
     def _logprobs(self, index: int, entries: Sequence[TokenLogprob | int], lazy: bool = False) -> dict[str, Any] | None:
-        if self._tokenizer is None:
+        if not self.sends_logprobs or self._tokenizer is None:
             return None
         shapes = self._shapes.get(index)
         if shapes is None:
@@ -157,7 +208,7 @@ class WireFormat:
     def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int], lazy: bool) -> dict[str, Any]:
         raise NotImplementedError
 
-    def _entries(self, result: GenerationResult) -> Sequence[TokenLogprob | int]:
+    def _entries(self, index: int, result: GenerationResult) -> Sequence[TokenLogprob | int]:
         """The log-probability entries of a whole answer's choice."""
         return result.logprobs or ()
 
@@ -172,19 +223,39 @@ class CompletionFormat(WireFormat):
     id_prefix = "cmpl"
     object_full = "text_completion"
     object_chunk = "text_completion"
-    #: With `echo`: the prompt's ids and text, which each choice starts with.
-    echo: tuple[Sequence[int], str] | None = None
+    #: With `echo`: each prompt's ids and text, which each of its choices starts with.
+    echo: Sequence[tuple[Sequence[int], str]] | None = None
+    #: Alternatives per echoed prompt token (`logprobs`).
+    echo_top = 0
 
     def _full_choice(self, result: GenerationResult) -> dict[str, Any]:
-        text = result.text if self.echo is None else self.echo[1] + result.text
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(result.finish_reason)}
+        return {"index": 0, "text": result.text, "logprobs": None, "finish_reason": finish_reason(result.finish_reason)}
 
-    def _entries(self, result: GenerationResult) -> Sequence[TokenLogprob | int]:
-        if self.echo is None or not self.echo[0]:
-            return super()._entries(result)
-        # The prompt's entries first; its first token has none (nothing predicts it).
-        ids = self.echo[0]
-        return [ids[0], *(result.prompt_logprobs or ())[1:], *(result.logprobs or ())]  # type: ignore[list-item]
+    def _full_choice_at(self, index: int, result: GenerationResult) -> dict[str, Any]:
+        choice = super()._full_choice_at(index, result)
+        prompt = index // self.choices_per_prompt
+        if self.echo is not None:
+            choice["text"] = self.echo[prompt][1] + choice["text"]
+        if self.prompt_ids is not None:
+            choice["prompt_token_ids"] = list(self.prompt_ids[prompt])
+        if self.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self._prompt_logprobs(result)
+        return choice
+
+    def _chunk_envelope(self, index: int, choice: dict[str, Any], first: bool) -> dict[str, Any]:
+        if first and self.prompt_ids is not None:
+            choice["prompt_token_ids"] = list(self.prompt_ids[index // self.choices_per_prompt])
+        return self._envelope(self.object_chunk, [choice])
+
+    def _entries(self, index: int, result: GenerationResult) -> Sequence[TokenLogprob | int]:
+        ids = self.echo[index // self.choices_per_prompt][0] if self.echo is not None else ()
+        if not ids:
+            return super()._entries(index, result)
+        # The prompt's entries first; its first token has none (nothing predicts it). They carry as many
+        # alternatives as `logprobs` asks, though `prompt_logprobs` may have had more computed.
+        prompt = [e if e is None or len(e.top) <= self.echo_top else dataclasses.replace(e, top=e.top[:self.echo_top])
+                  for e in (result.prompt_logprobs or ())[1:]]
+        return [ids[0], *prompt, *(result.logprobs or ())]  # type: ignore[list-item]
 
     def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int], lazy: bool) -> dict[str, Any]:
         return shapes.completion(entries, lazy=lazy)
@@ -238,10 +309,21 @@ class ChatFormat(WireFormat):
     def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int], lazy: bool) -> dict[str, Any]:
         return shapes.chat(entries, lazy=lazy)  # type: ignore[arg-type]  # chat has no echo: never an int
 
+    def _request_fields(self, body: dict[str, Any], results: Sequence[GenerationResult]) -> None:
+        if self.prompt_ids is not None:
+            body["prompt_token_ids"] = list(self.prompt_ids[0])
+        if self.prompt_logprobs is not None and results:
+            body["prompt_logprobs"] = self._prompt_logprobs(results[0])
+
     def opening_chunks(self, choices: int) -> list[dict[str, Any]]:
-        return [self._envelope(self.object_chunk, [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-            for i in range(choices)]
+        chunks = []
+        for i in range(choices):
+            chunk = self._envelope(self.object_chunk, [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            if self.prompt_ids is not None:
+                chunk["prompt_token_ids"] = list(self.prompt_ids[0])
+            chunks.append(chunk)
+        return chunks
 
     def _chunk_choice(self, text: str | None, reason: str | None) -> dict[str, Any]:
         delta = {} if text is None else {"content": text}

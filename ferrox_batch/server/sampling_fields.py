@@ -16,6 +16,7 @@ from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.generation_types import GenerationParams, SamplingParams
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
+from ferrox_batch.server.extra_fields import ExtraSampling, read_extra_sampling
 from ferrox_batch.server.fields import Fields, is_number
 from ferrox_batch.structured import StructuredOutput, check_spec_bytes
 
@@ -45,6 +46,10 @@ class SamplingOptions:
     prompt_logprobs: int | None = None
     #: What the output must be (chat's `response_format`); None: free text.
     structured: StructuredOutput | None = None
+    #: vLLM's extra fields for stopping, banning and writing the output (`extra_fields`).
+    extra: ExtraSampling = ExtraSampling()
+    #: Whether streamed chunks carry their tokens' ids (`return_token_ids` on a stream).
+    stream_token_ids: bool = False
 
     def generation_params(self, tokenizer: Tokenizer, max_tokens: int) -> GenerationParams:
         """Params for the batcher; stop strings that are one token are also stopped on by id."""
@@ -52,13 +57,15 @@ class SamplingOptions:
                            ignore_eos=self.ignore_eos, sampling=self.sampling, cache_salt=self.cache_salt,
                            priority=self.priority, max_queue_wait_ms=self.max_queue_wait_ms,
                            logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
-                           structured=self.structured)
+                           structured=self.structured, stream_token_ids=self.stream_token_ids,
+                           **self.extra.keywords())
 
 
 def read_options(fields: Fields, logprobs: int | None) -> SamplingOptions:
     top_k = fields.integer("top_k", 0)
     if top_k == -1:  # vLLM's spelling of "disabled"; clients written for it send it
         top_k = 0
+    extra = read_extra_sampling(fields)
     sampling = SamplingParams(  # raises InvalidRequest naming the first out-of-range field
         temperature=fields.number("temperature", DEFAULT_TEMPERATURE),
         top_p=fields.number("top_p", 1.0),
@@ -68,6 +75,7 @@ def read_options(fields: Fields, logprobs: int | None) -> SamplingOptions:
         presence_penalty=fields.number("presence_penalty", 0.0),
         frequency_penalty=fields.number("frequency_penalty", 0.0),
         logit_bias=_logit_bias(fields.raw("logit_bias")),
+        allowed_token_ids=extra.allowed_token_ids,
     )
     seed = fields.integer("seed", None)
     if seed is not None and not 0 <= seed <= UNLIMITED:
@@ -79,7 +87,8 @@ def read_options(fields: Fields, logprobs: int | None) -> SamplingOptions:
     return SamplingOptions(sampling=sampling, seed=seed, stop=_stop(fields.raw("stop")),
                            ignore_eos=fields.boolean("ignore_eos", False), cache_salt=salt,
                            priority=fields.integer("priority", 0),
-                           max_queue_wait_ms=fields.integer("max_queue_wait_ms", None), logprobs=logprobs)
+                           max_queue_wait_ms=fields.integer("max_queue_wait_ms", None), logprobs=logprobs,
+                           extra=extra)
 
 
 def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.replies import Chunk
 from ferrox_batch.server.errors import error_body
-from ferrox_batch.server.responses import DONE, WireFormat, finish_reason, sse
+from ferrox_batch.server.responses import DONE, WireFormat, finish_reason, output_ids, sse
 from ferrox_batch.server.streaming import Event
 from ferrox_batch.usage import Usage
 
@@ -25,20 +25,23 @@ async def sse_events(first: tuple[int, Event], events: AsyncIterator[tuple[int, 
     for chunk in fmt.opening_chunks(choices):
         yield sse(chunk)
     sent = [0] * choices  # log-probabilities streamed so far, per choice
+    ids_sent = [0] * choices  # token ids streamed so far, per choice (`return_token_ids`)
     usages: dict[int, Usage] = {}
     index, event = first
     while True:
         if isinstance(event, Chunk):
             text = fmt.streamed_text(index, event.text)
             if text:
-                yield sse(fmt.text_chunk(index, text, event.logprobs))
+                yield sse(fmt.text_chunk(index, text, event.logprobs, event.token_ids))
                 sent[index] += len(event.logprobs)
+                ids_sent[index] += len(event.token_ids)
         elif isinstance(event.result, GenerationResult):
             closing, reason = fmt.closing_chunks(index)
             for chunk in closing:
                 yield sse(chunk)
             rest = (event.result.logprobs or ())[sent[index]:]
-            yield sse(fmt.final_chunk(index, reason or finish_reason(event.result.finish_reason), rest))
+            ids = output_ids(event.result)[ids_sent[index]:]
+            yield sse(fmt.final_chunk(index, reason or finish_reason(event.result.finish_reason), rest, ids))
             usages[index] = event.result.usage
             if len(usages) == choices:
                 if include_usage:

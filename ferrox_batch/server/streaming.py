@@ -128,10 +128,10 @@ class ReplyBridge:
 
     # ------------------------------------------------- the worker's side (ReplySink)
 
-    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None:
+    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = (), token_ids: tuple[int, ...] = ()) -> None:
         self.chunk_times.append(self._clock())
         if self._forward and not self._abandoned:
-            self._post(self._queue_text, Chunk(text, logprobs))
+            self._post(self._queue_text, Chunk(text, logprobs, token_ids))
 
     def finished(self, outcome: GenerationResult | DecodeError) -> None:
         final = Finished(outcome, self._clock())

@@ -51,7 +51,7 @@ def test_a_single_token_stop_string_stops_by_id_even_for_a_special_token(batcher
     from ferrox_batch.engine.text import text_params
 
     params = text_params(tok, max_tokens=4, stop=["<|im_end|>", "two tokens here"])
-    assert tok.token_to_id("<|im_end|>") in params.stop_token_ids
+    assert tok.token_to_id("<|im_end|>") in params.stop_string_ids and params.stop_token_ids == ()
     assert params.stop == ("<|im_end|>", "two tokens here")
 
 

@@ -69,8 +69,8 @@ def still_serves(base_url: str) -> None:
 def padded_chunks(monkeypatch) -> None:
     real = ChatFormat.text_chunk
 
-    def padded(self, index, text, logprobs=()):
-        chunk = real(self, index, text, logprobs)
+    def padded(self, index, text, logprobs=(), token_ids=()):
+        chunk = real(self, index, text, logprobs, token_ids)
         chunk["padding"] = PAD
         return chunk
 

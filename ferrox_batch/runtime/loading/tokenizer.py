@@ -83,6 +83,11 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         spec = json.loads(tokenizer.to_str())
         self._bytes = self._byte_table(spec)
+        #: Each special token's own text, which `decode` leaves out (a request that keeps special tokens
+        #: gets these instead).
+        self.special_texts: dict[int, bytes] = {
+            index: token.content.encode("utf-8")
+            for index, token in tokenizer.get_added_tokens_decoder().items() if token.special}
         #: How few ids a text can encode to, from its length (None: the pipeline may drop or merge any
         #: amount of input, and no length bound holds). See `least_tokens`.
         self.length_bound: LengthBound | None = length_bound(spec, tokenizer, self._bytes, byte_level_alphabet())

@@ -1,7 +1,8 @@
 """The per-row logit transforms of a sampling call, each one vectorised over the rows that use it.
 
 In the order `BatchSampler.sample` applies them: penalties (repetition, frequency, presence, over each
-row's window), `logit_bias`, grammar masks. (The log-probabilities of the raw logits, for the rows that
+row's window), the bias vector (`logit_bias`, `allowed_token_ids`, one-token bad words), the bans that
+depend on what a row generated (`min_tokens`' stop ids, the ends of longer bad words), grammar masks. (The log-probabilities of the raw logits, for the rows that
 ask, are `logprobs`.) Each touches only the rows that need it (one `index_select`/`index_copy`),
 works out of place (the input may be a view of the caller's logits), and skips the passes no row uses.
 """
@@ -59,3 +60,12 @@ def masked(x: torch.Tensor, masks: tuple[list[int], torch.Tensor] | None) -> tor
     index, allowed = masks
     rows = torch.tensor(index, device=x.device)
     return x.index_copy(0, rows, x.index_select(0, rows).masked_fill(~allowed, float("-inf")))
+
+
+def banned(x: torch.Tensor, rows: Sequence[RowSampler]) -> torch.Tensor:
+    """Each row's `banned_now` ids set to -inf, in one write (out of place); rows with none untouched."""
+    pairs = [(i, t) for i, row in enumerate(rows) if row.hold_left > 0 or row.sequences for t in row.banned_now()]
+    if not pairs:
+        return x
+    index = torch.tensor(pairs, device=x.device).t()
+    return x.index_put((index[0], index[1]), torch.tensor(float("-inf"), device=x.device))

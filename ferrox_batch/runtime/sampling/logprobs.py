@@ -16,15 +16,19 @@ from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.runtime.sampling.sampler_rows import RowSampler
 
 
-def ranked(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> tuple[list[float], list[list[int]], list[list[float]]]:
-    """For each row of `logits` (`[n, vocab]`): the log-probability of its `chosen` id, and the ids and
-    log-probabilities of its `top` most likely tokens (empty lists when `top` is 0)."""
+def ranked(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> tuple[list[float], list[list[int]],
+                                                                          list[list[float]], list[int]]:
+    """For each row of `logits` (`[n, vocab]`): the log-probability of its `chosen` id, the ids and
+    log-probabilities of its `top` most likely tokens (empty lists when `top` is 0), and the chosen id's
+    rank (1 + the tokens strictly likelier)."""
     lp = logits.float().log_softmax(dim=-1)
-    picked = lp.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()
+    picked_t = lp.gather(1, chosen.unsqueeze(1))
+    rank = ((lp > picked_t).sum(dim=-1) + 1).tolist()
+    picked = picked_t.squeeze(1).tolist()
     if not top:
-        return picked, [[] for _ in picked], [[] for _ in picked]
+        return picked, [[] for _ in picked], [[] for _ in picked], rank
     values, ids = lp.topk(top, dim=-1)
-    return picked, ids.tolist(), values.tolist()
+    return picked, ids.tolist(), values.tolist(), rank
 
 
 def token_logprobs(x: torch.Tensor, tokens: torch.Tensor, host: list[int], rows: Sequence[RowSampler],
@@ -33,11 +37,11 @@ def token_logprobs(x: torch.Tensor, tokens: torch.Tensor, host: list[int], rows:
     device; `host`, the same ids on the host), with as many alternatives as each row asked for."""
     index = torch.tensor(scored, device=x.device)
     k = max(rows[i].logprobs or 0 for i in scored)
-    chosen, top_i, top_v = ranked(x.index_select(0, index), tokens.index_select(0, index), k)
+    chosen, top_i, top_v, rank = ranked(x.index_select(0, index), tokens.index_select(0, index), k)
     out = {}
     for n, i in enumerate(scored):
         want = rows[i].logprobs or 0
-        out[i] = TokenLogprob(host[i], chosen[n], tuple(zip(top_i[n][:want], top_v[n][:want])))
+        out[i] = TokenLogprob(host[i], chosen[n], tuple(zip(top_i[n][:want], top_v[n][:want])), rank[n])
     return out
 
 
@@ -46,6 +50,6 @@ def prompt_logprobs(rows: torch.Tensor, targets: Sequence[int], top: int, vocab_
     chunk's last row predicts the next chunk's first token); `rows` may hold more rows than targets."""
     if not targets:
         return []
-    chosen, top_i, top_v = ranked(rows[:len(targets), :vocab_size],
-                                  torch.tensor(list(targets), device=rows.device), top)
-    return [TokenLogprob(t, c, tuple(zip(i, v))) for t, c, i, v in zip(targets, chosen, top_i, top_v)]
+    chosen, top_i, top_v, rank = ranked(rows[:len(targets), :vocab_size],
+                                        torch.tensor(list(targets), device=rows.device), top)
+    return [TokenLogprob(t, c, tuple(zip(i, v)), r) for t, c, i, v, r in zip(targets, chosen, top_i, top_v, rank)]

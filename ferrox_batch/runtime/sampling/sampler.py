@@ -70,7 +70,7 @@ import torch
 from ferrox_batch.errors import GrammarConstraint, InternalError
 from ferrox_batch.forward import GrammarComplete, Sampled
 from ferrox_batch.generation_types import SamplingParams
-from ferrox_batch.runtime.sampling.logit_transforms import biased, masked, penalised
+from ferrox_batch.runtime.sampling.logit_transforms import banned, biased, masked, penalised
 from ferrox_batch.runtime.sampling.logprobs import token_logprobs
 from ferrox_batch.runtime.sampling.sampler_rows import MIN_TEMPERATURE, RowSampler, SamplingError, new_row
 from ferrox_batch.runtime.sampling.sampling_cuts import cuts
@@ -100,10 +100,12 @@ class BatchSampler:
         self.grammars = grammars
 
     def new_row(self, params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
-                logprobs: int | None = None, grammar: CompiledGrammar | None = None) -> RowSampler:
+                logprobs: int | None = None, grammar: CompiledGrammar | None = None, held: Sequence[int] = (),
+                hold_for: int = 0) -> RowSampler:
         """The state for one admitted request (`sampler_rows.new_row` on this sampler's vocabulary, device
         and grammar engine)."""
-        return new_row(params, seed, prompt_ids, self.vocab_size, self.device, logprobs, grammar, self.grammars)
+        return new_row(params, seed, prompt_ids, self.vocab_size, self.device, logprobs, grammar, self.grammars,
+                       held, hold_for)
 
     def grammar_masks(self, rows: Sequence[RowSampler]) -> tuple[list[int], torch.Tensor] | None:
         """(indices, `[len(indices), vocab]` allowed tokens) of the rows whose output follows a grammar; None
@@ -135,7 +137,7 @@ class BatchSampler:
         status = torch.where(top.isnan(), 1, torch.where(top == float("inf"), 2, torch.where(top == float("-inf"), 3, 0)))
         if masks is None and any(row.matcher is not None for row in rows):
             masks = self.grammar_masks(rows)
-        tokens = self._choose(masked(biased(penalised(x, rows), rows), masks), rows)
+        tokens = self._choose(masked(banned(biased(penalised(x, rows), rows), rows), masks), rows)
         host = torch.where(status == 0, tokens, -status).tolist()  # the one sync every call makes
         scored = [i for i, row in enumerate(rows) if row.logprobs is not None and host[i] >= 0]
         logprobs = token_logprobs(x, tokens, host, rows, scored) if scored else {}
@@ -168,7 +170,7 @@ class BatchSampler:
 
         Draws nothing and records nothing; for tests and log-probabilities.
         """
-        x = biased(penalised(self._checked(logits, rows), rows), rows)
+        x = banned(biased(penalised(self._checked(logits, rows), rows), rows), rows)
         out = torch.zeros_like(x)
         if not rows:
             return out

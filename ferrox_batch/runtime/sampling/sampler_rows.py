@@ -1,17 +1,20 @@
 """One request's sampling state: what `BatchSampler` keeps per row, and how a row is made at admission.
 
 A row holds its own generator (non-greedy rows: seeded from the request, or from OS entropy when it has
-none), its penalty window (counts over prompt ++ generated, only when a penalty is on), its dense
-`logit_bias` vector, its grammar state, and how many log-probability alternatives it wants. Making a row
-checks everything that depends on the vocabulary (an out-of-vocabulary id in the penalty window or the
-bias is `TokenOutOfVocab`), so a bad request fails at admission, never mid-batch.
+none), its penalty window (counts over prompt ++ generated, only when a penalty is on), its dense bias
+vector (`logit_bias`, with -inf for every id outside `allowed_token_ids` and for one-token bad words),
+the bans that depend on what it generated (the stop ids until `min_tokens`, the last token of a longer
+bad word once the rest of it was generated), its grammar state, and how many log-probability
+alternatives it wants. Making a row checks everything that depends on the vocabulary (an
+out-of-vocabulary id in the penalty window, the bias or a token list is `TokenOutOfVocab`), so a bad
+request fails at admission, never mid-batch.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -57,17 +60,39 @@ class RowSampler:
     logprobs: int | None = None  # alternatives per token when the request asked for log-probabilities
     bias: torch.Tensor | None = None  # float32 [vocab] added to the logits (`logit_bias`), when any
     matcher: Any = None  # the request's grammar state (`runtime.sampling.grammar`), when its output is constrained
+    #: Ids banned while `hold_left` tokens are still to be generated (`min_tokens`: the stop ids).
+    held: tuple[int, ...] = ()
+    hold_left: int = 0
+    #: Bad words longer than one token: (the tokens before the last, the last), and the row's most
+    #: recent generated ids (as many as the longest prefix) they are compared with.
+    sequences: tuple[tuple[tuple[int, ...], int], ...] = ()
+    recent: list[int] = field(default_factory=list)
 
     @property
     def greedy(self) -> bool:
         return self.generator is None
 
+    def banned_now(self) -> list[int]:
+        """The ids this row may not sample at this step (beyond its bias vector)."""
+        out = list(self.held) if self.hold_left > 0 else []
+        for prefix, last in self.sequences:
+            if len(self.recent) >= len(prefix) and tuple(self.recent[len(self.recent) - len(prefix):]) == prefix:
+                out.append(last)
+        return out
+
     def record(self, token: int) -> None:
-        """Count `token` into the penalty window (`sample` does this for the tokens it returns)."""
+        """Count `token` into the penalty window and the generated-token state (`sample` does this for the
+        tokens it returns)."""
         if self.counts is not None:
             if not 0 <= token < self.counts.shape[0]:
                 raise ValueError(f"token {token} is outside the vocabulary of {self.counts.shape[0]}")
             self.counts[token] += 1
+        if self.hold_left > 0:
+            self.hold_left -= 1
+        if self.sequences:
+            self.recent.append(token)
+            longest = max(len(prefix) for prefix, _ in self.sequences)
+            del self.recent[:-longest]
 
 
 def _penalised(params: SamplingParams) -> bool:
@@ -76,10 +101,12 @@ def _penalised(params: SamplingParams) -> bool:
 
 def new_row(params: SamplingParams, seed: int | None, prompt_ids: Sequence[int], vocab_size: int,
             device: torch.device, logprobs: int | None = None, grammar: CompiledGrammar | None = None,
-            grammars: Grammars | None = None) -> RowSampler:
+            grammars: Grammars | None = None, held: Sequence[int] = (), hold_for: int = 0) -> RowSampler:
     """The state for one admitted request; `prompt_ids` opens its penalty window; `logprobs`: how many
     alternatives its tokens' log-probabilities carry (None: it gets none); `grammar`: the compiled
-    grammar its output must follow (`Grammars.compile`, at submit), matched with `grammars`."""
+    grammar its output must follow (`Grammars.compile`, at submit), matched with `grammars`; `held`:
+    ids it may not sample for its first `hold_for` tokens (ids past the vocabulary are never sampled
+    anyway, and are dropped)."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {params!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
@@ -103,16 +130,35 @@ def new_row(params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
             # index_add_, not bincount: bincount on CUDA syncs to size its output.
             index = torch.tensor(ids, dtype=torch.long, device=device)
             counts.index_add_(0, index, torch.ones(len(ids), dtype=torch.float32, device=device))
-    bias = None
-    if params.logit_bias:
-        ids, values = zip(*params.logit_bias)
-        if max(ids) >= vocab_size:
-            raise TokenOutOfVocab(max(ids), vocab_size)
-        bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-        bias[torch.tensor(ids, device=device)] = torch.tensor(values, dtype=torch.float32, device=device)
+    named = params.token_ids_named
+    if named and max(named) >= vocab_size:
+        raise TokenOutOfVocab(max(named), vocab_size)
+    bias = _bias(params, vocab_size, device)
+    sequences = tuple((word[:-1], word[-1]) for word in params.bad_words_ids if len(word) > 1)
     matcher = None
     if grammar is not None:
         if grammars is None:
             raise GrammarConstraint("this sampler has no grammar engine")
         matcher = grammars.matcher(grammar)  # a copy of the compiled grammar: microseconds, never a compile
-    return RowSampler(params, generator, counts, seed, logprobs, bias, matcher)
+    held_ids = tuple(sorted({t for t in held if 0 <= t < vocab_size})) if hold_for > 0 else ()
+    return RowSampler(params, generator, counts, seed, logprobs, bias, matcher, held_ids,
+                      hold_for if held_ids else 0, sequences)
+
+
+def _bias(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+    """The row's dense bias: `logit_bias`, then -inf outside `allowed_token_ids` and on one-token bad words;
+    None when it has none of them."""
+    banned = [word[0] for word in params.bad_words_ids if len(word) == 1]
+    if not params.logit_bias and params.allowed_token_ids is None and not banned:
+        return None
+    bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+    if params.logit_bias:
+        ids, values = zip(*params.logit_bias)
+        bias[torch.tensor(ids, device=device)] = torch.tensor(values, dtype=torch.float32, device=device)
+    if params.allowed_token_ids is not None:
+        outside = torch.ones(vocab_size, dtype=torch.bool, device=device)
+        outside[torch.tensor(params.allowed_token_ids, device=device)] = False
+        bias.masked_fill_(outside, float("-inf"))
+    if banned:
+        bias[torch.tensor(banned, device=device)] = float("-inf")
+    return bias
