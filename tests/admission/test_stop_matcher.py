@@ -397,3 +397,40 @@ def test_without_stop_strings_every_piece_goes_out_as_is(text: str, cuts: list[i
     m = StopMatcher([], [1, 2])
     assert [m.push(p) for p in pieces] == [Emit(p) for p in pieces]
     assert m.flush() == ""
+
+
+def _first_stop_ending_after(text: str, pieces: list[str], stops: list[str], held: int) -> tuple[int, str] | None:
+    """`_first_stop_by_boundary` where a stop counts only if it ends after the first `held` pieces' text
+    (`min_tokens`: it may start inside them)."""
+    boundary = sum(len(p) for p in pieces[:held])
+    received = boundary
+    for piece in pieces[held:]:
+        received += len(piece)
+        found = [(start, -len(s), s) for s in stops if s for start in range(received)
+                 if text.startswith(s, start) and boundary < start + len(s) <= received]
+        if found:
+            start, _, stop = min(found)
+            return start, stop
+    return None
+
+
+@settings(max_examples=400, deadline=None)
+@given(texts, stop_lists, st.lists(st.integers(min_value=0, max_value=24), max_size=12), st.integers(0, 6))
+def test_no_stop_ends_in_the_unmatched_pieces_but_one_may_start_there(
+    text: str, stops: list[str], cuts: list[int], held: int
+) -> None:
+    pieces = _cut(text, cuts)
+    m = StopMatcher(stops, [])
+    out, match = "", None
+    for i, piece in enumerate(pieces):
+        step = m.push_unmatched(piece) if i < held else m.push(piece)
+        if isinstance(step, Matched):
+            match = step
+            break
+        out += step.text
+    expected = _first_stop_ending_after(text, pieces, stops, held)
+    if expected is None:
+        assert match is None and out + m.flush() == text
+    else:
+        at, stop = expected
+        assert match is not None and match.stop == stop and out + match.text == text[:at]
