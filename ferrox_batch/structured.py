@@ -1,9 +1,13 @@
-"""`StructuredOutput`: what a request's output must be (OpenAI's `response_format`), as plain data.
+"""`StructuredOutput`: what a request's output must be (OpenAI's `response_format`, vLLM's
+`structured_outputs`), as plain data.
 
 `json_object` asks for any JSON object; `json_schema` for JSON valid against `schema` (kept as canonical JSON
 text, so two requests with the same schema compare equal); `lark` for text in a Lark grammar (llguidance's
-dialect, which may embed JSON schemas: how a forced tool call is written). The grammar engine lives with the sampler
-(`runtime.sampling.grammar`); this module is shared vocabulary and imports neither it nor torch.
+dialect, which may embed JSON schemas: how a forced tool call is written); `grammar` for text in a grammar
+given as Lark or as llama.cpp's GBNF (told apart and converted by the grammar engine); `regex` for text a
+regular expression matches whole; `choice` for exactly one of a list of strings (kept as canonical JSON
+text). The grammar engine lives with the sampler (`runtime.sampling.grammar`); this module is shared
+vocabulary and imports neither it nor torch.
 
 `MAX_SPEC_BYTES` bounds a spec's text: the grammar engine refuses a longer one before compiling anything, and
 the server's readers (`response_format`, a tool's `parameters`) refuse one as they read it, naming the field.
@@ -18,7 +22,7 @@ from typing import Any, Protocol
 from ferrox_batch.checks import encodable
 from ferrox_batch.errors import InvalidRequest
 
-KINDS = ("json_object", "json_schema", "lark")
+KINDS = ("json_object", "json_schema", "lark", "grammar", "regex", "choice")
 #: The most bytes a spec's text may have (a schema as compact JSON, or a Lark grammar): real tool and
 #: response schemas are a few KB, large ones about 100 KB; `runtime.sampling.grammar` says what a compile costs.
 MAX_SPEC_BYTES = 256 * 1024
@@ -33,7 +37,7 @@ class StructuredOutput:
         if self.kind not in KINDS:
             raise InvalidRequest("response_format.type", self.kind, f"must be one of {', '.join(KINDS)}")
         if (self.kind != "json_object") != (self.schema is not None):
-            raise InvalidRequest("response_format", self.kind, "json_schema and lark need a text, json_object none")
+            raise InvalidRequest("response_format", self.kind, "every kind but json_object needs a text")
         if self.schema is not None and (not isinstance(self.schema, str) or not encodable(self.schema)):
             raise InvalidRequest("response_format", self.kind, "must be valid Unicode text (no lone surrogate)")
 
@@ -50,6 +54,21 @@ class StructuredOutput:
     @classmethod
     def lark(cls, grammar: str) -> StructuredOutput:
         return cls("lark", grammar)
+
+    @classmethod
+    def grammar(cls, text: str) -> StructuredOutput:
+        """A grammar in Lark or in GBNF."""
+        return cls("grammar", text)
+
+    @classmethod
+    def regex(cls, pattern: str) -> StructuredOutput:
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, options: list[str] | tuple[str, ...]) -> StructuredOutput:
+        if not options or not all(isinstance(o, str) and o for o in options):
+            raise InvalidRequest("choice", options, "must be a non-empty list of non-empty strings")
+        return cls("choice", _canonical(list(options)))
 
     def schema_object(self) -> Any:
         """The schema the output must match: any object for JSON mode (not for a Lark grammar)."""

@@ -51,8 +51,8 @@ from ferrox_batch.server.sampling_fields import (
     chat_logprobs,
     completion_logprobs,
     read_options,
-    response_format,
 )
+from ferrox_batch.server.structured_fields import read_structured
 from ferrox_batch.server.tool_calls import HermesToolCalls, forced_grammar, read_tool_choice, read_tools
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS, refuse_not_honoured
 
@@ -161,6 +161,9 @@ def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int
     if echo and common["options"].logprobs is not None:  # the prompt's own log-probabilities too
         scored = max(common["options"].logprobs, common["options"].prompt_logprobs or 0)
         common["options"] = dataclasses.replace(common["options"], prompt_logprobs=scored)
+    said = read_structured(body)
+    if said is not None:  # its combinations (`ignore_eos`, `min_tokens`) are GenerationParams' to check
+        common["options"] = dataclasses.replace(common["options"], structured=said[1])
     prompts = read_prompts(body.get("prompt"))
     if len(prompts) * best_of > MAX_PROMPT_ROWS:
         raise InvalidRequest("prompt", len(prompts), f"{len(prompts)} prompts x {best_of} candidates each are more "
@@ -172,13 +175,14 @@ def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> C
     refuse_not_honoured(body, CHAT)
     fields = Fields(body)
     common = _common(fields, default_max_tokens, chat_logprobs(fields))
-    structured = response_format(body.get("response_format"))
+    said = read_structured(body)
+    structured = None if said is None else said[1]
     tools = read_tools(body.get("tools"))
     choice = read_tool_choice(body.get("tool_choice"), tools)
     forced = forced_grammar(TOOL_PARSER, tools, choice)
     if forced is not None:
-        if structured is not None:
-            raise InvalidRequest("response_format", body.get("response_format"),
+        if said is not None:
+            raise InvalidRequest(said[0], "...",
                                  f"cannot be combined with tool_choice {choice!r}, which sets the output's form")
         structured = forced
     if structured is not None:  # its combinations (`ignore_eos`) are GenerationParams' to check

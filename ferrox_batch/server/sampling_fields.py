@@ -18,7 +18,7 @@ from ferrox_batch.logprobs import MAX_TOP_LOGPROBS
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.extra_fields import ExtraSampling, read_extra_sampling
 from ferrox_batch.server.fields import Fields, is_number
-from ferrox_batch.structured import StructuredOutput, check_spec_bytes
+from ferrox_batch.structured import StructuredOutput
 
 #: OpenAI's temperature default. The library's default is greedy; an HTTP client that omits
 #: the field expects OpenAI's behaviour.
@@ -136,25 +136,3 @@ def chat_logprobs(fields: Fields) -> int | None:
     if not 0 <= top <= MAX_TOP_LOGPROBS:
         raise InvalidRequest("top_logprobs", top, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
     return top
-
-
-def response_format(value: Any) -> StructuredOutput | None:
-    """Chat's `response_format`: `{"type": "text"}` (free text), `{"type": "json_object"}`, or
-    `{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}, "strict": ...}}`."""
-    if value is None:
-        return None
-    if not isinstance(value, dict):
-        raise InvalidRequest("response_format", value, "must be an object with a type")
-    kind = value.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput.json_object()
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
-            raise InvalidRequest("response_format.json_schema", spec, "must be an object with a schema")
-        structured = StructuredOutput.json_schema(spec.get("schema", {}))
-        check_spec_bytes("response_format.json_schema.schema", structured.size)  # before any compiling
-        return structured
-    raise InvalidRequest("response_format.type", kind, "must be text, json_object or json_schema")

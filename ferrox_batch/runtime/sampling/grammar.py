@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
+from llguidance import grammar_from
 import llguidance.numpy
 import numpy as np
 import torch
@@ -190,12 +191,14 @@ class Grammars:
     def _build(self, spec: StructuredOutput, size: int) -> CompiledGrammar:
         tokenizer, _ = self._engine()
         try:
-            if spec.kind == "lark":
-                grammar = llguidance.LLMatcher.grammar_from_lark(spec.schema or "")
-            else:
+            if spec.kind in ("json_object", "json_schema"):
                 schema = spec.schema if spec.schema is not None else spec.schema_object()
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
-        except (ValueError, TypeError, RuntimeError) as bad:
+            else:
+                # Lark as it is; a grammar that is GBNF converted to Lark; a regex or a choice as llguidance
+                # writes them. The converter is Python, bounded by the spec's size (`MAX_SPEC_BYTES`).
+                grammar = grammar_from(_FORMATS[spec.kind], spec.schema or "")
+        except Exception as bad:  # noqa: BLE001 - the converter raises what its parser meets: the client's 400
             raise GrammarConstraint(f"the {_what(spec)} cannot be compiled: {bad}") from None
         # The build drops the GIL: the worker's Python runs on meanwhile.
         start = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
@@ -242,5 +245,10 @@ class Grammars:
         return allowed.view(len(matchers), words * 32)[:, : self.vocab_size].bool().to(device)
 
 
+#: Our kinds -> llguidance's `grammar_from` formats.
+_FORMATS = {"lark": "lark", "grammar": "grammar", "regex": "regex", "choice": "choice"}
+_NAMES = {"lark": "Lark grammar", "grammar": "grammar", "regex": "regular expression", "choice": "choice"}
+
+
 def _what(spec: StructuredOutput) -> str:
-    return "Lark grammar" if spec.kind == "lark" else "JSON schema"
+    return _NAMES.get(spec.kind, "JSON schema")
