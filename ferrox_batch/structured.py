@@ -1,8 +1,8 @@
 """`StructuredOutput`: what a request's output must be (OpenAI's `response_format`, vLLM's
 `structured_outputs`), as plain data.
 
-`json_object` asks for any JSON object; `json_schema` for JSON valid against `schema` (kept as canonical JSON
-text, so two requests with the same schema compare equal); `lark` for text in a Lark grammar (llguidance's
+`json_object` asks for any JSON object; `json_schema` for JSON valid against `schema` (kept as compact JSON
+text in the client's member order, so two requests with the same schema text compare equal); `lark` for text in a Lark grammar (llguidance's
 dialect, which may embed JSON schemas: how a forced tool call is written); `grammar` for text in a grammar
 given as Lark or as llama.cpp's GBNF (told apart and converted by the grammar engine); `regex` for text a
 regular expression matches whole; `choice` for exactly one of a list of strings (kept as canonical JSON
@@ -101,5 +101,7 @@ def check_spec_bytes(param: str, size: int) -> None:
 
 
 def _canonical(value: Any) -> str:
-    # Non-ASCII text stays as it is: its size is its UTF-8 bytes, not six per character of escapes.
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    # Non-ASCII text stays as it is: its size is its UTF-8 bytes, not six per character of escapes. The
+    # members keep the client's order: the grammar writes an object's properties in its schema's order,
+    # as OpenAI's structured outputs do.
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)

@@ -33,7 +33,7 @@ from ferrox_batch.server.errors import ModelNotFound
 from ferrox_batch.server.extra_fields import CONTEXT_LENGTH
 from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
 from ferrox_batch.server.requests import (
-    TOOL_PARSER,
+    TOOL_FORMATS,
     ChatRequest,
     CompletionRequest,
     parse_chat_request,
@@ -42,6 +42,7 @@ from ferrox_batch.server.requests import (
 )
 from ferrox_batch.server.responses import ChatFormat, CompletionFormat, WireFormat
 from ferrox_batch.server.streaming import Final, ReplyBridge
+from ferrox_batch.server.tools.generic import describe_tools
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,7 +75,8 @@ class Preparer:
         body = parse_json_object(raw)
         request: CompletionRequest | ChatRequest
         if chat:
-            request = parse_chat_request(body, default_max_tokens=self.default_chat_max_tokens)
+            request = parse_chat_request(body, default_max_tokens=self.default_chat_max_tokens,
+                                         renders_tools=self.tokenizer.supports_tools)
         else:
             request = parse_completion_request(body, default_max_tokens=self.default_max_tokens)
         if request.model is not None and request.model != self.model_name:
@@ -133,7 +135,8 @@ class Preparer:
         if request.return_token_ids:
             fmt.prompt_ids = prepared.prompts
         if isinstance(request, ChatRequest) and request.parses_tool_calls:
-            fmt.tool_parser = TOOL_PARSER  # type: ignore[attr-defined]
+            fmt.tool_parser = TOOL_FORMATS[request.tool_format]  # type: ignore[attr-defined]
+            fmt.parallel_tool_calls = request.parallel_tool_calls  # type: ignore[attr-defined]
         if isinstance(request, CompletionRequest) and request.echo:
             fmt.echo_top = request.options.logprobs or 0  # type: ignore[attr-defined]
             fmt.echo = [(ids, prompt if isinstance(prompt, str) and request.truncate_prompt_tokens is None  # type: ignore[attr-defined]
@@ -144,7 +147,8 @@ class Preparer:
 def chat_ids(tokenizer: Tokenizer, request: ChatRequest, ceiling: ContextCeiling | None) -> list[int]:
     """The templated conversation's ids (refused unread when too long for `ceiling`: `prompt_ids`; None:
     no such check); a template that refuses the messages is the client's 400."""
-    if request.tools and not tokenizer.supports_tools:
-        raise InvalidRequest("tools", [t["function"]["name"] for t in request.tools],
-                             "cannot be offered to this model: its chat template does not render tools")
-    return encode_chat_prompt(tokenizer, request.messages, ceiling, tools=list(request.tools) or None)
+    if request.tools and request.tool_format == "generic":  # the template does not render tools
+        return encode_chat_prompt(tokenizer, describe_tools(request.messages, request.tools), ceiling,
+                                  rendering=request.rendering)
+    return encode_chat_prompt(tokenizer, request.messages, ceiling, tools=list(request.tools) or None,
+                              rendering=request.rendering)

@@ -19,6 +19,7 @@ from typing import Any
 from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, KvBudgetExceeded
 from ferrox_batch.runtime.loading.tokenizer import ChatMessage, Tokenizer
+from ferrox_batch.server.chat_rendering import ChatRendering
 
 
 def encode_prompt(tokenizer: Tokenizer, text: str, ceiling: ContextCeiling | None, *,
@@ -39,11 +40,11 @@ def encode_prompt(tokenizer: Tokenizer, text: str, ceiling: ContextCeiling | Non
 
 def encode_chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage | Mapping[str, Any]],
                        ceiling: ContextCeiling | None, *, tools: Sequence[Mapping[str, Any]] | None = None,
-                       add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
-    """The templated conversation's ids (`Tokenizer.encode_chat`, checked as `encode_prompt`); a template
-    that refuses the messages is the client's 400."""
+                       rendering: ChatRendering = ChatRendering(), add_special_tokens: bool = False) -> list[int]:
+    """The templated conversation's ids (`Tokenizer.encode_chat`, checked as `encode_prompt`), rendered as
+    `rendering` asks; a template that refuses the messages is the client's 400."""
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+        text = tokenizer.apply_chat_template(messages, tools=tools, **rendering.keywords())
     except ValueError as bad:
         raise InvalidRequest("messages", list(messages),
                              f"could not be rendered by the checkpoint's chat template ({bad})") from None

@@ -43,6 +43,7 @@ from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
 from ferrox_batch.runtime.loading.tokenizer import ChatMessage
 from ferrox_batch.server.body_text import refuse_lone_surrogates
+from ferrox_batch.server.chat_rendering import ChatRendering, read_rendering
 from ferrox_batch.server.choices import MAX_CHOICES, MAX_PROMPT_ROWS
 from ferrox_batch.server.extra_fields import read_prompt_logprobs, read_truncation
 from ferrox_batch.server.fields import Fields, is_int
@@ -53,7 +54,15 @@ from ferrox_batch.server.sampling_fields import (
     read_options,
 )
 from ferrox_batch.server.structured_fields import read_structured
-from ferrox_batch.server.tool_calls import HermesToolCalls, forced_grammar, read_tool_choice, read_tools
+from ferrox_batch.server.tools.definitions import (
+    ToolCallParser,
+    forced_grammar,
+    read_parallel,
+    read_tool_choice,
+    read_tools,
+)
+from ferrox_batch.server.tools.generic import GenericToolCalls
+from ferrox_batch.server.tools.hermes import HermesToolCalls
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS, refuse_not_honoured
 
 #: OpenAI's documented default for `/v1/completions`.
@@ -62,8 +71,9 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: for a real answer, short enough that a forgotten `max_tokens` does not hold a row for the
 #: whole context. The batcher still clamps it to the context ceiling.
 DEFAULT_CHAT_MAX_TOKENS = 1024
-#: The tool-call format this server writes and reads (the Hermes/Qwen `<tool_call>` blocks).
-TOOL_PARSER = HermesToolCalls()
+#: The tool-call formats: the Hermes/Qwen `<tool_call>` blocks where the chat template renders tools, the
+#: generic JSON object (tools described in a system message) where it does not.
+TOOL_FORMATS: dict[str, ToolCallParser] = {"hermes": HermesToolCalls(), "generic": GenericToolCalls()}
 #: OpenAI's chat roles; any other is refused rather than handed to the chat template.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -122,7 +132,10 @@ class ChatRequest:
     include_usage: bool = False
     n: int = 1  # choices returned
     tools: tuple[dict[str, Any], ...] = ()  # OpenAI function tools, rendered by the chat template
-    tool_choice: str = "none"  # none, auto, required, or "function:<name>" (`tool_calls.read_tool_choice`)
+    tool_choice: str = "none"  # none, auto, required, or "function:<name>" (`definitions.read_tool_choice`)
+    parallel_tool_calls: bool = True  # whether a reply may hold several calls
+    rendering: ChatRendering = ChatRendering()  # how the template renders the conversation
+    tool_format: str = "hermes"  # `TOOL_FORMATS`' key: how the tools are offered and the calls read
     truncate_prompt_tokens: int | None = None  # keep the templated prompt's last k tokens (`extra_fields`)
     return_token_ids: bool = False  # the prompt's and the output's ids in the answer
     prompt_logprobs: int | None = None  # alternatives per prompt token in the answer
@@ -171,7 +184,8 @@ def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int
     return CompletionRequest(prompts=prompts, best_of=best_of, echo=echo, **common)
 
 
-def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> ChatRequest:
+def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int, renders_tools: bool = True) -> ChatRequest:
+    """`renders_tools`: whether the chat template renders tools (the Hermes format), else the generic one."""
     refuse_not_honoured(body, CHAT)
     fields = Fields(body)
     common = _common(fields, default_max_tokens, chat_logprobs(fields))
@@ -179,7 +193,9 @@ def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> C
     structured = None if said is None else said[1]
     tools = read_tools(body.get("tools"))
     choice = read_tool_choice(body.get("tool_choice"), tools)
-    forced = forced_grammar(TOOL_PARSER, tools, choice)
+    parallel = read_parallel(body.get("parallel_tool_calls"))
+    tool_format = "hermes" if renders_tools else "generic"
+    forced = forced_grammar(TOOL_FORMATS[tool_format], tools, choice, parallel)
     if forced is not None:
         if said is not None:
             raise InvalidRequest(said[0], "...",
@@ -187,7 +203,9 @@ def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int) -> C
         structured = forced
     if structured is not None:  # its combinations (`ignore_eos`) are GenerationParams' to check
         common["options"] = dataclasses.replace(common["options"], structured=structured)
-    return ChatRequest(messages=read_messages(body.get("messages")), tools=tools, tool_choice=choice, **common)
+    return ChatRequest(messages=read_messages(body.get("messages")), tools=tools, tool_choice=choice,
+                       parallel_tool_calls=parallel, tool_format=tool_format, rendering=read_rendering(fields),
+                       **common)
 
 
 # ---------------------------------------------------------------------------

@@ -27,7 +27,8 @@ from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.json_body import json_pieces
 from ferrox_batch.server.logprob_shapes import LogprobShapes, prompt_logprob_entries
-from ferrox_batch.server.tool_calls import ToolCallParser, ToolStream
+from ferrox_batch.server.tools.definitions import ToolCallParser
+from ferrox_batch.server.tools.stream import ToolStream
 from ferrox_batch.usage import Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -184,9 +185,11 @@ class WireFormat:
     def _chunk_envelope(self, index: int, choice: dict[str, Any], first: bool) -> dict[str, Any]:
         return self._envelope(self.object_chunk, [choice])
 
-    def streamed_text(self, index: int, text: str) -> str:
-        """What of a choice's next text streams now (all of it, unless tool calls are being held back)."""
-        return text
+    def stream_chunks(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = (),
+                      token_ids: Sequence[int] = ()) -> list[dict[str, Any]]:
+        """The chunks a choice's next text makes now (its tokens' log-probabilities and ids on the first);
+        none while it is held back (tool calls)."""
+        return [self.text_chunk(index, text, logprobs, token_ids)] if text else []
 
     def closing_chunks(self, index: int) -> tuple[list[dict[str, Any]], str | None]:
         """Chunks a choice still owes at its end, and the finish reason they impose (None: the result's)."""
@@ -268,32 +271,44 @@ class ChatFormat(WireFormat):
     id_prefix = "chatcmpl"
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
-    #: With tools: what reads the model's calls out of its text (`tool_calls`).
+    #: With tools: what reads the model's calls out of its text (`tools`), and whether it may make several.
     tool_parser: ToolCallParser | None = None
+    parallel_tool_calls = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._streams: dict[int, ToolStream] = {}  # per streamed choice, with tools
 
-    def streamed_text(self, index: int, text: str) -> str:
+    def stream_chunks(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = (),
+                      token_ids: Sequence[int] = ()) -> list[dict[str, Any]]:
         if self.tool_parser is None:
-            return text
+            return super().stream_chunks(index, text, logprobs, token_ids)
         if index not in self._streams:
-            self._streams[index] = ToolStream(self.tool_parser)  # type: ignore[arg-type]
-        return self._streams[index].feed(text)
+            self._streams[index] = ToolStream(self.tool_parser, self.parallel_tool_calls)
+        content, deltas = self._streams[index].feed(text)
+        chunks = []
+        if content:
+            chunks.append(self.text_chunk(index, content, logprobs, token_ids))
+            logprobs, token_ids = (), ()
+        if deltas:
+            chunks.append(self._tool_chunk(index, deltas, logprobs, token_ids))
+        return chunks
+
+    def _tool_chunk(self, index: int, deltas: list[dict[str, Any]], logprobs: Sequence[TokenLogprob] = (),
+                    token_ids: Sequence[int] = ()) -> dict[str, Any]:
+        choice = {"index": index, "delta": {"tool_calls": deltas}, "logprobs": self._logprobs(index, logprobs)
+                  if logprobs else None, "finish_reason": None}
+        return self._streamed(index, choice, token_ids)
 
     def closing_chunks(self, index: int) -> tuple[list[dict[str, Any]], str | None]:
         stream = self._streams.get(index)
         if stream is None:
             return [], None
-        rest, calls = stream.finish()
+        rest, deltas, calls = stream.finish()
         chunks = [self.text_chunk(index, rest)] if rest else []
-        if not calls:
-            return chunks, None
-        deltas = [{"index": k, **call.to_openai()} for k, call in enumerate(calls)]
-        chunks.append(self._envelope(self.object_chunk, [{"index": index, "delta": {"tool_calls": deltas},
-                                                          "logprobs": None, "finish_reason": None}]))
-        return chunks, "tool_calls"
+        if deltas:
+            chunks.append(self._tool_chunk(index, deltas))
+        return chunks, "tool_calls" if calls else None
 
     def _full_choice(self, result: GenerationResult) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": result.text}
@@ -301,8 +316,9 @@ class ChatFormat(WireFormat):
         if self.tool_parser is not None:
             parsed = self.tool_parser.parse(result.text)
             if parsed.calls:
+                calls = parsed.calls if self.parallel_tool_calls else parsed.calls[:1]
                 message = {"role": "assistant", "content": parsed.content,
-                           "tool_calls": [call.to_openai() for call in parsed.calls]}
+                           "tool_calls": [call.to_openai() for call in calls]}
                 reason = "tool_calls"
         return {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
 

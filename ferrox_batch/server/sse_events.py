@@ -30,9 +30,10 @@ async def sse_events(first: tuple[int, Event], events: AsyncIterator[tuple[int, 
     index, event = first
     while True:
         if isinstance(event, Chunk):
-            text = fmt.streamed_text(index, event.text)
-            if text:
-                yield sse(fmt.text_chunk(index, text, event.logprobs, event.token_ids))
+            chunks = fmt.stream_chunks(index, event.text, event.logprobs, event.token_ids)
+            for chunk in chunks:
+                yield sse(chunk)
+            if chunks:  # the first carried the tokens' log-probabilities and ids
                 sent[index] += len(event.logprobs)
                 ids_sent[index] += len(event.token_ids)
         elif isinstance(event.result, GenerationResult):

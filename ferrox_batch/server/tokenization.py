@@ -22,7 +22,9 @@ from ferrox_batch.server.errors import ServerBusy
 from ferrox_batch.server.fields import Fields
 from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
 from ferrox_batch.server.requests import read_messages
-from ferrox_batch.server.tool_calls import read_tools
+from ferrox_batch.server.chat_rendering import read_rendering
+from ferrox_batch.server.tools.definitions import read_tools
+from ferrox_batch.server.tools.generic import describe_tools
 
 
 class TokenizationsBusy(ServerBusy):
@@ -42,17 +44,13 @@ def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, ceiling: ContextCeil
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequest("prompt", body.get("prompt"), "send exactly one of prompt and messages")
     if "messages" in body:
-        if fields.boolean("continue_final_message", False):
-            raise InvalidRequest("continue_final_message", True, "is not supported by this server")
+        rendering = read_rendering(fields)
         messages = read_messages(body["messages"])
-        add_generation_prompt = fields.boolean("add_generation_prompt", True)
         tools = read_tools(body.get("tools"))
-        if tools and not tokenizer.supports_tools:
-            raise InvalidRequest("tools", [t["function"]["name"] for t in tools],
-                                 "cannot be offered to this model: its chat template does not render tools")
+        if tools and not tokenizer.supports_tools:  # described in a system message, as chat does
+            messages, tools = tuple(describe_tools(messages, tools)), ()
         # The template writes any BOS itself, as for the chat endpoint.
-        ids = encode_chat_prompt(tokenizer, messages, None, tools=list(tools) or None,
-                                 add_generation_prompt=add_generation_prompt,
+        ids = encode_chat_prompt(tokenizer, messages, None, tools=list(tools) or None, rendering=rendering,
                                  add_special_tokens=fields.boolean("add_special_tokens", False))
     else:
         prompt = body["prompt"]

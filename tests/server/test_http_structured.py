@@ -42,6 +42,7 @@ def test_a_schema_constrained_answer_parses_and_validates(client):
         choice = reply.choices[0]
         assert choice.finish_reason == "stop", choice
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+        assert list(json.loads(choice.message.content)) == list(SCHEMA["properties"])  # the schema's order
     stream = client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES, max_tokens=64, temperature=0,
                                             response_format=FORMAT, stream=True)
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)

@@ -4,14 +4,16 @@ Pins: one or several well-formed blocks become calls (arguments as JSON text, `p
 arguments' other name), the text around them is the content (None when nothing is left); a block whose body
 is not a call stays in the content; text with no block is all content; the forcing grammar compiles and
 validates against a real tokenizer, and is compiled once; streamed, content flows until a call may begin (a tail that could
-start the tag is held), and the calls come out whole at the end.
+start the tag is held), a call's name comes in its first delta and its arguments in deltas as they arrive.
 """
 
 from __future__ import annotations
 
 import json
 
-from ferrox_batch.server.tool_calls import HermesToolCalls, ToolCall, ToolStream
+from ferrox_batch.server.tools.definitions import ToolCall
+from ferrox_batch.server.tools.hermes import HermesToolCalls
+from ferrox_batch.server.tools.stream import ToolStream
 
 PARSER = HermesToolCalls()
 
@@ -52,15 +54,19 @@ def test_the_forcing_grammar_compiles(tiny_batch_model):
         assert grammars.compile(spec) is grammars.compile(spec)  # compiled once, then kept
 
 
-def test_a_stream_holds_back_what_may_be_a_call():
+def test_a_stream_holds_back_what_may_be_a_call_and_streams_its_arguments():
     stream = ToolStream(PARSER)
-    pieces = ["Sure, ", "checking <to", "ol_call>\n{\"name\": \"f\", ", "\"arguments\": {}}\n</tool_call>"]
-    assert [stream.feed(p) for p in pieces] == ["Sure, ", "checking ", "", ""]
-    rest, calls = stream.finish()
-    assert rest == "" and calls == (ToolCall("f", "{}"),)
+    pieces = ["Sure, ", "checking <to", "ol_call>\n{\"name\": \"f\", ", "\"arguments\": {\"a\"", ": 1}}\n</tool_call>"]
+    fed = [stream.feed(p) for p in pieces]
+    assert [content for content, _ in fed] == ["Sure, ", "checking ", "", "", ""]
+    deltas = [d for _, ds in fed for d in ds]
+    assert deltas[0]["function"] == {"name": "f", "arguments": ""} and deltas[0]["id"].startswith("call_")
+    assert [d["function"]["arguments"] for d in deltas[1:]] == ['{"a"', ": 1}"]
+    rest, owed, calls = stream.finish()
+    assert rest == "" and owed == [] and calls == (ToolCall("f", '{"a": 1}'),)
     plain = ToolStream(PARSER)
-    assert [plain.feed(p) for p in ["a <", "b> c"]] == ["a ", "<b> c"]
-    assert plain.finish() == ("", ())
+    assert [plain.feed(p)[0] for p in ["a <", "b> c"]] == ["a ", "<b> c"]
+    assert plain.finish() == ("", [], ())
     tail = ToolStream(PARSER)
-    assert tail.feed("ends with <tool") == "ends with "
-    assert tail.finish() == ("<tool", ())
+    assert tail.feed("ends with <tool")[0] == "ends with "
+    assert tail.finish() == ("<tool", [], ())

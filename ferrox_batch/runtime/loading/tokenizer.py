@@ -91,7 +91,13 @@ class Tokenizer:
         #: How few ids a text can encode to, from its length (None: the pipeline may drop or merge any
         #: amount of input, and no length bound holds). See `least_tokens`.
         self.length_bound: LengthBound | None = length_bound(spec, tokenizer, self._bytes, byte_level_alphabet())
+        self.set_chat_template(chat_template)
+
+    def set_chat_template(self, chat_template: str | None) -> None:
+        """Use `chat_template` (Jinja text; None: none) for chat, in place of the checkpoint's: a template
+        that does not compile is a `ModelLoadError`."""
         self._template = _compile(chat_template) if chat_template else None
+        self.chat_template = chat_template
         #: Whether the chat template reads `tools` (renders the tool definitions a request offers).
         self.supports_tools = chat_template is not None and "tools" in jinja2.meta.find_undeclared_variables(
             jinja2.Environment().parse(chat_template))
@@ -214,9 +220,13 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The conversation as the checkpoint's template writes it; `tools` (OpenAI tool definitions) are
-        handed to the template, which must read them (`supports_tools`)."""
+        handed to the template, which must read them (`supports_tools`). `continue_final_message`: the text
+        ends where the last message's content does (the model continues it, as transformers and vLLM do);
+        `template_kwargs`: more variables for the template (`enable_thinking`), never one of those above."""
         if self._template is None:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
         if not messages:
@@ -235,16 +245,24 @@ class Tokenizer:
             if message.tool_call_id is not None:
                 one["tool_call_id"] = message.tool_call_id
             rendered.append(one)
+        core = {"messages": rendered, "add_generation_prompt": add_generation_prompt,
+                "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                **({"tools": [dict(t) for t in tools]} if tools else {})}
+        clash = sorted(set(template_kwargs or {}) & (set(core) | {"tools"}))
+        if clash:
+            raise ValueError(f"template variables {clash} are set by the server, not by the request")
         try:
-            return self._template.render(
-                messages=rendered,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **({"tools": [dict(t) for t in tools]} if tools else {}),
-            )
+            text = self._template.render(**{**(template_kwargs or {}), **core})
         except jinja2.TemplateError as bad:  # e.g. a field the template needs and the messages lack
             raise ValueError(f"chat template failed on the messages: {bad}") from None
+        if continue_final_message:
+            final = rendered[-1]["content"]
+            for cut in (final, final.strip()):
+                at = text.rfind(cut) if cut else -1
+                if at >= 0:
+                    return text[:at + len(cut)]
+            raise ValueError("continue_final_message: the final message does not appear in the rendered chat")
+        return text
 
     def encode_chat(self, messages: Sequence[ChatMessage | Mapping[str, Any]],
                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
