@@ -154,6 +154,9 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                             "invariant (fp32 dense weights, CUDA); auto does the same where it costs nothing "
                             "measured (not on AMX CPUs, where oneDNN's tile kernels are faster) and fails nothing; "
                             "off keeps oneDNN for dense bf16 (default: auto)")
+    group.add_argument("--chat-template", metavar="FILE", default=None,
+                       help="a Jinja chat template to use instead of the checkpoint's (for chat requests and "
+                            "/tokenize)")
     _add_home_flag(group)
     group.add_argument("--no-progress", action="store_true", help="no progress bars while fetching")
 
@@ -205,10 +208,21 @@ def load(args: argparse.Namespace, env: Mapping[str, str]) -> LoadedModel:
     path = model_path(args, env)
     try:
         return load_model(path, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                          weights=args.weights, batch_invariant=args.batch_invariant)
+                          weights=args.weights, batch_invariant=args.batch_invariant,
+                          chat_template=chat_template_text(args))
     except (ModelLoadError, ValueError, OSError) as err:  # UnsupportedArchitecture is a ModelLoadError
         message = str(err)
         raise CliError(message if str(path) in message else f"cannot load {path}: {message}") from None
+
+
+def chat_template_text(args: argparse.Namespace) -> str | None:
+    """The text of `--chat-template`'s file (None without the flag); CliError if it cannot be read."""
+    if args.chat_template is None:
+        return None
+    try:
+        return Path(args.chat_template).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise CliError(f"--chat-template: cannot read {args.chat_template}: {err}", status=2) from None
 
 
 def env_config(env: Mapping[str, str]) -> BatcherConfig:

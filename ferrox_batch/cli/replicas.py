@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ferrox_batch.admission.config import BatcherConfig
-from ferrox_batch.cli.common import CliError, model_path, positive_int
+from ferrox_batch.cli.common import CliError, chat_template_text, model_path, positive_int
 from ferrox_batch.deploy import ROUTERS
 
 
@@ -79,7 +79,7 @@ def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: Bat
     spec = ReplicaSpec(str(model_path(args, env)), args.model_name, args.device, args.dtype, config, memory,
                        replica_app_settings(args, keys), log_level=logging.getLogger("ferrox_batch").level,
                        kv_cache_dtype=args.kv_cache_dtype, weights=args.weights,
-                       batch_invariant=args.batch_invariant)
+                       batch_invariant=args.batch_invariant, chat_template=chat_template_text(args))
     drain = {} if args.drain_timeout is None else {"drain_timeout": args.drain_timeout}
     app = build_application(spec, args.replicas, max_replicas=args.max_replicas, router=args.router or "affinity",
                             replica_cpus=cpus, replica_gpus=1.0 if device.type == "cuda" else 0.0, **drain)

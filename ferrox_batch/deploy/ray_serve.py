@@ -97,6 +97,8 @@ class ReplicaSpec:
     weights: str = "auto"
     #: Whether each request's answer is the same alone or batched (`--batch-invariant`: `runtime.invariance`).
     batch_invariant: str = "auto"
+    #: A chat template (Jinja text) in place of the checkpoint's (`--chat-template`'s file); None: its own.
+    chat_template: str | None = None
     #: Replicas sharing one machine's default KV budget (`runtime.kv.memory.default_kv_memory`), when neither
     #: `kv_memory` nor `batcher.kv_blocks` is set: each takes this share of it.
     kv_share: int = 1
@@ -146,7 +148,8 @@ class FerroxReplica:
         if spec.log_level is not None:
             logging.getLogger("ferrox_batch").setLevel(spec.log_level)
         loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype,
-                            weights=spec.weights, batch_invariant=spec.batch_invariant)
+                            weights=spec.weights, batch_invariant=spec.batch_invariant,
+                            chat_template=spec.chat_template)
         config = with_kv_budget(spec.batcher, spec.kv_memory, loaded.decoder, share=spec.kv_share)
         self.batcher = ContinuousBatcher.from_model(loaded, config)
         self.replica = serve.get_replica_context().replica_id.unique_id

@@ -57,7 +57,7 @@ def app_builder(args: dict[str, Any]) -> Application:
         app["shared_prefix_cache"] = _flag("shared_prefix_cache", args["shared_prefix_cache"])
     if "client_priorities" in args:
         app["client_priorities"] = _priorities(args["client_priorities"])
-    known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "weights", "batch_invariant", "kv_memory",
+    known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "weights", "batch_invariant", "chat_template", "kv_memory",
                                           "replicas", "max_replicas", "router", "replica_cpus", "replica_gpus",
                                           "api_key_env", "drain_timeout"}
     unknown = set(args) - known
@@ -71,12 +71,21 @@ def app_builder(args: dict[str, Any]) -> Application:
                        parse_memory_size(str(memory)) if memory is not None else None, app,
                        kv_cache_dtype=str(args.get("kv_cache_dtype", "auto")),
                        weights=str(args.get("weights", "auto")),
-                       batch_invariant=str(args.get("batch_invariant", "auto")))
+                       batch_invariant=str(args.get("batch_invariant", "auto")),
+                       chat_template=_template(args["chat_template"]) if "chat_template" in args else None)
     return build_application(
         spec, _whole("replicas", args.get("replicas", 1)),
         max_replicas=_whole("max_replicas", args["max_replicas"]) if "max_replicas" in args else None,
         router=str(args.get("router", "affinity")), replica_cpus=_number("replica_cpus", args.get("replica_cpus", 1)),
         replica_gpus=_number("replica_gpus", args.get("replica_gpus", 0)), **drain)
+
+
+def _template(path: Any) -> str:
+    """A chat template's file, read where the application is built."""
+    try:
+        return Path(str(path)).expanduser().read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"chat_template: cannot read {path}: {err}") from None
 
 
 def _names(value: Any) -> tuple[str, ...]:

@@ -20,6 +20,8 @@ from ferrox_batch.server.fields import Fields
 
 #: The most bytes `chat_template_kwargs` may take as compact JSON: flags and a few strings, not documents.
 MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
+#: The template variables the server sets itself.
+RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,4 +55,7 @@ def read_rendering(fields: Fields) -> ChatRendering:
     bad = next((k for k in value if not k.isidentifier()), None)
     if bad is not None:
         raise InvalidRequest("chat_template_kwargs", bad, "names must be template variable names")
+    taken = next((k for k in value if k in RESERVED), None)
+    if taken is not None:
+        raise InvalidRequest("chat_template_kwargs", taken, f"cannot set {taken}: the server sets it")
     return ChatRendering(add, cont, tuple(sorted(value.items())))

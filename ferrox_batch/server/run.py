@@ -57,6 +57,7 @@ def serve(
     kv_cache_dtype: str = "auto",
     weights: str = "auto",
     batch_invariant: str = "auto",
+    chat_template: str | None = None,
     default_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
     default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -76,12 +77,14 @@ def serve(
     thread. A stop drains: no new connections, requests in flight get `drain_timeout` seconds to finish,
     then what is left is cancelled (`listener`). `allowed_hosts` defaults to the loopback names when `host`
     is a loopback address, else no check (`host_check`). `model_name` defaults to the checkpoint's folder
-    (or file) name; the other keywords are `create_app`'s.
+    (or file) name; `chat_template` (Jinja text) replaces the checkpoint's; the other keywords are
+    `create_app`'s.
     """
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype,
                                                                                 kv_cache_dtype=kv_cache_dtype,
                                                                                 weights=weights,
-                                                                                batch_invariant=batch_invariant)
+                                                                                batch_invariant=batch_invariant,
+                                                                                chat_template=chat_template)
     name = model_name or default_model_name(loaded.source)
     batcher = ContinuousBatcher.from_model(loaded, batcher_config if batcher_config is not None
                                            else BatcherConfig.serving())

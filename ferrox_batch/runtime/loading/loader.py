@@ -89,12 +89,26 @@ def load_model(
     weights: str | None = "auto",
     int8_activations: bool = True,
     batch_invariant: str | bool | None = "auto",
+    chat_template: str | None = None,
 ) -> LoadedModel:
     """`dtype` is the precision (`runtime.device`); `kv_cache_dtype` what the KV store holds (auto, fp32,
     fp16 or bf16: `device.choose_kv_dtype`); `weights` how the weights are held (auto, widen, or a format to
     quantize to: `runtime.quant.choice`); `int8_activations` which kernel multiplies quantized weights
     (`Decoder`'s: int8 activations by default, else the weight-only kernel); `batch_invariant` (auto, on, off
-    or a bool) whether each request's answer must be the same alone or batched (`runtime.invariance`)."""
+    or a bool) whether each request's answer must be the same alone or batched (`runtime.invariance`);
+    `chat_template` (Jinja text) replaces the checkpoint's chat template (one that does not compile is a
+    `ModelLoadError`, raised before the weights are read)."""
+    if chat_template is not None:
+        Tokenizer.check_chat_template(chat_template)
+    model = _load(path, device, dtype, kv_cache_dtype, weights, int8_activations, batch_invariant)
+    if chat_template is not None:
+        model.tokenizer.set_chat_template(chat_template)
+    return model
+
+
+def _load(path: str | Path, device: str | torch.device | None, dtype: str | torch.dtype | None,
+          kv_cache_dtype: str | torch.dtype | None, weights: str | None, int8_activations: bool,
+          batch_invariant: str | bool | None) -> LoadedModel:
     path = Path(path).expanduser()
     if not path.exists():
         raise ModelLoadError(f"no model at {path}")

@@ -102,6 +102,11 @@ class Tokenizer:
         self.supports_tools = chat_template is not None and "tools" in jinja2.meta.find_undeclared_variables(
             jinja2.Environment().parse(chat_template))
 
+    @staticmethod
+    def check_chat_template(chat_template: str) -> None:
+        """`ModelLoadError` unless `chat_template` compiles."""
+        _compile(chat_template)
+
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
         path = Path(path)
