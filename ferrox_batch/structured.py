@@ -28,12 +28,21 @@ KINDS = ("json_object", "json_schema", "lark", "grammar", "regex", "choice")
 MAX_SPEC_BYTES = 256 * 1024
 
 
+#: How a reasoning model's thinking comes before the constrained answer (`StructuredOutput.reasoning`).
+REASONING = ("implicit", "tagged")
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutput:
     kind: str
     schema: str | None = None  # canonical JSON text of the schema (json_schema), or the grammar (lark)
+    #: The constrained answer comes after free thinking that ends with `</think>`: "implicit" (the output
+    #: begins inside it), "tagged" (only when the output opens with `<think>`); None: no thinking.
+    reasoning: str | None = None
 
     def __post_init__(self) -> None:
+        if self.reasoning is not None and self.reasoning not in REASONING:
+            raise InvalidRequest("reasoning", self.reasoning, f"must be one of {', '.join(REASONING)}")
         if self.kind not in KINDS:
             raise InvalidRequest("response_format.type", self.kind, f"must be one of {', '.join(KINDS)}")
         if (self.kind != "json_object") != (self.schema is not None):

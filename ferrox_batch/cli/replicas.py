@@ -58,7 +58,7 @@ def replica_app_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> dic
             "max_concurrent_requests": args.max_concurrent_requests, "api_key": keys,
             "allowed_origins": args.allowed_origins, "shared_prefix_cache": args.shared_prefix_cache,
             "allowed_hosts": default_allowed_hosts(args.host) if args.allowed_hosts is None else args.allowed_hosts,
-            "client_priorities": args.client_priorities}
+            "client_priorities": args.client_priorities, "reasoning_parser": args.reasoning_parser}
 
 
 def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,

@@ -33,6 +33,7 @@ from ferrox_batch.cli.common import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     ENV_API_KEY,
     LOG_LEVELS,
+    REASONING_PARSER_CHOICES,
     CliError,
     _add_model_flags,
     _port,
@@ -96,6 +97,10 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument("--client-priorities", metavar="MIN:MAX", type=_priority_range, default=(0, 0),
                       help="the request priorities clients may use, inclusive; a negative MIN needs the = form "
                            "(--client-priorities=-5:5) (default: 0:0, only the default priority)")
+    http.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES, default=None,
+                      help="send a thinking model's thinking (between <think> and </think>) apart from its answer, "
+                           "as message.reasoning_content: deepseek_r1 (the answer begins inside the thinking), "
+                           "qwen3 (it thinks when it opens with <think>; Qwen3, SmolLM3) (default: none)")
     http.add_argument("--drain-timeout", metavar="SECONDS", type=_seconds, default=None,
                       help="on SIGTERM or Ctrl-C, stop taking connections and let requests in flight finish for "
                            f"up to this long, then cancel the rest (default: {DEFAULT_DRAIN_TIMEOUT_SECS:g}; with "
@@ -221,6 +226,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
           max_concurrent_requests=args.max_concurrent_requests, log_level=args.log_level, api_key=keys,
           allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
           shared_prefix_cache=args.shared_prefix_cache, client_priorities=args.client_priorities,
+          reasoning_parser=args.reasoning_parser,
           drain_timeout=DEFAULT_DRAIN_TIMEOUT_SECS if args.drain_timeout is None else args.drain_timeout)
 
 

@@ -57,6 +57,7 @@ from ferrox_batch.server.generation import (
 )
 from ferrox_batch.server.json_body import JSONBodyResponse, json_pieces
 from ferrox_batch.server.metrics import CONTENT_TYPE
+from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
 from ferrox_batch.server.tokenization import TokenizationsBusy, detokenize, tokenize
 
@@ -90,6 +91,7 @@ def create_app(
     allowed_hosts: Sequence[str] | None = None,
     shared_prefix_cache: bool = False,
     client_priorities: tuple[int, int] = DEFAULT_CLIENT_PRIORITIES,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     """An app serving `batcher` under the name `model_name`.
 
@@ -109,6 +111,8 @@ def create_app(
     `allowed_hosts`: the `Host` names requests may carry (None: any; `serve` defaults it from its
     address, see `host_check`). Every POST needs a JSON body (`access_policy`).
     `client_priorities`: the inclusive range of `priority` requests may use (`client_policy`).
+    `reasoning_parser`: how chat answers' thinking is told from the answer (`reasoning`: `deepseek_r1`,
+    `qwen3`); None: it is not.
     """
     tokenizer = batcher.tokenizer
     if tokenizer is None:
@@ -129,7 +133,8 @@ def create_app(
     policy = ClientPolicy(tuple(client_priorities) if isinstance(client_priorities, (tuple, list))
                           else client_priorities)
     access = AccessPolicy(api_key=api_key, allowed_hosts=allowed_hosts, shared_prefix_cache=shared_prefix_cache)
-    state = ServerState(batcher, Generations(batcher, tokenizer, model_name, limits, policy), model_name)
+    reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
+    state = ServerState(batcher, Generations(batcher, tokenizer, model_name, limits, policy, reasoning), model_name)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -62,6 +62,7 @@ from ferrox_batch.server.errors import ServerBusy, error_body, error_response
 from ferrox_batch.server.json_body import JSONBodyResponse
 from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.preparation import Prepared, Preparer
+from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.responses import WireFormat, finish_reason
 from ferrox_batch.server.sse_events import sse_events
 from ferrox_batch.server.streaming import (
@@ -110,7 +111,7 @@ class Generations:
     """The generation endpoints of one app: its pools, its in-flight requests, its metrics."""
 
     def __init__(self, batcher: ContinuousBatcher, tokenizer: Tokenizer, model_name: str, limits: Limits,
-                 policy: ClientPolicy = ClientPolicy()) -> None:
+                 policy: ClientPolicy = ClientPolicy(), reasoning: ReasoningParser | None = None) -> None:
         self.batcher = batcher
         self.tokenizer = tokenizer
         self.model_name = model_name
@@ -119,7 +120,7 @@ class Generations:
         self._preparing = 0  # requests reading their body or on the prepare pool, not yet in flight (loop thread)
         self._preparer = Preparer(batcher, tokenizer, model_name, limits.default_max_tokens,
                                   limits.default_chat_max_tokens, policy,
-                                  max_buffered_reply_bytes=limits.max_buffered_reply_bytes)
+                                  max_buffered_reply_bytes=limits.max_buffered_reply_bytes, reasoning=reasoning)
         self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), model_name)
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"

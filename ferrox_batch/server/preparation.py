@@ -20,6 +20,7 @@ blocking work meant for the app's prepare pool, never the event loop. It promise
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -40,7 +41,9 @@ from ferrox_batch.server.requests import (
     parse_completion_request,
     parse_json_object,
 )
-from ferrox_batch.server.responses import ChatFormat, CompletionFormat, WireFormat
+from ferrox_batch.server.chat_format import ChatFormat
+from ferrox_batch.server.reasoning import ReasoningParser
+from ferrox_batch.server.responses import CompletionFormat, WireFormat
 from ferrox_batch.server.streaming import Final, ReplyBridge
 from ferrox_batch.server.tools.generic import describe_tools
 
@@ -67,6 +70,8 @@ class Preparer:
     policy: ClientPolicy = ClientPolicy()
     #: The most bytes of streamed text a request queues for a client reading slower than it is written.
     max_buffered_reply_bytes: int | None = None
+    #: What splits a chat answer's thinking from its answer (`--reasoning-parser`); None: no thinking read.
+    reasoning: ReasoningParser | None = None
 
     def prepare(self, raw: bytes, chat: bool, loop: asyncio.AbstractEventLoop,
                 on_final: Callable[[ReplyBridge, Final], None], namespace: str | None = None) -> Prepared:
@@ -82,6 +87,10 @@ class Preparer:
         if request.model is not None and request.model != self.model_name:
             raise ModelNotFound(request.model, self.model_name)
         options = self.policy.apply(request.options, namespace)
+        if chat and self.reasoning is not None and options.structured is not None:
+            # The output's form (a schema, a forced tool call) applies to the answer after the thinking.
+            how = "implicit" if self.reasoning.implicit else "tagged"
+            options = dataclasses.replace(options, structured=dataclasses.replace(options.structured, reasoning=how))
         # Every field is checked before the prompt is tokenized: a refusal costs no tokenizing.
         params = options.generation_params(self.tokenizer, request.max_tokens)
         prompts = [self._prompt_ids(request, prompt) for prompt in request.prompts]
@@ -134,6 +143,8 @@ class Preparer:
         fmt.prompt_logprobs = request.prompt_logprobs
         if request.return_token_ids:
             fmt.prompt_ids = prepared.prompts
+        if isinstance(fmt, ChatFormat):
+            fmt.reasoning = self.reasoning
         if isinstance(request, ChatRequest) and request.parses_tool_calls:
             fmt.tool_parser = TOOL_FORMATS[request.tool_format]  # type: ignore[attr-defined]
             fmt.parallel_tool_calls = request.parallel_tool_calls  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@ One `WireFormat` per request fixes its `id`, `created` and `model`, so every
 chunk of a stream carries the same three, as OpenAI's do. Completions stream
 `text_completion` objects with `choices[0].text`; chat streams
 `chat.completion.chunk` objects with a `delta`, the first of which carries
-`role: assistant`. Every stream ends with a chunk holding the
+`role: assistant` (`chat_format`). Every stream ends with a chunk holding the
 `finish_reason`, then (when asked) a usage chunk with `choices: []`, then
 `data: [DONE]`. A request that asked for log-probabilities gets them on every
 choice, in the endpoint's shape (`logprob_shapes`): a stream's chunk carries
@@ -27,8 +27,6 @@ from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.json_body import json_pieces
 from ferrox_batch.server.logprob_shapes import LogprobShapes, prompt_logprob_entries
-from ferrox_batch.server.tools.definitions import ToolCallParser
-from ferrox_batch.server.tools.stream import ToolStream
 from ferrox_batch.usage import Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -265,82 +263,3 @@ class CompletionFormat(WireFormat):
 
     def _chunk_choice(self, text: str | None, reason: str | None) -> dict[str, Any]:
         return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
-
-
-class ChatFormat(WireFormat):
-    id_prefix = "chatcmpl"
-    object_full = "chat.completion"
-    object_chunk = "chat.completion.chunk"
-    #: With tools: what reads the model's calls out of its text (`tools`), and whether it may make several.
-    tool_parser: ToolCallParser | None = None
-    parallel_tool_calls = True
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._streams: dict[int, ToolStream] = {}  # per streamed choice, with tools
-
-    def stream_chunks(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = (),
-                      token_ids: Sequence[int] = ()) -> list[dict[str, Any]]:
-        if self.tool_parser is None:
-            return super().stream_chunks(index, text, logprobs, token_ids)
-        if index not in self._streams:
-            self._streams[index] = ToolStream(self.tool_parser, self.parallel_tool_calls)
-        content, deltas = self._streams[index].feed(text)
-        chunks = []
-        if content:
-            chunks.append(self.text_chunk(index, content, logprobs, token_ids))
-            logprobs, token_ids = (), ()
-        if deltas:
-            chunks.append(self._tool_chunk(index, deltas, logprobs, token_ids))
-        return chunks
-
-    def _tool_chunk(self, index: int, deltas: list[dict[str, Any]], logprobs: Sequence[TokenLogprob] = (),
-                    token_ids: Sequence[int] = ()) -> dict[str, Any]:
-        choice = {"index": index, "delta": {"tool_calls": deltas}, "logprobs": self._logprobs(index, logprobs)
-                  if logprobs else None, "finish_reason": None}
-        return self._streamed(index, choice, token_ids)
-
-    def closing_chunks(self, index: int) -> tuple[list[dict[str, Any]], str | None]:
-        stream = self._streams.get(index)
-        if stream is None:
-            return [], None
-        rest, deltas, calls = stream.finish()
-        chunks = [self.text_chunk(index, rest)] if rest else []
-        if deltas:
-            chunks.append(self._tool_chunk(index, deltas))
-        return chunks, "tool_calls" if calls else None
-
-    def _full_choice(self, result: GenerationResult) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": result.text}
-        reason = finish_reason(result.finish_reason)
-        if self.tool_parser is not None:
-            parsed = self.tool_parser.parse(result.text)
-            if parsed.calls:
-                calls = parsed.calls if self.parallel_tool_calls else parsed.calls[:1]
-                message = {"role": "assistant", "content": parsed.content,
-                           "tool_calls": [call.to_openai() for call in calls]}
-                reason = "tool_calls"
-        return {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
-
-    def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int], lazy: bool) -> dict[str, Any]:
-        return shapes.chat(entries, lazy=lazy)  # type: ignore[arg-type]  # chat has no echo: never an int
-
-    def _request_fields(self, body: dict[str, Any], results: Sequence[GenerationResult]) -> None:
-        if self.prompt_ids is not None:
-            body["prompt_token_ids"] = list(self.prompt_ids[0])
-        if self.prompt_logprobs is not None and results:
-            body["prompt_logprobs"] = self._prompt_logprobs(results[0])
-
-    def opening_chunks(self, choices: int) -> list[dict[str, Any]]:
-        chunks = []
-        for i in range(choices):
-            chunk = self._envelope(self.object_chunk, [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
-            if self.prompt_ids is not None:
-                chunk["prompt_token_ids"] = list(self.prompt_ids[0])
-            chunks.append(chunk)
-        return chunks
-
-    def _chunk_choice(self, text: str | None, reason: str | None) -> dict[str, Any]:
-        delta = {} if text is None else {"content": text}
-        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}

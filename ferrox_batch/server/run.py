@@ -70,6 +70,7 @@ def serve(
     allowed_hosts: Sequence[str] | None = None,
     shared_prefix_cache: bool = False,
     client_priorities: tuple[int, int] = DEFAULT_CLIENT_PRIORITIES,
+    reasoning_parser: str | None = None,
 ) -> None:
     """Serve `model` (a checkpoint folder, a `.gguf` file, or a loaded model) on `host:port`; block until stopped.
 
@@ -94,7 +95,7 @@ def serve(
                          max_concurrent_requests=max_concurrent_requests, api_key=api_key,
                          allowed_origins=allowed_origins, shared_prefix_cache=shared_prefix_cache,
                          allowed_hosts=default_allowed_hosts(host) if allowed_hosts is None else allowed_hosts,
-                         client_priorities=client_priorities)
+                         client_priorities=client_priorities, reasoning_parser=reasoning_parser)
         config = server_config(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout,
                                max_concurrent_requests=max_concurrent_requests)
         server = uvicorn.Server(config)

@@ -149,8 +149,14 @@ def test_the_budget_holds_twice_the_blocks_when_the_kv_cache_stores_16_bits(tiny
 
 
 def test_constants_repeated_to_keep_help_light_match_their_sources() -> None:
-    from ferrox_batch.cli.common import BATCH_INVARIANT_CHOICES, KV_CACHE_DTYPE_CHOICES, WEIGHTS_CHOICES
+    from ferrox_batch.cli.common import (
+        BATCH_INVARIANT_CHOICES,
+        KV_CACHE_DTYPE_CHOICES,
+        REASONING_PARSER_CHOICES,
+        WEIGHTS_CHOICES,
+    )
     from ferrox_batch.runtime import invariance
+    from ferrox_batch.server.reasoning import REASONING_PARSERS
     from ferrox_batch.runtime.device import KV_CACHE_DTYPES, PRECISION_NAMES
     from ferrox_batch.runtime.quant import choice
     from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
@@ -163,6 +169,7 @@ def test_constants_repeated_to_keep_help_light_match_their_sources() -> None:
     assert KV_CACHE_DTYPE_CHOICES == ("auto", *KV_CACHE_DTYPES)
     assert WEIGHTS_CHOICES == choice.WEIGHTS_CHOICES
     assert BATCH_INVARIANT_CHOICES == invariance.BATCH_INVARIANT_CHOICES
+    assert REASONING_PARSER_CHOICES == tuple(REASONING_PARSERS)
     assert cli.DEFAULT_COMPLETION_MAX_TOKENS == DEFAULT_COMPLETION_MAX_TOKENS
     assert cli.DEFAULT_CHAT_MAX_TOKENS == DEFAULT_CHAT_MAX_TOKENS
     assert cli.DEFAULT_MAX_CONCURRENT_REQUESTS == DEFAULT_MAX_CONCURRENT_REQUESTS

@@ -48,6 +48,7 @@ Limits on a compile, and why these (measured on a 2-vCPU Xeon shared with other 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 import weakref
 from collections import OrderedDict
@@ -198,6 +199,8 @@ class Grammars:
                 # Lark as it is; a grammar that is GBNF converted to Lark; a regex or a choice as llguidance
                 # writes them. The converter is Python, bounded by the spec's size (`MAX_SPEC_BYTES`).
                 grammar = grammar_from(_FORMATS[spec.kind], spec.schema or "")
+            if spec.reasoning is not None:
+                grammar = _after_thinking(grammar, spec.reasoning)
         except Exception as bad:  # noqa: BLE001 - the converter raises what its parser meets: the client's 400
             raise GrammarConstraint(f"the {_what(spec)} cannot be compiled: {bad}") from None
         # The build drops the GIL: the worker's Python runs on meanwhile.
@@ -243,6 +246,19 @@ class Grammars:
         shifts = torch.arange(32, dtype=torch.int32)
         allowed = (torch.from_numpy(bits).unsqueeze(-1) >> shifts) & 1
         return allowed.view(len(matchers), words * 32)[:, : self.vocab_size].bool().to(device)
+
+
+def _after_thinking(grammar: str, reasoning: str) -> str:
+    """`grammar` (llguidance's top-level JSON) after free thinking that ends with `</think>`: the thinking is a
+    lazy lexeme stopped by the end tag; `tagged`, only when the output opens with `<think>`."""
+    top = json.loads(grammar)
+    inner = top.get("grammars") or []
+    if len(inner) != 1:
+        raise ValueError("a grammar of several parts cannot follow a reasoning model's thinking")
+    answer = {**inner[0], "name": "answer"}
+    start = "think @answer" if reasoning == "implicit" else "(\"<think>\" think)? @answer"
+    lark = f'start: {start}\nthink[stop="</think>"]: /(?s:.*)/\n'
+    return json.dumps({"grammars": [{"name": "start", "lark_grammar": lark}, answer]})
 
 
 #: Our kinds -> llguidance's `grammar_from` formats.
