@@ -67,10 +67,20 @@ class PromptToScore:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptToPool:
+    """A prompt chunk whose request asked for its prompt's pooled hidden states (an embedding)."""
+
+    key: int  # how the answer is keyed in `StepOutput.pooled` (the scheduler's chunk index)
+    input: int  # its index in `ForwardPlan.inputs`
+    mode: str  # "mean" (the chunk's rows summed) or "last" (its last row)
+
+
+@dataclass(frozen=True, slots=True)
 class ForwardPlan:
     inputs: tuple[tuple[int, list[int]], ...]
     sampling: tuple[RowToSample, ...] = ()
     scoring: tuple[PromptToScore, ...] = ()
+    pooling: tuple[PromptToPool, ...] = ()
 
     @property
     def empty(self) -> bool:
@@ -83,3 +93,5 @@ class StepOutput:
 
     sampled: list[Sampled]
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    #: By `PromptToPool.key`: the chunk's pooled final hidden states (`Decoder.forward_pooled`), as floats.
+    pooled: dict[int, list[float]] = field(default_factory=dict)

@@ -67,6 +67,9 @@ def _is_number(value: object) -> bool:
 #: OpenAI's bound on each `logit_bias` value: -100 bans a token in practice, 100 all but forces it.
 LOGIT_BIAS_LIMIT = 100
 
+#: How an embedding pools a prompt's final hidden states (`GenerationParams.pooling`).
+POOLING = ("last", "mean")
+
 #: The priorities a request may ask for: a 32-bit range, as wide as any client sends.
 PRIORITY_LIMIT = 2**31 - 1
 
@@ -189,6 +192,9 @@ class GenerationParams:
     spaces_between_special_tokens: bool = True
     #: Whether each streamed chunk carries the ids of the tokens generated since the last one.
     stream_token_ids: bool = False
+    #: An embedding of the prompt instead of an answer: its final hidden states pooled, "mean" (over every
+    #: position) or "last" (the last position's); the request runs its prompt only (`max_tokens` 0).
+    pooling: str | None = None
     #: The stop strings that are one token, also stopped on by id (`engine.text.text_params` resolves
     #: them); unlike `stop_token_ids` they are stop strings, so `min_tokens` neither bans them nor lets
     #: them end the output early.
@@ -262,6 +268,11 @@ class GenerationParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequest("min_tokens", self.min_tokens,
                                  f"must be an integer in [0, max_tokens] (max_tokens is {self.max_tokens})")
+        if self.pooling is not None:
+            if self.pooling not in POOLING:
+                raise InvalidRequest("pooling", self.pooling, f"must be one of {', '.join(POOLING)}")
+            if self.max_tokens != 0:
+                raise InvalidRequest("max_tokens", self.max_tokens, "must be 0 for an embedding (pooling)")
         if self.min_tokens and self.structured is not None:
             raise InvalidRequest("min_tokens", self.min_tokens, "cannot be combined with structured output, which "
                                                                "ends where its grammar does")
@@ -314,6 +325,8 @@ class GenerationResult:
     #: The stop token that ended it (an EOS or a `stop_token_ids` entry), which `token_ids` leaves out;
     #: None when it ended otherwise.
     stop_token_id: int | None = None
+    #: The prompt's pooled final hidden states, when it asked for an embedding (`GenerationParams.pooling`).
+    embedding: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.finish_reason, FinishReason):

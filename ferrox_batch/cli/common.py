@@ -40,6 +40,8 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "fp32", "fp16", "bf16")
 WEIGHTS_CHOICES = ("auto", "widen", "q8_0", "q4_0", "q4_1", "q5_0")
 #: `--batch-invariant`: `runtime.invariance.BATCH_INVARIANT_CHOICES` (a test keeps them equal).
 BATCH_INVARIANT_CHOICES = ("auto", "on", "off")
+#: `--pooling`: `generation_types.POOLING` (a test keeps them equal).
+POOLING_CHOICES = ("last", "mean")
 #: `--reasoning-parser`: `server.reasoning.REASONING_PARSERS` (a test keeps them equal).
 REASONING_PARSER_CHOICES = ("deepseek_r1", "qwen3")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

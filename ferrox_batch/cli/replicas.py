@@ -58,7 +58,8 @@ def replica_app_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> dic
             "max_concurrent_requests": args.max_concurrent_requests, "api_key": keys,
             "allowed_origins": args.allowed_origins, "shared_prefix_cache": args.shared_prefix_cache,
             "allowed_hosts": default_allowed_hosts(args.host) if args.allowed_hosts is None else args.allowed_hosts,
-            "client_priorities": args.client_priorities, "reasoning_parser": args.reasoning_parser}
+            "client_priorities": args.client_priorities, "reasoning_parser": args.reasoning_parser,
+            "pooling": args.pooling}
 
 
 def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,
@@ -76,7 +77,7 @@ def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: Bat
     except ValueError as err:
         raise CliError(f"--device: {err}", status=2) from None
     cpus = args.replica_cpus or max(1, (os.cpu_count() or 1) // args.replicas)
-    spec = ReplicaSpec(str(model_path(args, env)), args.model_name, args.device, args.dtype, config, memory,
+    spec = ReplicaSpec(str(model_path(args, env)), tuple(args.model_name) if args.model_name else None, args.device, args.dtype, config, memory,
                        replica_app_settings(args, keys), log_level=logging.getLogger("ferrox_batch").level,
                        kv_cache_dtype=args.kv_cache_dtype, weights=args.weights,
                        batch_invariant=args.batch_invariant, chat_template=chat_template_text(args))

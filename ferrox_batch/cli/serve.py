@@ -33,6 +33,7 @@ from ferrox_batch.cli.common import (
     DEFAULT_MAX_CONCURRENT_REQUESTS,
     ENV_API_KEY,
     LOG_LEVELS,
+    POOLING_CHOICES,
     REASONING_PARSER_CHOICES,
     CliError,
     _add_model_flags,
@@ -68,9 +69,14 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     http = parser.add_argument_group("HTTP server")
     http.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     http.add_argument("--port", type=_port, default=8000, help="port to listen on (default: 8000)")
-    http.add_argument("--model-name", metavar="NAME", default=None,
-                      help="the name /v1/models reports and responses carry (default: the checkpoint's "
-                           "folder or file name, smollm2-135m-instruct for the default model)")
+    http.add_argument("--served-model-name", "--model-name", dest="model_name", metavar="NAME", nargs="+",
+                      default=None,
+                      help="the name(s) the model is served under: /v1/models lists each, requests may name any, "
+                           "answers carry the one asked for (default: the checkpoint's folder or file name, "
+                           "smollm2-135m-instruct for the default model)")
+    http.add_argument("--pooling", choices=POOLING_CHOICES, default="last",
+                      help="how /v1/embeddings pools a prompt's final hidden states when the request does not "
+                           "say: last (the last token's) or mean (default: last)")
     http.add_argument("--default-max-tokens", type=positive_int, default=DEFAULT_COMPLETION_MAX_TOKENS,
                       metavar="N", help="completions' max_tokens when a request sends none "
                                         f"(default: {DEFAULT_COMPLETION_MAX_TOKENS}, as OpenAI)")
@@ -206,7 +212,8 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
     config = with_kv_budget(config, memory, model)
     from ferrox_batch.server.run import default_model_name, serve
 
-    name = args.model_name or default_model_name(model.source)
+    names = tuple(args.model_name) if args.model_name else (default_model_name(model.source),)
+    name = ", ".join(names)
     kv_bytes = config.kv_blocks * PagedKvStore.bytes_per_block(model.config, config.kv_block_size,
                                                                model.decoder.kv_dtype)
     logging.getLogger("ferrox_batch.cli").info(
@@ -221,12 +228,12 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
         config.prefill_chunk, config.max_batch_tokens, config.max_prefills_per_tick,
         config.step_target_ms or "none", config.max_queue,
         config.context_limit(model.config.max_position_embeddings))
-    serve(model, config, args.host, args.port, model_name=name, default_max_tokens=args.default_max_tokens,
+    serve(model, config, args.host, args.port, model_name=names, default_max_tokens=args.default_max_tokens,
           default_chat_max_tokens=args.default_chat_max_tokens,
           max_concurrent_requests=args.max_concurrent_requests, log_level=args.log_level, api_key=keys,
           allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
           shared_prefix_cache=args.shared_prefix_cache, client_priorities=args.client_priorities,
-          reasoning_parser=args.reasoning_parser,
+          reasoning_parser=args.reasoning_parser, pooling=args.pooling,
           drain_timeout=DEFAULT_DRAIN_TIMEOUT_SECS if args.drain_timeout is None else args.drain_timeout)
 
 

@@ -76,7 +76,7 @@ COUNT_APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_conc
 #: Those the ingress checks too (`server.access_policy`), before it reads a body.
 ACCESS_APP_KEYWORDS = ("api_key", "allowed_hosts", "shared_prefix_cache")
 APP_KEYWORDS = (*COUNT_APP_KEYWORDS, *ACCESS_APP_KEYWORDS, "allowed_origins", "client_priorities",
-                "reasoning_parser")
+                "reasoning_parser", "pooling")
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +84,7 @@ class ReplicaSpec:
     """Everything a replica needs to load and serve its model (picklable: it travels to each replica)."""
 
     model: str
-    model_name: str | None = None
+    model_name: str | tuple[str, ...] | None = None
     device: str = "auto"
     dtype: str = "auto"
     batcher: BatcherConfig = field(default_factory=BatcherConfig.serving)

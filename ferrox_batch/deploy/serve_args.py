@@ -65,7 +65,7 @@ def app_builder(args: dict[str, Any]) -> Application:
         raise ValueError(f"unknown application args {sorted(unknown)}")
     memory = args.get("kv_memory")
     drain = {"drain_timeout": _number("drain_timeout", args["drain_timeout"])} if "drain_timeout" in args else {}
-    spec = ReplicaSpec(str(Path(str(args["model"])).expanduser()), args.get("model_name"),
+    spec = ReplicaSpec(str(Path(str(args["model"])).expanduser()), _served_names(args.get("model_name")),
                        str(args.get("device", "auto")), str(args.get("dtype", "auto")),
                        dataclasses.replace(BatcherConfig.serving(), **batcher),
                        parse_memory_size(str(memory)) if memory is not None else None, app,
@@ -78,6 +78,14 @@ def app_builder(args: dict[str, Any]) -> Application:
         max_replicas=_whole("max_replicas", args["max_replicas"]) if "max_replicas" in args else None,
         router=str(args.get("router", "affinity")), replica_cpus=_number("replica_cpus", args.get("replica_cpus", 1)),
         replica_gpus=_number("replica_gpus", args.get("replica_gpus", 0)), **drain)
+
+
+def _served_names(value: Any) -> str | tuple[str, ...] | None:
+    """`model_name`: one name, several comma-separated, or a list."""
+    if value is None:
+        return None
+    names = tuple(value) if isinstance(value, list) else tuple(n.strip() for n in str(value).split(","))
+    return names[0] if len(names) == 1 else names
 
 
 def _template(path: Any) -> str:

@@ -69,6 +69,9 @@ class ContinuousBatcher:
         #: What a row costs over the store's KV groups, priced with that window.
         self._pricing = worker.runner.pricing
         self.tokenizer = tokenizer
+        #: The width of the model's hidden states (an embedding's length), where the runner's model says.
+        self.hidden_size: int | None = getattr(getattr(getattr(worker.runner, "decoder", None), "config", None),
+                                               "hidden_size", None)
         #: What `/stats` reports about the model beside the batcher's counters (`from_model` fills it).
         self.model_stats: dict[str, Any] = {}
         #: The grammar engine structured output is compiled with, shared with the worker's sampler (None:

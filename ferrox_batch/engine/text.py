@@ -58,6 +58,7 @@ def text_params(
     spaces_between_special_tokens: bool = True,
     stream_token_ids: bool = False,
     bad_words: Sequence[str] = (),
+    pooling: str | None = None,
     **sampling_fields: Any,
 ) -> GenerationParams:
     """`GenerationParams` for text: stop strings that are one token also stop by id, and `bad_words` are
@@ -93,6 +94,7 @@ def text_params(
         skip_special_tokens=skip_special_tokens,
         spaces_between_special_tokens=spaces_between_special_tokens,
         stream_token_ids=stream_token_ids,
+        pooling=pooling,
     )
     ids = resolve_stop_tokens(params.stop, lambda s: tokenizer.encode(s, add_special_tokens=False))
     return dataclasses.replace(params, stop_string_ids=tuple(ids))

@@ -8,7 +8,7 @@ One daemon thread owns every in-flight request. Each turn of its loop:
 4. `ModelRunner.execute(plan)`: one forward holding every decoding
    request's next token and the planned prompt chunks, then one sampling
    call;
-5. `Scheduler.update(plan, out.sampled, seconds, out.prompt_logprobs)`: apply
+5. `Scheduler.update(plan, out.sampled, seconds, out.prompt_logprobs, out.pooled)`: apply
    the sampled tokens (and any prompt log-probabilities), stream text to each
    request's sink, flush what finished.
 
@@ -146,7 +146,7 @@ class Worker:
             return
         ran = clock()
         self.time.add_forward(ran - began, time.thread_time() - cpu)
-        self.scheduler.update(plan, out.sampled, ran - began, out.prompt_logprobs)
+        self.scheduler.update(plan, out.sampled, ran - began, out.prompt_logprobs, out.pooled)
         self.time.add_scheduling(clock() - ran)
 
     def _step_failed(self, bad: Exception) -> None:

@@ -131,13 +131,19 @@ class ModelRunner:
         masks = None
         if any(row.matcher is not None for row in rows):
             masks = self._grammar_pool().submit(self.sampler.grammar_masks, rows)
-        if plan.scoring:  # only a scored prompt needs every position's logits
+        pooled: dict[int, list[float]] = {}
+        if plan.pooling:  # an embedding's prompt: its final hidden states, pooled
+            logits, every, states = self.decoder.forward_pooled(chunks, self.store, [p.input for p in plan.scoring],
+                                                                [(p.input, p.mode) for p in plan.pooling])
+            pooled = {p.key: state.tolist() for p, state in zip(plan.pooling, states)}
+        elif plan.scoring:  # only a scored prompt needs every position's logits
             logits, every = self.decoder.forward_every(chunks, self.store, [p.input for p in plan.scoring])
         else:
             logits, every = self.decoder.forward(chunks, self.store), []
         scored = {p.key: prompt_logprobs(positions, p.targets, p.top, self.sampler.vocab_size)
                   for p, positions in zip(plan.scoring, every)}
-        return StepOutput(self._sample(plan.sampling, logits, outcomes, ready, rows, _computed_masks(masks)), scored)
+        return StepOutput(self._sample(plan.sampling, logits, outcomes, ready, rows, _computed_masks(masks)), scored,
+                          pooled)
 
     def _grammar_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:

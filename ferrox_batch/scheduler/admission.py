@@ -94,7 +94,7 @@ def _accept(request: Request, kv: KvLeases, vocab_size: int, clock: Callable[[],
     biased = next((t for t, _ in request.params.sampling.logit_bias if t >= vocab_size), None)
     if biased is not None:
         return InvalidRequest("logit_bias", biased, f"names a token id outside the model's vocabulary of {vocab_size}")
-    if request.params.max_tokens == 0 and request.params.prompt_logprobs is None:
+    if request.params.max_tokens == 0 and request.params.prompt_logprobs is None and request.params.pooling is None:
         # The upstream never finishes such a request; here it ends at once (unless it scores its
         # prompt: then it runs the prompt and stops).
         return GenerationResult(FinishReason.LENGTH, [], "", Usage.new(len(request.prompt_tokens), 0),

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ferrox_batch.forward import ForwardPlan, PromptToScore, RowToSample
+from ferrox_batch.forward import ForwardPlan, PromptToPool, PromptToScore, RowToSample
 from ferrox_batch.scheduler.request import Request
 
 
@@ -91,4 +91,6 @@ class StepPlan:
             count = max(0, min(len(chunk.tokens), len(prompt) - 1 - start))
             scoring.append(PromptToScore(index, len(self.decodes) + index,
                                          tuple(prompt[start + 1:start + 1 + count]), request.params.prompt_logprobs))
-        return ForwardPlan(self.inputs, sampling, tuple(scoring))
+        pooling = tuple(PromptToPool(index, len(self.decodes) + index, chunk.request.params.pooling)
+                        for index, chunk in enumerate(self.prompts) if chunk.request.params.pooling is not None)
+        return ForwardPlan(self.inputs, sampling, tuple(scoring), pooling)

@@ -98,6 +98,9 @@ class Request:
     #: The stop token that ended it (left out of `output_ids`).
     stop_token_id: int | None = None
     ids_sent: int = 0  # output ids that went out with chunks (`params.stream_token_ids`)
+    #: Its prompt's pooled hidden states so far (`params.pooling`): the sum over the chunks run ("mean"),
+    #: or the last chunk's last row ("last").
+    pooled: list[float] | None = None
 
     @property
     def held_ids(self) -> tuple[int, ...]:
@@ -128,7 +131,7 @@ class Request:
         """The tokens it may adopt cached blocks for: none when its prompt's log-probabilities are wanted,
         since those are read from the prompt's own forward, nor when its lease slides (a sliding lease
         recycles its own pages behind the window, so none of them may be shared)."""
-        if self.params.prompt_logprobs is not None or self.window is not None:
+        if self.params.prompt_logprobs is not None or self.params.pooling is not None or self.window is not None:
             return []
         return self.prefill_tokens
 
@@ -152,6 +155,22 @@ class Request:
     def next_prompt_chunk(self, budget: int) -> list[int]:
         start = self.num_computed_tokens
         return self.prefill_tokens[start:start + budget]
+
+    def add_pooled(self, state: list[float]) -> None:
+        """A chunk's pooled hidden states (`StepOutput.pooled`): summed into the mean's total, or the last."""
+        if self.pooled is None or self.params.pooling == "last":
+            self.pooled = list(state)
+        else:
+            self.pooled = [a + b for a, b in zip(self.pooled, state)]
+
+    def embedding(self) -> tuple[float, ...] | None:
+        """Its prompt's embedding once the prompt is through (the mean divides by its length); None if not asked."""
+        if self.pooled is None:
+            return None
+        if self.params.pooling == "mean":
+            n = len(self.prefill_tokens)
+            return tuple(v / n for v in self.pooled)
+        return tuple(self.pooled)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -312,7 +331,7 @@ class Request:
             logprobs = tuple(self.logprobs or ())
         prompt = None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
         self.sink.finished(GenerationResult(finish, list(self.output_ids), "".join(self.visible), usage, logprobs,
-                                            prompt, self.stop_token_id))
+                                            prompt, self.stop_token_id, self.embedding()))
 
     def answer(self, outcome: GenerationResult | DecodeError) -> None:
         """Reply with `outcome` as it is (a refusal, or a result decided without running)."""

@@ -190,12 +190,14 @@ class Scheduler:
     # ------------------------------------------------------------ update
 
     def update(self, plan: StepPlan, sampled: Sequence[Sampled], seconds: float | None = None,
-               prompt_logprobs: Mapping[int, Sequence[TokenLogprob]] | None = None) -> None:
+               prompt_logprobs: Mapping[int, Sequence[TokenLogprob]] | None = None,
+               pooled: Mapping[int, list[float]] | None = None) -> None:
         """Apply a forward that ran `plan` and the tokens sampled after it (`plan.sampling` order).
 
         `seconds`: how long the forward and sampling took, for the step target's cost model.
         `prompt_logprobs`: by index into `plan.prompts`, the log-probabilities of the prompt tokens that
         chunk's rows predict, for the requests that asked (`GenerationParams.prompt_logprobs`).
+        `pooled`: by index into `plan.prompts`, the chunk's pooled hidden states (`GenerationParams.pooling`).
         """
         sampling = plan.sampling
         if len(sampled) != len(sampling):
@@ -212,6 +214,8 @@ class Scheduler:
             progress.computed(chunk.request, len(chunk.tokens), self.kv)
             if prompt_logprobs and index in prompt_logprobs and chunk.request.prompt_logprobs is not None:
                 chunk.request.prompt_logprobs.extend(prompt_logprobs[index])
+            if pooled and index in pooled:
+                chunk.request.add_pooled(pooled[index])
         self._requeue_prompts(plan)
         for request, outcome in zip(sampling, sampled):
             if request.going:

@@ -42,6 +42,7 @@ from starlette.responses import JSONResponse, Response
 
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import DecodeError
+from ferrox_batch.generation_types import POOLING
 from ferrox_batch.server.access import REQUEST_ID_HEADER, AccessMiddleware
 from ferrox_batch.server.access_policy import AccessPolicy
 from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
@@ -55,8 +56,10 @@ from ferrox_batch.server.generation import (
     Generations,
     Limits,
 )
+from ferrox_batch.server.embeddings import DEFAULT_POOLING
 from ferrox_batch.server.json_body import JSONBodyResponse, json_pieces
 from ferrox_batch.server.metrics import CONTENT_TYPE
+from ferrox_batch.server.preparation import CHAT, COMPLETIONS, EMBEDDINGS
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
 from ferrox_batch.server.tokenization import TokenizationsBusy, detokenize, tokenize
@@ -76,7 +79,7 @@ DEFAULT_PREPARE_THREADS = 4
 def create_app(
     batcher: ContinuousBatcher,
     *,
-    model_name: str,
+    model_name: str | Sequence[str],
     default_max_tokens: int = DEFAULT_COMPLETION_MAX_TOKENS,
     default_chat_max_tokens: int = DEFAULT_CHAT_MAX_TOKENS,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -92,8 +95,10 @@ def create_app(
     shared_prefix_cache: bool = False,
     client_priorities: tuple[int, int] = DEFAULT_CLIENT_PRIORITIES,
     reasoning_parser: str | None = None,
+    pooling: str = DEFAULT_POOLING,
 ) -> FastAPI:
-    """An app serving `batcher` under the name `model_name`.
+    """An app serving `batcher` under the name `model_name`, or under each of several names (requests may
+    name any; answers carry the one asked for, else the first).
 
     When a request sends neither `max_tokens` nor `max_completion_tokens`, `/v1/completions`
     generates up to `default_max_tokens` (OpenAI's 16) and chat up to `default_chat_max_tokens`
@@ -112,13 +117,15 @@ def create_app(
     address, see `host_check`). Every POST needs a JSON body (`access_policy`).
     `client_priorities`: the inclusive range of `priority` requests may use (`client_policy`).
     `reasoning_parser`: how chat answers' thinking is told from the answer (`reasoning`: `deepseek_r1`,
-    `qwen3`); None: it is not.
+    `qwen3`); None: it is not. `pooling`: how `/v1/embeddings` pools a prompt unless the request says
+    (`last` or `mean`).
     """
     tokenizer = batcher.tokenizer
     if tokenizer is None:
         raise ValueError("create_app needs a batcher with a tokenizer: build it with ContinuousBatcher.from_model")
-    if not isinstance(model_name, str) or not model_name:
-        raise ValueError(f"model_name must be a non-empty string, got {model_name!r}")
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    if not names or any(not isinstance(n, str) or not n for n in names) or len(set(names)) != len(names):
+        raise ValueError(f"model_name must be a non-empty string or several distinct ones, got {model_name!r}")
     limits = Limits(default_max_tokens, default_chat_max_tokens, max_body_bytes, max_concurrent_requests,
                     prepare_threads, body_read_timeout, write_timeout=write_timeout,
                     max_buffered_reply_bytes=max_buffered_reply_bytes,
@@ -134,7 +141,9 @@ def create_app(
                           else client_priorities)
     access = AccessPolicy(api_key=api_key, allowed_hosts=allowed_hosts, shared_prefix_cache=shared_prefix_cache)
     reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
-    state = ServerState(batcher, Generations(batcher, tokenizer, model_name, limits, policy, reasoning), model_name)
+    if pooling not in POOLING:
+        raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
+    state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling), names)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -147,6 +156,7 @@ def create_app(
     app.state.ferrox = state
     app.add_api_route("/v1/completions", state.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", state.chat, methods=["POST"])
+    app.add_api_route("/v1/embeddings", state.embeddings, methods=["POST"])
     app.add_api_route("/v1/models", state.models, methods=["GET"])
     app.add_api_route("/health", state.health, methods=["GET"])
     app.add_api_route("/metrics", state.metrics, methods=["GET"])
@@ -169,23 +179,30 @@ def create_app(
 class ServerState:
     """What one app holds (`app.state.ferrox`), and its endpoints."""
 
-    def __init__(self, batcher: ContinuousBatcher, generations: Generations, model_name: str) -> None:
+    def __init__(self, batcher: ContinuousBatcher, generations: Generations, model_names: tuple[str, ...]) -> None:
         self.batcher = batcher
         self.generations = generations
-        self.model_name = model_name
+        self.model_names = model_names
+        self.model_name = model_names[0]
         self.created = int(time.time())
         #: `/tokenize` and `/detokenize` requests reading their body or being answered (loop thread only).
         self.tokenizations_open = 0
 
     async def completions(self, request: Request) -> Response:
-        return await self.generations.serve(request, chat=False)
+        return await self.generations.serve(request, endpoint=COMPLETIONS)
 
     async def chat(self, request: Request) -> Response:
-        return await self.generations.serve(request, chat=True)
+        return await self.generations.serve(request, endpoint=CHAT)
+
+    async def embeddings(self, request: Request) -> Response:
+        return await self.generations.serve(request, endpoint=EMBEDDINGS)
 
     async def models(self) -> dict[str, Any]:
+        """Each served name, with the longest prompt + output a request may have (`max_model_len`, vLLM's)."""
+        limit = self.batcher.ceiling.limit()
         return {"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "ferrox-batch"}]}
+            {"id": name, "object": "model", "created": self.created, "owned_by": "ferrox-batch", "root": self.model_name,
+             "max_model_len": limit} for name in self.model_names]}
 
     async def health(self) -> Response:
         if self.batcher.stats().worker_alive:

@@ -1,4 +1,4 @@
-"""`Generations`: how one app serves `/v1/completions` and `/v1/chat/completions`.
+"""`Generations`: how one app serves `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings`.
 
 The pipeline of one request, and why each step is where it is:
 
@@ -61,6 +61,7 @@ from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.errors import ServerBusy, error_body, error_response
 from ferrox_batch.server.json_body import JSONBodyResponse
 from ferrox_batch.server.metrics import ServerMetrics
+from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat
 from ferrox_batch.server.preparation import Prepared, Preparer
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.responses import WireFormat, finish_reason
@@ -110,18 +111,22 @@ class Limits:
 class Generations:
     """The generation endpoints of one app: its pools, its in-flight requests, its metrics."""
 
-    def __init__(self, batcher: ContinuousBatcher, tokenizer: Tokenizer, model_name: str, limits: Limits,
-                 policy: ClientPolicy = ClientPolicy(), reasoning: ReasoningParser | None = None) -> None:
+    def __init__(self, batcher: ContinuousBatcher, tokenizer: Tokenizer, model_names: str | tuple[str, ...],
+                 limits: Limits,
+                 policy: ClientPolicy = ClientPolicy(), reasoning: ReasoningParser | None = None,
+                 pooling: str = DEFAULT_POOLING) -> None:
         self.batcher = batcher
         self.tokenizer = tokenizer
-        self.model_name = model_name
+        names = (model_names,) if isinstance(model_names, str) else model_names
+        self.model_name = names[0]
         self.limits = limits
         self.in_flight: set[ReplyBridge] = set()  # touched on the loop thread only
         self._preparing = 0  # requests reading their body or on the prepare pool, not yet in flight (loop thread)
-        self._preparer = Preparer(batcher, tokenizer, model_name, limits.default_max_tokens,
+        self._preparer = Preparer(batcher, tokenizer, names[0], limits.default_max_tokens,
                                   limits.default_chat_max_tokens, policy,
-                                  max_buffered_reply_bytes=limits.max_buffered_reply_bytes, reasoning=reasoning)
-        self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), model_name)
+                                  max_buffered_reply_bytes=limits.max_buffered_reply_bytes, reasoning=reasoning,
+                                  pooling=pooling, aliases=names[1:])
+        self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), names[0])
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"
         #: Where parsing, tokenizing and submitting run (and the tokenization endpoints' work): never the loop.
@@ -130,7 +135,7 @@ class Generations:
         #: Where whole answers are built and encoded (`json_body`).
         self.answer_pool = concurrent.futures.ThreadPoolExecutor(ANSWER_THREADS, f"{self.thread_prefix}-answer")
 
-    async def serve(self, request: Request, *, chat: bool) -> Response:
+    async def serve(self, request: Request, *, endpoint: str) -> Response:
         arrival = time.monotonic()
         rid = request_id(request)
         try:
@@ -142,7 +147,7 @@ class Generations:
             self._preparing += 1
             try:
                 raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_read_timeout)
-                prepared = await self._prepare(raw, chat, arrival, rid, cache_namespace(request))
+                prepared = await self._prepare(raw, endpoint, arrival, rid, cache_namespace(request))
             finally:
                 self._preparing -= 1
         except DecodeError as refusal:
@@ -167,7 +172,7 @@ class Generations:
             first = await self._next(events, disconnected, bridges)
             if isinstance(first, Response):
                 return first
-            fmt = self._preparer.wire_format(prepared, chat, rid)
+            fmt = self._preparer.wire_format(prepared, endpoint, rid)
             if prepared.request.stream:
                 handed_off = True
                 return EventStreamResponse(
@@ -207,11 +212,11 @@ class Generations:
             return _failure_response(error)
         return got  # type: ignore[return-value]
 
-    async def _prepare(self, raw: bytes, chat: bool, arrival: float, rid: str, namespace: str | None) -> Prepared:
+    async def _prepare(self, raw: bytes, endpoint: str, arrival: float, rid: str, namespace: str | None) -> Prepared:
         """Parse, tokenize and submit on the prepare pool; a request whose handler was cancelled is cancelled."""
         loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(self.prepare_pool, self._preparer.prepare, raw, chat, loop,
+            future = loop.run_in_executor(self.prepare_pool, self._preparer.prepare, raw, endpoint, loop,
                                           lambda bridge, final: self._answered(bridge, final, arrival, rid),
                                           namespace)
         except RuntimeError:  # the pool is shut down: the server is stopping
@@ -264,7 +269,7 @@ class Generations:
             log.warning("shutdown: the pools were still busy after %.0f s", SHUTDOWN_JOIN_SECS)
 
 
-def _answer(fmt: WireFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:
+def _answer(fmt: WireFormat | EmbeddingFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:
     """The whole answer's JSON text, in pieces (blocking: for the answer pool); `best_of` ranks each prompt's
     candidates there too."""
     chosen = [r for at in range(0, len(results), best_of) for r in best(results[at:at + best_of], n, asked)]

@@ -30,6 +30,7 @@ from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.choices import candidate_params
 from ferrox_batch.server.client_policy import ClientPolicy
+from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat, EmbeddingRequest, parse_embedding_request
 from ferrox_batch.server.errors import ModelNotFound
 from ferrox_batch.server.extra_fields import CONTEXT_LENGTH
 from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
@@ -46,13 +47,18 @@ from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.responses import CompletionFormat, WireFormat
 from ferrox_batch.server.streaming import Final, ReplyBridge
 from ferrox_batch.server.tools.generic import describe_tools
+from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS
+
+#: The embeddings endpoint's name, beside `CHAT` and `COMPLETIONS`.
+EMBEDDINGS = "embeddings"
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "Prepared", "Preparer", "chat_ids"]
 
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
     """A parsed request whose choices are all submitted."""
 
-    request: CompletionRequest | ChatRequest
+    request: CompletionRequest | ChatRequest | EmbeddingRequest
     bridges: list[ReplyBridge]  # one per candidate: `best_of` per prompt, prompt by prompt
     prompts: list[list[int]]  # each prompt as submitted
 
@@ -72,20 +78,29 @@ class Preparer:
     max_buffered_reply_bytes: int | None = None
     #: What splits a chat answer's thinking from its answer (`--reasoning-parser`); None: no thinking read.
     reasoning: ReasoningParser | None = None
+    #: How an embedding pools its prompt when the request does not say (`--pooling`).
+    pooling: str = DEFAULT_POOLING
+    #: The other names the model is served under (`--served-model-name`'s after the first).
+    aliases: tuple[str, ...] = ()
 
-    def prepare(self, raw: bytes, chat: bool, loop: asyncio.AbstractEventLoop,
+    def prepare(self, raw: bytes, endpoint: str, loop: asyncio.AbstractEventLoop,
                 on_final: Callable[[ReplyBridge, Final], None], namespace: str | None = None) -> Prepared:
-        """Parse, check, tokenize and submit one request (blocking); `on_final` runs on `loop` per choice;
-        `namespace`: the prefix-cache namespace of the request's tenant (`access.cache_namespace`)."""
+        """Parse, check, tokenize and submit one request to `endpoint` (`CHAT`, `COMPLETIONS` or
+        `EMBEDDINGS`; blocking); `on_final` runs on `loop` per choice; `namespace`: the prefix-cache
+        namespace of the request's tenant (`access.cache_namespace`)."""
         body = parse_json_object(raw)
-        request: CompletionRequest | ChatRequest
+        chat = endpoint == CHAT
+        request: CompletionRequest | ChatRequest | EmbeddingRequest
         if chat:
             request = parse_chat_request(body, default_max_tokens=self.default_chat_max_tokens,
                                          renders_tools=self.tokenizer.supports_tools)
+        elif endpoint == EMBEDDINGS:
+            request = parse_embedding_request(body, default_pooling=self.pooling,
+                                              hidden_size=self.batcher.hidden_size)
         else:
             request = parse_completion_request(body, default_max_tokens=self.default_max_tokens)
-        if request.model is not None and request.model != self.model_name:
-            raise ModelNotFound(request.model, self.model_name)
+        if request.model is not None and request.model != self.model_name and request.model not in self.aliases:
+            raise ModelNotFound(request.model, ", ".join((self.model_name, *self.aliases)))
         options = self.policy.apply(request.options, namespace)
         if chat and self.reasoning is not None and options.structured is not None:
             # The output's form (a schema, a forced tool call) applies to the answer after the thinking.
@@ -113,7 +128,7 @@ class Preparer:
             raise
         return Prepared(request, bridges, prompts)
 
-    def _prompt_ids(self, request: CompletionRequest | ChatRequest, prompt: object) -> list[int]:
+    def _prompt_ids(self, request: CompletionRequest | ChatRequest | EmbeddingRequest, prompt: object) -> list[int]:
         """One prompt's ids: templated (chat), tokenized (text) or as sent (ids), then truncated to its last
         `truncate_prompt_tokens`. A text provably too long for the context is refused untokenized, unless
         it is to be truncated."""
@@ -131,13 +146,16 @@ class Preparer:
             ids = ids[len(ids) - keep:]
         return ids
 
-    def wire_format(self, prepared: Prepared, chat: bool, rid: str) -> WireFormat:
+    def wire_format(self, prepared: Prepared, endpoint: str, rid: str) -> WireFormat | EmbeddingFormat:
         """The request's answer shapes: its endpoint's, with what it asked for (log-probabilities, tool calls,
         the echoed prompts, the prompts' log-probabilities, token ids)."""
         request = prepared.request
+        name = request.model if request.model is not None else self.model_name  # the one asked for
+        if isinstance(request, EmbeddingRequest):
+            return EmbeddingFormat(name, request)
         asked = request.options.logprobs is not None or request.prompt_logprobs is not None
-        fmt: WireFormat = (ChatFormat if chat else CompletionFormat)(self.model_name, rid,
-                                                                      self.tokenizer if asked else None)
+        fmt: WireFormat = (ChatFormat if endpoint == CHAT else CompletionFormat)(name, rid,
+                                                                                  self.tokenizer if asked else None)
         fmt.choices_per_prompt = request.n
         fmt.sends_logprobs = request.options.logprobs is not None
         fmt.prompt_logprobs = request.prompt_logprobs

@@ -264,27 +264,27 @@ def _include_usage(value: Any) -> bool:
     return include
 
 
-def read_prompts(value: Any) -> tuple[str | tuple[int, ...], ...]:
+def read_prompts(value: Any, name: str = "prompt") -> tuple[str | tuple[int, ...], ...]:
     """OpenAI's four forms: a string, a list of strings, a list of token ids, or a list of token-id lists;
-    each prompt of a list is one prompt of the request."""
+    each prompt of a list is one prompt of the request. `name`: the field (`input` for embeddings)."""
     if value is None:
-        raise InvalidRequest("prompt", value, "is required")
+        raise InvalidRequest(name, value, "is required")
     if isinstance(value, str):
-        return (_text_prompt("prompt", value),)
+        return (_text_prompt(name, value),)
     if not isinstance(value, list):
-        raise InvalidRequest("prompt", value, "must be a string, a list of strings, a list of token ids, "
-                                              "or a list of token-id lists")
+        raise InvalidRequest(name, value, "must be a string, a list of strings, a list of token ids, "
+                                          "or a list of token-id lists")
     if not value:
-        raise InvalidRequest("prompt", value, "must not be empty")
+        raise InvalidRequest(name, value, "must not be empty")
     if len(value) > MAX_PROMPT_ROWS and not all(is_int(v) for v in value):
-        raise InvalidRequest("prompt", len(value), f"may hold at most {MAX_PROMPT_ROWS} prompts")
+        raise InvalidRequest(name, len(value), f"may hold at most {MAX_PROMPT_ROWS} prompts")
     if all(isinstance(v, str) for v in value):
-        return tuple(_text_prompt(f"prompt[{i}]", v) for i, v in enumerate(value))
+        return tuple(_text_prompt(f"{name}[{i}]", v) for i, v in enumerate(value))
     if all(isinstance(v, list) for v in value):
-        return tuple(_id_prompt(f"prompt[{i}]", v) for i, v in enumerate(value))
+        return tuple(_id_prompt(f"{name}[{i}]", v) for i, v in enumerate(value))
     if any(isinstance(v, (str, list)) for v in value):
-        raise InvalidRequest("prompt", value, "must not mix strings, token ids and lists: send one form")
-    return (_id_prompt("prompt", value),)
+        raise InvalidRequest(name, value, "must not mix strings, token ids and lists: send one form")
+    return (_id_prompt(name, value),)
 
 
 def _text_prompt(where: str, value: str) -> str:

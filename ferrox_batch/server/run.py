@@ -51,7 +51,7 @@ def serve(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     *,
-    model_name: str | None = None,
+    model_name: str | Sequence[str] | None = None,
     device: str = "auto",
     dtype: str = "auto",
     kv_cache_dtype: str = "auto",
@@ -71,13 +71,15 @@ def serve(
     shared_prefix_cache: bool = False,
     client_priorities: tuple[int, int] = DEFAULT_CLIENT_PRIORITIES,
     reasoning_parser: str | None = None,
+    pooling: str = "last",
 ) -> None:
     """Serve `model` (a checkpoint folder, a `.gguf` file, or a loaded model) on `host:port`; block until stopped.
 
     Ctrl-C / SIGTERM stop it when called on the main thread; `stop`, when given, stops it from any
     thread. A stop drains: no new connections, requests in flight get `drain_timeout` seconds to finish,
     then what is left is cancelled (`listener`). `allowed_hosts` defaults to the loopback names when `host`
-    is a loopback address, else no check (`host_check`). `model_name` defaults to the checkpoint's folder
+    is a loopback address, else no check (`host_check`). `model_name` (one name or several) defaults to the
+    checkpoint's folder
     (or file) name; `chat_template` (Jinja text) replaces the checkpoint's; the other keywords are
     `create_app`'s.
     """
@@ -95,7 +97,7 @@ def serve(
                          max_concurrent_requests=max_concurrent_requests, api_key=api_key,
                          allowed_origins=allowed_origins, shared_prefix_cache=shared_prefix_cache,
                          allowed_hosts=default_allowed_hosts(host) if allowed_hosts is None else allowed_hosts,
-                         client_priorities=client_priorities, reasoning_parser=reasoning_parser)
+                         client_priorities=client_priorities, reasoning_parser=reasoning_parser, pooling=pooling)
         config = server_config(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout,
                                max_concurrent_requests=max_concurrent_requests)
         server = uvicorn.Server(config)

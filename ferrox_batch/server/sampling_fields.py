@@ -50,6 +50,8 @@ class SamplingOptions:
     extra: ExtraSampling = ExtraSampling()
     #: Whether streamed chunks carry their tokens' ids (`return_token_ids` on a stream).
     stream_token_ids: bool = False
+    #: An embedding's pooling (`/v1/embeddings`); None: a generation.
+    pooling: str | None = None
 
     def generation_params(self, tokenizer: Tokenizer, max_tokens: int) -> GenerationParams:
         """Params for the batcher; stop strings that are one token are also stopped on by id."""
@@ -57,7 +59,7 @@ class SamplingOptions:
                            ignore_eos=self.ignore_eos, sampling=self.sampling, cache_salt=self.cache_salt,
                            priority=self.priority, max_queue_wait_ms=self.max_queue_wait_ms,
                            logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,
-                           structured=self.structured, stream_token_ids=self.stream_token_ids,
+                           structured=self.structured, stream_token_ids=self.stream_token_ids, pooling=self.pooling,
                            **self.extra.keywords())
 
 

@@ -152,10 +152,12 @@ def test_constants_repeated_to_keep_help_light_match_their_sources() -> None:
     from ferrox_batch.cli.common import (
         BATCH_INVARIANT_CHOICES,
         KV_CACHE_DTYPE_CHOICES,
+        POOLING_CHOICES,
         REASONING_PARSER_CHOICES,
         WEIGHTS_CHOICES,
     )
     from ferrox_batch.runtime import invariance
+    from ferrox_batch.generation_types import POOLING
     from ferrox_batch.server.reasoning import REASONING_PARSERS
     from ferrox_batch.runtime.device import KV_CACHE_DTYPES, PRECISION_NAMES
     from ferrox_batch.runtime.quant import choice
@@ -170,6 +172,7 @@ def test_constants_repeated_to_keep_help_light_match_their_sources() -> None:
     assert WEIGHTS_CHOICES == choice.WEIGHTS_CHOICES
     assert BATCH_INVARIANT_CHOICES == invariance.BATCH_INVARIANT_CHOICES
     assert REASONING_PARSER_CHOICES == tuple(REASONING_PARSERS)
+    assert POOLING_CHOICES == POOLING
     assert cli.DEFAULT_COMPLETION_MAX_TOKENS == DEFAULT_COMPLETION_MAX_TOKENS
     assert cli.DEFAULT_CHAT_MAX_TOKENS == DEFAULT_CHAT_MAX_TOKENS
     assert cli.DEFAULT_MAX_CONCURRENT_REQUESTS == DEFAULT_MAX_CONCURRENT_REQUESTS

@@ -228,11 +228,19 @@ class Decoder:
         """Append each chunk to its sequence's KV and return `[len(chunks), vocab]` float32 logits."""
         return self.forward_every(chunks, store, ())[0]
 
-    @torch.inference_mode()
     def forward_every(self, chunks: Sequence[SeqChunk], store: PagedKvStore,
                       every: Sequence[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """`forward`, and for each chunk index in `every` (ascending) the `[len(chunk), vocab]` logits of
         every one of its positions (what a prompt's own log-probabilities are read from)."""
+        logits, spans, _ = self.forward_pooled(chunks, store, every, ())
+        return logits, spans
+
+    @torch.inference_mode()
+    def forward_pooled(self, chunks: Sequence[SeqChunk], store: PagedKvStore, every: Sequence[int],
+                       pooling: Sequence[tuple[int, str]]) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
+        """`forward_every`, and for each (chunk index, mode) in `pooling` its positions' final hidden states
+        (after the final norm, float32) pooled: `"mean"` their sum (the caller divides by the prompt's
+        length, over its chunks), `"last"` the last one's: what an embedding is made of."""
         c = self.config
         if store.dtype != self.kv_dtype or store.device != self.device:
             raise ValueError(
@@ -316,14 +324,22 @@ class Decoder:
             spans = [torch.arange(ends[i] - len(chunks[i].tokens) + 1, ends[i] + 1, device=rows.device)
                      for i in every]
             rows = torch.cat([rows, *spans])
+        pooled = []
+        ends = inputs.last_rows.tolist() if pooling else []
+        for index, mode in pooling:
+            span = (torch.arange(ends[index] - len(chunks[index].tokens) + 1, ends[index] + 1, device=h.device)
+                    if mode == "mean" else inputs.last_rows[index:index + 1])
+            _, hidden = self._add_norm(h[span], None if pending is None else pending[span], self.final_norm,
+                                       kernel)
+            pooled.append(hidden.float().sum(dim=0))
         _, h = self._add_norm(h[rows], None if pending is None else pending[rows], self.final_norm, kernel)
         logits = self.lm_head(h).float()
         for seq_id, length in inputs.new_lengths:
             store.seq(seq_id).length = length
         if not every:
-            return logits, []
+            return logits, [], pooled
         sizes = [len(chunks[i].tokens) for i in every]
-        return logits[: len(chunks)], list(logits[len(chunks):].split(sizes))
+        return logits[: len(chunks)], list(logits[len(chunks):].split(sizes)), pooled
 
     def _norm_heads(self, qkv: torch.Tensor, layer: LayerWeights, n_tok: int) -> None:
         """RMSNorm each query head and each key head of the fused projection in place, over its `head_dim`
