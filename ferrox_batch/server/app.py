@@ -59,7 +59,7 @@ from ferrox_batch.server.generation import (
 from ferrox_batch.server.embeddings import DEFAULT_POOLING
 from ferrox_batch.server.json_body import JSONBodyResponse, json_pieces
 from ferrox_batch.server.metrics import CONTENT_TYPE
-from ferrox_batch.server.preparation import CHAT, COMPLETIONS, EMBEDDINGS
+from ferrox_batch.server.preparation import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
 from ferrox_batch.server.tokenization import TokenizationsBusy, detokenize, tokenize
@@ -157,6 +157,7 @@ def create_app(
     app.add_api_route("/v1/completions", state.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", state.chat, methods=["POST"])
     app.add_api_route("/v1/embeddings", state.embeddings, methods=["POST"])
+    app.add_api_route("/v1/responses", state.responses, methods=["POST"])
     app.add_api_route("/v1/models", state.models, methods=["GET"])
     app.add_api_route("/health", state.health, methods=["GET"])
     app.add_api_route("/metrics", state.metrics, methods=["GET"])
@@ -196,6 +197,9 @@ class ServerState:
 
     async def embeddings(self, request: Request) -> Response:
         return await self.generations.serve(request, endpoint=EMBEDDINGS)
+
+    async def responses(self, request: Request) -> Response:
+        return await self.generations.serve(request, endpoint=RESPONSES)
 
     async def models(self) -> dict[str, Any]:
         """Each served name, with the longest prompt + output a request may have (`max_model_len`, vLLM's)."""

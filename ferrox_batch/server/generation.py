@@ -1,4 +1,5 @@
-"""`Generations`: how one app serves `/v1/completions`, `/v1/chat/completions` and `/v1/embeddings`.
+"""`Generations`: how one app serves `/v1/completions`, `/v1/chat/completions`, `/v1/responses` and
+`/v1/embeddings`.
 
 The pipeline of one request, and why each step is where it is:
 
@@ -64,6 +65,7 @@ from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat
 from ferrox_batch.server.preparation import Prepared, Preparer
 from ferrox_batch.server.reasoning import ReasoningParser
+from ferrox_batch.server.responses_format import ResponsesFormat
 from ferrox_batch.server.responses import WireFormat, finish_reason
 from ferrox_batch.server.sse_events import sse_events
 from ferrox_batch.server.streaming import (
@@ -175,8 +177,10 @@ class Generations:
             fmt = self._preparer.wire_format(prepared, endpoint, rid)
             if prepared.request.stream:
                 handed_off = True
+                body = (fmt.stream(first, events) if isinstance(fmt, ResponsesFormat)
+                        else sse_events(first, events, fmt, prepared.request.include_usage, len(bridges)))  # type: ignore[arg-type]
                 return EventStreamResponse(
-                    sse_events(first, events, fmt, prepared.request.include_usage, len(bridges)),
+                    body,
                     write_timeout=self.limits.write_timeout, on_close=lambda: self._abandon(*bridges),
                     cut=[bridge.overflowed for bridge in bridges])
             # A request that does not stream gets no `Text` events: the next event of each choice is final.
@@ -269,7 +273,7 @@ class Generations:
             log.warning("shutdown: the pools were still busy after %.0f s", SHUTDOWN_JOIN_SECS)
 
 
-def _answer(fmt: WireFormat | EmbeddingFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:
+def _answer(fmt: WireFormat | EmbeddingFormat | ResponsesFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:
     """The whole answer's JSON text, in pieces (blocking: for the answer pool); `best_of` ranks each prompt's
     candidates there too."""
     chosen = [r for at in range(0, len(results), best_of) for r in best(results[at:at + best_of], n, asked)]

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 from dataclasses import dataclass
 
 from ferrox_batch.admission.budget import ContextCeiling
@@ -32,6 +33,8 @@ from ferrox_batch.server.choices import candidate_params
 from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat, EmbeddingRequest, parse_embedding_request
 from ferrox_batch.server.errors import ModelNotFound
+from ferrox_batch.server.responses_api import chat_body
+from ferrox_batch.server.responses_format import ResponsesFormat
 from ferrox_batch.server.extra_fields import CONTEXT_LENGTH
 from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
 from ferrox_batch.server.requests import (
@@ -49,9 +52,10 @@ from ferrox_batch.server.streaming import Final, ReplyBridge
 from ferrox_batch.server.tools.generic import describe_tools
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS
 
-#: The embeddings endpoint's name, beside `CHAT` and `COMPLETIONS`.
+#: The embeddings and Responses endpoints' names, beside `CHAT` and `COMPLETIONS`.
 EMBEDDINGS = "embeddings"
-__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "Prepared", "Preparer", "chat_ids"]
+RESPONSES = "responses"
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "RESPONSES", "Prepared", "Preparer", "chat_ids"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +65,7 @@ class Prepared:
     request: CompletionRequest | ChatRequest | EmbeddingRequest
     bridges: list[ReplyBridge]  # one per candidate: `best_of` per prompt, prompt by prompt
     prompts: list[list[int]]  # each prompt as submitted
+    body: Mapping[str, Any] | None = None  # the request's body as sent (what a response echoes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +94,10 @@ class Preparer:
         `EMBEDDINGS`; blocking); `on_final` runs on `loop` per choice; `namespace`: the prefix-cache
         namespace of the request's tenant (`access.cache_namespace`)."""
         body = parse_json_object(raw)
-        chat = endpoint == CHAT
+        original = body
+        if endpoint == RESPONSES:  # said as the chat request it amounts to, checked by the chat parser
+            body = chat_body(body)
+        chat = endpoint in (CHAT, RESPONSES)
         request: CompletionRequest | ChatRequest | EmbeddingRequest
         if chat:
             request = parse_chat_request(body, default_max_tokens=self.default_chat_max_tokens,
@@ -126,7 +134,7 @@ class Preparer:
             for bridge in bridges:  # a later candidate was refused: the request fails whole
                 bridge.abandon()
             raise
-        return Prepared(request, bridges, prompts)
+        return Prepared(request, bridges, prompts, original)
 
     def _prompt_ids(self, request: CompletionRequest | ChatRequest | EmbeddingRequest, prompt: object) -> list[int]:
         """One prompt's ids: templated (chat), tokenized (text) or as sent (ids), then truncated to its last
@@ -146,13 +154,18 @@ class Preparer:
             ids = ids[len(ids) - keep:]
         return ids
 
-    def wire_format(self, prepared: Prepared, endpoint: str, rid: str) -> WireFormat | EmbeddingFormat:
+    def wire_format(self, prepared: Prepared, endpoint: str, rid: str) -> WireFormat | EmbeddingFormat | ResponsesFormat:
         """The request's answer shapes: its endpoint's, with what it asked for (log-probabilities, tool calls,
         the echoed prompts, the prompts' log-probabilities, token ids)."""
         request = prepared.request
         name = request.model if request.model is not None else self.model_name  # the one asked for
         if isinstance(request, EmbeddingRequest):
             return EmbeddingFormat(name, request)
+        if endpoint == RESPONSES:
+            assert isinstance(request, ChatRequest) and prepared.body is not None
+            parser = TOOL_FORMATS[request.tool_format] if request.parses_tool_calls else None
+            return ResponsesFormat(name, rid, prepared.body, self.tokenizer, self.reasoning, parser,
+                                   request.parallel_tool_calls)
         asked = request.options.logprobs is not None or request.prompt_logprobs is not None
         fmt: WireFormat = (ChatFormat if endpoint == CHAT else CompletionFormat)(name, rid,
                                                                                   self.tokenizer if asked else None)
