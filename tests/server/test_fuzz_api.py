@@ -163,11 +163,53 @@ CHAT = {**COMMON, "messages": field(messages, [], {}, "hi", [{"role": "user", "c
         "tool_choice": field(st.sampled_from(["none", "auto", "required"]), {"type": "function"},
                              {"type": "function", "function": {"name": "missing"}}),
         "response_format": field(response_format),
-        "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 5), 21, -1)}
+        "logprobs": field(st.booleans()), "top_logprobs": field(st.integers(0, 5), 21, -1),
+        "parallel_tool_calls": field(st.booleans(), "no"),
+        "add_generation_prompt": field(st.booleans(), 1), "continue_final_message": field(st.booleans(), "x"),
+        "chat_template_kwargs": field(st.dictionaries(st.sampled_from(["enable_thinking", "x"]), st.booleans(),
+                                                      max_size=2), {"messages": []}, {"a b": 1}, "kw",
+                                      {"big": "x" * 20_000}),
+        "structured_outputs": field(st.sampled_from([{"regex": "[ab]{1,3}"}, {"choice": ["yes", "no"]},
+                                                     {"grammar": 'start: "a" | "b"'}, {"json_object": True},
+                                                     {"grammar": 'root ::= "x" [0-9]'}]),
+                                    {"regex": "("}, {"grammar": "root ::= (("}, {"choice": []}, {"json": "{"},
+                                    {"structural_tag": 1}, {"regex": "a", "choice": ["a"]}, "regex"),
+        "guided_regex": field(st.just("[a-c]{2}"), "[z-a]", 5),
+        "guided_choice": field(st.just(["a", "b"]), [], [1]),
+        "guided_grammar": field(st.just('start: "ok"'), "start: undefined"),
+        "guided_decoding_backend": field(st.just("auto"), "outlines")}
+EMBEDDINGS = {"model": field(st.just("tiny"), "other"),
+              "input": field(st.one_of(prompt_text, token_ids, st.lists(prompt_text, min_size=1, max_size=3),
+                                       st.lists(token_ids, min_size=1, max_size=3)),
+                             [], "", [[]], [[VOCAB]], ["x"] * 65, "\ud800", [1.5]),
+              "encoding_format": field(st.sampled_from(["float", "base64"]), "int8", 1),
+              "dimensions": field(st.integers(1, 64), 0, -1, 2**64, 10**6),
+              "normalize": field(st.booleans(), "yes"), "pooling": field(st.sampled_from(["last", "mean"]), "cls"),
+              "truncate_prompt_tokens": field(st.integers(1, 8), 0, -5), "user": field(texts, 5)}
+response_input = st.one_of(prompt_text, st.lists(st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                           "content": st.one_of(prompt_text, st.lists(st.fixed_dictionaries(
+                               {"type": st.just("input_text"), "text": prompt_text}), min_size=1, max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.just("call_1"),
+                           "name": st.just("f"), "arguments": st.just("{}")}),
+    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.just("call_1"),
+                           "output": prompt_text})), min_size=1, max_size=3))
+RESPONSES = {"model": field(st.just("tiny"), "other"), "input": field(response_input, [], "", [{"type": "x"}],
+                                                                    [{"role": "user", "content": [{"type": "input_image"}]}]),
+             "instructions": field(prompt_text, 5), "max_output_tokens": field(st.integers(1, 6), -1, 2**64),
+             "temperature": field(st.floats(0, 2), -1.0), "stream": field(st.booleans(), "yes"),
+             "tools": field(st.lists(st.fixed_dictionaries({"type": st.just("function"), "name": st.just("f"),
+                                                            "parameters": st.just({"type": "object"})}), max_size=1),
+                            [{"type": "web_search"}], "t"),
+             "tool_choice": field(st.sampled_from(["auto", "none"]), {"type": "function", "name": "nope"}),
+             "text": field(st.just({"format": {"type": "json_object"}}), {"format": {"type": "xml"}}, 3),
+             "previous_response_id": field(st.none(), "resp_1"), "store": field(st.just(False), True),
+             "metadata": field(st.just({"k": "v"}), {"k": 1}), "an_unknown_field": field(anything)}
 TOKENIZE = {"prompt": field(prompt_text, "\ud800", "a\udfffb", ""), "messages": field(messages),
             "add_special_tokens": field(st.booleans()),
             "add_generation_prompt": field(st.booleans()), "return_token_strs": field(st.booleans()),
-            "tools": field(st.lists(tool, max_size=2)), "continue_final_message": field(st.booleans())}
+            "tools": field(st.lists(tool, max_size=2)), "continue_final_message": field(st.booleans()),
+            "chat_template_kwargs": field(st.just({"enable_thinking": False}), {"tools": 1})}
 DETOKENIZE = {"tokens": field(token_ids, [2**64], [-1], [VOCAB], [[1]])}
 #: Nasty values deep inside a field that is otherwise valid.
 NESTED_BAD = {"prompt": bad_token_ids, "messages": bad_messages, "tools": st.lists(bad_tool, min_size=1, max_size=2),
@@ -265,6 +307,18 @@ def test_chat_completions_never_answer_5xx_and_hold_nothing(fuzzed, body, conten
 
 
 @FUZZ_SETTINGS
+@given(body=bodies(EMBEDDINGS, "input"), content_type=content_types)
+def test_embeddings_never_answer_5xx_and_hold_nothing(fuzzed, body, content_type):
+    post(fuzzed, "/v1/embeddings", body, content_type)
+
+
+@FUZZ_SETTINGS
+@given(body=bodies(RESPONSES, "input"), content_type=content_types)
+def test_responses_never_answer_5xx_and_hold_nothing(fuzzed, body, content_type):
+    post(fuzzed, "/v1/responses", body, content_type)
+
+
+@FUZZ_SETTINGS
 @given(route=st.sampled_from(["/tokenize", "/detokenize"]), tokenize=bodies(TOKENIZE),
        detokenize=bodies(DETOKENIZE, "tokens"), content_type=content_types)
 def test_tokenization_never_answers_5xx(fuzzed, route, tokenize, detokenize, content_type):
@@ -274,7 +328,7 @@ def test_tokenization_never_answers_5xx(fuzzed, route, tokenize, detokenize, con
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
        path=st.one_of(st.sampled_from(["/v1/models", "/health", "/metrics", "/stats", "/v1/completions",
-                                       "/tokenize", "/nope", "/v1/x%0aFAKE", "/%00", "/v1/models/../stats"]),
+                                       "/v1/embeddings", "/v1/responses", "/tokenize", "/nope", "/v1/x%0aFAKE", "/%00", "/v1/models/../stats"]),
                       st.text(alphabet="abc/%0123456789.", max_size=20).map(lambda p: "/" + p)),
        query=st.one_of(st.just(""), st.text(alphabet="ab=&%0", max_size=10)))
 def test_every_route_and_method_answers_without_a_5xx(fuzzed, method, path, query):
