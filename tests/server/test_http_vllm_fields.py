@@ -228,3 +228,32 @@ def test_the_stop_token_is_reported_last_in_token_ids(client, stream):
             for c in chunk.choices:
                 got += c.model_extra["token_ids"]
     assert got == ids[:ids.index(ids[2]) + 1]
+
+
+@pytest.mark.parametrize("extra", [
+    {"min_tokens": 3, "stop_token_ids": [100, 101, 102], "ignore_eos": False},
+    {"stop": ["a"], "include_stop_str_in_output": True},
+    {"bad_words": ["b", "c"]},
+    {"allowed_token_ids": [100, 101, 102, 250], "skip_special_tokens": False},
+    {"truncate_prompt_tokens": 4, "min_tokens": 2, "stop": ["a"]},
+])
+@pytest.mark.parametrize("chat", [False, True])
+def test_each_field_streams_what_it_answers_whole(client, tiny_batch_model, extra, chat):
+    letter_ids = letters(tiny_batch_model.tokenizer)
+    body = {"ignore_eos": True, **extra}
+    if "allowed_token_ids" not in body:
+        body["allowed_token_ids"] = letter_ids  # plain letters: stops and bans meet real text
+    if chat:
+        messages = [{"role": "user", "content": PROMPTS[1]}]
+        whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
+                                               extra_body=body).choices[0].message.content
+        stream = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
+                                                stream=True, extra_body=body)
+        streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    else:
+        whole = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=10, temperature=0,
+                                          extra_body=body).choices[0].text
+        stream = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=10, temperature=0,
+                                           stream=True, extra_body=body)
+        streamed = "".join(c.choices[0].text for c in stream if c.choices)
+    assert streamed == whole
