@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.engine.handle import ContinuousBatcher
-from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.choices import candidate_params
 from ferrox_batch.server.client_policy import ClientPolicy

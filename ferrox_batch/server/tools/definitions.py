@@ -12,7 +12,6 @@ does (`ToolCallParser`).
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from collections.abc import Sequence
