@@ -14,8 +14,10 @@ captured graph) plugs in without the scheduler changing.
   which input they are and which prompt tokens their rows predict.
 * `StepOutput.sampled`: one `Sampled` per sampling row: a token id (a `TokenLogprob` with its
   log-probabilities when asked; in `GrammarComplete` when it completes the row's grammar), or the
-  `DecodeError` that stops that request. `StepOutput.prompt_logprobs`: by `PromptToScore.key`, the
-  log-probabilities of the tokens each scored chunk predicts.
+  `DecodeError` that stops that request; for a row that fed a draft (`RowToSample.draft`), a `Verified`
+  tuple: its accepted draft tokens and the token after them, the first sample that disagreed with the draft.
+  `StepOutput.prompt_logprobs`: by `PromptToScore.key`, the log-probabilities of the tokens each scored
+  chunk predicts.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class GrammarComplete:
 
 #: What the runtime returns for one sampling row (module docstring).
 Sampled = Union[int, TokenLogprob, GrammarComplete, DecodeError]
+#: A drafted row's outcomes: one per position it kept, in order (its accepted draft tokens, then the next).
+Verified = tuple[Sampled, ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,7 @@ class RowToSample:
     grammar: CompiledSpec | None  # the compiled grammar its output follows
     held: tuple[int, ...] = ()  # ids it may not sample for its first `hold_for` tokens (its stop ids)
     hold_for: int = 0  # `min_tokens` (read only at its first sample, with `window`)
+    draft: tuple[int, ...] = ()  # tokens it drafted, fed after its last one: verified position by position
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,7 +96,7 @@ class ForwardPlan:
 class StepOutput:
     """What the runtime made of a `ForwardPlan` (module docstring)."""
 
-    sampled: list[Sampled]
+    sampled: list[Sampled | Verified]
     prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
     #: By `PromptToPool.key`: the chunk's pooled final hidden states (`Decoder.forward_pooled`), as floats.
     pooled: dict[int, list[float]] = field(default_factory=dict)

@@ -60,6 +60,10 @@ ENV_PREFIX_CACHE = "FERROX_CB_PREFIX_CACHE"
 ENV_MAX_QUEUE_WAIT_MS = "FERROX_CB_MAX_QUEUE_WAIT_MS"
 ENV_PRIORITY_AGING_MS = "FERROX_CB_PRIORITY_AGING_MS"
 ENV_SLIDE_INTERVAL = "FERROX_CB_SLIDE_INTERVAL"
+ENV_SPECULATIVE_TOKENS = "FERROX_CB_SPECULATIVE_TOKENS"
+ENV_SPECULATIVE_NGRAM_MIN = "FERROX_CB_SPECULATIVE_NGRAM_MIN"
+ENV_SPECULATIVE_NGRAM_MAX = "FERROX_CB_SPECULATIVE_NGRAM_MAX"
+ENV_SPECULATIVE_MAX_BATCH = "FERROX_CB_SPECULATIVE_MAX_BATCH"
 ENV_DECODE_LOG_INTERVAL = "FERROX_DECODE_LOG_INTERVAL"
 
 #: Upstream `prefill_batch::PREFILL_CHUNK_ENV_KEYS`, ported to the FERROX_ prefix:
@@ -168,6 +172,12 @@ class BatcherConfig:
     max_queue_wait_ms: int | None = None
     priority_aging_ms: int | None = None
     slide_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
+    #: Speculative decoding by prompt lookup (`scheduler.speculation`): tokens drafted per row and step
+    #: (0: off), the n-gram lengths looked up, and the most decoding rows a step may have for rows to draft.
+    speculative_tokens: int = 0
+    speculative_ngram_min: int = 2
+    speculative_ngram_max: int = 4
+    speculative_max_batch: int = 4
 
     def __post_init__(self) -> None:
         _check_field("max_seqs", self.max_seqs, minimum=1)
@@ -184,6 +194,10 @@ class BatcherConfig:
         _check_field("max_queue_wait_ms", self.max_queue_wait_ms, minimum=1, optional=True)
         _check_field("priority_aging_ms", self.priority_aging_ms, minimum=1, optional=True)
         _check_field("slide_interval", self.slide_interval, minimum=1)
+        _check_field("speculative_tokens", self.speculative_tokens, minimum=0)
+        _check_field("speculative_ngram_min", self.speculative_ngram_min, minimum=1)
+        _check_field("speculative_ngram_max", self.speculative_ngram_max, minimum=self.speculative_ngram_min)
+        _check_field("speculative_max_batch", self.speculative_max_batch, minimum=1)
 
     @classmethod
     def default(cls) -> BatcherConfig:
@@ -227,6 +241,10 @@ class BatcherConfig:
             "max_queue_wait_ms": env_positive(env, ENV_MAX_QUEUE_WAIT_MS),
             "priority_aging_ms": env_positive(env, ENV_PRIORITY_AGING_MS),
             "slide_interval": env_positive(env, ENV_SLIDE_INTERVAL),
+            "speculative_tokens": env_positive(env, ENV_SPECULATIVE_TOKENS),
+            "speculative_ngram_min": env_positive(env, ENV_SPECULATIVE_NGRAM_MIN),
+            "speculative_ngram_max": env_positive(env, ENV_SPECULATIVE_NGRAM_MAX),
+            "speculative_max_batch": env_positive(env, ENV_SPECULATIVE_MAX_BATCH),
         }
         return dataclasses.replace(base, **{name: value for name, value in found.items() if value is not None})
 

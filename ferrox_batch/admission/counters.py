@@ -21,7 +21,7 @@ class Counters:
     """Prefill chunks and tokens, decode forwards, and the peak blocks held by in-flight work."""
 
     __slots__ = ("_prefill_chunks", "_prefill_tokens", "_decode_steps", "_peak_blocks", "_prefix_queries",
-                 "_prefix_hits", "_lock")
+                 "_prefix_hits", "_drafts", "_draft_tokens", "_accepted_tokens", "_lock")
 
     def __init__(self) -> None:
         self._prefill_chunks = 0
@@ -30,6 +30,9 @@ class Counters:
         self._peak_blocks = 0
         self._prefix_queries = 0
         self._prefix_hits = 0
+        self._drafts = 0
+        self._draft_tokens = 0
+        self._accepted_tokens = 0
         self._lock = threading.Lock()
 
     def add_prefix_lookup(self, queried: int, hits: int) -> None:
@@ -45,6 +48,21 @@ class Counters:
         """`(queried tokens, hit tokens)` since start."""
         with self._lock:
             return self._prefix_queries, self._prefix_hits
+
+    def add_draft(self, tokens: int, accepted: int) -> None:
+        """One verified draft (speculative decoding, port-only): `tokens` drafted, `accepted` of them kept
+        (vLLM's `spec_decode_num_drafts` / `_num_draft_tokens` / `_num_accepted_tokens`)."""
+        check_int("tokens", tokens)
+        check_int("accepted", accepted, maximum=tokens)
+        with self._lock:
+            self._drafts += 1
+            self._draft_tokens += tokens
+            self._accepted_tokens += accepted
+
+    def speculation(self) -> tuple[int, int, int]:
+        """`(drafts, draft tokens, accepted tokens)` since start."""
+        with self._lock:
+            return self._drafts, self._draft_tokens, self._accepted_tokens
 
     def add_prefill(self, tokens: int) -> None:
         """One `step_chunk` call that advanced `tokens` prompt tokens (adopted prefix positions excluded)."""
@@ -128,6 +146,10 @@ class BatcherStats:
     #: sliding window) reference now; a model of one kind of layer has only one of them.
     kv_blocks_global: int = 0
     kv_blocks_local: int = 0
+    #: Port-only: speculative decoding's verified drafts, their tokens, and the tokens accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

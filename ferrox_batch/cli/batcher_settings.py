@@ -32,6 +32,10 @@ from ferrox_batch.admission.config import (
     ENV_PREFIX_CACHE,
     ENV_PRIORITY_AGING_MS,
     ENV_SLIDE_INTERVAL,
+    ENV_SPECULATIVE_MAX_BATCH,
+    ENV_SPECULATIVE_NGRAM_MAX,
+    ENV_SPECULATIVE_NGRAM_MIN,
+    ENV_SPECULATIVE_TOKENS,
     ENV_STEP_TARGET_MS,
     PREFILL_CHUNK_ENV_KEYS,
     PRIVATE_PATH_KEY,
@@ -89,6 +93,16 @@ BATCHER_FLAGS: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
     "slide_interval": ("--slide-interval", ENV_SLIDE_INTERVAL, str(DEFAULT_SWA_EVICTION_INTERVAL),
                        "for a model whose every layer slides by one window: decode steps between two slides "
                        "of a row's KV pages behind the window (fewer price a long row lower)"),
+    "speculative_tokens": ("--speculative-tokens", ENV_SPECULATIVE_TOKENS, "0",
+                           "speculative decoding by prompt lookup: tokens a decoding row drafts per step from the "
+                           "earlier occurrence of its last n-gram in its prompt and output, verified in the "
+                           "batched forward (the output is the same); 0: off"),
+    "speculative_ngram_min": ("--speculative-ngram-min", ENV_SPECULATIVE_NGRAM_MIN, "2",
+                              "the shortest n-gram a draft is looked up by"),
+    "speculative_ngram_max": ("--speculative-ngram-max", ENV_SPECULATIVE_NGRAM_MAX, "4",
+                              "the longest n-gram a draft is looked up by (tried first)"),
+    "speculative_max_batch": ("--speculative-max-batch", ENV_SPECULATIVE_MAX_BATCH, "4",
+                              "rows draft only while at most this many decode together"),
 })
 #: BatcherConfig field -> (flag, environment variable (0 or 1), default shown in --help, meaning), for the
 #: on/off settings: each gets `--flag` and `--no-flag`.
@@ -98,6 +112,8 @@ BATCHER_SWITCHES: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
 })
 #: Flags whose 0 means "none" (the variable, like every FERROX_CB_* one, must still be positive).
 _ZERO_IS_NONE = ("step_target_ms", "max_queue_wait_ms", "priority_aging_ms")
+#: Flags that take 0 as a value ("off"); their variables too must be positive when set.
+_ZERO_ALLOWED = ("speculative_tokens",)
 
 
 def add_batcher_flags(parser: argparse.ArgumentParser) -> None:
@@ -113,7 +129,8 @@ def add_batcher_flags(parser: argparse.ArgumentParser) -> None:
         if field == "kv_blocks":
             continue  # in the exclusive group below
         also = f", else ${PREFILL_CHUNK_ENV_KEYS[PRIVATE_PATH_KEY]}" if field == "prefill_chunk" else ""
-        batcher.add_argument(flag, dest=field, type=non_negative_int if field in _ZERO_IS_NONE else positive_int,
+        batcher.add_argument(flag, dest=field,
+                             type=non_negative_int if field in _ZERO_IS_NONE + _ZERO_ALLOWED else positive_int,
                              default=None, metavar="N", help=f"{meaning} (${env_name}{also}; default: {default})")
     for field, (flag, env_name, default, meaning) in BATCHER_SWITCHES.items():
         batcher.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None,

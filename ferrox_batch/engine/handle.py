@@ -144,6 +144,7 @@ class ContinuousBatcher:
     def stats(self) -> BatcherStats:
         prefill_chunks, prefill_tokens, decode_steps, peak = self._counters.snapshot()
         prefix_queries, prefix_hits = self._counters.prefix_cache()
+        drafts, draft_tokens, accepted_tokens = self._counters.speculation()
         total = self._budget.total
         times = self._worker_time.snapshot()
         held_global, held_local = self.store.blocks_by_kind()
@@ -166,6 +167,9 @@ class ContinuousBatcher:
             worker_alive=self._thread.is_alive() and self._lifecycle.dead is None,
             prefix_cache_queries=prefix_queries,
             prefix_cache_hits=prefix_hits,
+            spec_decode_num_drafts=drafts,
+            spec_decode_num_draft_tokens=draft_tokens,
+            spec_decode_num_accepted_tokens=accepted_tokens,
             kv_blocks_cached=self.store.pool.num_cached,
             kv_blocks_global=held_global,
             kv_blocks_local=held_local,

@@ -36,7 +36,8 @@ import torch
 from ferrox_batch.admission.kv_groups import GroupPricing
 from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.errors import DecodeError, InternalError, KvAllocationFailed, KvPoolExhausted
-from ferrox_batch.forward import ForwardPlan, RowToSample, Sampled, StepOutput
+from ferrox_batch.forward import ForwardPlan, GrammarComplete, RowToSample, Sampled, StepOutput
+from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.sampling.logprobs import prompt_logprobs
@@ -131,19 +132,58 @@ class ModelRunner:
         masks = None
         if any(row.matcher is not None for row in rows):
             masks = self._grammar_pool().submit(self.sampler.grammar_masks, rows)
+        # Every position's logits for scored prompts and for drafted rows (verified position by position).
+        drafted = [i for i in ready if plan.sampling[i].draft]
+        every_inputs = sorted({p.input for p in plan.scoring} | {plan.sampling[i].row for i in drafted})
         pooled: dict[int, list[float]] = {}
         if plan.pooling:  # an embedding's prompt: its final hidden states, pooled
-            logits, every, states = self.decoder.forward_pooled(chunks, self.store, [p.input for p in plan.scoring],
+            logits, every, states = self.decoder.forward_pooled(chunks, self.store, every_inputs,
                                                                 [(p.input, p.mode) for p in plan.pooling])
             pooled = {p.key: state.tolist() for p, state in zip(plan.pooling, states)}
-        elif plan.scoring:  # only a scored prompt needs every position's logits
-            logits, every = self.decoder.forward_every(chunks, self.store, [p.input for p in plan.scoring])
+        elif every_inputs:
+            logits, every = self.decoder.forward_every(chunks, self.store, every_inputs)
         else:
             logits, every = self.decoder.forward(chunks, self.store), []
-        scored = {p.key: prompt_logprobs(positions, p.targets, p.top, self.sampler.vocab_size)
-                  for p, positions in zip(plan.scoring, every)}
-        return StepOutput(self._sample(plan.sampling, logits, outcomes, ready, rows, _computed_masks(masks)), scored,
-                          pooled)
+        spans = dict(zip(every_inputs, every))
+        scored = {p.key: prompt_logprobs(spans[p.input], p.targets, p.top, self.sampler.vocab_size)
+                  for p in plan.scoring}
+        if drafted:  # a drafted row samples its first position from its last token's logits
+            logits = logits.clone()
+            for i in drafted:
+                logits[plan.sampling[i].row] = spans[plan.sampling[i].row][0]
+        sampled: list = self._sample(plan.sampling, logits, outcomes, ready, rows, _computed_masks(masks))
+        if drafted:
+            self._verify(plan.sampling, drafted, spans, sampled)
+        for i, row in enumerate(plan.sampling):
+            if row.draft and i not in drafted:  # a row that could not sample keeps its last token's position
+                self.store.seq(row.seq_id).length -= len(row.draft)
+        return StepOutput(sampled, scored, pooled)
+
+    def _verify(self, sampling: Sequence[RowToSample], drafted: list[int], spans: dict[int, torch.Tensor],
+                sampled: list) -> None:
+        """Each drafted row's positions sampled in order, with its own state, while the samples equal its
+        draft: its outcome becomes the tuple of the samples it keeps (the agreeing ones, then the first that
+        disagreed, or the one after the whole draft). Its KV keeps the positions of its last token and its
+        accepted draft tokens; the rest are written over later (`scheduler.speculation`)."""
+        kept = {i: [sampled[i]] for i in drafted}
+        alive = [i for i in drafted if _agrees(sampled[i], sampling[i].draft, 0)]
+        position = 1
+        while alive:
+            rows = [self._samplers[sampling[i].seq_id] for i in alive]
+            logits = torch.stack([spans[sampling[i].row][position] for i in alive])
+            try:
+                outs: Sequence[Sampled] = self.sampler.sample(logits, rows)
+            except Exception:
+                log.exception("batched sampling of drafted positions failed; sampling each row alone")
+                outs = [self._sample_alone(logits[j:j + 1], row) for j, row in enumerate(rows)]
+            for i, out in zip(alive, outs):
+                kept[i].append(out)
+            alive = [i for i, out in zip(alive, outs) if _agrees(out, sampling[i].draft, position)]
+            position += 1
+        for i in drafted:
+            seq = self.store.seq(sampling[i].seq_id)
+            seq.length -= len(sampling[i].draft) + 1 - len(kept[i])
+            sampled[i] = tuple(kept[i])
 
     def _grammar_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
@@ -201,6 +241,15 @@ class ModelRunner:
         except Exception as bad:
             log.exception("sampling one row failed")
             return InternalError(f"sampling failed: {type(bad).__name__}: {bad}")
+
+
+def _agrees(outcome: Sampled, draft: Sequence[int], position: int) -> bool:
+    """Whether a drafted row goes on past `position`: its sample there is its draft's token and the row
+    neither failed nor completed its grammar (the sample after the whole draft always ends it)."""
+    if position >= len(draft) or isinstance(outcome, (DecodeError, GrammarComplete)):
+        return False
+    token = outcome.token if isinstance(outcome, TokenLogprob) else outcome
+    return token == draft[position]
 
 
 def _computed_masks(masks: concurrent.futures.Future | None) -> tuple[list[int], torch.Tensor] | None:

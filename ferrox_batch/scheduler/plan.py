@@ -1,8 +1,8 @@
 """`StepPlan`: what one forward holds, as the scheduler decided it (and, through `forward()`, as the runtime
 reads it: `ferrox_batch.forward`).
 
-Decoding requests come first, one token each (the token they sampled last),
-then prompt chunks. After the forward, every decoding request samples, and so
+Decoding requests come first, one token each (the token they sampled last), followed by the
+request's draft when it speculates (`speculation`), then prompt chunks. After the forward, every decoding request samples, and so
 does each prompt whose chunk is its last (unless it only scores its prompt): `sampling` lists them in that order,
 which is the order the runner returns sampled ids in.
 
@@ -47,7 +47,7 @@ class StepPlan:
         inputs: list[tuple[int, list[int]]] = []
         for request in decodes:
             assert request.seq_id is not None and request.output_ids
-            inputs.append((request.seq_id, [request.output_ids[-1]]))
+            inputs.append((request.seq_id, [request.output_ids[-1], *request.draft]))
         for chunk in prompts:
             assert chunk.request.seq_id is not None
             inputs.append((chunk.request.seq_id, chunk.tokens))
@@ -69,6 +69,10 @@ class StepPlan:
         return sum(len(chunk.tokens) for chunk in self.prompts)
 
     @property
+    def draft_tokens(self) -> int:
+        return sum(len(tokens) - 1 for _, tokens in self.inputs[:len(self.decodes)])
+
+    @property
     def requests(self) -> list[Request]:
         return [*self.decodes, *(chunk.request for chunk in self.prompts)]
 
@@ -78,7 +82,7 @@ class StepPlan:
         assert all(r.seq_id is not None for r in self.sampling)
         sampling = tuple(
             RowToSample(r.seq_id, row, r.params.sampling, r.params.seed, r.params.logprobs, r.prefill_tokens,
-                        r.grammar, r.held_ids, r.params.min_tokens)
+                        r.grammar, r.held_ids, r.params.min_tokens, r.draft if row < len(self.decodes) else ())
             for r, row in zip(self.sampling, self.sampling_rows))
         scoring = []
         for index, chunk in enumerate(self.prompts):

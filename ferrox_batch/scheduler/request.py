@@ -34,6 +34,7 @@ from ferrox_batch.generation_types import FinishReason, GenerationParams, Genera
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.policy.stop import Matched, StopMatcher
 from ferrox_batch.policy.utf8_stream import Utf8Stream
+from ferrox_batch.scheduler.ngram_draft import NgramIndex
 from ferrox_batch.scheduler.sink import OnceSink
 from ferrox_batch.stop_tokens import StopTokens
 from ferrox_batch.structured import CompiledSpec
@@ -98,6 +99,11 @@ class Request:
     #: The stop token that ended it (left out of `output_ids`).
     stop_token_id: int | None = None
     ids_sent: int = 0  # output ids that went out with chunks (`params.stream_token_ids`)
+    #: Speculative decoding (`scheduler.speculation`): this step's draft, the n-gram index it is looked up in,
+    #: and how many drafts in a row were rejected whole.
+    draft: tuple[int, ...] = ()
+    ngram: NgramIndex | None = None
+    draft_misses: int = 0
     #: Its prompt's pooled hidden states so far (`params.pooling`): the sum over the chunks run ("mean"),
     #: or the last chunk's last row ("last").
     pooled: list[float] | None = None

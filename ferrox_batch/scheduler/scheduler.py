@@ -64,6 +64,7 @@ from ferrox_batch.scheduler import exits, progress
 from ferrox_batch.scheduler.admission import accept, pick, reservation
 from ferrox_batch.scheduler.isolation import failure
 from ferrox_batch.scheduler.leases import KvLeases
+from ferrox_batch.scheduler.speculation import drafted, plan_drafts
 from ferrox_batch.scheduler.plan import PromptChunk, StepPlan
 from ferrox_batch.scheduler.request import DecodeFn, Request
 from ferrox_batch.scheduler.step_cost import StepCostModel
@@ -129,9 +130,10 @@ class Scheduler:
         self.waiting.age(now)
         self._admit()
         decodes = list(self.decoding)
+        drafts = plan_drafts(decodes, self.config)  # draft positions cost what prompt tokens do
         tick_tokens = self.step_cost.tick_tokens(self.config.max_batch_tokens, len(decodes),
                                                  self.config.step_target_ms)
-        return StepPlan.build(decodes, self._prompt_chunks(len(decodes), tick_tokens))
+        return StepPlan.build(decodes, self._prompt_chunks(len(decodes) + drafts, tick_tokens))
 
     def _admit(self) -> None:
         new_seqs = new_tokens = 0
@@ -202,8 +204,14 @@ class Scheduler:
         sampling = plan.sampling
         if len(sampled) != len(sampling):
             raise RuntimeError(f"the runner sampled {len(sampled)} tokens for {len(sampling)} requests")
+        # A drafted row keeps the positions of its last token and its accepted draft tokens.
+        kept = {id(r): len(o) for r, o in zip(sampling, sampled) if isinstance(o, tuple)}
         for request in plan.decodes:
-            progress.computed(request, 1, self.kv)
+            progress.computed(request, kept.get(id(request), 1), self.kv)
+            if request.draft:
+                accepted = kept.get(id(request), 1) - 1
+                self.counters.add_draft(len(request.draft), accepted)
+                drafted(request, accepted)
         if plan.decodes:
             self.counters.add_decode_step()
             line = self.reporter.report_decode(self._now(), len(plan.decodes), self.batch_status())
@@ -218,10 +226,11 @@ class Scheduler:
                 chunk.request.add_pooled(pooled[index])
         self._requeue_prompts(plan)
         for request, outcome in zip(sampling, sampled):
-            if request.going:
-                progress.sampled(request, outcome, self.decode)
+            for one in outcome if isinstance(outcome, tuple) else (outcome,):
+                if request.going:  # nothing after a stop, a length or a failure is applied
+                    progress.sampled(request, one, self.decode)
         if seconds is not None and self.config.step_target_ms is not None:
-            self.step_cost.observe(len(plan.decodes), plan.prompt_tokens, seconds)
+            self.step_cost.observe(len(plan.decodes), plan.prompt_tokens + plan.draft_tokens, seconds)
         exits.flush(self)
         exits.check_ledger(self)
 

@@ -90,7 +90,8 @@ def test_stats_carry_every_upstream_field_plus_the_ports_own():
         "kv_rejected_context_length", "kv_blocks_peak", "aborted", "max_seqs", "prefill_chunk",
         "max_batch_tokens", "worker_alive", "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_cached",
         "worker_idle_ms", "worker_scheduling_ms", "worker_forward_ms", "worker_forward_off_cpu_ms",
-        "kv_blocks_global", "kv_blocks_local",
+        "kv_blocks_global", "kv_blocks_local", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
     }
 
 

@@ -18,7 +18,9 @@ over a small block budget, a small queue and a small sequence cap:
   (text cut before the leftmost stop, finish `StopSequence(stop)`); a
   Cancelled answer is a prefix of it;
 * streamed chunks are non-empty and concatenate to the final text;
-* a seeded sampled request draws the same ids alone and among other traffic.
+* a seeded sampled request draws the same ids alone and among other traffic;
+* with speculative decoding on, all of the above still hold: drafted rows answer what each request
+  decoded alone without drafts answers, and every block comes back.
 
 A hypothesis-driven variant runs the same checks over random small
 schedules and configurations.
@@ -288,8 +290,10 @@ def check(batcher, requests: list[Request], outcomes: list[Outcome], *, queue_ca
 # --------------------------------------------------------------------------- tests
 
 
-@pytest.mark.parametrize(("seed", "prefix_cache"), [(20240611, False), (7, True), (99, True)])
-def test_sixty_four_concurrent_random_callers_keep_every_invariant(tiny_batch_model, seed, prefix_cache):
+@pytest.mark.parametrize(("seed", "prefix_cache", "speculative"),
+                         [(20240611, False, 0), (7, True, 0), (99, True, 0), (5, True, 4), (11, False, 3)])
+def test_sixty_four_concurrent_random_callers_keep_every_invariant(tiny_batch_model, seed, prefix_cache,
+                                                                    speculative):
     rng = random.Random(seed)
     model = tiny_batch_model
     shared = [rng.randrange(model.decoder.vocab_size) for _ in range(16)] if prefix_cache else None
@@ -307,7 +311,8 @@ def test_sixty_four_concurrent_random_callers_keep_every_invariant(tiny_batch_mo
     for req in stragglers:
         expect(model, req)
     config = budget_config(4, 24, max_seqs=6, max_queue=16, max_prefills_per_tick=1 + seed % 3,
-                           prefix_cache=prefix_cache)
+                           prefix_cache=prefix_cache, speculative_tokens=speculative, speculative_ngram_min=1,
+                           speculative_max_batch=6)
     with spawn(model, config) as batcher:
         outcomes = run_all(batcher, requests)
         outcomes += run_all(batcher, stragglers)
@@ -323,6 +328,8 @@ def test_sixty_four_concurrent_random_callers_keep_every_invariant(tiny_batch_mo
         assert stats.decode_steps > 0 and stats.prefill_tokens > 0 and stats.kv_blocks_peak > 0
         if prefix_cache:
             assert stats.prefix_cache_hits > 0, stats  # the storm really ran on adopted blocks
+        if speculative:  # rows drafted, and answers still equal each request decoded alone, undrafted
+            assert stats.spec_decode_num_accepted_tokens > 0, stats
         # The server still serves after the storm.
         req = random_request(random.Random(1), model)
         req.params = greedy_params(12)
