@@ -106,6 +106,10 @@ class _BatcherCollector:
         for name, doc, value in (
             ("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens.", stats.prefix_cache_queries),
             ("vllm:prefix_cache_hits", "Prefix cache hits, in prompt tokens.", stats.prefix_cache_hits),
+            # vLLM's speculative-decoding counters: the acceptance rate is accepted / draft tokens.
+            ("vllm:spec_decode_num_drafts", "Drafts verified.", stats.spec_decode_num_drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", stats.spec_decode_num_draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", stats.spec_decode_num_accepted_tokens),
         ):
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self._model], value)

@@ -66,6 +66,8 @@ VLLM_TYPES = {
     "vllm:num_requests_waiting": "gauge", "vllm:num_requests_running": "gauge",
     "vllm:kv_cache_usage_perc": "gauge", "vllm:cache_config_info": "gauge",
     "vllm:prefix_cache_queries": "counter", "vllm:prefix_cache_hits": "counter",
+    "vllm:spec_decode_num_drafts": "counter", "vllm:spec_decode_num_draft_tokens": "counter",
+    "vllm:spec_decode_num_accepted_tokens": "counter",
     "vllm:time_to_first_token_seconds": "histogram", "vllm:inter_token_latency_seconds": "histogram",
     "vllm:e2e_request_latency_seconds": "histogram", "vllm:request_queue_time_seconds": "histogram",
 }
