@@ -86,6 +86,7 @@ class ForwardPlan:
     sampling: tuple[RowToSample, ...] = ()
     scoring: tuple[PromptToScore, ...] = ()
     pooling: tuple[PromptToPool, ...] = ()
+    drafted: tuple[int, ...] = ()  # indices into `sampling` of the rows that fed a draft
 
     @property
     def empty(self) -> bool:

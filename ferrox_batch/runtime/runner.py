@@ -133,7 +133,8 @@ class ModelRunner:
         if any(row.matcher is not None for row in rows):
             masks = self._grammar_pool().submit(self.sampler.grammar_masks, rows)
         # Every position's logits for scored prompts and for drafted rows (verified position by position).
-        drafted = [i for i in ready if plan.sampling[i].draft]
+        # The drafted rows whose sampler row is ready (one that could not be made failed its request).
+        drafted = sorted(set(plan.drafted).intersection(ready)) if plan.drafted else []
         every_inputs = sorted({p.input for p in plan.scoring} | {plan.sampling[i].row for i in drafted})
         pooled: dict[int, list[float]] = {}
         if plan.pooling:  # an embedding's prompt: its final hidden states, pooled
@@ -154,9 +155,8 @@ class ModelRunner:
         sampled: list = self._sample(plan.sampling, logits, outcomes, ready, rows, _computed_masks(masks))
         if drafted:
             self._verify(plan.sampling, drafted, spans, sampled)
-        for i, row in enumerate(plan.sampling):
-            if row.draft and i not in drafted:  # a row that could not sample keeps its last token's position
-                self.store.seq(row.seq_id).length -= len(row.draft)
+        for i in set(plan.drafted) - set(drafted):  # a row that could not sample keeps its last token's position
+            self.store.seq(plan.sampling[i].seq_id).length -= len(plan.sampling[i].draft)
         return StepOutput(sampled, scored, pooled)
 
     def _verify(self, sampling: Sequence[RowToSample], drafted: list[int], spans: dict[int, torch.Tensor],

@@ -41,20 +41,24 @@ class StepPlan:
     sampling: tuple[Request, ...]
     #: The forward's row of each sampling request (decodes are rows 0..; a prompt samples from its own row).
     sampling_rows: tuple[int, ...]
+    #: The decodes' draft tokens in all (`speculation`): 0 in a step without drafts.
+    draft_tokens: int = 0
 
     @classmethod
     def build(cls, decodes: list[Request], prompts: list[PromptChunk]) -> StepPlan:
         inputs: list[tuple[int, list[int]]] = []
+        drafts = 0
         for request in decodes:
             assert request.seq_id is not None and request.output_ids
             inputs.append((request.seq_id, [request.output_ids[-1], *request.draft]))
+            drafts += len(request.draft)
         for chunk in prompts:
             assert chunk.request.seq_id is not None
             inputs.append((chunk.request.seq_id, chunk.tokens))
         last = [i for i, chunk in enumerate(prompts) if chunk.last and chunk.request.samples]
         sampling = [*decodes, *(prompts[i].request for i in last)]
         rows = [*range(len(decodes)), *(len(decodes) + i for i in last)]
-        return cls(tuple(decodes), tuple(prompts), tuple(inputs), tuple(sampling), tuple(rows))
+        return cls(tuple(decodes), tuple(prompts), tuple(inputs), tuple(sampling), tuple(rows), drafts)
 
     @classmethod
     def nothing(cls) -> StepPlan:
@@ -68,9 +72,6 @@ class StepPlan:
     def prompt_tokens(self) -> int:
         return sum(len(chunk.tokens) for chunk in self.prompts)
 
-    @property
-    def draft_tokens(self) -> int:
-        return sum(len(tokens) - 1 for _, tokens in self.inputs[:len(self.decodes)])
 
     @property
     def requests(self) -> list[Request]:
@@ -80,10 +81,13 @@ class StepPlan:
         """What the runtime needs of this plan (`ferrox_batch.forward`), read before `update` moves its
         requests on: each sampling row's settings, and which prompt tokens each scored chunk predicts."""
         assert all(r.seq_id is not None for r in self.sampling)
+        decoding = len(self.decodes)
         sampling = tuple(
             RowToSample(r.seq_id, row, r.params.sampling, r.params.seed, r.params.logprobs, r.prefill_tokens,
-                        r.grammar, r.held_ids, r.params.min_tokens, r.draft if row < len(self.decodes) else ())
+                        r.grammar, r.held_ids, r.params.min_tokens,
+                        tuple(self.inputs[row][1][1:]) if self.draft_tokens and row < decoding else ())
             for r, row in zip(self.sampling, self.sampling_rows))
+        drafted = tuple(i for i, s in enumerate(sampling) if s.draft) if self.draft_tokens else ()
         scoring = []
         for index, chunk in enumerate(self.prompts):
             request = chunk.request
@@ -97,4 +101,4 @@ class StepPlan:
                                          tuple(prompt[start + 1:start + 1 + count]), request.params.prompt_logprobs))
         pooling = tuple(PromptToPool(index, len(self.decodes) + index, chunk.request.params.pooling)
                         for index, chunk in enumerate(self.prompts) if chunk.request.params.pooling is not None)
-        return ForwardPlan(self.inputs, sampling, tuple(scoring), pooling)
+        return ForwardPlan(self.inputs, sampling, tuple(scoring), pooling, drafted)

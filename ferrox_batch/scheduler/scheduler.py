@@ -205,10 +205,10 @@ class Scheduler:
         if len(sampled) != len(sampling):
             raise RuntimeError(f"the runner sampled {len(sampled)} tokens for {len(sampling)} requests")
         # A drafted row keeps the positions of its last token and its accepted draft tokens.
-        kept = {id(r): len(o) for r, o in zip(sampling, sampled) if isinstance(o, tuple)}
+        kept = {id(r): len(o) for r, o in zip(sampling, sampled) if isinstance(o, tuple)} if plan.draft_tokens else {}
         for request in plan.decodes:
             progress.computed(request, kept.get(id(request), 1), self.kv)
-            if request.draft:
+            if plan.draft_tokens and request.draft:
                 accepted = kept.get(id(request), 1) - 1
                 self.counters.add_draft(len(request.draft), accepted)
                 drafted(request, accepted)

@@ -27,11 +27,17 @@ MAX_MISSES = 8
 
 
 def plan_drafts(decodes: Sequence[Request], config: BatcherConfig) -> int:
-    """Set each decoding row's `draft` for this step; the draft tokens in all."""
-    on = config.speculative_tokens > 0 and len(decodes) <= config.speculative_max_batch
+    """Set each decoding row's `draft` for this step (rows keep none between steps: `drafted` clears it);
+    the draft tokens in all. Costs nothing when speculation is off or the batch is too wide."""
+    if config.speculative_tokens == 0:
+        return 0
+    if len(decodes) > config.speculative_max_batch:
+        for request in decodes:
+            request.draft = ()
+        return 0
     total = 0
     for request in decodes:
-        request.draft = draft_for(request, config) if on else ()
+        request.draft = draft_for(request, config)
         total += len(request.draft)
     return total
 
@@ -43,11 +49,13 @@ def draft_for(request: Request, config: BatcherConfig) -> tuple[int, ...]:
     k = min(config.speculative_tokens, room)
     if k <= 0:
         return ()
-    if request.ngram is None:
-        request.ngram = NgramIndex(config.speculative_ngram_min, config.speculative_ngram_max)
-    seen = request.prefill_tokens + request.output_ids
-    request.ngram.extend(seen[len(request.ngram):])
-    return tuple(request.ngram.draft(k))
+    index = request.ngram
+    if index is None:
+        index = request.ngram = NgramIndex(config.speculative_ngram_min, config.speculative_ngram_max,
+                                           request.prefill_tokens)
+    # Only the tokens generated since the last draft are new to the index (no copy of the sequence).
+    index.extend(request.output_ids[len(index) - len(request.prefill_tokens):])
+    return tuple(index.draft(k))
 
 
 def drafted(request: Request, accepted: int) -> None:

@@ -327,12 +327,12 @@ def _message(index: int, message: Any) -> ChatMessage:
                 isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
             raise InvalidRequest(f"{where}.tool_calls", calls, "must be an assistant's list of function calls")
         content = message.get("content")  # an assistant turn that only called tools has none
-        text = "" if content is None else _content(f"{where}.content", content)
+        text = "" if content is None else text_content(f"{where}.content", content)
         return ChatMessage(role, text, tuple(_tool_call_for_template(c) for c in calls))
     call_id = message.get("tool_call_id")
     if role == "tool" and call_id is not None and not isinstance(call_id, str):
         raise InvalidRequest(f"{where}.tool_call_id", call_id, "must be a string")
-    return ChatMessage(role, _content(f"{where}.content", message.get("content")),
+    return ChatMessage(role, text_content(f"{where}.content", message.get("content")),
                        tool_call_id=call_id if role == "tool" else None)
 
 
@@ -348,16 +348,17 @@ def _tool_call_for_template(call: dict[str, Any]) -> dict[str, Any]:
     return {**call, "function": function}
 
 
-def _content(where: str, content: Any) -> str:
-    """A string, or OpenAI's list of content parts when every part is text (joined)."""
+def text_content(where: str, content: Any, part_types: tuple[str, ...] = ("text",)) -> str:
+    """A string, or OpenAI's list of content parts when every part is text (joined); `part_types`: the
+    types a text part may have (chat's `text`; the Responses API's `input_text` and `output_text` too)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         texts = []
         for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"{where}[{i}]", part, "must be a text part {\"type\": \"text\", \"text\": ...}: "
-                                                     "this server takes text only")
+            if not isinstance(part, dict) or part.get("type") not in part_types or not isinstance(part.get("text"), str):
+                raise InvalidRequest(f"{where}[{i}]", part, f"must be a text part ({' or '.join(part_types)}, with "
+                                                     "its text): this server takes text only")
             texts.append(part["text"])
         return "".join(texts)
     raise InvalidRequest(where, content, "must be a string (or a list of text parts)")

@@ -122,18 +122,16 @@ class WireFormat:
 
     def full(self, results: Sequence[GenerationResult], usages: Sequence[Usage] | None = None) -> Iterator[str]:
         """The whole answer's JSON text, in pieces (`json_body.json_pieces`): one choice per result, in order;
-        usage counts the prompt once, and the completion tokens of `usages` (every candidate generated;
+        usage counts each prompt once, and the completion tokens of `usages` (every candidate generated;
         default: the results'). Blocking work for a pool: each choice, and each slice of its
         log-probabilities, is made only when the text reaches it, so a big answer is never whole in
         memory, and no one call holds the GIL long."""
         body = self._envelope(self.object_full, (self._full_choice_at(i, r) for i, r in enumerate(results)))
         self._request_fields(body, results)
         every = usages if usages is not None else [r.usage for r in results]
-        body["usage"] = usage_dict(combined_usage(every, len(every) // len(self._prompts(results))))
+        prompts = max(1, len(results) // self.choices_per_prompt)  # `n` choices were returned per prompt
+        body["usage"] = usage_dict(combined_usage(every, len(every) // prompts))
         return json_pieces(body)
-
-    def _prompts(self, results: Sequence[GenerationResult]) -> range:
-        return range(max(1, len(results) // self.choices_per_prompt))
 
     def _request_fields(self, body: dict[str, Any], results: Sequence[GenerationResult]) -> None:
         """Fields of the whole answer beside its choices (chat's prompt ids and log-probabilities)."""

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.server.requests import text_content
 
 #: Fields whose presence (any value but the one that asks for nothing) this server cannot honour.
 REFUSED = {
@@ -85,7 +86,8 @@ def _input(value: Any) -> list[dict[str, Any]]:
             raise InvalidRequest(where, item, "must be an item object")
         kind = item.get("type", "message")
         if kind == "message":
-            messages.append({"role": item.get("role"), "content": _content(f"{where}.content", item.get("content"))})
+            messages.append({"role": item.get("role"),
+                             "content": text_content(f"{where}.content", item.get("content"), PART_TYPES)})
         elif kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
@@ -106,20 +108,6 @@ def _input(value: Any) -> list[dict[str, Any]]:
             raise InvalidRequest(f"{where}.type", kind, "must be message, function_call, function_call_output "
                                                          "or reasoning")
     return messages
-
-
-def _content(where: str, content: Any) -> Any:
-    """A message's content: a string, or its text parts (`input_text`, `output_text`) joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise InvalidRequest(where, content, "must be a string or a list of text parts")
-    texts = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in PART_TYPES or not isinstance(part.get("text"), str):
-            raise InvalidRequest(f"{where}[{i}]", part, "must be a text part (input_text): this server takes text only")
-        texts.append(part["text"])
-    return "".join(texts)
 
 
 def _tools(value: Any) -> list[dict[str, Any]]:

@@ -66,18 +66,19 @@ def test_embeddings_are_transformers_final_hidden_states_pooled(embed_server, re
 def test_normalised_truncated_and_base64(embed_server):
     raw = embed(embed_server, input=TEXTS[1], normalize=False)[0]
     unit = embed(embed_server, input=TEXTS[1])[0]
-    norm = math.sqrt(sum(v * v for v in raw))
-    assert all(math.isclose(u, v / norm, rel_tol=1e-12, abs_tol=1e-15) for u, v in zip(unit, raw))
+    # The same float64 steps the server takes: an exactly rounded sum of squares, its root, a division each.
+    norm = math.sqrt(math.fsum(v * v for v in raw))
+    assert unit == [v / norm for v in raw]
     short = embed(embed_server, input=TEXTS[1], dimensions=8)[0]
-    head = math.sqrt(sum(v * v for v in raw[:8]))
-    assert len(short) == 8 and all(math.isclose(s, v / head, rel_tol=1e-12) for s, v in zip(short, raw[:8]))
+    head = math.sqrt(math.fsum(v * v for v in raw[:8]))
+    assert short == [v / head for v in raw[:8]]
     packed = embed(embed_server, input=TEXTS[1], encoding_format="base64")[0]
-    floats = struct.unpack(f"<{len(unit)}f", base64.b64decode(packed))
-    assert all(math.isclose(f, u, rel_tol=1e-6, abs_tol=1e-7) for f, u in zip(floats, unit))
+    as_float32 = struct.unpack(f"<{len(unit)}f", struct.pack(f"<{len(unit)}f", *unit))  # each rounded once
+    assert struct.unpack(f"<{len(unit)}f", base64.b64decode(packed)) == as_float32
     with openai_client(embed_server) as client:  # asks for base64 itself, and decodes it
         reply = client.embeddings.create(model=MODEL_NAME, input=TEXTS)
     assert [d.index for d in reply.data] == [0, 1, 2] and reply.usage.prompt_tokens > 0
-    assert all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-7) for a, b in zip(reply.data[1].embedding, unit))
+    assert tuple(reply.data[1].embedding) == as_float32
 
 
 def test_every_input_form_and_company_change_nothing(embed_server, tiny_batch_model):

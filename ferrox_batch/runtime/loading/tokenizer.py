@@ -75,7 +75,6 @@ class Tokenizer:
         stop_tokens: StopTokens = StopTokens.default(),
     ) -> None:
         self.inner = tokenizer
-        self.chat_template = chat_template
         self.bos_token = bos_token
         self.eos_token = eos_token
         self.add_bos = add_bos

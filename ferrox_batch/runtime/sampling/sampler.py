@@ -72,7 +72,13 @@ from ferrox_batch.forward import GrammarComplete, Sampled
 from ferrox_batch.generation_types import SamplingParams
 from ferrox_batch.runtime.sampling.logit_transforms import banned, biased, masked, penalised
 from ferrox_batch.runtime.sampling.logprobs import token_logprobs
-from ferrox_batch.runtime.sampling.sampler_rows import MIN_TEMPERATURE, RowSampler, SamplingError, new_row
+from ferrox_batch.runtime.sampling.sampler_rows import (
+    MIN_TEMPERATURE,
+    NoTokenLeft,
+    RowSampler,
+    SamplingError,
+    new_row,
+)
 from ferrox_batch.runtime.sampling.sampling_cuts import cuts
 
 if TYPE_CHECKING:
@@ -87,6 +93,8 @@ _PROBLEMS = (
     "the model's logits contain +inf",
     "every logit is -inf, so no token can be sampled",
 )
+#: The status of a row whose own constraints left no token (`NoTokenLeft`), past `_PROBLEMS`.
+_NOTHING_LEFT = len(_PROBLEMS)
 
 
 class BatchSampler:
@@ -137,14 +145,17 @@ class BatchSampler:
         status = torch.where(top.isnan(), 1, torch.where(top == float("inf"), 2, torch.where(top == float("-inf"), 3, 0)))
         if masks is None and any(row.matcher is not None for row in rows):
             masks = self.grammar_masks(rows)
-        tokens = self._choose(masked(banned(biased(penalised(x, rows), rows), rows), masks), rows)
+        shaped = masked(banned(biased(penalised(x, rows), rows), rows), masks)
+        if shaped is not x:  # a row the transforms left with no token is refused, never handed token 0
+            status = torch.where((status == 0) & (shaped.amax(dim=-1) == float("-inf")), _NOTHING_LEFT, status)
+        tokens = self._choose(shaped, rows)
         host = torch.where(status == 0, tokens, -status).tolist()  # the one sync every call makes
         scored = [i for i, row in enumerate(rows) if row.logprobs is not None and host[i] >= 0]
         logprobs = token_logprobs(x, tokens, host, rows, scored) if scored else {}
         out: list[Sampled] = []
         for i, (token, row) in enumerate(zip(host, rows)):
             if token < 0:
-                out.append(SamplingError(i, _PROBLEMS[-token]))
+                out.append(NoTokenLeft(i) if -token == _NOTHING_LEFT else SamplingError(i, _PROBLEMS[-token]))
                 continue
             try:  # from here on each row's state changes: one row's failure stays its own
                 row.record(token)

@@ -43,6 +43,21 @@ class SamplingError(DecodeError):
         super().__init__(f"sampling failed: {detail}")
 
 
+class NoTokenLeft(DecodeError):
+    """The request's own constraints (`allowed_token_ids`, `bad_words`, `logit_bias`, its grammar) left no
+    token to sample at some step: its fault, a 400, and its alone."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    error_code = "no_token_left"
+    _fields = ("row",)
+
+    def __init__(self, row: int) -> None:
+        self.row = row
+        super().__init__("no token is left to sample: allowed_token_ids, bad_words, logit_bias or the output's "
+                         "grammar ban every one")
+
+
 @dataclass(slots=True, eq=False)
 class RowSampler:
     """One request's sampling state, made at admission by `BatchSampler.new_row`.

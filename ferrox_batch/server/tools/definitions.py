@@ -12,6 +12,7 @@ does (`ToolCallParser`).
 
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from collections.abc import Sequence
@@ -36,6 +37,15 @@ class ToolCall:
     def to_openai(self) -> dict[str, Any]:
         return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                 "function": {"name": self.name, "arguments": self.arguments}}
+
+    @classmethod
+    def read(cls, value: Any) -> ToolCall | None:
+        """A call written as JSON (`{"name": ..., "arguments": ...}`, `parameters` as the arguments' other name;
+        arguments given as a string are taken as they are); None when `value` is not one."""
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+            return None
+        arguments = value.get("arguments", value.get("parameters", {}))
+        return cls(value["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
 @dataclass(frozen=True, slots=True)

@@ -72,12 +72,7 @@ class GenericToolCalls:
         listed = value.get("tool_calls")
         if listed is None and isinstance(value.get("tool_call"), dict):
             listed = [value["tool_call"]]
-        calls = []
-        for call in listed if isinstance(listed, list) else ():
-            if isinstance(call, dict) and isinstance(call.get("name"), str):
-                arguments = call.get("arguments", call.get("parameters", {}))
-                calls.append(ToolCall(call["name"], arguments if isinstance(arguments, str) else
-                                      json.dumps(arguments, ensure_ascii=False)))
+        calls = [c for c in map(ToolCall.read, listed if isinstance(listed, list) else ()) if c is not None]
         if not calls:
             return ParsedReply(text, ())
         return ParsedReply(None, tuple(calls))

@@ -46,13 +46,11 @@ class HermesToolCalls:
         blocks = self.blocks(text)
         for _start, _end, body in blocks:
             try:
-                call = json.loads(body)
+                call = ToolCall.read(json.loads(body))
             except ValueError:
                 continue  # not a call after all: it stays in the content
-            if isinstance(call, dict) and isinstance(call.get("name"), str):
-                arguments = call.get("arguments", call.get("parameters", {}))
-                calls.append(ToolCall(call["name"], arguments if isinstance(arguments, str) else
-                                      json.dumps(arguments, ensure_ascii=False)))
+            if call is not None:
+                calls.append(call)
         if not calls:
             return ParsedReply(text, ())
         kept, at = [], 0

@@ -149,3 +149,16 @@ def test_sampling_params_refuse_bad_lists():
         with pytest.raises(InvalidRequest) as refused:
             SamplingParams(**fields)
         assert refused.value.param == name
+
+
+def test_a_row_left_with_no_token_is_refused_and_its_neighbour_is_not():
+    from ferrox_batch.runtime.sampling.sampler_rows import NoTokenLeft
+
+    sampler = BatchSampler(VOCAB, "cpu")
+    boxed = sampler.new_row(SamplingParams(allowed_token_ids=(3, 4), bad_words_ids=((3, 3), (3, 4))), None, [])
+    free = sampler.new_row(SamplingParams(), None, [])
+    x = torch.zeros(2, VOCAB)
+    x[:, 3] = 5.0
+    assert sampler.sample(x, [boxed, free]) == [3, 3]
+    refused, fine = sampler.sample(x, [boxed, free])  # after 3, both 3 and 4 end a bad word
+    assert isinstance(refused, NoTokenLeft) and refused.http_status == 400 and fine == 3
