@@ -21,7 +21,7 @@ class Counters:
     """Prefill chunks and tokens, decode forwards, and the peak blocks held by in-flight work."""
 
     __slots__ = ("_prefill_chunks", "_prefill_tokens", "_decode_steps", "_peak_blocks", "_prefix_queries",
-                 "_prefix_hits", "_drafts", "_draft_tokens", "_accepted_tokens", "_lock")
+                 "_prefix_hits", "_drafts", "_draft_tokens", "_accepted_tokens", "_accepted_per_pos", "_lock")
 
     def __init__(self) -> None:
         self._prefill_chunks = 0
@@ -33,6 +33,7 @@ class Counters:
         self._drafts = 0
         self._draft_tokens = 0
         self._accepted_tokens = 0
+        self._accepted_per_pos: list[int] = []  # by draft position: how many drafts kept that position
         self._lock = threading.Lock()
 
     def add_prefix_lookup(self, queried: int, hits: int) -> None:
@@ -51,18 +52,24 @@ class Counters:
 
     def add_draft(self, tokens: int, accepted: int) -> None:
         """One verified draft (speculative decoding, port-only): `tokens` drafted, `accepted` of them kept
-        (vLLM's `spec_decode_num_drafts` / `_num_draft_tokens` / `_num_accepted_tokens`)."""
+        (vLLM's `spec_decode_num_drafts` / `_num_draft_tokens` / `_num_accepted_tokens`). A draft is kept
+        as a prefix, so positions 0 to `accepted - 1` each count one acceptance (`_per_pos`)."""
         check_int("tokens", tokens)
         check_int("accepted", accepted, maximum=tokens)
         with self._lock:
             self._drafts += 1
             self._draft_tokens += tokens
             self._accepted_tokens += accepted
+            if len(self._accepted_per_pos) < tokens:
+                self._accepted_per_pos.extend([0] * (tokens - len(self._accepted_per_pos)))
+            for position in range(accepted):
+                self._accepted_per_pos[position] += 1
 
-    def speculation(self) -> tuple[int, int, int]:
-        """`(drafts, draft tokens, accepted tokens)` since start."""
+    def speculation(self) -> tuple[int, int, int, tuple[int, ...]]:
+        """`(drafts, draft tokens, accepted tokens, accepted tokens by draft position)` since start; the
+        positions run to the longest draft seen."""
         with self._lock:
-            return self._drafts, self._draft_tokens, self._accepted_tokens
+            return self._drafts, self._draft_tokens, self._accepted_tokens, tuple(self._accepted_per_pos)
 
     def add_prefill(self, tokens: int) -> None:
         """One `step_chunk` call that advanced `tokens` prompt tokens (adopted prefix positions excluded)."""
@@ -150,6 +157,8 @@ class BatcherStats:
     spec_decode_num_drafts: int = 0
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
+    #: By draft position (0 = a draft's first token): the drafts that kept it.
+    spec_decode_num_accepted_tokens_per_pos: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -157,8 +166,15 @@ class BatcherStats:
             if f.name == "worker_alive":
                 if not isinstance(value, bool):
                     raise TypeError(f"worker_alive must be a bool, got {value!r}")
+            elif f.name == "spec_decode_num_accepted_tokens_per_pos":
+                if not isinstance(value, tuple):
+                    raise TypeError(f"{f.name} must be a tuple, got {value!r}")
+                for position, count in enumerate(value):
+                    check_int(f"{f.name}[{position}]", count)
             else:
                 check_int(f.name, value)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """JSON's types: the per-position counts as a list."""
+        return {f.name: list(v) if isinstance(v := getattr(self, f.name), tuple) else v
+                for f in dataclasses.fields(self)}

@@ -144,7 +144,7 @@ class ContinuousBatcher:
     def stats(self) -> BatcherStats:
         prefill_chunks, prefill_tokens, decode_steps, peak = self._counters.snapshot()
         prefix_queries, prefix_hits = self._counters.prefix_cache()
-        drafts, draft_tokens, accepted_tokens = self._counters.speculation()
+        drafts, draft_tokens, accepted_tokens, accepted_per_pos = self._counters.speculation()
         total = self._budget.total
         times = self._worker_time.snapshot()
         held_global, held_local = self.store.blocks_by_kind()
@@ -170,6 +170,7 @@ class ContinuousBatcher:
             spec_decode_num_drafts=drafts,
             spec_decode_num_draft_tokens=draft_tokens,
             spec_decode_num_accepted_tokens=accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=accepted_per_pos,
             kv_blocks_cached=self.store.pool.num_cached,
             kv_blocks_global=held_global,
             kv_blocks_local=held_local,

@@ -3,7 +3,10 @@
 Much of what a model writes repeats its input (code edits, summaries, extraction, quoted answers). The
 draft for a row's next tokens is what followed the most recent earlier occurrence of its last n tokens,
 trying the longest n first (`n_max` down to `n_min`), up to `k` tokens; a row whose suffix occurred
-nowhere earlier gets no draft and decodes as usual. Verifying a draft costs one forward over its
+nowhere earlier gets no draft and decodes as usual. When the occurrence is so recent that fewer than `k`
+tokens follow it, the copy runs on over the tokens it drafts itself (as an overlapping copy does): a
+sequence that repeats with period p is predicted to go on repeating, so a loop of one token drafts `k` of
+it rather than one. Verifying a draft costs one forward over its
 positions, so a good draft turns several steps into one.
 
 Why an index rather than a scan: a scan of the whole sequence per row per step costs its length in Python
@@ -48,16 +51,26 @@ class NgramIndex:
         tokens.append(token)
 
     def draft(self, k: int) -> list[int]:
-        """Up to `k` tokens that followed the latest earlier occurrence of the sequence's last n tokens, for
-        the longest n in range that occurred; [] when none did (or `k` is 0)."""
+        """`k` tokens copied on from the latest earlier occurrence of the sequence's last n tokens, for the
+        longest n in range that occurred; [] when none did (or `k` is 0)."""
         tokens = self._tokens
         if k <= 0:
             return []
         for n in range(min(self.n_max, len(tokens)), self.n_min - 1, -1):
             end = self._ends[n].get(tuple(tokens[len(tokens) - n:]))
             if end is not None:
-                return tokens[end:end + k]
+                return _copy_on(tokens, end, k)
         return []
+
+
+def _copy_on(tokens: Sequence[int], start: int, k: int) -> list[int]:
+    """`k` tokens predicted to follow `tokens` by copying from `start` on: past the end, the copy reads
+    what it has drafted (the sequence taken to repeat with period `len(tokens) - start`)."""
+    out = list(tokens[start:start + k])
+    period = len(tokens) - start
+    while len(out) < k:
+        out.append(out[len(out) - period])
+    return out
 
 
 def reference_draft(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> list[int]:
@@ -68,5 +81,5 @@ def reference_draft(tokens: Sequence[int], k: int, n_min: int, n_max: int) -> li
         suffix = list(tokens[len(tokens) - n:])
         for start in range(len(tokens) - n - 1, -1, -1):  # latest earlier occurrence first
             if list(tokens[start:start + n]) == suffix:
-                return list(tokens[start + n:start + n + k])
+                return _copy_on(tokens, start + n, k)
     return []

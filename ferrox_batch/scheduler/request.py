@@ -104,6 +104,8 @@ class Request:
     draft: tuple[int, ...] = ()
     ngram: NgramIndex | None = None
     draft_misses: int = 0
+    #: Text held back while a verified draft's tokens are applied, so they stream as one chunk (else None).
+    held_text: list[str] | None = None
     #: Its prompt's pooled hidden states so far (`params.pooling`): the sum over the chunks run ("mean"),
     #: or the last chunk's last row ("last").
     pooled: list[float] | None = None
@@ -214,9 +216,21 @@ class Request:
 
     # ------------------------------------------------------------ output
 
+    def hold_chunks(self) -> None:
+        """Gather what `emit` streams until `release_chunks` (the tokens one forward accepted at once)."""
+        self.held_text = []
+
+    def release_chunks(self) -> None:
+        """Stream what was gathered since `hold_chunks` as one chunk."""
+        held, self.held_text = self.held_text, None
+        if held:
+            self.emit("".join(held))
+
     def emit(self, text: str) -> None:
         """Stream visible text, with the log-probabilities of the tokens generated since the last chunk."""
-        if text:
+        if text and self.held_text is not None:
+            self.held_text.append(text)
+        elif text:
             self.visible.append(text)
             fresh: tuple[TokenLogprob, ...] = ()
             if self.logprobs is not None:

@@ -226,9 +226,15 @@ class Scheduler:
                 chunk.request.add_pooled(pooled[index])
         self._requeue_prompts(plan)
         for request, outcome in zip(sampling, sampled):
-            for one in outcome if isinstance(outcome, tuple) else (outcome,):
+            if not isinstance(outcome, tuple):
+                if request.going:
+                    progress.sampled(request, outcome, self.decode)
+                continue
+            request.hold_chunks()  # a draft's accepted tokens and the one after them stream as one chunk
+            for one in outcome:
                 if request.going:  # nothing after a stop, a length or a failure is applied
                     progress.sampled(request, one, self.decode)
+            request.release_chunks()
         if seconds is not None and self.config.step_target_ms is not None:
             self.step_cost.observe(len(plan.decodes), plan.prompt_tokens + plan.draft_tokens, seconds)
         exits.flush(self)

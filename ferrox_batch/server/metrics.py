@@ -86,8 +86,16 @@ class _BatcherCollector:
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
         for field in dataclasses.fields(stats):
-            yield GaugeMetricFamily(PREFIX + field.name, _STATS_HELP.get(field.name, field.name),
-                                    value=float(getattr(stats, field.name)))
+            value = getattr(stats, field.name)
+            if isinstance(value, tuple):  # by position: a label per entry
+                family = GaugeMetricFamily(PREFIX + field.name, _STATS_HELP.get(field.name, field.name),
+                                           labels=["position"])
+                for position, count in enumerate(value):
+                    family.add_metric([str(position)], count)
+                yield family
+            else:
+                yield GaugeMetricFamily(PREFIX + field.name, _STATS_HELP.get(field.name, field.name),
+                                        value=float(value))
         in_flight = self._in_flight()
         yield GaugeMetricFamily(PREFIX + "requests_in_flight",
                                 "Requests submitted through this server and not yet answered by the batcher.",
@@ -114,6 +122,13 @@ class _BatcherCollector:
             counter = CounterMetricFamily(name, doc, labels=["model_name"])
             counter.add_metric([self._model], value)
             yield counter
+        # The acceptance per draft position: accepted there over `vllm:spec_decode_num_drafts`.
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.",
+                                      labels=["model_name", "position"])
+        for position, value in enumerate(stats.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([self._model, str(position)], value)
+        yield per_pos
 
     def _vllm(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         gauge = GaugeMetricFamily(name, doc, labels=["model_name"])

@@ -7,6 +7,8 @@ import json
 import threading
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from ferrox_batch.admission.counters import BatcherStats, Counters
 
@@ -91,7 +93,7 @@ def test_stats_carry_every_upstream_field_plus_the_ports_own():
         "max_batch_tokens", "worker_alive", "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_cached",
         "worker_idle_ms", "worker_scheduling_ms", "worker_forward_ms", "worker_forward_off_cpu_ms",
         "kv_blocks_global", "kv_blocks_local", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
-        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens_per_pos",
     }
 
 
@@ -105,10 +107,31 @@ def test_prefix_lookups_add_up_and_hits_never_exceed_queries():
 
 
 def test_stats_serialise_to_a_flat_json_object():
-    s = stats()
+    s = stats(spec_decode_num_accepted_tokens_per_pos=(5, 2))
     body = s.to_dict()
     assert body["max_seqs"] == 0 and body["worker_alive"] is True and body["kv_blocks_free"] == 6
+    assert body["spec_decode_num_accepted_tokens_per_pos"] == [5, 2]
     assert json.loads(json.dumps(body)) == body
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6)), max_size=30))
+def test_drafts_count_their_accepted_prefix_position_by_position(drafts):
+    counters = Counters()
+    per_pos: list[int] = []
+    for tokens, accepted in drafts:
+        accepted = min(accepted, tokens)
+        counters.add_draft(tokens, accepted)
+        per_pos.extend([0] * (tokens - len(per_pos)))
+        for position in range(accepted):
+            per_pos[position] += 1
+    n, tokens, accepted, by_position = counters.speculation()
+    assert n == len(drafts) and tokens == sum(t for t, _ in drafts)
+    assert accepted == sum(by_position) == sum(min(a, t) for t, a in drafts)
+    assert list(by_position) == per_pos
+    # A draft keeps a prefix: no position is accepted more often than the one before it.
+    assert all(a >= b for a, b in zip(by_position, by_position[1:]))
+    with pytest.raises(ValueError, match="accepted"):
+        counters.add_draft(2, 3)
 
 
 def test_stats_are_an_immutable_snapshot():
@@ -116,7 +139,9 @@ def test_stats_are_an_immutable_snapshot():
         stats().decode_steps = 9  # type: ignore[misc]
 
 
-@pytest.mark.parametrize(("field", "bad"), [("queue_depth", -1), ("decode_steps", 1.0), ("aborted", True), ("worker_alive", 1)])
+@pytest.mark.parametrize(("field", "bad"), [("queue_depth", -1), ("decode_steps", 1.0), ("aborted", True), ("worker_alive", 1),
+                                           ("spec_decode_num_accepted_tokens_per_pos", [1]),
+                                           ("spec_decode_num_accepted_tokens_per_pos", (1, -1))])
 def test_stats_refuse_values_that_are_not_counts(field, bad):
     with pytest.raises((TypeError, ValueError), match=field):
         stats(**{field: bad})

@@ -12,7 +12,9 @@ drafts. (The 64-thread storm runs with speculation on too: `scheduler/test_invar
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
+import chi_square
 import pytest
 import torch
 from numerics import logits_tolerance
@@ -186,3 +188,147 @@ def test_the_real_model_answers_the_same_with_drafts(real_model_dir, device):
         logits = model.decoder.forward([SeqChunk(0, ids)], store)[0]
         top = logits.topk(2).values
         assert float(top[0] - top[1]) <= 2 * logits_tolerance(model.config, len(ids), logits), (at, plain.text)
+
+
+
+class Recorder:
+    """A reply sink that keeps every chunk's text and token ids, and the final outcome."""
+
+    def __init__(self) -> None:
+        self.chunks: list[tuple[str, tuple[int, ...]]] = []
+        self.outcome = None
+        self.done = threading.Event()
+
+    def chunk(self, text: str, logprobs=(), token_ids: tuple[int, ...] = ()) -> None:
+        self.chunks.append((text, token_ids))
+
+    def finished(self, outcome) -> None:
+        self.outcome = outcome
+        self.done.set()
+
+
+def test_a_verified_drafts_tokens_stream_as_one_chunk(tiny_batch_model):
+    ids = tiny_batch_model.tokenizer.encode(PROMPTS[0])
+    params = GenerationParams(max_tokens=150, ignore_eos=True, stream_token_ids=True)  # it ends in a loop
+    with batcher(tiny_batch_model, 4) as b:
+        sink = Recorder()
+        b.submit(ids, params, sink=sink)
+        assert sink.done.wait(60)
+        stats = b.stats()
+    result = sink.outcome
+    assert "".join(text for text, _ in sink.chunks) == result.text
+    assert tuple(t for _, ids in sink.chunks for t in ids) == result.token_ids
+    # At most one chunk per step: the first token's, then each decode step's (a draft's accepted tokens
+    # with the one after them, or one token; a token ending inside a character goes out with the next).
+    assert len(sink.chunks) <= 1 + stats.decode_steps < len(result.token_ids)
+    assert max(len(ids) for _, ids in sink.chunks) == 5  # a whole draft of 4 and the token after it
+
+
+class HookedDecoder:
+    """The real decoder, with `hook` called after each forward that returns every position's logits (a
+    step with a drafted row)."""
+
+    def __init__(self, inner, hook) -> None:
+        self.inner = inner
+        self.hook = hook
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def forward_every(self, chunks, store, rows):
+        out = self.inner.forward_every(chunks, store, rows)
+        self.hook()
+        return out
+
+
+class Crash(BaseException):
+    """Not an `Exception`: it takes the worker down."""
+
+
+def hooked_batcher(model, hook) -> ContinuousBatcher:
+    config = BatcherConfig(kv_block_size=8, kv_blocks=256, speculative_tokens=4, speculative_ngram_min=1)
+    return ContinuousBatcher.spawn_with_config(HookedDecoder(model.decoder, hook), model.tokenizer.decode, config)
+
+
+def test_a_deadline_passing_mid_draft_frees_every_block(tiny_batch_model):
+    from ferrox_batch.errors import WaitTimedOut
+
+    ids = tiny_batch_model.tokenizer.encode(PROMPTS[0])
+    slow = threading.Event()
+    with hooked_batcher(tiny_batch_model, lambda: slow.wait(0.5)) as b:
+        with pytest.raises(WaitTimedOut):
+            b.generate(ids, GenerationParams(max_tokens=200, ignore_eos=True), timeout=0.3)
+        slow.set()
+        for _ in range(600):  # the cancel lands at the worker's next step
+            stats = b.stats()
+            if stats.kv_blocks_free == stats.kv_blocks_total and not b.store.seq_ids():
+                break
+            threading.Event().wait(0.05)
+        assert stats.kv_blocks_free == stats.kv_blocks_total and b.store.seq_ids() == []
+        assert stats.spec_decode_num_drafts > 0 and stats.aborted >= 0
+        assert b.generate(ids, GenerationParams(max_tokens=5, ignore_eos=True)).usage.completion_tokens == 5
+
+
+def test_a_worker_dying_mid_draft_answers_and_frees_every_block(tiny_batch_model):
+    from ferrox_batch.errors import WorkerDied
+
+    def crash() -> None:
+        raise Crash("injected crash in a drafted step")
+
+    ids = tiny_batch_model.tokenizer.encode(PROMPTS[0])
+    b = hooked_batcher(tiny_batch_model, crash)
+    try:
+        with pytest.raises(WorkerDied, match="Crash"):
+            b.generate(ids, GenerationParams(max_tokens=50, ignore_eos=True), timeout=60)
+        stats = b.stats()
+        assert not stats.worker_alive and stats.kv_blocks_free == stats.kv_blocks_total
+    finally:
+        assert b.close(timeout=10)
+
+
+#: The statistical test's level: a sampler that keeps the model's distribution fails it with this chance.
+SIGNIFICANCE = 0.001
+SAMPLES = 2000
+
+
+def sampled_outputs(model, k: int, first_seed: int) -> tuple[Counter, object]:
+    """`SAMPLES` outputs of 5 tokens after a prompt that repeats token 8, sampled at temperature 1 with
+    filters, a presence penalty and a bias towards 8 that makes the drafts (runs of 8) about as often
+    accepted as not, each request with its own seed; all in one wide batch that drafts."""
+    sampling = SamplingParams(temperature=1.0, top_k=40, presence_penalty=0.5, logit_bias=((8, 9.5),))
+    config = BatcherConfig(kv_block_size=8, kv_blocks=4096, max_seqs=256, max_queue=SAMPLES,
+                           speculative_tokens=k, speculative_ngram_min=1, speculative_max_batch=256)
+    with ContinuousBatcher.from_model(model, config) as b:
+        tickets = [b.submit([8] * 10, GenerationParams(max_tokens=5, ignore_eos=True, sampling=sampling,
+                                                       seed=first_seed + i)) for i in range(SAMPLES)]
+        outputs = Counter(t.wait(timeout=120).token_ids for t in tickets)
+        return outputs, b.stats()
+
+
+def test_sampled_outputs_keep_the_models_distribution(tiny_batch_model):
+    """Two samples of `SAMPLES` outputs, without speculation and with it (other seeds), are one distribution
+    by Pearson's two-sample chi-square test at `SIGNIFICANCE`; the same test tells a verifier that keeps
+    every draft token apart from the model. Seeds fix both samples, so the outcome is the same on every run
+    of one machine."""
+    plain, _ = sampled_outputs(tiny_batch_model, 0, 0)
+    drafted, stats = sampled_outputs(tiny_batch_model, 4, SAMPLES)
+    accepted = stats.spec_decode_num_accepted_tokens / stats.spec_decode_num_draft_tokens
+    assert stats.spec_decode_num_drafts >= SAMPLES // 2 and 0.2 < accepted < 0.9, stats
+    statistic, df, p = chi_square.two_sample(plain, drafted)
+    assert df >= 10 and p > SIGNIFICANCE, (statistic, df, p)
+
+
+def test_the_distribution_test_tells_a_biased_verifier_apart(tiny_batch_model, monkeypatch):
+    from ferrox_batch.runtime.runner import ModelRunner
+
+    def keep_every_draft_token(self, sampling, drafted, spans, sampled) -> None:
+        for i in drafted:
+            draft = sampling[i].draft
+            row = self._samplers[sampling[i].seq_id]
+            sampled[i] = (*draft, self.sampler.sample(spans[sampling[i].row][len(draft)][None], [row])[0])
+
+    plain, _ = sampled_outputs(tiny_batch_model, 0, 0)
+    monkeypatch.setattr(ModelRunner, "_verify", keep_every_draft_token)
+    biased, _ = sampled_outputs(tiny_batch_model, 4, SAMPLES)
+    _, _, p = chi_square.two_sample(plain, biased)
+    assert p < SIGNIFICANCE, p

@@ -36,6 +36,24 @@ def test_a_repeated_span_is_drafted_and_a_fresh_one_is_not():
     assert longest.draft(1) == [8]
 
 
+def test_a_recent_occurrence_copies_on_as_a_repeat():
+    assert NgramIndex(2, 2, [5, 8, 8, 8]).draft(4) == [8, 8, 8, 8]  # a run of one token goes on
+    assert NgramIndex(2, 2, [1, 2, 1, 2, 1]).draft(5) == [2, 1, 2, 1, 2]  # period 2
+    assert NgramIndex(2, 3, [4, 1, 2, 3, 1, 2]).draft(5) == [3, 1, 2, 3, 1]
+
+
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=12), st.integers(1, 5), st.integers(1, 8),
+       st.integers(0, 2))
+def test_a_periodic_sequence_is_drafted_as_its_continuation(pattern, repeats, k, extra):
+    """A sequence that repeats `pattern` is drafted as the repetition going on. With n at least the
+    pattern's length, equal n-grams of it lie a whole number of (smallest) periods apart, so whichever
+    occurrence is the latest, copying on from it continues the cycle."""
+    tokens = pattern * (repeats + 1)
+    cycle = pattern * (k // len(pattern) + 2)
+    draft = NgramIndex(len(pattern), len(pattern) + extra, tokens).draft(k)
+    assert draft == cycle[:k], (tokens, draft)
+
+
 @pytest.mark.parametrize("n_min, n_max", [(0, 2), (3, 2), (-1, 1)])
 def test_bad_ranges_are_refused(n_min, n_max):
     with pytest.raises(ValueError):
