@@ -35,6 +35,14 @@ Our configurations take any `serve` flags: `--model FILE.gguf` serves a GGUF as 
 
 Shape s is the single stream: four requests sent one after another, llama.cpp with one slot (`-np 1`);
 the table's tok/s is the median decode rate after the first token.
+
+Shape d is the single stream on editing tasks whose answers copy their prompts (`bench.copying`), d4 four
+of them at once: the work speculative decoding is for. Ours runs with `--speculative` and with
+`--no-speculative`; each llama.cpp peer runs without speculation and with its n-gram speculation
+(`--llama-spec`, by default `--spec-type ngram-simple` with its own defaults), with one slot per request.
+
+    python scripts/bench_serving.py --shape d --gguf ~/.cache/ferrox-batch/bench-models/smollm2-135m-instruct-bf16.gguf \
+        --llama-server /path/to/llama-server
 """
 
 from __future__ import annotations
@@ -120,7 +128,10 @@ def llama_command(server: Path, model: Path, cache_prompt: bool, threads: int, s
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=default_model(os.environ), help="our checkpoint folder (the fetched default)")
-    p.add_argument("--shape", default="a", choices=("a", "c", "s"), help="s: the single stream, llama.cpp with one slot")
+    p.add_argument("--shape", default="a", choices=("a", "c", "s", "d", "d4"),
+                   help="s: the single stream, llama.cpp with one slot; d: copying tasks, one at a time (d4: four)")
+    p.add_argument("--llama-spec", default="--spec-type ngram-simple",
+                   help="on shapes d and d4, the flags of llama.cpp's speculative peer beside its plain one")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ggufs", default="f16,f32", help="llama.cpp peers, one per GGUF precision (f16, f32, bf16)")
     p.add_argument("--gguf", type=Path, action="append",
@@ -141,15 +152,20 @@ def main() -> int:
     # The source is needed for its GGUF converter, and for a build when no server binary is given.
     source = None if args.gguf is not None and args.llama_server else llama_source(args.work)
     server = args.llama_server or build_llama_server(source)
-    peers = []
-    slots = 1 if args.shape == "s" else SLOTS
-    for path in args.gguf or ():
-        peers.append(f"llama.cpp-{peer_name(path)}={llama_command(server, path, args.shape == 'c', args.threads, slots)}")
+    slots = {"s": 1, "d": 1, "d4": 4}.get(args.shape, SLOTS)
+    ggufs = [(peer_name(path), path) for path in args.gguf or ()]
     for outtype in filter(None, "" if args.gguf is not None else args.ggufs.split(",")):
-        model = gguf(source, Path(args.model), outtype, args.work, args.convert_python)
-        peers.append(f"llama.cpp-{outtype}={llama_command(server, model, args.shape == 'c', args.threads, slots)}")
+        ggufs.append((outtype, gguf(source, Path(args.model), outtype, args.work, args.convert_python)))
+    copying = args.shape in ("d", "d4")
+    peers = []
+    for name, path in ggufs:
+        command = llama_command(server, path, args.shape == "c", args.threads, slots)
+        peers.append(f"llama.cpp-{name}={command}")
+        if copying:
+            peers.append(f"llama.cpp-{name}-ngram={command} {args.llama_spec}")
     argv = ["--model", args.model, "--shape", args.shape, "--repeats", str(args.repeats)]
-    for spec in args.ours or ["ours="]:
+    ours = ["ours-spec=--speculative", "ours-nospec=--no-speculative"] if copying else ["ours="]
+    for spec in args.ours or ours:
         argv += ["--config", spec]
     for spec in peers:
         argv += ["--peer", spec]

@@ -46,6 +46,8 @@ SERVING_STEP_TARGET_MS = 500
 #: (`WaitingQueue` aging; the upstream has one priority and no aging). Long enough that priorities decide
 #: the order under a burst, short enough that a flood of urgent requests cannot starve the rest.
 SERVING_PRIORITY_AGING_MS = 30_000
+#: The ways a row may draft tokens for speculative decoding: "ngram", prompt lookup (`scheduler.ngram_draft`).
+SPECULATIVE_METHODS = ("ngram",)
 
 ENV_MAX_SEQS = "FERROX_CB_MAX_SEQS"
 ENV_PREFILL_CHUNK = "FERROX_CB_PREFILL_CHUNK"
@@ -60,6 +62,8 @@ ENV_PREFIX_CACHE = "FERROX_CB_PREFIX_CACHE"
 ENV_MAX_QUEUE_WAIT_MS = "FERROX_CB_MAX_QUEUE_WAIT_MS"
 ENV_PRIORITY_AGING_MS = "FERROX_CB_PRIORITY_AGING_MS"
 ENV_SLIDE_INTERVAL = "FERROX_CB_SLIDE_INTERVAL"
+ENV_SPECULATIVE = "FERROX_CB_SPECULATIVE"
+ENV_SPECULATIVE_METHOD = "FERROX_CB_SPECULATIVE_METHOD"
 ENV_SPECULATIVE_TOKENS = "FERROX_CB_SPECULATIVE_TOKENS"
 ENV_SPECULATIVE_NGRAM_MIN = "FERROX_CB_SPECULATIVE_NGRAM_MIN"
 ENV_SPECULATIVE_NGRAM_MAX = "FERROX_CB_SPECULATIVE_NGRAM_MAX"
@@ -172,9 +176,12 @@ class BatcherConfig:
     max_queue_wait_ms: int | None = None
     priority_aging_ms: int | None = None
     slide_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
-    #: Speculative decoding by prompt lookup (`scheduler.speculation`): tokens drafted per row and step
-    #: (0: off), the n-gram lengths looked up, and the most decoding rows a step may have for rows to draft.
-    speculative_tokens: int = 0
+    #: Speculative decoding (`scheduler.speculation`, port-only): whether rows draft, how (`SPECULATIVE_METHODS`:
+    #: prompt lookup), the most tokens a row drafts per step, the n-gram lengths looked up, and the most
+    #: decoding rows a step may have for rows to draft.
+    speculative: bool = False
+    speculative_method: str = "ngram"
+    speculative_tokens: int = 4
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
     speculative_max_batch: int = 4
@@ -194,7 +201,12 @@ class BatcherConfig:
         _check_field("max_queue_wait_ms", self.max_queue_wait_ms, minimum=1, optional=True)
         _check_field("priority_aging_ms", self.priority_aging_ms, minimum=1, optional=True)
         _check_field("slide_interval", self.slide_interval, minimum=1)
-        _check_field("speculative_tokens", self.speculative_tokens, minimum=0)
+        if not isinstance(self.speculative, bool):
+            raise TypeError(f"speculative must be a bool, got {self.speculative!r}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.speculative_method!r}")
+        _check_field("speculative_tokens", self.speculative_tokens, minimum=1)
         _check_field("speculative_ngram_min", self.speculative_ngram_min, minimum=1)
         _check_field("speculative_ngram_max", self.speculative_ngram_max, minimum=self.speculative_ngram_min)
         _check_field("speculative_max_batch", self.speculative_max_batch, minimum=1)
@@ -241,6 +253,8 @@ class BatcherConfig:
             "max_queue_wait_ms": env_positive(env, ENV_MAX_QUEUE_WAIT_MS),
             "priority_aging_ms": env_positive(env, ENV_PRIORITY_AGING_MS),
             "slide_interval": env_positive(env, ENV_SLIDE_INTERVAL),
+            "speculative": env_switch(env, ENV_SPECULATIVE),
+            "speculative_method": env.get(ENV_SPECULATIVE_METHOD),
             "speculative_tokens": env_positive(env, ENV_SPECULATIVE_TOKENS),
             "speculative_ngram_min": env_positive(env, ENV_SPECULATIVE_NGRAM_MIN),
             "speculative_ngram_max": env_positive(env, ENV_SPECULATIVE_NGRAM_MAX),

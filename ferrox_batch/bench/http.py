@@ -42,7 +42,7 @@ from pathlib import Path
 from ferrox_batch.bench import conversations
 from ferrox_batch.bench.report import CHAT_SHAPES, fmt, hit_cell, median_of
 from ferrox_batch.bench.servers import Server, ServerSpec, parse_spec
-from ferrox_batch.bench.workloads import Request, build_requests, describe, latency_summary
+from ferrox_batch.bench.workloads import SINGLE_STREAM_SHAPES, Request, describe, latency_summary, shape_requests
 
 #: The configurations compared when none are named: the server's defaults, and the upstream tick.
 DEFAULT_CONFIGS = (
@@ -62,8 +62,9 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str], prog: str | N
     p.add_argument("--peer", action="append", default=[], metavar="NAME=COMMAND",
                    help="another OpenAI-compatible server, measured beside ours: its command line with {port} "
                         "where the port goes, repeatable (scripts/bench_serving.py builds llama.cpp's)")
-    p.add_argument("--shape", default="a", choices=("a", "b", "c", "s"),
-                   help="c: the multi-turn chat; s: the single stream (one request at a time)")
+    p.add_argument("--shape", default="a", choices=("a", "b", "c", "s", "d", "d4"),
+                   help="c: the multi-turn chat; s: the single stream (one request at a time); d: editing tasks "
+                        "whose answers copy their prompts, one at a time (d4: four at once)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16w"))
     p.add_argument("--seed", type=int, default=0)
@@ -191,6 +192,17 @@ def worker_split(before: dict | None, after: dict | None, window_s: float) -> di
     return {key: (after[field] - before[field]) / 1e3 / window_s for field, key in WORKER_FIELDS}
 
 
+def drafting(before: dict | None, after: dict | None) -> dict:
+    """Speculative decoding between two `/stats` snapshots: the draft tokens verified and the fraction
+    accepted (None where the server has no such stats, or drafted nothing)."""
+    keys = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+    if not (before and after and all(k in before and k in after for k in keys)):
+        return {"draft_tokens": None, "draft_acceptance": None}
+    drafted = after[keys[0]] - before[keys[0]]
+    accepted = after[keys[1]] - before[keys[1]]
+    return {"draft_tokens": drafted, "draft_acceptance": accepted / drafted if drafted else None}
+
+
 def chat_loop(port: int, tokenizer, plan: conversations.Plan, timeout: float,
               stats: Callable[[], dict | None] | None = None) -> dict:
     """Shape c: the conversations' turns as streamed completions, and the prefix cache's hits over the run
@@ -221,13 +233,14 @@ def run_one(args: argparse.Namespace, spec: ServerSpec, requests: list[Request],
         before = get_stats(server.port)
         if chat is not None:
             measured = chat_loop(server.port, *chat, args.timeout)
-        elif args.shape == "s":
+        elif args.shape in SINGLE_STREAM_SHAPES:
             measured = one_at_a_time(server.port, requests, args.timeout)
         else:
             measured = closed_loop(server.port, requests, args.timeout)
         after = get_stats(server.port)
         # Over the time between the two snapshots, which is what their differences cover.
-        return {"config": name, **measured, **worker_split(before, after, time.perf_counter() - window)}
+        return {"config": name, **measured, **worker_split(before, after, time.perf_counter() - window),
+                **drafting(before, after)}
     except Exception as error:  # noqa: BLE001 - a failed run is reported in the table, not raised
         return {"config": name, "failed": f"{type(error).__name__}: {error}"}
     finally:
@@ -236,18 +249,21 @@ def run_one(args: argparse.Namespace, spec: ServerSpec, requests: list[Request],
 
 def report(names: list[str], runs: list[dict]) -> list[str]:
     chat = any("chat" in r for r in runs)  # shape c: a column for the prefix cache's hit rate
-    lines = [f"| config | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms |{' prefix hits |' if chat else ''} "
-             "worker idle / scheduling / forward (off CPU) | tok/s over the first |",
-             "|---|---|---|---|---|---|" + "---|" * chat]
+    drafts = any(r.get("draft_tokens") for r in runs)  # a column for speculative decoding's acceptance
+    lines = [f"| config | tok/s | TTFT p50/p99 ms | ITL p50/p99 ms |{' prefix hits |' if chat else ''}"
+             f"{' drafts accepted |' if drafts else ''} worker idle / scheduling / forward (off CPU) "
+             "| tok/s over the first |",
+             "|---|---|---|---|---|---|" + "---|" * (chat + drafts)]
     first = None
     for name in names:
         good = [r for r in runs if r["config"] == name and "failed" not in r]
         keys = ("tok_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "prefix_hit_rate",
-                *WORKER_KEYS)
+                "draft_acceptance", *WORKER_KEYS)
         med = {k: median_of(good, k) for k in keys}
         first = med["tok_s"] if first is None else first
         ratio = None if not first or med["tok_s"] is None else med["tok_s"] / first
         hits = f" {hit_cell('c', med['prefix_hit_rate'], good)} |" if chat else ""
+        hits += f" {fmt(med['draft_acceptance'], '.0%')} |" if drafts else ""
         lines.append(f"| {name} | {fmt(med['tok_s'], '.1f')} | {fmt(med['ttft_p50_ms'])} / {fmt(med['ttft_p99_ms'])} "
                      f"| {fmt(med['itl_p50_ms'], '.0f')} / {fmt(med['itl_p99_ms'], '.0f')} |{hits} "
                      f"{worker_cell(med)} | {fmt(ratio, '.2f')} |")
@@ -277,7 +293,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         chat = (tokenizer, conversations.build_plan(tokenizer, args.seed, args.quick))
         requests, what = conversations.sizing_requests(*chat), conversations.describe_plan(*chat)
     else:
-        requests = build_requests(args.shape, tokenizer.encode, args.seed, args.quick)
+        requests = shape_requests(args.shape, tokenizer, args.seed, args.quick)
         what = describe(requests)
     print(f"# bench-http: {args.model} on {args.device}, dtype {args.dtype} ({why}), shape {args.shape}: "
           f"{what}, repeats {args.repeats}")

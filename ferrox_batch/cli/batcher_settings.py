@@ -32,7 +32,9 @@ from ferrox_batch.admission.config import (
     ENV_PREFIX_CACHE,
     ENV_PRIORITY_AGING_MS,
     ENV_SLIDE_INTERVAL,
+    ENV_SPECULATIVE,
     ENV_SPECULATIVE_MAX_BATCH,
+    ENV_SPECULATIVE_METHOD,
     ENV_SPECULATIVE_NGRAM_MAX,
     ENV_SPECULATIVE_NGRAM_MIN,
     ENV_SPECULATIVE_TOKENS,
@@ -45,6 +47,7 @@ from ferrox_batch.admission.config import (
     SERVING_PREFILL_CHUNK,
     SERVING_PRIORITY_AGING_MS,
     SERVING_STEP_TARGET_MS,
+    SPECULATIVE_METHODS,
     BatcherConfig,
 )
 from ferrox_batch.cli.common import (
@@ -93,10 +96,8 @@ BATCHER_FLAGS: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
     "slide_interval": ("--slide-interval", ENV_SLIDE_INTERVAL, str(DEFAULT_SWA_EVICTION_INTERVAL),
                        "for a model whose every layer slides by one window: decode steps between two slides "
                        "of a row's KV pages behind the window (fewer price a long row lower)"),
-    "speculative_tokens": ("--speculative-tokens", ENV_SPECULATIVE_TOKENS, "0",
-                           "speculative decoding by prompt lookup: tokens a decoding row drafts per step from the "
-                           "earlier occurrence of its last n-gram in its prompt and output, verified in the "
-                           "batched forward (the output is the same); 0: off"),
+    "speculative_tokens": ("--speculative-tokens", ENV_SPECULATIVE_TOKENS, "4",
+                           "speculative decoding: the most tokens a decoding row drafts per step"),
     "speculative_ngram_min": ("--speculative-ngram-min", ENV_SPECULATIVE_NGRAM_MIN, "2",
                               "the shortest n-gram a draft is looked up by"),
     "speculative_ngram_max": ("--speculative-ngram-max", ENV_SPECULATIVE_NGRAM_MAX, "4",
@@ -109,11 +110,16 @@ BATCHER_FLAGS: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
 BATCHER_SWITCHES: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
     "prefix_cache": ("--prefix-cache", ENV_PREFIX_CACHE, "on",
                      "reuse the KV of cached prompt prefixes (full blocks) instead of computing them again"),
+    "speculative": ("--speculative", ENV_SPECULATIVE, "on" if BatcherConfig.serving().speculative else "off",
+                    "speculative decoding: small batches' rows draft their next tokens (--speculative-method) "
+                    "and one forward verifies them; the output is what it would be without"),
 })
+#: The speculative method's flag: a choice, not a count.
+METHOD_FLAG = ("--speculative-method", ENV_SPECULATIVE_METHOD, "ngram",
+               "how a row drafts: ngram, the tokens that followed the latest earlier occurrence of its last "
+               "n-gram in its prompt and output (prompt lookup)")
 #: Flags whose 0 means "none" (the variable, like every FERROX_CB_* one, must still be positive).
 _ZERO_IS_NONE = ("step_target_ms", "max_queue_wait_ms", "priority_aging_ms")
-#: Flags that take 0 as a value ("off"); their variables too must be positive when set.
-_ZERO_ALLOWED = ("speculative_tokens",)
 
 
 def add_batcher_flags(parser: argparse.ArgumentParser) -> None:
@@ -130,11 +136,14 @@ def add_batcher_flags(parser: argparse.ArgumentParser) -> None:
             continue  # in the exclusive group below
         also = f", else ${PREFILL_CHUNK_ENV_KEYS[PRIVATE_PATH_KEY]}" if field == "prefill_chunk" else ""
         batcher.add_argument(flag, dest=field,
-                             type=non_negative_int if field in _ZERO_IS_NONE + _ZERO_ALLOWED else positive_int,
+                             type=non_negative_int if field in _ZERO_IS_NONE else positive_int,
                              default=None, metavar="N", help=f"{meaning} (${env_name}{also}; default: {default})")
     for field, (flag, env_name, default, meaning) in BATCHER_SWITCHES.items():
         batcher.add_argument(flag, dest=field, action=argparse.BooleanOptionalAction, default=None,
                              help=f"{meaning} (${env_name}=0 or 1; default: {default})")
+    flag, env_name, default, meaning = METHOD_FLAG
+    batcher.add_argument(flag, dest="speculative_method", choices=SPECULATIVE_METHODS, default=None,
+                         help=f"{meaning} (${env_name}; default: {default})")
     budget = batcher.add_mutually_exclusive_group()
     flag, env_name, _, meaning = BATCHER_FLAGS["kv_blocks"]
     budget.add_argument(flag, dest="kv_blocks", type=positive_int, default=None, metavar="N",
@@ -151,7 +160,7 @@ def batcher_config(args: argparse.Namespace, env: Mapping[str, str]) -> BatcherC
     `kv_blocks` may still be None here: the memory budget becomes blocks once the model is loaded.
     """
     config = env_config(env)
-    fields = [*BATCHER_FLAGS, *BATCHER_SWITCHES]
+    fields = [*BATCHER_FLAGS, *BATCHER_SWITCHES, "speculative_method"]
     given = {field: getattr(args, field) for field in fields if getattr(args, field, None) is not None}
     given.update({field: None for field in _ZERO_IS_NONE if given.get(field) == 0})
     if getattr(args, "kv_memory", None) is not None:

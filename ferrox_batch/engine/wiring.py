@@ -61,10 +61,10 @@ def build_worker(
     # A model with local layers gives the pages behind their window back (D8): their KV groups are priced
     # at the hold bound, and their leases slide every `slide_interval` decode steps.
     local = decoder.config.sliding_window if store.groups.local_groups else None
-    if local is not None and config.speculative_tokens:
+    if local is not None and config.speculative:
         # A local group's pages are recycled behind its window: a rejected draft's positions could land in
         # pages another position still needs. Such models decode without drafts.
-        config = dataclasses.replace(config, speculative_tokens=0)
+        config = dataclasses.replace(config, speculative=False)
     window = window_policy(local, store.block_size, config.slide_interval)
     runner = ModelRunner(decoder, store, BatchSampler(decoder.vocab_size, store.device, grammars), window)
     scheduler = Scheduler(

@@ -211,7 +211,7 @@ class Scheduler:
             if plan.draft_tokens and request.draft:
                 accepted = kept.get(id(request), 1) - 1
                 self.counters.add_draft(len(request.draft), accepted)
-                drafted(request, accepted)
+                drafted(request, accepted, self.config)
         if plan.decodes:
             self.counters.add_decode_step()
             line = self.reporter.report_decode(self._now(), len(plan.decodes), self.batch_status())

@@ -1,11 +1,17 @@
 """Which decoding rows draft this step, and how much (speculative decoding by prompt lookup).
 
-A row drafts when speculation is on (`BatcherConfig.speculative_tokens` > 0), the step is small (at most
+A row drafts when speculation is on (`BatcherConfig.speculative`), the step is small (at most
 `speculative_max_batch` decoding rows: a full batch is compute-bound, and drafts would cost it throughput),
-its lease keeps every position (a sliding lease recycles pages a rejected draft could have written), and
-its recent drafts were not all rejected (`MAX_MISSES` in a row stop its drafting). Its draft is the n-gram
-lookup of `ngram_draft`, capped so that the draft and the token after it stay within `max_tokens`: every
-position a drafted row's forward writes is then inside what admission priced for it.
+and its lease keeps every position (a sliding lease recycles pages a rejected draft could have written).
+Its draft is the n-gram lookup of `ngram_draft`, capped so that the draft and the token after it stay
+within `max_tokens`: every position a drafted row's forward writes is then inside what admission priced
+for it.
+
+How long a row's drafts are adapts to how they fare, since each drafted position costs a share of a
+step whether or not it is kept: a draft kept whole lets the next be twice as long (up to
+`speculative_tokens`), a draft cut short makes the next one token longer than what was kept. A row whose
+`MAX_MISSES` drafts in a row were rejected whole stops drafting for `PAUSE_STEPS` steps, then tries again
+(an answer may start copying only after it has said something of its own).
 
 The runner verifies a draft by sampling its positions in order, each with the row's own sampler state,
 and keeps the prefix the samples agree with plus the first sample that disagrees (`runtime.runner`).
@@ -22,14 +28,15 @@ from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.scheduler.ngram_draft import NgramIndex
 from ferrox_batch.scheduler.request import Request
 
-#: Consecutive drafts a row may have entirely rejected before it stops drafting.
-MAX_MISSES = 8
+#: Consecutive drafts a row may have entirely rejected before it pauses drafting, and for how many steps.
+MAX_MISSES = 4
+PAUSE_STEPS = 16
 
 
 def plan_drafts(decodes: Sequence[Request], config: BatcherConfig) -> int:
     """Set each decoding row's `draft` for this step (rows keep none between steps: `drafted` clears it);
     the draft tokens in all. Costs nothing when speculation is off or the batch is too wide."""
-    if config.speculative_tokens == 0:
+    if not config.speculative:
         return 0
     if len(decodes) > config.speculative_max_batch:
         for request in decodes:
@@ -43,10 +50,13 @@ def plan_drafts(decodes: Sequence[Request], config: BatcherConfig) -> int:
 
 
 def draft_for(request: Request, config: BatcherConfig) -> tuple[int, ...]:
-    if request.window is not None or request.draft_misses >= MAX_MISSES:
+    if request.window is not None:
+        return ()
+    if request.draft_pause:
+        request.draft_pause -= 1
         return ()
     room = request.params.max_tokens - len(request.output_ids) - 1  # the draft, then one more token
-    k = min(config.speculative_tokens, room)
+    k = min(request.draft_limit or config.speculative_tokens, room)
     if k <= 0:
         return ()
     index = request.ngram
@@ -58,7 +68,19 @@ def draft_for(request: Request, config: BatcherConfig) -> tuple[int, ...]:
     return tuple(index.draft(k))
 
 
-def drafted(request: Request, accepted: int) -> None:
-    """Account a verified draft: `accepted` of its tokens were kept."""
+def drafted(request: Request, accepted: int, config: BatcherConfig) -> None:
+    """Account a verified draft: `accepted` of its tokens were kept (module docstring: the next draft's
+    length, and the pause after repeated misses)."""
+    length = len(request.draft)
+    limit = request.draft_limit or config.speculative_tokens
+    if accepted == length:
+        request.draft_limit = min(config.speculative_tokens, 2 * limit)
+    elif accepted == 0:
+        request.draft_limit = 1
+    else:
+        request.draft_limit = limit
     request.draft_misses = 0 if accepted else request.draft_misses + 1
+    if request.draft_misses >= MAX_MISSES:
+        request.draft_misses = 0
+        request.draft_pause = PAUSE_STEPS
     request.draft = ()

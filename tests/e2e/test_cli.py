@@ -70,8 +70,30 @@ def test_every_batcher_field_has_a_flag_that_wins() -> None:
     for flag, _env, _default, _meaning in cli.BATCHER_FLAGS.values():
         flags += [flag, "3"]
     config = cli.batcher_config(serve_args(*flags), {name: "7" for _f, name, _d, _m in cli.BATCHER_FLAGS.values()})
-    assert {f.name for f in dataclasses.fields(BatcherConfig)} == set(cli.BATCHER_FLAGS) | set(cli.BATCHER_SWITCHES)
+    assert {f.name for f in dataclasses.fields(BatcherConfig)} == (set(cli.BATCHER_FLAGS) | set(cli.BATCHER_SWITCHES)
+                                                                   | {"speculative_method"})
     assert all(getattr(config, field) == 3 for field in cli.BATCHER_FLAGS)
+
+
+def test_speculation_has_its_switch_its_method_and_its_settings() -> None:
+    serving = cli.batcher_config(serve_args(), {})
+    assert serving.speculative == BatcherConfig.serving().speculative and not BatcherConfig().speculative
+    assert cli.batcher_config(serve_args("--no-speculative"), {"FERROX_CB_SPECULATIVE": "1"}).speculative is False
+    assert cli.batcher_config(serve_args("--speculative"), {"FERROX_CB_SPECULATIVE": "0"}).speculative is True
+    assert cli.batcher_config(serve_args(), {"FERROX_CB_SPECULATIVE": "0"}).speculative is False
+    config = cli.batcher_config(serve_args("--speculative-method", "ngram", "--speculative-tokens", "8",
+                                           "--speculative-ngram-min", "1", "--speculative-ngram-max", "5",
+                                           "--speculative-max-batch", "2"), {})
+    assert (config.speculative_method, config.speculative_tokens, config.speculative_ngram_min,
+            config.speculative_ngram_max, config.speculative_max_batch) == ("ngram", 8, 1, 5, 2)
+    with pytest.raises(SystemExit):
+        serve_args("--speculative-method", "eagle")
+    with pytest.raises(SystemExit):
+        serve_args("--speculative-tokens", "0")
+    with pytest.raises(cli.CliError, match="speculative_method"):
+        cli.batcher_config(serve_args(), {"FERROX_CB_SPECULATIVE_METHOD": "draft-model"})
+    with pytest.raises(cli.CliError, match="speculative_ngram_max"):
+        cli.batcher_config(serve_args("--speculative-ngram-min", "5", "--speculative-ngram-max", "3"), {})
 
 
 def test_the_prefix_cache_is_on_by_default_and_its_switch_wins_over_the_variable() -> None:

@@ -32,7 +32,8 @@ PROMPTS = ["abc abc abc abc abc abc abc abc", "The cat sat on the mat. The cat s
 
 
 def batcher(model, k: int, **config) -> ContinuousBatcher:
-    return ContinuousBatcher.from_model(model, BatcherConfig(kv_block_size=8, kv_blocks=256, speculative_tokens=k,
+    return ContinuousBatcher.from_model(model, BatcherConfig(kv_block_size=8, kv_blocks=256, speculative=k > 0,
+                                                             speculative_tokens=max(k, 1),
                                                              speculative_ngram_min=1, **config))
 
 
@@ -172,7 +173,8 @@ def test_the_real_model_answers_the_same_with_drafts(real_model_dir, device):
     jobs = [(p, q) for p in prompts for q in params]
     results = {}
     for k in (0, 6):
-        config = dataclasses.replace(BatcherConfig.serving(), speculative_tokens=k, kv_blocks=256)
+        config = dataclasses.replace(BatcherConfig.serving(), speculative=k > 0, speculative_tokens=max(k, 1),
+                                     kv_blocks=256)
         with ContinuousBatcher.from_model(model, config) as b:
             results[k] = [b.generate(p, q) for p, q in jobs]
             if k:
@@ -246,7 +248,7 @@ class Crash(BaseException):
 
 
 def hooked_batcher(model, hook) -> ContinuousBatcher:
-    config = BatcherConfig(kv_block_size=8, kv_blocks=256, speculative_tokens=4, speculative_ngram_min=1)
+    config = BatcherConfig(kv_block_size=8, kv_blocks=256, speculative=True, speculative_ngram_min=1)
     return ContinuousBatcher.spawn_with_config(HookedDecoder(model.decoder, hook), model.tokenizer.decode, config)
 
 
@@ -297,7 +299,8 @@ def sampled_outputs(model, k: int, first_seed: int) -> tuple[Counter, object]:
     accepted as not, each request with its own seed; all in one wide batch that drafts."""
     sampling = SamplingParams(temperature=1.0, top_k=40, presence_penalty=0.5, logit_bias=((8, 9.5),))
     config = BatcherConfig(kv_block_size=8, kv_blocks=4096, max_seqs=256, max_queue=SAMPLES,
-                           speculative_tokens=k, speculative_ngram_min=1, speculative_max_batch=256)
+                           speculative=k > 0, speculative_tokens=max(k, 1), speculative_ngram_min=1,
+                           speculative_max_batch=256)
     with ContinuousBatcher.from_model(model, config) as b:
         tickets = [b.submit([8] * 10, GenerationParams(max_tokens=5, ignore_eos=True, sampling=sampling,
                                                        seed=first_seed + i)) for i in range(SAMPLES)]

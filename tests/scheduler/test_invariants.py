@@ -311,7 +311,8 @@ def test_sixty_four_concurrent_random_callers_keep_every_invariant(tiny_batch_mo
     for req in stragglers:
         expect(model, req)
     config = budget_config(4, 24, max_seqs=6, max_queue=16, max_prefills_per_tick=1 + seed % 3,
-                           prefix_cache=prefix_cache, speculative_tokens=speculative, speculative_ngram_min=1,
+                           prefix_cache=prefix_cache, speculative=speculative > 0,
+                           speculative_tokens=max(speculative, 1), speculative_ngram_min=1,
                            speculative_max_batch=6)
     with spawn(model, config) as batcher:
         outcomes = run_all(batcher, requests)

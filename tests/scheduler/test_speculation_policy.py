@@ -1,0 +1,80 @@
+"""How long a row's drafts are, and when it sits drafting out (`scheduler.speculation`), model-free.
+
+Pins: the next draft's length stays within [1, `speculative_tokens`]; a draft kept whole doubles it, one
+rejected whole makes it 1, one cut short leaves it; `MAX_MISSES` whole rejections in a row pause the row's
+drafting for `PAUSE_STEPS` steps, then it drafts again; no draft reaches past `max_tokens`; speculation
+off or a batch wider than `speculative_max_batch` drafts nothing.
+"""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.generation_types import GenerationParams
+from ferrox_batch.scheduler.request import Request
+from ferrox_batch.scheduler.sink import OnceSink, QueueSink
+from ferrox_batch.scheduler.speculation import MAX_MISSES, PAUSE_STEPS, draft_for, drafted, plan_drafts
+from ferrox_batch.stop_tokens import StopTokens
+
+#: A prompt that repeats, so a draft is always found (a loop of one token copies on as that token).
+LOOP = [7] * 12
+
+
+def row(max_tokens: int = 1000) -> Request:
+    request = Request(list(LOOP), GenerationParams(max_tokens=max_tokens), StopTokens.default(), OnceSink(QueueSink()),
+                      abort=0, blocks=1, positions=1)
+    request.output_ids.append(7)
+    return request
+
+
+def config(k: int = 8, **more) -> BatcherConfig:
+    return BatcherConfig(speculative=True, speculative_tokens=k, speculative_ngram_min=1, **more)
+
+
+@given(st.integers(1, 16), st.lists(st.floats(0, 1), min_size=1, max_size=60))
+def test_the_draft_length_follows_how_drafts_fare(k, fates):
+    cfg, request = config(k), row()
+    for fate in fates:
+        limit = request.draft_limit or k
+        draft = draft_for(request, cfg)
+        if request.draft_pause or not draft:
+            continue
+        assert 1 <= len(draft) == limit <= k
+        request.draft = draft
+        accepted = round(fate * len(draft))
+        drafted(request, accepted, cfg)
+        if accepted == len(draft):
+            assert request.draft_limit == min(k, 2 * limit)
+        elif accepted == 0:
+            assert request.draft_limit == 1
+        else:
+            assert request.draft_limit == limit
+        assert request.draft == ()
+
+
+def test_repeated_misses_pause_drafting_then_it_resumes():
+    cfg, request = config(), row()
+    for _ in range(MAX_MISSES):
+        request.draft = draft_for(request, cfg)
+        assert request.draft
+        drafted(request, 0, cfg)
+    for _ in range(PAUSE_STEPS):
+        assert draft_for(request, cfg) == ()
+    assert draft_for(request, cfg) == (7,)  # back, one token long after the misses
+
+
+@given(st.integers(1, 30), st.integers(0, 30), st.integers(1, 16))
+def test_no_draft_reaches_past_max_tokens(max_tokens, generated, k):
+    request = row(max_tokens)
+    request.output_ids.extend([7] * min(generated, max_tokens - 1))
+    draft = draft_for(request, config(k))
+    assert len(request.output_ids) + len(draft) + 1 <= max_tokens or not draft
+
+
+def test_off_or_too_wide_drafts_nothing():
+    rows = [row() for _ in range(3)]
+    assert plan_drafts(rows, BatcherConfig(speculative=False)) == 0 and all(r.draft == () for r in rows)
+    assert plan_drafts(rows, config(4, speculative_max_batch=2)) == 0
+    assert plan_drafts(rows, config(4, speculative_max_batch=3)) == 12 and all(r.draft == (7,) * 4 for r in rows)
