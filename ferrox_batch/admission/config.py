@@ -47,6 +47,8 @@ SERVING_STEP_TARGET_MS = 500
 #: the order under a burst, short enough that a flood of urgent requests cannot starve the rest.
 SERVING_PRIORITY_AGING_MS = 30_000
 #: The ways a row may draft tokens for speculative decoding: "ngram", prompt lookup (`scheduler.ngram_draft`).
+#: A server speculates by default: on copying edits it decodes one stream about twice as fast, and it cost
+#: nothing measurable on the burst and the chat (docs/benchmarks.md), where batches are too wide to draft.
 SPECULATIVE_METHODS = ("ngram",)
 
 ENV_MAX_SEQS = "FERROX_CB_MAX_SEQS"
@@ -181,7 +183,7 @@ class BatcherConfig:
     #: decoding rows a step may have for rows to draft.
     speculative: bool = False
     speculative_method: str = "ngram"
-    speculative_tokens: int = 4
+    speculative_tokens: int = 8
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
     speculative_max_batch: int = 4
@@ -221,7 +223,7 @@ class BatcherConfig:
         return cls(prefill_chunk=SERVING_PREFILL_CHUNK, max_batch_tokens=SERVING_MAX_BATCH_TOKENS,
                    kv_block_size=SERVING_KV_BLOCK_SIZE, max_prefills_per_tick=SERVING_MAX_PREFILLS_PER_TICK,
                    step_target_ms=SERVING_STEP_TARGET_MS, prefix_cache=True,
-                   priority_aging_ms=SERVING_PRIORITY_AGING_MS)
+                   priority_aging_ms=SERVING_PRIORITY_AGING_MS, speculative=True)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, defaults: BatcherConfig | None = None) -> BatcherConfig:

@@ -5,11 +5,14 @@ Closed-loop, all-at-once workloads on the default model (`bench.workloads` build
   b: 128 requests, prompt and output lengths uniform in 16-256 (seeded);
   c: a multi-turn chat (`bench.conversations`), 16 conversations x 4 turns sharing a ~300-token system
      prompt, each turn sent once the previous reply is in; ours and cb only (static cannot run a closed
-     loop), with the prefix cache's hit rate from `stats()` where the batcher counts it.
+     loop), with the prefix cache's hit rate from `stats()` where the batcher counts it;
+  d: editing tasks whose answers copy their prompts (`bench.copying`), one at a time; d4: four at once;
+     ours and ours-nospec only (what speculative decoding buys).
 Greedy, EOS ignored, the same prompt ids and token counts for every method:
   ours    one thread per request calling `ContinuousBatcher.generate_streaming`, started behind a barrier,
           configured as the server is (prefix cache on);
   ours-nocache  the same with the prefix cache off (its ratio column is then what the cache buys);
+  ours-nospec   the same with speculative decoding off;
   static  transformers `generate`, every request in one left-padded batch, max_new_tokens = the largest asked
           (only each request's own tokens count as output);
   cb      transformers continuous batching (`continuous_batching_context_manager`, sdpa, page 64,
@@ -27,6 +30,7 @@ extra (transformers); `--methods ours` runs without it.
     ferrox-batch bench --shapes a --methods ours,static --dtype fp32 --json /tmp/bench.json
     ferrox-batch bench --shapes b --max-batch-tokens 1024 --kv-block-size 32
     ferrox-batch bench --shapes c --methods ours,ours-nocache,cb   # the chat; --quick: 2 conversations x 2 turns
+    ferrox-batch bench --shapes d,d4 --methods ours,ours-nospec     # copying edits, with and without drafts
 (`python scripts/bench.py ...` and `python -m ferrox_batch.bench.batcher ...` are the same program.)
 """
 
@@ -51,17 +55,19 @@ from ferrox_batch.bench.conversations import chat_shape, chat_state
 from ferrox_batch.bench.report import CHAT_SHAPES, CHECKED, check_ids, report
 from ferrox_batch.bench.runs import OURS, child_chat, run_ours
 from ferrox_batch.bench.workloads import (
+    COPYING_SHAPES,
+    SINGLE_STREAM_SHAPES,
     Request,
-    build_requests,
     current_rss_mb,
     describe,
     latency_summary,
     peak_rss_mb,
     run_cb,
     run_static,
+    shape_requests,
 )
 
-METHODS = ("ours", "ours-nocache", "static", "cb")
+METHODS = ("ours", "ours-nocache", "ours-nospec", "static", "cb")
 #: The methods run by default (`ours-nocache` is asked for by name).
 DEFAULT_METHODS = ("ours", "static", "cb")
 CHILD_MODULE = "ferrox_batch.bench.batcher"
@@ -79,7 +85,9 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str] | None = None,
     p = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=default_model(os.environ if env is None else env),
                    help="checkpoint folder (default: the fetched SmolLM2-135M-Instruct)")
-    p.add_argument("--shapes", default="a,b", help="a, b and/or c (the chat; static skips it)")
+    p.add_argument("--shapes", default="a,b",
+                   help="a, b, c (the chat; static skips it), d (copying edits one at a time) and/or d4 (four at "
+                        "once); d and d4 run ours only")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"any of {','.join(METHODS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dtype", default="auto", choices=("auto", "bf16", "fp32", "fp16w"),
@@ -154,10 +162,10 @@ def child_main(args: argparse.Namespace) -> int:
         raw = child_chat(args, method, tokenizer, sized)
         requests = raw.pop("requests")  # one per turn, as sent
     else:
-        requests = build_requests(shape, tokenizer.encode, args.seed, args.quick)
+        requests = shape_requests(shape, tokenizer, args.seed, args.quick)
         kv_blocks, cb_blocks = sized(args, requests)
         if method in OURS:
-            raw = run_ours(args, requests, kv_blocks, prefix_cache=OURS[method])
+            raw = run_ours(args, requests, kv_blocks, method=method, one_at_a_time=shape in SINGLE_STREAM_SHAPES)
         else:
             raw = {"static": run_static, "cb": run_cb}[method](args, requests, cb_blocks)
     useful = sum(min(len(ids), r.max_tokens) for ids, r in zip(raw["ids"], requests))
@@ -241,7 +249,7 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
         if shape in CHAT_SHAPES:
             requests, what = chat_shape(tokenizer, args.seed, args.quick, skip_static="static" in methods)
         else:
-            requests = build_requests(shape, tokenizer.encode, args.seed, args.quick)
+            requests = shape_requests(shape, tokenizer, args.seed, args.quick)
             what = describe(requests)
         sizes[shape] = sized(args, requests)
         print(f"# shape {shape}: {what}; ours kv_blocks {sizes[shape][0]} x {args.kv_block_size}, "
@@ -258,6 +266,8 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
             for method in methods:
                 if method == "static" and shape in CHAT_SHAPES:
                     continue  # said in the shape's line above
+                if method not in OURS and shape in COPYING_SHAPES:
+                    continue  # the copying shapes measure our speculation: ours with it and without
                 r = spawn(args, method, shape, *sizes[shape])
                 runs.append(r)
                 state = r.get("failed") or (f"{r['tok_s']:.1f} tok/s in {r['wall_s']:.1f} s, "

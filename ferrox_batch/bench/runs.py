@@ -28,12 +28,16 @@ from ferrox_batch.bench.conversations import (
 )
 from ferrox_batch.bench.workloads import Request, load_hf, peak_rss_mb
 
-#: Our batcher's methods, and whether each runs with the prefix cache.
-OURS = {"ours": True, "ours-nocache": False}
+#: Our batcher's methods, and what each changes of the server's defaults.
+OURS: dict[str, dict[str, bool]] = {"ours": {}, "ours-nocache": {"prefix_cache": False},
+                                    "ours-nospec": {"speculative": False}}
 
 
-def run_ours(args, requests: list[Request], kv_blocks: int, chat=None, *, prefix_cache: bool = True) -> dict:
-    """`chat`: (tokenizer, plan) of shape c, run instead of `requests` (then only the warm-up's source)."""
+def run_ours(args, requests: list[Request], kv_blocks: int, chat=None, *, method: str = "ours",
+             one_at_a_time: bool = False) -> dict:
+    """`chat`: (tokenizer, plan) of shape c, run instead of `requests` (then only the warm-up's source).
+    `method`: a key of `OURS`. `one_at_a_time`: each request sent once the one before has finished (the
+    single stream), instead of all at once."""
     from ferrox_batch.checks import UNLIMITED
     from ferrox_batch.engine.handle import ContinuousBatcher
     from ferrox_batch.generation_types import GenerationParams
@@ -41,10 +45,14 @@ def run_ours(args, requests: list[Request], kv_blocks: int, chat=None, *, prefix
 
     model = load_model(args.model, device="cpu", dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
     loaded = peak_rss_mb()
+    serving = BatcherConfig.serving()
+    prefix_cache = OURS[method].get("prefix_cache", True)
+    speculative = OURS[method].get("speculative", serving.speculative)
     config = BatcherConfig(max_seqs=args.max_seqs or UNLIMITED, prefill_chunk=args.prefill_chunk,
                            max_batch_tokens=args.max_batch_tokens, kv_block_size=args.kv_block_size,
                            kv_blocks=kv_blocks, max_prefills_per_tick=args.max_prefills_per_tick,
-                           step_target_ms=args.step_target_ms or None, prefix_cache=prefix_cache)
+                           step_target_ms=args.step_target_ms or None, prefix_cache=prefix_cache,
+                           speculative=speculative, speculative_tokens=serving.speculative_tokens)
     batcher = ContinuousBatcher.from_model(model, config)  # as the server builds it
     stop = model.tokenizer.stop_tokens
 
@@ -84,19 +92,34 @@ def run_ours(args, requests: list[Request], kv_blocks: int, chat=None, *, prefix
 
     closed_loop([Request(r.prompt[:16], 4) for r in requests[:2]])  # warm-up, untimed
     before = batcher.stats()
-    out = closed_loop(requests) if chat is None else run_ours_chat(batcher, stop, *chat, args.timeout)
+    if chat is not None:
+        out = run_ours_chat(batcher, stop, *chat, args.timeout)
+    elif one_at_a_time:
+        out = sequential(closed_loop, requests)
+    else:
+        out = closed_loop(requests)
     stats = batcher.stats()
     closed = batcher.close(timeout=60)
     out["extra"] = {"config": {"max_seqs": args.max_seqs or "unlimited", "prefill_chunk": args.prefill_chunk,
                                "max_batch_tokens": args.max_batch_tokens, "kv_block_size": args.kv_block_size,
                                "kv_blocks": kv_blocks, "max_prefills_per_tick": args.max_prefills_per_tick,
                                "step_target_ms": args.step_target_ms or None, "prefix_cache": prefix_cache,
+                               "speculative": speculative,
                                "logprobs": args.logprobs if args.logprobs >= 0 else None},
                     "stats": {k: getattr(stats, k) for k in stats.__dataclass_fields__}, "closed": closed,
                     "chunks_per_token": out.pop("chunks") / max(1, sum(len(i) for i in out["ids"])),
                     **(chat_extra(out, before, stats) if chat else {})}
     out["rss_after_load_mb"] = loaded
     return out
+
+
+def sequential(closed_loop: Callable[[list[Request]], dict], requests: list[Request]) -> dict:
+    """`closed_loop` run on one request at a time, its runs joined into one (from the first start to the
+    last end)."""
+    runs = [closed_loop([request]) for request in requests]
+    joined = {key: [x for run in runs for x in run[key]] for key in ("ids", "errors", "ttfts", "times")}
+    return {"start": runs[0]["start"], "end": runs[-1]["end"], "chunks": sum(run["chunks"] for run in runs),
+            **joined}
 
 
 def run_ours_chat(batcher, stop, tokenizer, plan: Plan, timeout: float) -> dict:
@@ -177,5 +200,5 @@ def child_chat(args, method: str, tokenizer, sized: Callable) -> dict:
     requests = sizing_requests(tokenizer, plan)
     kv_blocks, cb_blocks = sized(args, requests)
     if method in OURS:
-        return run_ours(args, requests, kv_blocks, chat=(tokenizer, plan), prefix_cache=OURS[method])
+        return run_ours(args, requests, kv_blocks, chat=(tokenizer, plan), method=method)
     return run_cb_chat(args, tokenizer, plan, cb_blocks)

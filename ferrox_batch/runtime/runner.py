@@ -123,7 +123,9 @@ class ModelRunner:
     def execute(self, plan: ForwardPlan) -> StepOutput:
         """Run `plan`'s forward, then sample every row in `plan.sampling` (one outcome each), and score the
         prompt tokens of the chunks in `plan.scoring`."""
-        chunks = [SeqChunk(seq_id, tokens) for seq_id, tokens in plan.inputs]
+        # A drafted row's positions are decode queries, so each is computed exactly as the step it stands for.
+        drafted_inputs = {plan.sampling[i].row for i in plan.drafted} if plan.drafted else ()
+        chunks = [SeqChunk(seq_id, tokens, i in drafted_inputs) for i, (seq_id, tokens) in enumerate(plan.inputs)]
         outcomes, ready = self._rows(plan.sampling)
         rows = [self._samplers[plan.sampling[i].seq_id] for i in ready]
         # Grammar masks are computed on another thread while the forward runs, so they can overlap it where

@@ -151,17 +151,19 @@ def test_the_logit_scale_bound_holds(tiny_batch_model):
 
 
 @pytest.mark.real_model
-def test_the_real_model_answers_the_same_with_drafts(real_model_dir, device):
-    """The default model in float32: a code edit that copies its input, a prompt that does not, and a raw
-    continuation, with stop strings and `max_tokens` that land inside drafts, greedy, token for token,
-    except where two tokens tie to float32's rounding (a drafted position's logits come from a chunk's
-    forward, which rounds in another order than a single token's): there the answers may part, and the
-    tie is checked to be one."""
+@pytest.mark.parametrize("dtype", ["auto", "float32"])
+def test_the_real_model_answers_the_same_with_drafts(real_model_dir, device, dtype):
+    """The default model, in the precision a server picks and in float32: a code edit that copies its
+    input, a prompt that does not, and a raw continuation, with stop strings and `max_tokens` that land
+    inside drafts, greedy, token for token. A drafted position is computed as a decode query of its own
+    (`SeqChunk.as_decodes`), so where the linears are batch-invariant the answers are identical. Elsewhere
+    (float32's oneDNN matmul rounds a row differently in a wider batch) they may part where two tokens
+    tie to float32's rounding: there the tie is checked to be one."""
     import dataclasses
 
     from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 
-    model = load_model(real_model_dir, device=device, dtype="float32")
+    model = load_model(real_model_dir, device=device, dtype=dtype)
     code = ("def total(items):\n    result = 0\n    for item in items:\n        result += item.price * item.count\n"
             "    return result\n")
     prompts = [model.tokenizer.encode_chat([{"role": "user", "content": "Rename result to acc and reply with the "
@@ -172,16 +174,16 @@ def test_the_real_model_answers_the_same_with_drafts(real_model_dir, device):
               GenerationParams(max_tokens=60, stop=("count",))]
     jobs = [(p, q) for p in prompts for q in params]
     results = {}
-    for k in (0, 6):
-        config = dataclasses.replace(BatcherConfig.serving(), speculative=k > 0, speculative_tokens=max(k, 1),
-                                     kv_blocks=256)
+    for speculative in (False, True):
+        config = dataclasses.replace(BatcherConfig.serving(), speculative=speculative, kv_blocks=256)
         with ContinuousBatcher.from_model(model, config) as b:
-            results[k] = [b.generate(p, q) for p, q in jobs]
-            if k:
+            results[speculative] = [b.generate(p, q) for p, q in jobs]
+            if speculative:
                 assert b.stats().spec_decode_num_accepted_tokens > 0
-    for (prompt, _), plain, drafted in zip(jobs, results[0], results[6]):
-        if plain.token_ids == drafted.token_ids:
-            assert (plain.text, plain.finish_reason) == (drafted.text, drafted.finish_reason)
+    for (prompt, _), plain, drafted in zip(jobs, results[False], results[True]):
+        if model.batch_invariant or plain.token_ids == drafted.token_ids:
+            assert (plain.token_ids, plain.text, plain.finish_reason) == \
+                (drafted.token_ids, drafted.text, drafted.finish_reason)
             continue
         at = next(i for i, (x, y) in enumerate(zip(plain.token_ids, drafted.token_ids)) if x != y)
         ids = prompt + list(plain.token_ids[:at])
@@ -190,7 +192,6 @@ def test_the_real_model_answers_the_same_with_drafts(real_model_dir, device):
         logits = model.decoder.forward([SeqChunk(0, ids)], store)[0]
         top = logits.topk(2).values
         assert float(top[0] - top[1]) <= 2 * logits_tolerance(model.config, len(ids), logits), (at, plain.text)
-
 
 
 class Recorder:

@@ -114,3 +114,39 @@ def test_a_sequences_logits_do_not_depend_on_its_chunks_or_its_neighbours(tiny_v
         together.append(decoder.forward(batch, store)[1])
     for step, (one, many) in enumerate(zip(alone, together)):
         assert torch.equal(one, many), f"step {step}: {float((one - many).abs().max())} apart"
+
+
+@needs_compiler
+@pytest.mark.parametrize(("variant", "dtype", "weights", "kernels"),
+                         [("llama", "bf16", "auto", True), ("llama", "bf16", "auto", False),
+                          ("mistral-window", "bf16", "auto", True), ("llama", "fp32", "q8_0", True)])
+def test_a_chunk_answered_as_decodes_is_the_steps_it_stands_for(tiny_variant_dirs, variant, dtype, weights,
+                                                                kernels) -> None:
+    """A speculative draft's verification (`SeqChunk.as_decodes`): its tokens fed in one forward, beside
+    another row's decode and a prompt chunk, give every position's logits bit for bit as the one-token steps
+    would, one after another (the C kernels, and torch's ops)."""
+    model = load_model(tiny_variant_dirs[variant], device="cpu", dtype=dtype, weights=weights, batch_invariant="on")
+    decoder = model.decoder
+    if not kernels:
+        decoder.kernels = None
+        decoder.layer_stack = None
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, vocab, (30,), generator=gen).tolist()
+    draft = torch.randint(3, vocab, (6,), generator=gen).tolist()
+
+    store = decoder.new_store(4, num_blocks=128)
+    store.add_sequence("p", 64)
+    decoder.forward([SeqChunk("p", prompt)], store)
+    steps = [decoder.forward([SeqChunk("p", [t])], store)[0] for t in draft]
+
+    store = decoder.new_store(4, num_blocks=128)
+    for name in ("p", 0, 1):
+        store.add_sequence(name, 64)
+    decoder.forward([SeqChunk("p", prompt), SeqChunk(0, prompt[:9])], store)
+    batch = [SeqChunk(0, [7]), SeqChunk(1, prompt[5:17]), SeqChunk("p", draft, as_decodes=True)]
+    last, (every,) = decoder.forward_every(batch, store, [2])
+    assert store.seq_len("p") == len(prompt) + len(draft)
+    assert torch.equal(last[2], every[-1])
+    for position, (one, verified) in enumerate(zip(steps, every)):
+        assert torch.equal(one, verified), f"position {position}: {float((one - verified).abs().max())} apart"

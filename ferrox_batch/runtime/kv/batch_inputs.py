@@ -4,10 +4,13 @@ A forward sees one flat row of tokens. Sequences are laid out decodes first
 (one token each) and then prefill chunks, so the attention of each group is a
 plain slice of the flat projections:
 
-* decode group: `B` queries, one per sequence; each attends to its own
-  gathered context `[B, L]` (L = the longest context in the group) under a
-  length mask, or, for the paged decode kernel (`decode_gather=False`),
-  straight from the pool through its block table and key range;
+* decode group: `B` queries, one per sequence, or several for a chunk that asks
+  to be answered as decodes (`SeqChunk.as_decodes`: a speculative draft, whose
+  positions must come out exactly as the steps they stand for would have
+  computed them); each attends to its own gathered context `[B, L]` (L = the
+  longest context in the group) under a length mask, or, for the paged decode
+  kernel (`decode_gather=False`), straight from the pool through its block
+  table and key range;
 * prefill group: `P` chunks, each attending causally to its own sequence's
   context, one SDPA call per chunk at its own length (padding every chunk to
   the longest cost up to ten times the attention work of a burst of prompts
@@ -42,16 +45,21 @@ from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 
 @dataclass(frozen=True, slots=True)
 class SeqChunk:
-    """`tokens` to append to sequence `seq_id`, starting at its current KV length."""
+    """`tokens` to append to sequence `seq_id`, starting at its current KV length. `as_decodes`: each token
+    is a query of the decode group at its own position (every layer writes the chunk's K/V to the pool
+    before any of its queries attends), so each position's output is bit for bit what a decode step at
+    that position computes; else a chunk of several tokens is a prefill chunk."""
 
     seq_id: Hashable
     tokens: Sequence[int]
+    as_decodes: bool = False
 
 
 @dataclass(slots=True)
 class DecodeGroup:
-    """One query per sequence. The paged kernel reads `tables` within `lo .. hi - 1`; the
-    gather path reads `ctx_slots` (flattened `[N * L]`) under `mask` (None: every key counts)."""
+    """One query per row (a sequence's decode, or one position of a chunk answered as decodes). The paged
+    kernel reads `tables` within `lo .. hi - 1`; the gather path reads `ctx_slots` (flattened `[N * L]`)
+    under `mask` (None: every key counts)."""
 
     count: int
     tables: torch.Tensor  # [N, max_blocks] int64
@@ -138,9 +146,9 @@ class _Batch:
                 raise ValueError(f"sequence {chunk.seq_id!r} has an empty chunk")
         device = store.device
         # Decodes first, then prefill chunks; `order[j]` is the caller's index of flat sequence j.
-        order = [i for i, c in enumerate(chunks) if len(c.tokens) == 1]
+        order = [i for i, c in enumerate(chunks) if len(c.tokens) == 1 or c.as_decodes]
         n_decode = len(order)
-        order += [i for i, c in enumerate(chunks) if len(c.tokens) > 1]
+        order += [i for i, c in enumerate(chunks) if len(c.tokens) > 1 and not c.as_decodes]
 
         flat_tokens = [token for i in order for token in chunks[i].tokens]
         tokens = torch.tensor(flat_tokens, dtype=torch.long)
@@ -181,16 +189,20 @@ class _Batch:
         slot_parts: list[torch.Tensor] = []
         if n_decode:
             d_tables = _pad_tables(tables[:n_decode], device)
-            d_pos = torch.tensor(starts[:n_decode], dtype=torch.long, device=device)
+            rows = [start + k for start, length in zip(starts[:n_decode], lens[:n_decode]) for k in range(length)]
+            if len(rows) > n_decode:  # chunks answered as decodes: a row per position, each with its table
+                per_seq = torch.tensor(lens[:n_decode], dtype=torch.long, device=device)
+                d_tables = d_tables.repeat_interleave(per_seq, dim=0)
+            d_pos = torch.tensor(rows, dtype=torch.long, device=device)
             pos_parts.append(d_pos)
             slot_parts.append(_slots(d_tables, d_pos[:, None], bs).squeeze(1))
             ctx_len = d_pos + 1
             lo = torch.zeros_like(d_pos) if sliding_window is None else (ctx_len - sliding_window).clamp(min=0)
-            decode = DecodeGroup(n_decode, d_tables, lo, ctx_len)
+            decode = DecodeGroup(len(rows), d_tables, lo, ctx_len)
             if decode_gather:
                 # Key j of row i is position lo[i] + j: a row gathers its window only, never a position
                 # before it (with no window, lo is 0 and key j is position j).
-                counts = [start + 1 - _first_key(start, sliding_window) for start in starts[:n_decode]]
+                counts = [row + 1 - _first_key(row, sliding_window) for row in rows]
                 width = max(counts)
                 keys = torch.arange(width, device=device)
                 # Keys past a row's own position are masked, but still gathered: clamped to the row's last
