@@ -147,6 +147,7 @@ def main() -> int:
     p.add_argument("--convert-python", default=sys.executable,
                    help="the Python that runs llama.cpp's GGUF converter (default: this one)")
     p.add_argument("--json", help="write the raw numbers here")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the table (tok/s, TTFT and ITL distributions)")
     args = p.parse_args()
     args.work.mkdir(parents=True, exist_ok=True)
     # The source is needed for its GGUF converter, and for a build when no server binary is given.
@@ -172,7 +173,7 @@ def main() -> int:
     peak = gemm_peak() if args.shape == "a" else None
     with tempfile.TemporaryDirectory() as scratch:
         out = args.json or str(Path(scratch) / "runs.json")
-        code = bench_http([*argv, "--json", out], prog="bench_serving")
+        code = bench_http([*argv, "--json", out, *(["--plot", args.plot] if args.plot else [])], prog="bench_serving")
         if peak is not None:
             print("\n".join(peak_report(args.model, json.loads(Path(out).read_text())["runs"], peak)))
     return code

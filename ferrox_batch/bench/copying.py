@@ -97,6 +97,7 @@ TASKS: tuple[tuple[str, str], ...] = (
 
 #: Tokens an answer may run past its pasted text (a changed word, a reply's opening line).
 SLACK = 16
+QUICK_PROMPT = 200
 
 
 def copying_requests(encode_chat: Callable[[list[dict[str, str]]], list[int]],
@@ -104,10 +105,10 @@ def copying_requests(encode_chat: Callable[[list[dict[str, str]]], list[int]],
                      quick: bool = False) -> list[Request]:
     """Shape d's requests (`concurrent`: d4's four). `encode_chat` renders one user turn with the chat
     template and a generation prompt; `encode` counts the pasted text's tokens. `quick`: 2 tasks x 8
-    tokens."""
+    tokens, each prompt cut to its last `QUICK_PROMPT` tokens (for a tiny test model's short context)."""
     tasks = TASKS[:4] if concurrent else TASKS
     out = [Request(encode_chat([{"role": "user", "content": message.format(text=text)}]), len(encode(text)) + SLACK)
            for message, text in tasks]
     if quick:
-        out = [Request(r.prompt, 8) for r in out[:2]]
+        out = [Request(r.prompt[-QUICK_PROMPT:], 8) for r in out[:2]]
     return out

@@ -23,6 +23,7 @@ them), sent as token ids once the previous reply is in; per run it adds the pref
     ferrox-batch bench-http --config "fast=--max-batch-tokens 2048" --config "defaults=" --repeats 5
     ferrox-batch bench-http --shape b --dtype fp32 --json /tmp/http.json
     ferrox-batch bench-http --shape c --config "cache=" --config "nocache=--no-prefix-cache"
+    ferrox-batch bench-http --shape d --config "spec=" --config "nospec=--no-speculative" --plot /tmp/d.png
 (`python -m ferrox_batch.bench.http ...` is the same program.)
 """
 
@@ -42,7 +43,14 @@ from pathlib import Path
 from ferrox_batch.bench import conversations
 from ferrox_batch.bench.report import CHAT_SHAPES, fmt, hit_cell, median_of
 from ferrox_batch.bench.servers import Server, ServerSpec, parse_spec
-from ferrox_batch.bench.workloads import SINGLE_STREAM_SHAPES, Request, describe, latency_summary, shape_requests
+from ferrox_batch.bench.workloads import (
+    SINGLE_STREAM_SHAPES,
+    Request,
+    describe,
+    gaps,
+    latency_summary,
+    shape_requests,
+)
 
 #: The configurations compared when none are named: the server's defaults, and the upstream tick.
 DEFAULT_CONFIGS = (
@@ -72,6 +80,8 @@ def parse_args(argv: Sequence[str] | None, env: Mapping[str, str], prog: str | N
                    help="4 requests x 8 tokens (c: 2 conversations x 2 turns x 8 tokens), 1 repeat")
     p.add_argument("--timeout", type=float, default=900, help="seconds one run's requests may take")
     p.add_argument("--json", metavar="PATH", help="write the raw numbers here")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw the table: tok/s per server, TTFT and ITL as distributions (needs matplotlib)")
     args = p.parse_args(argv)
     args.config = args.config or list(DEFAULT_CONFIGS)
     if args.quick:
@@ -139,7 +149,7 @@ def closed_loop(port: int, requests: list[Request], timeout: float) -> dict:
     ttfts = [c[0] - s for c, s in zip(chunks, submit) if c]
     return {"wall_s": wall, "tokens": sum(tokens), "tok_s": sum(tokens) / wall, "errors": errors[:10],
             "short": [i for i, (t, r) in enumerate(zip(tokens, requests)) if t != r.max_tokens][:20],
-            **latency_summary(ttfts, chunks)}
+            **latencies(ttfts, chunks)}
 
 
 def one_at_a_time(port: int, requests: list[Request], timeout: float) -> dict:
@@ -162,7 +172,13 @@ def one_at_a_time(port: int, requests: list[Request], timeout: float) -> dict:
             rates.append((count - 1) / (times[-1] - times[0]))
     wall = time.perf_counter() - start
     return {"wall_s": wall, "tokens": tokens, "tok_s": statistics.median(rates) if rates else 0.0,
-            "errors": errors[:10], "short": [], **latency_summary(ttfts, chunks)}
+            "errors": errors[:10], "short": [], **latencies(ttfts, chunks)}
+
+
+def latencies(ttfts: Sequence[float], chunks: Sequence[Sequence[float]]) -> dict:
+    """The TTFT and ITL percentiles, and every sample in milliseconds (what `--plot` draws)."""
+    return {**latency_summary(ttfts, chunks), "ttfts_ms": [t * 1e3 for t in ttfts],
+            "itls_ms": [g * 1e3 for times in chunks for g in gaps(times)]}
 
 
 def get_stats(port: int) -> dict | None:
@@ -218,7 +234,7 @@ def chat_loop(port: int, tokenizer, plan: conversations.Plan, timeout: float,
     wall, tokens = raw["end"] - raw["start"], sum(raw["tokens"])
     return {"wall_s": wall, "tokens": tokens, "tok_s": tokens / wall if wall > 0 else 0.0, "errors": raw["errors"][:10],
             "short": [i for i, (t, r) in enumerate(zip(raw["tokens"], raw["requests"])) if t != r.max_tokens][:20],
-            **latency_summary(raw["ttfts"], raw["times"]), **conversations.chat_extra(raw, before, after)}
+            **latencies(raw["ttfts"], raw["times"]), **conversations.chat_extra(raw, before, after)}
 
 
 def run_one(args: argparse.Namespace, spec: ServerSpec, requests: list[Request],
@@ -313,6 +329,13 @@ def main(argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     print("\n".join(report([spec.name for spec in configs], runs)))
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1))
+    if args.plot:
+        from ferrox_batch.bench.plots import plot_runs
+
+        title = (f"{Path(args.model).name}, shape {args.shape} ({what}), {args.dtype}, {args.repeats} repeats\n"
+                 f"{cpu_description()}")
+        plot_runs(runs, [spec.name for spec in configs], title, args.plot)
+        print(f"# plot: {args.plot}")
     bad = [r for r in runs if r.get("failed") or r.get("errors") or r.get("short")]
     for r in bad:
         print(f"# PROBLEM {r['config']}: {r.get('failed', '')} {r.get('errors', [])[:3]} short {r.get('short', [])}")

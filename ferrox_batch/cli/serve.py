@@ -111,6 +111,9 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                       help="on SIGTERM or Ctrl-C, stop taking connections and let requests in flight finish for "
                            f"up to this long, then cancel the rest (default: {DEFAULT_DRAIN_TIMEOUT_SECS:g}; with "
                            "--replicas, each replica's graceful shutdown, Ray Serve's 20)")
+    http.add_argument("--no-ui", dest="ui", action="store_false",
+                      help="serve no chat page on GET / (default: the page, which needs no key to load and asks "
+                           "for one when the API does)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
     add_batcher_flags(parser)
     add_replica_flags(parser)
@@ -233,7 +236,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
           max_concurrent_requests=args.max_concurrent_requests, log_level=args.log_level, api_key=keys,
           allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
           shared_prefix_cache=args.shared_prefix_cache, client_priorities=args.client_priorities,
-          reasoning_parser=args.reasoning_parser, pooling=args.pooling,
+          reasoning_parser=args.reasoning_parser, pooling=args.pooling, ui=args.ui,
           drain_timeout=DEFAULT_DRAIN_TIMEOUT_SECS if args.drain_timeout is None else args.drain_timeout)
 
 

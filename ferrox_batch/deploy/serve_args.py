@@ -37,7 +37,8 @@ def app_builder(args: dict[str, Any]) -> Application:
     if "model" not in args:
         raise ValueError("the application needs `model`: a checkpoint folder or .gguf file on every node")
     fields = {f.name for f in dataclasses.fields(BatcherConfig)}
-    batcher = {k: (_flag(k, v) if k == "prefix_cache" else _whole(k, v, optional=True))
+    batcher = {k: (_flag(k, v) if k in ("prefix_cache", "speculative") else str(v) if k == "speculative_method"
+                   else _whole(k, v, optional=True))
                for k, v in args.items() if k in fields}
     app: dict[str, Any] = {k: _whole(k, args[k]) for k in COUNT_APP_KEYWORDS if k in args}
     if "api_key" in args and "api_key_env" in args:
@@ -57,6 +58,11 @@ def app_builder(args: dict[str, Any]) -> Application:
         app["shared_prefix_cache"] = _flag("shared_prefix_cache", args["shared_prefix_cache"])
     if "client_priorities" in args:
         app["client_priorities"] = _priorities(args["client_priorities"])
+    for key in ("reasoning_parser", "pooling"):
+        if key in args:
+            app[key] = str(args[key])
+    if "ui" in args:
+        app["ui"] = _flag("ui", args["ui"])
     known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "weights", "batch_invariant", "chat_template", "kv_memory",
                                           "replicas", "max_replicas", "router", "replica_cpus", "replica_gpus",
                                           "api_key_env", "drain_timeout"}

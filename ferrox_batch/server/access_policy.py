@@ -15,6 +15,8 @@ refusal), each refusal in OpenAI's error shape:
 
 `OPEN_PATHS` (liveness, readiness and scraping) skip the Host and key checks: probes and scrapers name
 the pod's address and carry no key, and those routes tell a caller nothing about anyone's requests.
+`PAGE_PATHS` (the chat page, static bytes a browser loads by navigating, so with no key) skip the key
+check only: the page asks for the key, and the API it calls checks it.
 The server's `AccessMiddleware` and the Ray ingress apply the same policy.
 """
 
@@ -34,6 +36,8 @@ from ferrox_batch.server.log_text import loggable
 #: Routes neither a Host list nor a key guards: health checks and Prometheus scrapes come from
 #: infrastructure, not clients (vLLM leaves them open to keys too).
 OPEN_PATHS = ("/health", "/metrics")
+#: Routes the Host list guards but no key does: the chat page (`chat_page`).
+PAGE_PATHS = ("/",)
 #: The media type every POST body of this API is.
 JSON_MEDIA_TYPE = "application/json"
 
@@ -86,7 +90,7 @@ class AccessPolicy:
                                f"this server does not answer to {shown}: it allows {', '.join(self.allowed_hosts)} "
                                f"(its --allowed-hosts)",
                                f"{shown} is not allowed"), None
-            if self.keys is not None:
+            if self.keys is not None and path not in PAGE_PATHS:
                 scheme, _, token = headers.get("authorization", "").partition(" ")
                 if scheme.lower() != "bearer" or not token.strip():
                     return _unauthorised("this server needs an API key: send it as 'Authorization: Bearer <key>'"), None

@@ -9,7 +9,8 @@ Endpoints:
 * `GET /health`: 200 `{"status": "ok"}`, 503 once the worker is dead;
 * `GET /metrics`: Prometheus text (see `metrics`);
 * `GET /stats`: `BatcherStats` as JSON;
-* `POST /tokenize`, `POST /detokenize`: vLLM's shapes (see `tokenization`).
+* `POST /tokenize`, `POST /detokenize`: vLLM's shapes (see `tokenization`);
+* `GET /`: the chat page (`chat_page`), unless `ui` is off.
 
 Every error, routing ones included, is a JSON body in the OpenAI error shape.
 Every response carries `X-Request-Id`; with `api_key` set, every route but
@@ -46,6 +47,7 @@ from ferrox_batch.generation_types import POOLING
 from ferrox_batch.server.access import REQUEST_ID_HEADER, AccessMiddleware
 from ferrox_batch.server.access_policy import AccessPolicy
 from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
+from ferrox_batch.server.chat_page import PAGE_PATH, ChatPage
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES, ClientPolicy
 from ferrox_batch.server.errors import error_body, error_response
 from ferrox_batch.server.generation import (
@@ -96,6 +98,7 @@ def create_app(
     client_priorities: tuple[int, int] = DEFAULT_CLIENT_PRIORITIES,
     reasoning_parser: str | None = None,
     pooling: str = DEFAULT_POOLING,
+    ui: bool = True,
 ) -> FastAPI:
     """An app serving `batcher` under the name `model_name`, or under each of several names (requests may
     name any; answers carry the one asked for, else the first).
@@ -118,7 +121,7 @@ def create_app(
     `client_priorities`: the inclusive range of `priority` requests may use (`client_policy`).
     `reasoning_parser`: how chat answers' thinking is told from the answer (`reasoning`: `deepseek_r1`,
     `qwen3`); None: it is not. `pooling`: how `/v1/embeddings` pools a prompt unless the request says
-    (`last` or `mean`).
+    (`last` or `mean`). `ui`: serve the chat page on `GET /` (`chat_page`).
     """
     tokenizer = batcher.tokenizer
     if tokenizer is None:
@@ -164,6 +167,8 @@ def create_app(
     app.add_api_route("/stats", state.stats, methods=["GET"])
     app.add_api_route("/tokenize", state.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", state.detokenize, methods=["POST"])
+    if ui:
+        app.add_api_route(PAGE_PATH, ChatPage().get, methods=["GET"])
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(AccessMiddleware, policy=access)  # type: ignore[arg-type]

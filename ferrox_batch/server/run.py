@@ -72,6 +72,7 @@ def serve(
     client_priorities: tuple[int, int] = DEFAULT_CLIENT_PRIORITIES,
     reasoning_parser: str | None = None,
     pooling: str = "last",
+    ui: bool = True,
 ) -> None:
     """Serve `model` (a checkpoint folder, a `.gguf` file, or a loaded model) on `host:port`; block until stopped.
 
@@ -97,7 +98,8 @@ def serve(
                          max_concurrent_requests=max_concurrent_requests, api_key=api_key,
                          allowed_origins=allowed_origins, shared_prefix_cache=shared_prefix_cache,
                          allowed_hosts=default_allowed_hosts(host) if allowed_hosts is None else allowed_hosts,
-                         client_priorities=client_priorities, reasoning_parser=reasoning_parser, pooling=pooling)
+                         client_priorities=client_priorities, reasoning_parser=reasoning_parser, pooling=pooling,
+                         ui=ui)
         config = server_config(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout,
                                max_concurrent_requests=max_concurrent_requests)
         server = uvicorn.Server(config)
@@ -109,6 +111,9 @@ def serve(
         # of the garbage collector's walks, a full collection that a burst of large answers sets off scans
         # only what requests made, and pauses every thread for milliseconds instead of a walk of it all.
         gc.freeze()
+        if ui:
+            shown = f"[{host}]" if ":" in host else ("127.0.0.1" if host in ("0.0.0.0", "") else host)
+            log.info("chat page: http://%s:%d/", shown, port)
         try:
             server.run()
         finally:

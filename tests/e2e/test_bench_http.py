@@ -56,11 +56,25 @@ def test_a_quick_run_serves_every_request_from_each_config(tiny_batch_dir, tmp_p
     # The peer is our own server started from its command line: the path a llama.cpp server takes.
     peer = f"{sys.executable} -m ferrox_batch.cli serve --model {tiny_batch_dir} --dtype fp32 --port {{port}}"
     code = main(["--model", str(tiny_batch_dir), "--quick", "--dtype", "fp32", "--config", "defaults=",
-                 "--config", "nocap=--step-target-ms 0", "--peer", f"peer={peer}", "--json", str(out)], {})
+                 "--config", "nocap=--step-target-ms 0", "--peer", f"peer={peer}", "--json", str(out),
+                 "--plot", str(tmp_path / "http.png")], {})
     assert code == 0, capsys.readouterr()
     runs = json.loads(out.read_text())["runs"]
     assert [r["config"] for r in runs] == ["defaults", "nocap", "peer"]
+    assert (tmp_path / "http.png").read_bytes().startswith(b"\x89PNG")
+    assert all(len(r["ttfts_ms"]) == 4 and len(r["itls_ms"]) == r["itl_count"] for r in runs)
     assert all(r["tokens"] == 4 * 8 and not r["errors"] and r["tok_s"] > 0 for r in runs)
     assert all(0 < r["worker_forward"] <= 1.01 for r in runs)  # our server (the peer too) reports its worker
     printed = capsys.readouterr().out
     assert "# cpu: " in printed and "| nocap |" in printed and "| peer |" in printed
+
+
+def test_shape_d_sends_copying_tasks_one_at_a_time(tiny_batch_dir, tmp_path, capsys):
+    out = tmp_path / "d.json"
+    code = main(["--model", str(tiny_batch_dir), "--quick", "--dtype", "fp32", "--shape", "d", "--config", "spec=",
+                 "--config", "nospec=--no-speculative", "--json", str(out)], {})
+    assert code == 0, capsys.readouterr()
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["config"] for r in runs] == ["spec", "nospec"]
+    assert all(r["tokens"] == 2 * 8 and not r["errors"] for r in runs)
+    assert runs[1]["draft_tokens"] == 0  # the server without speculation drafted nothing
