@@ -39,7 +39,8 @@ the table's tok/s is the median decode rate after the first token.
 Shape d is the single stream on editing tasks whose answers copy their prompts (`bench.copying`), d4 four
 of them at once: the work speculative decoding is for. Ours runs with `--speculative` and with
 `--no-speculative`; each llama.cpp peer runs without speculation and with its n-gram speculation
-(`--llama-spec`, by default `--spec-type ngram-simple` with its own defaults), with one slot per request.
+(`--llama-spec NAME=FLAGS`, by default `LLAMA_SPEC`: its own defaults, and the setting tried that served
+shape d fastest), with one slot per request.
 
     python scripts/bench_serving.py --shape d --gguf ~/.cache/ferrox-batch/bench-models/smollm2-135m-instruct-bf16.gguf \
         --llama-server /path/to/llama-server
@@ -76,6 +77,10 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF", "-DGGML_NATIVE=
                "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF"]
 SLOTS = 32
 CONTEXT_PER_SLOT = 1024
+#: llama.cpp's n-gram speculation on the copying shapes: its defaults (a 12-token lookup, drafts of up to
+#: 48), and the setting that served shape d fastest of those tried (a 3-token lookup, drafts of up to 8).
+LLAMA_SPEC = ("ngram=--spec-type ngram-simple",
+              "ngram-n3m8=--spec-type ngram-simple --spec-ngram-simple-size-n 3 --spec-ngram-simple-size-m 8")
 
 
 def llama_source(work: Path) -> Path:
@@ -130,8 +135,9 @@ def main() -> int:
     p.add_argument("--model", default=default_model(os.environ), help="our checkpoint folder (the fetched default)")
     p.add_argument("--shape", default="a", choices=("a", "c", "s", "d", "d4"),
                    help="s: the single stream, llama.cpp with one slot; d: copying tasks, one at a time (d4: four)")
-    p.add_argument("--llama-spec", default="--spec-type ngram-simple",
-                   help="on shapes d and d4, the flags of llama.cpp's speculative peer beside its plain one")
+    p.add_argument("--llama-spec", action="append", metavar="NAME=FLAGS",
+                   help="on shapes d and d4, a speculative llama.cpp peer beside its plain one, repeatable "
+                        f"(default: {' and '.join(LLAMA_SPEC)})")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ggufs", default="f16,f32", help="llama.cpp peers, one per GGUF precision (f16, f32, bf16)")
     p.add_argument("--gguf", type=Path, action="append",
@@ -163,7 +169,9 @@ def main() -> int:
         command = llama_command(server, path, args.shape == "c", args.threads, slots)
         peers.append(f"llama.cpp-{name}={command}")
         if copying:
-            peers.append(f"llama.cpp-{name}-ngram={command} {args.llama_spec}")
+            for spec in args.llama_spec or LLAMA_SPEC:
+                label, _, flags = spec.partition("=")
+                peers.append(f"llama.cpp-{name}-{label}={command} {flags}")
     argv = ["--model", args.model, "--shape", args.shape, "--repeats", str(args.repeats)]
     ours = ["ours-spec=--speculative", "ours-nospec=--no-speculative"] if copying else ["ours="]
     for spec in args.ours or ours:

@@ -130,7 +130,8 @@ class Scheduler:
         self.waiting.age(now)
         self._admit()
         decodes = list(self.decoding)
-        drafts = plan_drafts(decodes, self.config)  # draft positions cost what prompt tokens do
+        # Draft positions cost what prompt tokens do: a step with prompts to run spends itself on them.
+        drafts = plan_drafts(decodes, self.config, prompts_pending=bool(self.prefilling))
         tick_tokens = self.step_cost.tick_tokens(self.config.max_batch_tokens, len(decodes),
                                                  self.config.step_target_ms)
         return StepPlan.build(decodes, self._prompt_chunks(len(decodes) + drafts, tick_tokens))

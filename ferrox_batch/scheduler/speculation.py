@@ -1,15 +1,16 @@
 """Which decoding rows draft this step, and how much (speculative decoding by prompt lookup).
 
 A row drafts when speculation is on (`BatcherConfig.speculative`), the step is small (at most
-`speculative_max_batch` decoding rows: a full batch is compute-bound, and drafts would cost it throughput),
-and its lease keeps every position (a sliding lease recycles pages a rejected draft could have written).
-Its draft is the n-gram lookup of `ngram_draft`, capped so that the draft and the token after it stay
+`speculative_max_batch` decoding rows: a full batch is compute-bound, and drafts would cost it throughput)
+and has no prompt to prefill (its positions go to the prompts), and its lease keeps every position (a
+sliding lease recycles pages a rejected draft could have written). Its draft is the n-gram lookup of `ngram_draft`, capped so that the draft and the token after it stay
 within `max_tokens`: every position a drafted row's forward writes is then inside what admission priced
 for it.
 
 How long a row's drafts are adapts to how they fare, since each drafted position costs a share of a
 step whether or not it is kept: a draft kept whole lets the next be twice as long (up to
-`speculative_tokens`), a draft cut short makes the next one token longer than what was kept. A row whose
+`speculative_tokens`), a draft rejected whole makes the next one token long, and a draft cut short leaves
+the length as it was (a copy that meets one edit goes on copying after it). A row whose
 `MAX_MISSES` drafts in a row were rejected whole stops drafting for `PAUSE_STEPS` steps, then tries again
 (an answer may start copying only after it has said something of its own).
 
@@ -33,12 +34,14 @@ MAX_MISSES = 4
 PAUSE_STEPS = 16
 
 
-def plan_drafts(decodes: Sequence[Request], config: BatcherConfig) -> int:
+def plan_drafts(decodes: Sequence[Request], config: BatcherConfig, prompts_pending: bool = False) -> int:
     """Set each decoding row's `draft` for this step (rows keep none between steps: `drafted` clears it);
-    the draft tokens in all. Costs nothing when speculation is off or the batch is too wide."""
+    the draft tokens in all. Costs nothing when speculation is off. No row drafts when the batch is too
+    wide or `prompts_pending` (admitted prompts still to prefill: the step's positions go to them first, as
+    a drafted position costs what a prompt token does and would delay their first tokens)."""
     if not config.speculative:
         return 0
-    if len(decodes) > config.speculative_max_batch:
+    if len(decodes) > config.speculative_max_batch or prompts_pending:
         for request in decodes:
             request.draft = ()
         return 0

@@ -3,7 +3,7 @@
 Pins: the next draft's length stays within [1, `speculative_tokens`]; a draft kept whole doubles it, one
 rejected whole makes it 1, one cut short leaves it; `MAX_MISSES` whole rejections in a row pause the row's
 drafting for `PAUSE_STEPS` steps, then it drafts again; no draft reaches past `max_tokens`; speculation
-off or a batch wider than `speculative_max_batch` drafts nothing.
+off, a batch wider than `speculative_max_batch` or a step with prompts to prefill drafts nothing.
 """
 
 from __future__ import annotations
@@ -78,3 +78,5 @@ def test_off_or_too_wide_drafts_nothing():
     assert plan_drafts(rows, BatcherConfig(speculative=False)) == 0 and all(r.draft == () for r in rows)
     assert plan_drafts(rows, config(4, speculative_max_batch=2)) == 0
     assert plan_drafts(rows, config(4, speculative_max_batch=3)) == 12 and all(r.draft == (7,) * 4 for r in rows)
+    # A step with prompts to prefill gives its positions to them.
+    assert plan_drafts(rows, config(4), prompts_pending=True) == 0 and all(r.draft == () for r in rows)
