@@ -22,7 +22,7 @@ from ray import serve
 
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.bench import conversations
-from ferrox_batch.bench.http import chat_loop, stream_completion
+from ferrox_batch.bench.http_client import chat_loop, stream_completion
 from ferrox_batch.bench.report import fmt
 from ferrox_batch.bench.workloads import Request
 from ferrox_batch.cli.common import parse_memory_size

@@ -33,7 +33,7 @@ def entries(path: Path, group: str) -> list[dict]:
             continue
         ratio = r["ours_tok_s"] / r["peer_tok_s"]
         out.append({"machine": r["machine"], "shape": r["shape"], "ratio": ratio,
-                    "label": f"{r['ours_tok_s']:.0f} / {r['peer_tok_s']:.0f}"})
+                    "label": f"{r['format']}\n{r['ours_tok_s']:.0f} / {r['peer_tok_s']:.0f}"})
     return out
 
 

@@ -75,14 +75,17 @@ def plot_ratios(results: Sequence[Mapping[str, Any]], title: str, path: str | Pa
     plt = _pyplot()
     machines = list(dict.fromkeys(r["machine"] for r in results))
     shapes = list(dict.fromkeys(r["shape"] for r in results))
-    width = 0.8 / len(shapes)
-    fig, axes = plt.subplots(figsize=(max(6.0, 2.4 * len(machines)), 4.2), layout="constrained")
+    present = {m: [s for s in shapes if any(r["machine"] == m and r["shape"] == s for r in results)] for m in machines}
+    width = 0.8 / max(len(p) for p in present.values())
+    fig, axes = plt.subplots(figsize=(max(6.0, 2.6 * len(machines)), 4.4), layout="constrained")
     for j, shape in enumerate(shapes):
         xs, ys, labels = [], [], []
         for i, machine in enumerate(machines):
             for r in results:
                 if r["machine"] == machine and r["shape"] == shape:
-                    xs.append(i + (j - (len(shapes) - 1) / 2) * width)
+                    # Each machine's bars centred on its tick, whatever shapes it has.
+                    k, n = present[machine].index(shape), len(present[machine])
+                    xs.append(i + (k - (n - 1) / 2) * width)
                     ys.append(r["ratio"])
                     labels.append(r.get("label", ""))
         bars = axes.bar(xs, ys, width * 0.95, label=shape, color=f"C{j}", alpha=0.8)
@@ -93,7 +96,7 @@ def plot_ratios(results: Sequence[Mapping[str, Any]], title: str, path: str | Pa
     axes.set_xticks(range(len(machines)), machines, fontsize=8)
     axes.set_ylabel(ylabel)
     axes.set_title(title, fontsize=10)
-    axes.legend(fontsize=8, loc="upper left")
+    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     axes.set_ylim(0, max(r["ratio"] for r in results) * 1.3)
     axes.grid(axis="y", alpha=0.3)
     fig.savefig(path, dpi=110)

@@ -39,7 +39,7 @@ def test_the_report_gives_medians_and_throughput_over_the_first_config():
 
 
 def test_the_worker_split_is_each_time_over_the_run_and_none_for_a_server_without_it():
-    from ferrox_batch.bench.http import worker_split
+    from ferrox_batch.bench.http_client import worker_split
 
     before = {"worker_idle_ms": 100, "worker_scheduling_ms": 0, "worker_forward_ms": 1000, "worker_forward_off_cpu_ms": 0}
     after = {"worker_idle_ms": 300, "worker_scheduling_ms": 100, "worker_forward_ms": 2700,

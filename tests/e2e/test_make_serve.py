@@ -1,4 +1,5 @@
-"""`make serve`, as a newcomer runs it: the server starts on the default model and answers a chat request.
+"""`make serve`, as a newcomer runs it: the server starts on the default model, prints the chat page's address,
+serves the page there, and answers a chat request.
 
 The suite runs after `make test` installed everything and fetched the model, so
 here `make serve` only checks its stamps, confirms the model, and starts the
@@ -12,6 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 from process_helpers import free_port, server_process, wait_healthy, wait_port_free
@@ -39,6 +41,9 @@ def test_make_serve_starts_the_default_model_and_answers_a_chat(real_model_dir: 
         answer = reply.choices[0].message.content
         assert answer and answer.strip(), reply
         assert reply.model == "smollm2-135m-instruct"
+        assert f"chat page: {base_url}/" in server.output()
+        page = httpx.get(f"{base_url}/", timeout=30)
+        assert page.status_code == 200 and 'id="messages"' in page.text
     assert server.stopped_by == "SIGINT", server.output()[-4000:]
     output = server.output()
     assert "Traceback" not in output, output[-4000:]
