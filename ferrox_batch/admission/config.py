@@ -47,8 +47,6 @@ SERVING_STEP_TARGET_MS = 500
 #: the order under a burst, short enough that a flood of urgent requests cannot starve the rest.
 SERVING_PRIORITY_AGING_MS = 30_000
 #: The ways a row may draft tokens for speculative decoding: "ngram", prompt lookup (`scheduler.ngram_draft`).
-#: A server speculates by default: on copying edits it decodes one stream about twice as fast, and it cost
-#: nothing measurable on the burst and the chat (docs/benchmarks.md), where batches are too wide to draft.
 SPECULATIVE_METHODS = ("ngram",)
 
 ENV_MAX_SEQS = "FERROX_CB_MAX_SEQS"
@@ -219,7 +217,9 @@ class BatcherConfig:
 
     @classmethod
     def serving(cls) -> BatcherConfig:
-        """The defaults a server starts from: fast settings with a latency bound (docs/benchmarks.md)."""
+        """The defaults a server starts from: fast settings with a latency bound (docs/benchmarks.md). It
+        speculates: on copying edits one stream decodes about twice as fast, and the burst and the chat,
+        whose batches are too wide to draft, measured no slower."""
         return cls(prefill_chunk=SERVING_PREFILL_CHUNK, max_batch_tokens=SERVING_MAX_BATCH_TOKENS,
                    kv_block_size=SERVING_KV_BLOCK_SIZE, max_prefills_per_tick=SERVING_MAX_PREFILLS_PER_TICK,
                    step_target_ms=SERVING_STEP_TARGET_MS, prefix_cache=True,

@@ -6,8 +6,8 @@ trying the longest n first (`n_max` down to `n_min`), up to `k` tokens; a row wh
 nowhere earlier gets no draft and decodes as usual. When the occurrence is so recent that fewer than `k`
 tokens follow it, the copy runs on over the tokens it drafts itself (as an overlapping copy does): a
 sequence that repeats with period p is predicted to go on repeating, so a loop of one token drafts `k` of
-it rather than one. Verifying a draft costs one forward over its
-positions, so a good draft turns several steps into one.
+it rather than one. Verifying a draft costs one forward over its positions, so a good draft turns several
+steps into one.
 
 Why an index rather than a scan: a scan of the whole sequence per row per step costs its length in Python
 on the worker's thread. The index keeps, for each n, the end of the latest occurrence of every n-gram seen

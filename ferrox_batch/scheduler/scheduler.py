@@ -232,10 +232,12 @@ class Scheduler:
                     progress.sampled(request, outcome, self.decode)
                 continue
             request.hold_chunks()  # a draft's accepted tokens and the one after them stream as one chunk
-            for one in outcome:
-                if request.going:  # nothing after a stop, a length or a failure is applied
-                    progress.sampled(request, one, self.decode)
-            request.release_chunks()
+            try:
+                for one in outcome:
+                    if request.going:  # nothing after a stop, a length or a failure is applied
+                        progress.sampled(request, one, self.decode)
+            finally:
+                request.release_chunks()
         if seconds is not None and self.config.step_target_ms is not None:
             self.step_cost.observe(len(plan.decodes), plan.prompt_tokens + plan.draft_tokens, seconds)
         exits.flush(self)

@@ -3,16 +3,16 @@
 A row drafts when speculation is on (`BatcherConfig.speculative`), the step is small (at most
 `speculative_max_batch` decoding rows: a full batch is compute-bound, and drafts would cost it throughput)
 and has no prompt to prefill (its positions go to the prompts), and its lease keeps every position (a
-sliding lease recycles pages a rejected draft could have written). Its draft is the n-gram lookup of `ngram_draft`, capped so that the draft and the token after it stay
-within `max_tokens`: every position a drafted row's forward writes is then inside what admission priced
-for it.
+sliding lease recycles pages a rejected draft could have written). Its draft is the n-gram lookup of
+`ngram_draft`, capped so that the draft and the token after it stay within `max_tokens`: every position a
+drafted row's forward writes is then inside what admission priced for it.
 
 How long a row's drafts are adapts to how they fare, since each drafted position costs a share of a
 step whether or not it is kept: a draft kept whole lets the next be twice as long (up to
 `speculative_tokens`), a draft rejected whole makes the next one token long, and a draft cut short leaves
-the length as it was (a copy that meets one edit goes on copying after it). A row whose
-`MAX_MISSES` drafts in a row were rejected whole stops drafting for `PAUSE_STEPS` steps, then tries again
-(an answer may start copying only after it has said something of its own).
+the length as it was (a copy that meets one edit goes on copying after it). A row whose `MAX_MISSES`
+drafts in a row were rejected whole stops drafting for `PAUSE_STEPS` steps, then tries again (an answer
+may start copying only after it has said something of its own).
 
 The runner verifies a draft by sampling its positions in order, each with the row's own sampler state,
 and keeps the prefix the samples agree with plus the first sample that disagrees (`runtime.runner`).

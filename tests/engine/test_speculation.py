@@ -268,7 +268,7 @@ def test_a_deadline_passing_mid_draft_frees_every_block(tiny_batch_model):
                 break
             threading.Event().wait(0.05)
         assert stats.kv_blocks_free == stats.kv_blocks_total and b.store.seq_ids() == []
-        assert stats.spec_decode_num_drafts > 0 and stats.aborted >= 0
+        assert stats.spec_decode_num_drafts > 0
         assert b.generate(ids, GenerationParams(max_tokens=5, ignore_eos=True)).usage.completion_tokens == 5
 
 

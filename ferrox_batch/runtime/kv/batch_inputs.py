@@ -132,6 +132,8 @@ class _Batch:
     lens: list[int]
     last_rows: torch.Tensor
     new_lengths: list[tuple[Hashable, int]]
+    #: Whether a chunk is answered as decodes (else every decode sequence is one row).
+    expanded: bool = False
 
     @classmethod
     def of(cls, chunks: Sequence[SeqChunk], store: PagedKvStore, vocab_size: int) -> _Batch:
@@ -165,7 +167,8 @@ class _Batch:
         ends = torch.tensor(lens, dtype=torch.long).cumsum(0) - 1
         last_flat = torch.empty(len(chunks), dtype=torch.long)
         last_flat[torch.tensor(order, dtype=torch.long)] = ends
-        return cls(store, order, n_decode, tokens, seqs, ids, starts, lens, last_flat.to(device), new_lengths)
+        return cls(store, order, n_decode, tokens, seqs, ids, starts, lens, last_flat.to(device), new_lengths,
+                   any(c.as_decodes and len(c.tokens) > 1 for c in chunks))
 
     def inputs(self, group: int, sliding_window: int | None, decode_gather: bool) -> BatchInputs:
         """The forward's inputs through group `group`'s tables, attending over `sliding_window`."""
@@ -189,8 +192,9 @@ class _Batch:
         slot_parts: list[torch.Tensor] = []
         if n_decode:
             d_tables = _pad_tables(tables[:n_decode], device)
-            rows = [start + k for start, length in zip(starts[:n_decode], lens[:n_decode]) for k in range(length)]
-            if len(rows) > n_decode:  # chunks answered as decodes: a row per position, each with its table
+            rows = starts[:n_decode]
+            if self.expanded:  # chunks answered as decodes: a row per position, each with its sequence's table
+                rows = [start + k for start, length in zip(rows, lens[:n_decode]) for k in range(length)]
                 per_seq = torch.tensor(lens[:n_decode], dtype=torch.long, device=device)
                 d_tables = d_tables.repeat_interleave(per_seq, dim=0)
             d_pos = torch.tensor(rows, dtype=torch.long, device=device)
