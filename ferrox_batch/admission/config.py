@@ -178,10 +178,12 @@ class BatcherConfig:
     slide_interval: int = DEFAULT_SWA_EVICTION_INTERVAL
     #: Speculative decoding (`scheduler.speculation`, port-only): whether rows draft, how (`SPECULATIVE_METHODS`:
     #: prompt lookup), the most tokens a row drafts per step, the n-gram lengths looked up, and the most
-    #: decoding rows a step may have for rows to draft.
+    #: decoding rows a step may have for rows to draft. 15 drafted tokens make a step of 16 positions, which
+    #: fills the bf16 kernel's four-row tiles; replayed on the copying tasks, 15 kept the most tokens per
+    #: second of 8, 12, 15 and 16 (`scripts/bench_draft_policy.py`).
     speculative: bool = False
     speculative_method: str = "ngram"
-    speculative_tokens: int = 8
+    speculative_tokens: int = 15
     speculative_ngram_min: int = 2
     speculative_ngram_max: int = 4
     speculative_max_batch: int = 4

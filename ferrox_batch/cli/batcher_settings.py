@@ -96,7 +96,7 @@ BATCHER_FLAGS: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
     "slide_interval": ("--slide-interval", ENV_SLIDE_INTERVAL, str(DEFAULT_SWA_EVICTION_INTERVAL),
                        "for a model whose every layer slides by one window: decode steps between two slides "
                        "of a row's KV pages behind the window (fewer price a long row lower)"),
-    "speculative_tokens": ("--speculative-tokens", ENV_SPECULATIVE_TOKENS, "8",
+    "speculative_tokens": ("--speculative-tokens", ENV_SPECULATIVE_TOKENS, "15",
                            "speculative decoding: the most tokens a decoding row drafts per step"),
     "speculative_ngram_min": ("--speculative-ngram-min", ENV_SPECULATIVE_NGRAM_MIN, "2",
                               "the shortest n-gram a draft is looked up by"),

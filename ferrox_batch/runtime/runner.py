@@ -169,6 +169,7 @@ class ModelRunner:
         accepted draft tokens; the rest are written over later (`scheduler.speculation`)."""
         kept = {i: [sampled[i]] for i in drafted}
         alive = [i for i in drafted if _agrees(sampled[i], sampling[i].draft, 0)]
+        alive = self._verify_at_once(sampling, alive, spans, kept)
         position = 1
         while alive:
             rows = [self._samplers[sampling[i].seq_id] for i in alive]
@@ -186,6 +187,34 @@ class ModelRunner:
             seq = self.store.seq(sampling[i].seq_id)
             seq.length -= len(sampling[i].draft) + 1 - len(kept[i])
             sampled[i] = tuple(kept[i])
+
+    def _verify_at_once(self, sampling: Sequence[RowToSample], alive: list[int], spans: dict[int, torch.Tensor],
+                        kept: dict[int, list[Sampled]]) -> list[int]:
+        """Verify the drafted rows whose samples depend on nothing sampled before (`RowSampler.memoryless`:
+        a plain greedy row) with one sampling call over all their positions, the same samples the position
+        by position loop would draw; the rows left for that loop. A position past a row's first
+        disagreement is sampled and dropped (what it costs is a few rows of a cheap call)."""
+        rows = {i: self._samplers[sampling[i].seq_id] for i in alive}
+        at_once = [i for i in alive if rows[i].memoryless]
+        if not at_once:
+            return alive
+        logits = torch.cat([spans[sampling[i].row][1:len(sampling[i].draft) + 1] for i in at_once])
+        repeated = [rows[i] for i in at_once for _ in sampling[i].draft]
+        try:
+            outs: Sequence[Sampled] = self.sampler.sample(logits, repeated)
+        except Exception:
+            log.exception("sampling drafted positions at once failed; sampling them position by position")
+            return alive
+        start = 0
+        for i in at_once:
+            draft = sampling[i].draft
+            for position, out in enumerate(outs[start:start + len(draft)], start=1):
+                kept[i].append(out)
+                if not _agrees(out, draft, position):
+                    break
+            start += len(draft)
+        done = set(at_once)
+        return [i for i in alive if i not in done]
 
     def _grammar_pool(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:

@@ -56,6 +56,8 @@ PARAMS = [
     GenerationParams(max_tokens=30, ignore_eos=True, logprobs=2, min_tokens=5, stop_token_ids=(8,)),
     GenerationParams(max_tokens=30, ignore_eos=True, sampling=SamplingParams(bad_words_ids=((8, 8),))),
     GenerationParams(max_tokens=30, stop=("ab", "at")),
+    # Greedy rows whose samples depend on nothing sampled before: their positions are verified in one call.
+    GenerationParams(max_tokens=30, ignore_eos=True, logprobs=3, sampling=SamplingParams(logit_bias=((8, 2.0),))),
 ]
 
 
@@ -73,6 +75,24 @@ def test_answers_are_the_same_with_and_without_drafts_in_fewer_steps(tiny_batch_
     assert stats.spec_decode_num_drafts > 0 and 0 < stats.spec_decode_num_accepted_tokens
     assert stats.spec_decode_num_accepted_tokens <= stats.spec_decode_num_draft_tokens
     assert stats.decode_steps + stats.spec_decode_num_accepted_tokens == plain_stats.decode_steps
+
+
+def test_a_plain_greedy_rows_draft_is_verified_in_one_sampling_call(tiny_batch_model, monkeypatch):
+    from ferrox_batch.runtime.sampling.sampler import BatchSampler
+
+    calls = []
+    sample = BatchSampler.sample
+    monkeypatch.setattr(BatchSampler, "sample", lambda self, logits, rows, *a: calls.append(len(rows)) or
+                        sample(self, logits, rows, *a))
+    with batcher(tiny_batch_model, 6) as b:
+        b.generate(tiny_batch_model.tokenizer.encode(PROMPTS[0]), GenerationParams(max_tokens=100, ignore_eos=True))
+        stats = b.stats()
+    # Each step samples its row once (the prompt's step too) and, when the draft's first token was kept, its
+    # other positions in one more call; drafts kept two tokens or more, where a position by position loop
+    # would have called once per position.
+    kept_first, kept_second = stats.spec_decode_num_accepted_tokens_per_pos[:2]
+    assert kept_second > 0
+    assert len(calls) == stats.decode_steps + 1 + kept_first
 
 
 @pytest.mark.parametrize("max_tokens", range(1, 14))

@@ -87,6 +87,14 @@ class RowSampler:
     def greedy(self) -> bool:
         return self.generator is None
 
+    @property
+    def memoryless(self) -> bool:
+        """Whether what this row samples next depends on nothing it sampled before: greedy, with no penalty
+        window, grammar, `min_tokens` hold or multi-token bad word. Such a row's drafted positions can be
+        sampled in one call (`record` leaves its state as it was)."""
+        return (self.generator is None and self.counts is None and self.matcher is None and self.hold_left == 0
+                and not self.sequences)
+
     def banned_now(self) -> list[int]:
         """The ids this row may not sample at this step (beyond its bias vector)."""
         out = list(self.held) if self.hold_left > 0 else []
