@@ -136,8 +136,8 @@ def main() -> int:
     p.add_argument("--shape", default="a", choices=("a", "c", "s", "d", "d4"),
                    help="s: the single stream, llama.cpp with one slot; d: copying tasks, one at a time (d4: four)")
     p.add_argument("--llama-spec", action="append", metavar="NAME=FLAGS",
-                   help="on shapes d and d4, a speculative llama.cpp peer beside its plain one, repeatable "
-                        f"(default: {' and '.join(LLAMA_SPEC)})")
+                   help="a speculative llama.cpp peer beside its plain one, repeatable (on shapes d and d4 by "
+                        f"default: {' and '.join(LLAMA_SPEC)}; on the others only when given)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ggufs", default="f16,f32", help="llama.cpp peers, one per GGUF precision (f16, f32, bf16)")
     p.add_argument("--gguf", type=Path, action="append",
@@ -168,7 +168,7 @@ def main() -> int:
     for name, path in ggufs:
         command = llama_command(server, path, args.shape == "c", args.threads, slots)
         peers.append(f"llama.cpp-{name}={command}")
-        if copying:
+        if copying or args.llama_spec:
             for spec in args.llama_spec or LLAMA_SPEC:
                 label, _, flags = spec.partition("=")
                 peers.append(f"llama.cpp-{name}-{label}={command} {flags}")

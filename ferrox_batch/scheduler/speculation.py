@@ -48,21 +48,29 @@ def plan_drafts(decodes: Sequence[Request], config: BatcherConfig, prompts_pendi
         for request in decodes:
             request.draft = ()
         return 0
+    # Rows that decode together share one step's worth of drafted positions (what one row may draft alone):
+    # each drafted position costs the same whichever row it is in. Four copying rows at once measured the
+    # same tokens per second sharing as each drafting up to the whole, with steps short enough that the
+    # gap between two of a row's tokens had half the tail (docs/benchmarks.md).
+    share = max(1, (config.speculative_tokens + 1) // len(decodes) - 1) if decodes else 0
     total = 0
     for request in decodes:
-        request.draft = draft_for(request, config)
+        request.draft = draft_for(request, config, share)
         total += len(request.draft)
     return total
 
 
-def draft_for(request: Request, config: BatcherConfig) -> tuple[int, ...]:
+def draft_for(request: Request, config: BatcherConfig, most: int | None = None) -> tuple[int, ...]:
+    """The row's draft for this step: at most its current draft length, `most` (when given) and what
+    `max_tokens` leaves room for."""
     if request.window is not None:
         return ()
     if request.draft_pause:
         request.draft_pause -= 1
         return ()
     room = request.params.max_tokens - len(request.output_ids) - 1  # the draft, then one more token
-    k = min(request.draft_limit or config.speculative_tokens, room)
+    k = min(request.draft_limit or config.speculative_tokens, room, config.speculative_tokens if most is None
+            else most)
     if k <= 0:
         return ()
     index = request.ngram

@@ -3,8 +3,9 @@
 Pins: the next draft's length stays within [1, `speculative_tokens`]; a draft kept whole makes it
 `speculative_tokens`, one whose first `a` tokens were kept makes it `a + 1` (1 for one rejected whole);
 `MAX_MISSES` whole rejections in a row pause the row's drafting for `PAUSE_STEPS` steps, then it drafts
-again; no draft reaches past `max_tokens`; speculation off, a batch wider than `speculative_max_batch` or a
-step with prompts to prefill drafts nothing.
+again; no draft reaches past `max_tokens`; rows drafting together share one row's positions (each drafts
+at least one token); speculation off, a batch wider than `speculative_max_batch` or a step with prompts to
+prefill drafts nothing.
 """
 
 from __future__ import annotations
@@ -76,6 +77,15 @@ def test_off_or_too_wide_drafts_nothing():
     rows = [row() for _ in range(3)]
     assert plan_drafts(rows, BatcherConfig(speculative=False)) == 0 and all(r.draft == () for r in rows)
     assert plan_drafts(rows, config(4, speculative_max_batch=2)) == 0
-    assert plan_drafts(rows, config(4, speculative_max_batch=3)) == 12 and all(r.draft == (7,) * 4 for r in rows)
+    assert plan_drafts(rows, config(4, speculative_max_batch=3)) == 3 and all(r.draft == (7,) for r in rows)
+    assert plan_drafts(rows, config(11, speculative_max_batch=3)) == 9 and all(r.draft == (7,) * 3 for r in rows)
     # A step with prompts to prefill gives its positions to them.
     assert plan_drafts(rows, config(4), prompts_pending=True) == 0 and all(r.draft == () for r in rows)
+
+
+@given(st.integers(1, 16), st.integers(1, 6))
+def test_rows_drafting_together_share_one_rows_positions(k, rows):
+    batch = [row() for _ in range(rows)]
+    total = plan_drafts(batch, config(k, speculative_max_batch=6))
+    assert all(len(r.draft) == len(batch[0].draft) >= 1 for r in batch)
+    assert total + rows <= max(k + 1, 2 * rows)  # one row's k + 1 positions, unless that leaves a row none
