@@ -100,13 +100,14 @@ class Request:
     stop_token_id: int | None = None
     ids_sent: int = 0  # output ids that went out with chunks (`params.stream_token_ids`)
     #: Speculative decoding (`scheduler.speculation`): this step's draft, the n-gram index it is looked up in,
-    #: the next draft's most tokens (0: not yet set), how many drafts in a row were rejected whole, and the
-    #: steps it still sits out after too many.
+    #: the next draft's most tokens (0: not yet set), how many drafts in a row were rejected whole, the
+    #: steps it still sits out after too many, and how many such pauses came since it last kept a token.
     draft: tuple[int, ...] = ()
     ngram: NgramIndex | None = None
     draft_limit: int = 0
     draft_misses: int = 0
     draft_pause: int = 0
+    draft_pauses: int = 0
     #: Text held back while a verified draft's tokens are applied, so they stream as one chunk (else None).
     held_text: list[str] | None = None
     #: Its prompt's pooled hidden states so far (`params.pooling`): the sum over the chunks run ("mean"),

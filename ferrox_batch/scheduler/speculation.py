@@ -5,7 +5,8 @@ A row drafts when speculation is on (`BatcherConfig.speculative`), the step is s
 and has no prompt to prefill (its positions go to the prompts), and its lease keeps every position (a
 sliding lease recycles pages a rejected draft could have written). Its draft is the n-gram lookup of
 `ngram_draft`, capped so that the draft and the token after it stay within `max_tokens`: every position a
-drafted row's forward writes is then inside what admission priced for it.
+drafted row's forward writes is then inside what admission priced for it. Rows drafting in one step share
+what one row may draft (`speculative_tokens` + 1 positions, each row at least one draft token).
 
 How long a row's drafts are adapts to how they fare, since each drafted position costs a share of a
 step whether or not it is kept: a draft kept whole lets the next be as long as allowed
@@ -13,9 +14,10 @@ step whether or not it is kept: a draft kept whole lets the next be as long as a
 long (the runs it copies are about that long), and a draft rejected whole makes the next one token long.
 Replaying the answers of the copying benchmark's tasks under a step-cost model measured on the default
 model, these rules kept the most tokens per second of those tried (doubling after a whole draft, or keeping
-the length after a cut, did 7-10% worse). A row whose `MAX_MISSES` drafts in a row were rejected whole stops
+the length after a cut, did 5-10% worse: `scripts/bench_draft_policy.py`). A row whose `MAX_MISSES` drafts in a row were rejected whole stops
 drafting for `PAUSE_STEPS` steps, then tries again (an answer may start copying only after it has said
-something of its own).
+something of its own); a row that keeps missing pauses twice as long each time (with random weights a model
+copies nothing, and its drafts had cost a 1B-shaped checkpoint's single stream 3%), until it keeps a token.
 
 The runner verifies a draft by sampling its positions in order, each with the row's own sampler state,
 and keeps the prefix the samples agree with plus the first sample that disagrees (`runtime.runner`).
@@ -32,9 +34,11 @@ from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.scheduler.ngram_draft import NgramIndex
 from ferrox_batch.scheduler.request import Request
 
-#: Consecutive drafts a row may have entirely rejected before it pauses drafting, and for how many steps.
+#: Consecutive drafts a row may have entirely rejected before it pauses drafting, and for how many steps;
+#: each pause with no token kept since the last one is twice as long, up to `2**MAX_BACKOFF` times.
 MAX_MISSES = 4
 PAUSE_STEPS = 16
+MAX_BACKOFF = 4
 
 
 def plan_drafts(decodes: Sequence[Request], config: BatcherConfig, prompts_pending: bool = False) -> int:
@@ -89,8 +93,12 @@ def drafted(request: Request, accepted: int, config: BatcherConfig) -> None:
         request.draft_limit = config.speculative_tokens
     else:
         request.draft_limit = min(config.speculative_tokens, accepted + 1)
-    request.draft_misses = 0 if accepted else request.draft_misses + 1
+    if accepted:
+        request.draft_misses = request.draft_pauses = 0
+    else:
+        request.draft_misses += 1
     if request.draft_misses >= MAX_MISSES:
         request.draft_misses = 0
-        request.draft_pause = PAUSE_STEPS
+        request.draft_pause = PAUSE_STEPS << min(request.draft_pauses, MAX_BACKOFF)
+        request.draft_pauses += 1
     request.draft = ()

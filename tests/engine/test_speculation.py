@@ -85,7 +85,7 @@ def test_a_plain_greedy_rows_draft_is_verified_in_one_sampling_call(tiny_batch_m
     monkeypatch.setattr(BatchSampler, "sample", lambda self, logits, rows, *a: calls.append(len(rows)) or
                         sample(self, logits, rows, *a))
     with batcher(tiny_batch_model, 6) as b:
-        b.generate(tiny_batch_model.tokenizer.encode(PROMPTS[0]), GenerationParams(max_tokens=100, ignore_eos=True))
+        b.generate(tiny_batch_model.tokenizer.encode(PROMPTS[0]), GenerationParams(max_tokens=200, ignore_eos=True))
         stats = b.stats()
     # Each step samples its row once (the prompt's step too) and, when the draft's first token was kept, its
     # other positions in one more call; drafts kept two tokens or more, where a position by position loop

@@ -3,9 +3,10 @@
 Pins: the next draft's length stays within [1, `speculative_tokens`]; a draft kept whole makes it
 `speculative_tokens`, one whose first `a` tokens were kept makes it `a + 1` (1 for one rejected whole);
 `MAX_MISSES` whole rejections in a row pause the row's drafting for `PAUSE_STEPS` steps, then it drafts
-again; no draft reaches past `max_tokens`; rows drafting together share one row's positions (each drafts
-at least one token); speculation off, a batch wider than `speculative_max_batch` or a step with prompts to
-prefill drafts nothing.
+again, each pause with no token kept since the one before twice as long (up to `2**MAX_BACKOFF` times); no
+draft reaches past `max_tokens`; rows drafting together share one row's positions (each drafts at least
+one token); speculation off, a batch wider than `speculative_max_batch` or a step with prompts to prefill
+drafts nothing.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.generation_types import GenerationParams
 from ferrox_batch.scheduler.request import Request
 from ferrox_batch.scheduler.sink import OnceSink, QueueSink
-from ferrox_batch.scheduler.speculation import MAX_MISSES, PAUSE_STEPS, draft_for, drafted, plan_drafts
+from ferrox_batch.scheduler.speculation import MAX_BACKOFF, MAX_MISSES, PAUSE_STEPS, draft_for, drafted, plan_drafts
 from ferrox_batch.stop_tokens import StopTokens
 
 #: A prompt that repeats, so a draft is always found (a loop of one token copies on as that token).
@@ -63,6 +64,26 @@ def test_repeated_misses_pause_drafting_then_it_resumes():
     for _ in range(PAUSE_STEPS):
         assert draft_for(request, cfg) == ()
     assert draft_for(request, cfg) == (7,)  # back, one token long after the misses
+
+
+def paused_for(request: Request, cfg: BatcherConfig) -> int:
+    """Miss until the row pauses; the steps it then sits out."""
+    for _ in range(MAX_MISSES):
+        request.draft = draft_for(request, cfg)
+        drafted(request, 0, cfg)
+    steps = 0
+    while draft_for(request, cfg) == ():
+        steps += 1
+    return steps
+
+
+def test_each_pause_without_a_kept_token_is_twice_as_long_up_to_a_bound():
+    cfg, request = config(), row()
+    pauses = [paused_for(request, cfg) for _ in range(MAX_BACKOFF + 3)]
+    assert pauses == [PAUSE_STEPS << min(i, MAX_BACKOFF) for i in range(MAX_BACKOFF + 3)]
+    request.draft = draft_for(request, cfg)
+    drafted(request, 1, cfg)  # a kept token: the next pause is the first one's length again
+    assert paused_for(request, cfg) == PAUSE_STEPS
 
 
 @given(st.integers(1, 30), st.integers(0, 30), st.integers(1, 16))
