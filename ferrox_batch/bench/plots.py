@@ -77,7 +77,9 @@ def plot_ratios(results: Sequence[Mapping[str, Any]], title: str, path: str | Pa
     shapes = list(dict.fromkeys(r["shape"] for r in results))
     present = {m: [s for s in shapes if any(r["machine"] == m and r["shape"] == s for r in results)] for m in machines}
     width = 0.8 / max(len(p) for p in present.values())
-    fig, axes = plt.subplots(figsize=(max(6.0, 2.6 * len(machines)), 4.4), layout="constrained")
+    # Wide enough that each bar's three-line label fits over it; the legend goes below, out of the title's way.
+    bars_in_all = sum(len(p) for p in present.values())
+    fig, axes = plt.subplots(figsize=(max(7.5, 0.85 * bars_in_all + 1.0), 5.2), layout="constrained")
     for j, shape in enumerate(shapes):
         xs, ys, labels = [], [], []
         for i, machine in enumerate(machines):
@@ -96,7 +98,7 @@ def plot_ratios(results: Sequence[Mapping[str, Any]], title: str, path: str | Pa
     axes.set_xticks(range(len(machines)), machines, fontsize=8)
     axes.set_ylabel(ylabel)
     axes.set_title(title, fontsize=10)
-    axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)
     axes.set_ylim(0, max(r["ratio"] for r in results) * 1.3)
     axes.grid(axis="y", alpha=0.3)
     fig.savefig(path, dpi=110)
