@@ -16,7 +16,11 @@ instead, exactly and in seconds:
 
     python scripts/bench_draft_policy.py [--model DIR] [--k 8,12,15,16]
 
-Only the rule named `ours` is the scheduler's; the others are the alternatives it was chosen over.
+Only the rule named `ours` is the scheduler's; the others are the alternatives it was chosen over (each
+with the scheduler's pause after repeated misses). What it does not replay: several rows drafting in one
+step (their sharing was measured over HTTP, shape d4), the sampling and reply work of a step (a few percent
+of it at one row, `scripts/bench_step.py`), and other devices or contexts than the one measured: the costs
+are this machine's, at one context length.
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ A row drafts when speculation is on (`BatcherConfig.speculative`), the step is s
 and has no prompt to prefill (its positions go to the prompts), and its lease keeps every position (a
 sliding lease recycles pages a rejected draft could have written). Its draft is the n-gram lookup of
 `ngram_draft`, capped so that the draft and the token after it stay within `max_tokens`: every position a
-drafted row's forward writes is then inside what admission priced for it. Rows drafting in one step share
-what one row may draft (`speculative_tokens` + 1 positions, each row at least one draft token).
+drafted row's forward writes is then inside what admission priced for it. The rows that draft in one step
+share what one row may draft (`speculative_tokens` + 1 positions, each row at least one draft token).
 
 How long a row's drafts are adapts to how they fare, since each drafted position costs a share of a
 step whether or not it is kept: a draft kept whole lets the next be as long as allowed
@@ -51,30 +51,33 @@ def plan_drafts(decodes: Sequence[Request], config: BatcherConfig, prompts_pendi
     if len(decodes) > config.speculative_max_batch or prompts_pending:
         for request in decodes:
             request.draft = ()
+            if request.draft_pause:  # a pause is counted in steps, whether or not the step could draft
+                request.draft_pause -= 1
         return 0
-    # Rows that decode together share one step's worth of drafted positions (what one row may draft alone):
-    # each drafted position costs the same whichever row it is in. Four copying rows at once measured the
-    # same tokens per second sharing as each drafting up to the whole, with steps short enough that the
-    # gap between two of a row's tokens had half the tail (docs/benchmarks.md).
-    share = max(1, (config.speculative_tokens + 1) // len(decodes) - 1) if decodes else 0
-    total = 0
     for request in decodes:
-        request.draft = draft_for(request, config, share)
-        total += len(request.draft)
-    return total
+        request.draft = draft_for(request, config)
+    # The rows that draft share one step's worth of drafted positions (what one row may draft alone), each
+    # keeping the start of its draft: a drafted position costs the same whichever row it is in. Four copying
+    # rows at once measured the same tokens per second sharing as each drafting up to the whole, with steps
+    # short enough that the gap between two of a row's tokens had half the tail (docs/benchmarks.md).
+    drafting = [request for request in decodes if request.draft]
+    if len(drafting) > 1:
+        share = max(1, (config.speculative_tokens + 1) // len(drafting) - 1)
+        for request in drafting:
+            request.draft = request.draft[:share]
+    return sum(len(request.draft) for request in drafting)
 
 
-def draft_for(request: Request, config: BatcherConfig, most: int | None = None) -> tuple[int, ...]:
-    """The row's draft for this step: at most its current draft length, `most` (when given) and what
-    `max_tokens` leaves room for."""
+def draft_for(request: Request, config: BatcherConfig) -> tuple[int, ...]:
+    """The row's draft for this step, were it the only row drafting: at most its current draft length and
+    what `max_tokens` leaves room for; () while it sits out a pause (counting it down)."""
     if request.window is not None:
         return ()
     if request.draft_pause:
         request.draft_pause -= 1
         return ()
     room = request.params.max_tokens - len(request.output_ids) - 1  # the draft, then one more token
-    k = min(request.draft_limit or config.speculative_tokens, room, config.speculative_tokens if most is None
-            else most)
+    k = min(request.draft_limit or config.speculative_tokens, room)
     if k <= 0:
         return ()
     index = request.ngram

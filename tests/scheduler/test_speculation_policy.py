@@ -2,11 +2,11 @@
 
 Pins: the next draft's length stays within [1, `speculative_tokens`]; a draft kept whole makes it
 `speculative_tokens`, one whose first `a` tokens were kept makes it `a + 1` (1 for one rejected whole);
-`MAX_MISSES` whole rejections in a row pause the row's drafting for `PAUSE_STEPS` steps, then it drafts
-again, each pause with no token kept since the one before twice as long (up to `2**MAX_BACKOFF` times); no
-draft reaches past `max_tokens`; rows drafting together share one row's positions (each drafts at least
-one token); speculation off, a batch wider than `speculative_max_batch` or a step with prompts to prefill
-drafts nothing.
+`MAX_MISSES` whole rejections in a row pause the row's drafting for `PAUSE_STEPS` steps (steps that could
+not draft count too), then it drafts again, each pause with no token kept since the one before twice as
+long (up to `2**MAX_BACKOFF` times); no draft reaches past `max_tokens`; the rows that draft in one step
+share one row's positions (each drafts at least one token; a paused row takes no share); speculation off,
+a batch wider than `speculative_max_batch` or a step with prompts to prefill drafts nothing.
 """
 
 from __future__ import annotations
@@ -108,5 +108,16 @@ def test_off_or_too_wide_drafts_nothing():
 def test_rows_drafting_together_share_one_rows_positions(k, rows):
     batch = [row() for _ in range(rows)]
     total = plan_drafts(batch, config(k, speculative_max_batch=6))
-    assert all(len(r.draft) == len(batch[0].draft) >= 1 for r in batch)
-    assert total + rows <= max(k + 1, 2 * rows)  # one row's k + 1 positions, unless that leaves a row none
+    share = k if rows == 1 else min(k, max(1, (k + 1) // rows - 1))
+    assert all(r.draft == (7,) * share for r in batch) and total == rows * share
+
+
+def test_only_the_rows_that_draft_share_and_a_pause_counts_every_step():
+    paused, copying = row(), row()
+    paused.draft_pause = 3
+    assert plan_drafts([paused, copying], config(8)) == 8  # the paused row takes no share
+    assert paused.draft == () and paused.draft_pause == 2
+    plan_drafts([paused, copying], config(8, speculative_max_batch=1))  # too wide to draft: still a step
+    assert paused.draft_pause == 1
+    plan_drafts([paused], config(8), prompts_pending=True)
+    assert paused.draft_pause == 0 and plan_drafts([paused], config(8)) == 8
