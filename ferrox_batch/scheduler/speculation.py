@@ -14,10 +14,11 @@ step whether or not it is kept: a draft kept whole lets the next be as long as a
 long (the runs it copies are about that long), and a draft rejected whole makes the next one token long.
 Replaying the answers of the copying benchmark's tasks under a step-cost model measured on the default
 model, these rules kept the most tokens per second of those tried (doubling after a whole draft, or keeping
-the length after a cut, did 5-10% worse: `scripts/bench_draft_policy.py`). A row whose `MAX_MISSES` drafts in a row were rejected whole stops
-drafting for `PAUSE_STEPS` steps, then tries again (an answer may start copying only after it has said
-something of its own); a row that keeps missing pauses twice as long each time (with random weights a model
-copies nothing, and its drafts had cost a 1B-shaped checkpoint's single stream 3%), until it keeps a token.
+the length after a cut, did 5-10% worse: `scripts/bench_draft_policy.py`). A row whose `MAX_MISSES` drafts
+in a row were rejected whole stops drafting for `PAUSE_STEPS` steps, then tries again (an answer may start
+copying only after it has said something of its own); a row that keeps missing pauses twice as long each
+time, until it keeps a token (a model that copies nothing, as one with random weights, then spends almost
+no steps on drafts).
 
 The runner verifies a draft by sampling its positions in order, each with the row's own sampler state,
 and keeps the prefix the samples agree with plus the first sample that disagrees (`runtime.runner`).
