@@ -67,7 +67,7 @@ NUMERIC_TESTS := tests/runtime/kernels/test_cpu_kernels.py tests/runtime/archite
 	tests/runtime/architectures/test_real_model.py tests/runtime/architectures/test_quantized_decoder.py \
 	tests/scheduler/test_batching.py tests/scheduler/test_logprobs.py tests/runtime/kv/test_real_model_prefix_cache.py \
 	tests/engine/test_speculation.py tests/server/test_http_embeddings.py tests/e2e/test_eval_scoring.py \
-	tests/runtime/test_invariance.py tests/runtime/sampling/test_draft_verification.py
+	tests/runtime/test_invariance.py tests/runtime/sampling/test_draft_verification.py tests/runtime/architectures/test_narrow_steps.py
 LOWER_CPU_CAPABILITIES := import torch; order = ["avx512", "avx2", "default"]; \
 	native = torch.backends.cpu.get_cpu_capability().lower(); \
 	print(*(order[order.index(native) + 1:] if native in order else ["default"]))

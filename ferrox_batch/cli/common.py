@@ -39,7 +39,7 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "fp32", "fp16", "bf16")
 #: `--weights`: `runtime.quant.choice.WEIGHTS_CHOICES` (a test keeps them equal).
 WEIGHTS_CHOICES = ("auto", "widen", "q8_0", "q4_0", "q4_1", "q5_0")
 #: `--batch-invariant`: `runtime.invariance.BATCH_INVARIANT_CHOICES` (a test keeps them equal).
-BATCH_INVARIANT_CHOICES = ("auto", "on", "off")
+BATCH_INVARIANT_CHOICES = ("auto", "on", "off", "narrow")
 #: `--pooling`: `generation_types.POOLING` (a test keeps them equal).
 POOLING_CHOICES = ("last", "mean")
 #: `--reasoning-parser`: `server.reasoning.REASONING_PARSERS` (a test keeps them equal).
@@ -156,8 +156,10 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                        help="whether each request's answer is the same alone or batched: on runs dense bf16 linears "
                             "on our batch-invariant kernel and refuses to load where some linear would not be "
                             "invariant (fp32 dense weights, CUDA); auto does the same where it costs nothing "
-                            "measured (not on AMX CPUs, where oneDNN's tile kernels are faster) and fails nothing; "
-                            "off keeps oneDNN for dense bf16 (default: auto)")
+                            "measured and fails nothing; on AMX CPUs, where oneDNN's tile kernels are faster for "
+                            "wide steps, auto is narrow: oneDNN runs dense bf16 layers, and a second copy of them in "
+                            "our kernel runs the steps of up to 16 rows in one C call; off keeps oneDNN for dense "
+                            "bf16 (default: auto)")
     group.add_argument("--chat-template", metavar="FILE", default=None,
                        help="a Jinja chat template to use instead of the checkpoint's (for chat requests and "
                             "/tokenize)")

@@ -24,6 +24,9 @@ def test_auto_prefers_our_kernels_except_for_bf16_on_amx() -> None:
     assert choose_batch_invariance("auto", torch.bfloat16, CPU, ZEN4).prefer
     amx = choose_batch_invariance(None, torch.bfloat16, CPU, SAPPHIRE_RAPIDS)
     assert not amx.prefer and "AMX" in amx.reason
+    # There oneDNN runs the layers, and a second copy in our kernel's panels the narrow steps.
+    assert amx.narrow_panels and not amx.required
+    assert not choose_batch_invariance("auto", torch.bfloat16, CPU, ZEN4).narrow_panels
     # Where no oneDNN bf16 kernel is in play, AMX changes nothing.
     assert choose_batch_invariance("auto", torch.float32, CPU, SAPPHIRE_RAPIDS).prefer
     assert not any(choose_batch_invariance("auto", dtype, CPU, ZEN4).required for dtype in (torch.bfloat16,
@@ -37,8 +40,14 @@ def test_on_and_off_and_the_refusals() -> None:
     off = choose_batch_invariance("off", torch.bfloat16, CPU, ZEN4)
     assert not off.prefer and not off.required
     assert not choose_batch_invariance("auto", torch.bfloat16, torch.device("cuda"), ZEN4).prefer
-    with pytest.raises(ValueError, match="needs the CPU's kernels"):
-        choose_batch_invariance("on", torch.bfloat16, torch.device("cuda"), ZEN4)
+    assert not any(choose_batch_invariance(asked, torch.bfloat16, CPU, SAPPHIRE_RAPIDS).narrow_panels
+                   for asked in ("on", "off"))
+    for features in (ZEN4, SAPPHIRE_RAPIDS):  # narrow asks for auto's AMX choice on any CPU
+        narrow = choose_batch_invariance("narrow", torch.bfloat16, CPU, features)
+        assert narrow.narrow_panels and not narrow.prefer and not narrow.required
+    for asked in ("on", "narrow"):
+        with pytest.raises(ValueError, match="needs the CPU's kernels"):
+            choose_batch_invariance(asked, torch.bfloat16, torch.device("cuda"), ZEN4)
     with pytest.raises(ValueError, match="unknown batch-invariant choice"):
         choose_batch_invariance("sometimes", torch.bfloat16, CPU, ZEN4)
 

@@ -82,6 +82,7 @@ class Decoder:
         quantize_to: QuantFormat | None = None,
         int8_activations: bool = True,
         batch_invariant: bool = False,
+        narrow_panels: bool = False,
     ) -> None:
         """`weights_format` is how the linear layers (the lm head included) store their dense weights:
         in `dtype`, or "fp16" (an fp32 model on the CPU; `runtime.architectures.linear`). `kv_dtype` is what the KV
@@ -94,7 +95,9 @@ class Decoder:
         its batch), or the weight-only kernel that decodes the file's blocks to float32 and leaves x as it
         is (exactly the widened weights' product, summed in another order). `batch_invariant` runs dense bf16
         linears on our bf16 kernel rather than oneDNN's (`Linear`), so that with the other kernels here each
-        row's logits depend on that row alone (`batch_invariant` after load says whether every linear does)."""
+        row's logits depend on that row alone (`batch_invariant` after load says whether every linear does).
+        `narrow_panels` has the layers' dense bf16 weights that oneDNN runs also held in our kernel's panels, and
+        the layer stack run over those for narrow steps (`runtime.architectures.layer_stack`)."""
         if kv_dtype is None:
             kv_dtype = dtype
         if kv_dtype not in KV_CACHE_DTYPES.values():
@@ -107,6 +110,7 @@ class Decoder:
         self.kernels = self.kernels_for(self.device, dtype)
         self.int8_activations = int8_activations
         self._prefer_invariant = batch_invariant
+        self._narrow_panels = narrow_panels
         runs = formats_that_run(self.kernels, dtype, int8_activations) if keep_quantized or quantize_to is not None else frozenset()
         if quantize_to is not None and quantize_to.name not in runs:
             raise ModelLoadError(f"weights cannot be served in {quantize_to.name} here: the quantized kernels run on "
@@ -117,15 +121,16 @@ class Decoder:
                                self.kernels, int8_activations)
         #: Whether the output head multiplies by the embedding's own weight (a packed head still owns its packing).
         self.lm_head_tied = config.tie_word_embeddings and "lm_head.weight" not in weights
+        # The head is one call from Python whatever the step: it keeps one copy of its weight.
         if self.lm_head_tied:
-            self.lm_head = self._linear(self.embed.weight, keep_weight=True)
+            self.lm_head = self._linear(self.embed.weight, keep_weight=True, narrow=False)
         else:
-            self.lm_head = self._linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)))
+            self.lm_head = self._linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)), narrow=False)
         self.final_norm = take("model.norm.weight", (config.hidden_size,)) + NORM_OFFSETS.get(config.family, 0.0)
         build = LAYERS[config.family]
         gate_up = lambda weight: GateUp(weight, weights=self.weights_format, kernels=self.kernels,
                                         activation=config.hidden_act, int8_activations=int8_activations,
-                                        batch_invariant=batch_invariant)
+                                        batch_invariant=batch_invariant, narrow_panels=narrow_panels)
         self.layers = [build(take, config, i, self._linear, gate_up) for i in range(config.num_layers)]
         unused = set(weights) - {"lm_head.weight"}
         unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
@@ -149,12 +154,12 @@ class Decoder:
         return None
 
     def _linear(self, weight: Weight | PackedQuant, bias: torch.Tensor | None = None, *,
-                keep_weight: bool = False) -> Linear | QuantizedLinear:
+                keep_weight: bool = False, narrow: bool = True) -> Linear | QuantizedLinear:
         if isinstance(weight, (QuantizedWeight, PackedQuant)):
             assert self.kernels is not None  # `_Taker` keeps weights quantized only where they run
             return QuantizedLinear(weight, bias, self.kernels, self.int8_activations)
         return Linear(weight, bias, keep_weight=keep_weight, weights=self.weights_format, kernels=self.kernels,
-                      batch_invariant=self._prefer_invariant)
+                      batch_invariant=self._prefer_invariant, narrow_panels=narrow and self._narrow_panels)
 
     def _linears(self) -> list[Linear | QuantizedLinear | GateUp]:
         names = ("qkv", "o", "gate_up", "down")
@@ -279,7 +284,8 @@ class Decoder:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         pending: torch.Tensor | None = None  # the MLP output still to be added to h
-        if kernel is not None and self.layer_stack is not None:  # the loop below in one C call, bit for bit
+        if kernel is not None and self.layer_stack is not None and self.layer_stack.takes(n_tok):
+            # the loop below in one C call (bit for bit where the stack runs the layers' own weights)
             # Bound only where every layer is of one kind: one group, its slots the layers.
             pending = self.layer_stack.run(kernel, h, inputs, plans[0], store.kv, store.block_size, self.cos,
                                            self.sin)

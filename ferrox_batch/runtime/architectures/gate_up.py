@@ -47,10 +47,10 @@ class GateUp:
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None = None, *, weights: str = "dtype",
                  kernels: CpuKernels | None = None, activation: str = "silu", int8_activations: bool = True,
-                 batch_invariant: bool = False) -> None:
-        """`weights`, `kernels` and `batch_invariant` as for `Linear`; a bias, or the GELU activation, keeps the
-        unfused path. A quantized weight runs the quantized kernel (`QuantizedLinear`'s `int8_activations`),
-        then the activation and product in C (SiLU) or torch (GELU)."""
+                 batch_invariant: bool = False, narrow_panels: bool = False) -> None:
+        """`weights`, `kernels`, `batch_invariant` and `narrow_panels` as for `Linear`; a bias, or the GELU
+        activation, keeps the unfused path. A quantized weight runs the quantized kernel (`QuantizedLinear`'s
+        `int8_activations`), then the activation and product in C (SiLU) or torch (GELU)."""
         if activation not in ("silu", "gelu_pytorch_tanh"):
             raise ValueError(f"a gated projection's activation is silu or gelu_pytorch_tanh; got {activation!r}")
         self._gelu = activation == "gelu_pytorch_tanh"
@@ -75,7 +75,8 @@ class GateUp:
             if gated_agrees(self(probe), probe, weight.half().float()):
                 return
             self._fused = None
-        self._linear = Linear(weight, bias, weights=weights, kernels=kernels, batch_invariant=batch_invariant)
+        self._linear = Linear(weight, bias, weights=weights, kernels=kernels, batch_invariant=batch_invariant,
+                              narrow_panels=narrow_panels and not self._gelu)
         if self._linear.kind == "bf16_panels" and not self._gelu:
             self._kernels = kernels
 
@@ -112,10 +113,10 @@ class GateUp:
 
     @property
     def bf16_gemm(self) -> PackedBf16 | None:
-        """The bf16 kernel's packed weight when the projection runs it and its SiLU and product run in C, with
-        no bias; else None."""
+        """The bf16 kernel's panels (`Linear.bf16_panels`: the weight it runs, or the narrow steps' copy) when
+        the activation is SiLU (the layer stack runs it in C) and there is no bias; else None."""
         linear = self._linear
-        if self._kernels is None or not isinstance(linear, Linear):
+        if self._gelu or not isinstance(linear, Linear):
             return None
         return linear.bf16_panels
 

@@ -14,6 +14,11 @@ quantized weight with no bias (`QuantizedLinear.packed_gemm`, `GateUp.packed_gem
 stored, every linear in a format the int8 kernel runs); and to a bf16 decoder whose every projection runs
 the batch-invariant bf16 kernel with no bias (`Linear.bf16_panels`, `GateUp.bf16_gemm`). Anything else keeps
 the Python loop.
+
+Where oneDNN runs the bf16 layers and each also holds our kernel's panels (`Linear`'s `narrow_panels`, for
+AMX CPUs), the stack takes only the steps of at most `NARROW_STEP_ROWS` rows (`takes`) and the loop the
+rest: a single stream and a few concurrent ones, drafts and all, go through one C call over our panels,
+while wide steps keep oneDNN's tile kernels.
 """
 
 from __future__ import annotations
@@ -32,20 +37,35 @@ from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 
 #: The weights a stack runs, by `csrc/layer_stack.c`'s `kind` argument.
 STACK_KINDS = ("fp16_panels", "quantized", "bf16_panels")
+#: The widest step a narrow-only stack takes (module docstring). One sequence's verification of a full
+#: draft is 16 rows. Beyond that our kernel's compute, not the weights' bytes, bounds a step: at 16 rows of
+#: the default model about 4.3 GFLOP, ~11 ms at the ~400 GFLOP/s two avx512_bf16 cores reach, where AMX
+#: tiles multiply several times faster and oneDNN's Python loop costs ~4 ms a step on top (Zen 4).
+NARROW_STEP_ROWS = 16
 
 
 class LayerStack:
     """The addresses of every layer's norms and packed weights, in `csrc/layer_stack.c`'s order."""
 
-    __slots__ = ("_config", "_dtype", "_kind", "_owners", "_weights")
+    __slots__ = ("_config", "_dtype", "_kind", "_narrow_only", "_owners", "_weights")
 
     def __init__(self, weights: torch.Tensor, owners: list[object], config: ModelConfig, kind: str,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, narrow_only: bool = False) -> None:
         self._weights = weights  # int64 [layers, 10]
         self._owners = owners  # what keeps those addresses valid
         self._config = config
         self._kind = kind
         self._dtype = dtype
+        self._narrow_only = narrow_only
+
+    @property
+    def narrow_only(self) -> bool:
+        """Whether it runs the narrow steps' copies of the weights, so takes only narrow steps."""
+        return self._narrow_only
+
+    def takes(self, rows: int) -> bool:
+        """Whether a step of `rows` rows goes through the stack (every step, unless `narrow_only`)."""
+        return not self._narrow_only or rows <= NARROW_STEP_ROWS
 
     @property
     def kind(self) -> str:
@@ -69,6 +89,7 @@ class LayerStack:
             kind = "bf16_panels" if dtype == torch.bfloat16 else "fp16_panels"
         rows: list[list[int]] = []
         owners: list[object] = []
+        narrow = False
         for layer in layers:
             if not layer.plain:  # per-head norms and layers without RoPE are the Python loop's
                 return None
@@ -77,6 +98,8 @@ class LayerStack:
             elif kind == "bf16_panels":
                 gemms = [getattr(layer.qkv, "bf16_panels", None), getattr(layer.o, "bf16_panels", None),
                          getattr(layer.gate_up, "bf16_gemm", None), getattr(layer.down, "bf16_panels", None)]
+                narrow = narrow or any(getattr(linear, "kind", None) != "bf16_panels"
+                                       for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
             else:
                 gemms = [getattr(layer.qkv, "f16_panels", None), getattr(layer.o, "f16_panels", None),
                          getattr(layer.gate_up, "fused_gemm", None), getattr(layer.down, "f16_panels", None)]
@@ -96,7 +119,7 @@ class LayerStack:
             rows.append([layer.input_norm.data_ptr(), qkv.address, o.address, layer.post_norm.data_ptr(),
                          gate_up.address, down.address, *counts])
             owners.extend([layer.input_norm, qkv, o, layer.post_norm, gate_up, down])
-        return cls(torch.tensor(rows, dtype=torch.int64), owners, c, kind, dtype)
+        return cls(torch.tensor(rows, dtype=torch.int64), owners, c, kind, dtype, narrow)
 
     def run(self, kernels: CpuKernels, h: torch.Tensor, inputs: BatchInputs, plan: PrefillPlan | None,
             pool: torch.Tensor, block_size: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

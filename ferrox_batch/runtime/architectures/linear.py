@@ -37,6 +37,12 @@ fixed order whatever the rows. On a 2-core Zen 4 EPYC (avx512_bf16) its
 projections of the default model ran 0.91-1.15x oneDNN's at 1-256 rows
 (faster at one row; `scripts/bench_bf16_gemm.py`), and shape (a) over HTTP
 was no slower.
+
+`narrow_panels` holds a bf16 weight twice: packed for oneDNN, which runs the layer, and in our kernel's
+panels, which the layer stack runs for steps of few rows (`layer_stack.NARROW_STEP_ROWS`). That is for
+AMX CPUs, where oneDNN's tile kernels win at prefill sizes but a step of one or a few rows is bound by
+the weights' bytes and the Python between oneDNN's calls: there the stack's one C call over our panels
+is the faster way through the layers, at the cost of a second copy of their weights.
 """
 
 from __future__ import annotations
@@ -65,21 +71,26 @@ BATCH_INVARIANT_KINDS = ("fp16_panels", "bf16_panels")
 
 
 class Linear:
-    __slots__ = ("_dtype_size", "_in_features", "_kernels", "_kind", "_out_features", "_packed", "bias", "weight")
+    __slots__ = ("_dtype_size", "_in_features", "_kernels", "_kind", "_narrow", "_out_features", "_packed", "bias",
+                 "weight")
 
     def __init__(
         self, weight: torch.Tensor, bias: torch.Tensor | None = None, *, pack: bool = True, keep_weight: bool = False,
         weights: str = "dtype", kernels: CpuKernels | None = None, batch_invariant: bool = False,
+        narrow_panels: bool = False,
     ) -> None:
         """`keep_weight=False` lets a packed layer drop its plain weight (half the memory or less);
         pass True when the tensor is shared (a tied embedding). `weights` is one of `WEIGHT_FORMATS`;
         `kernels` (the compiled CPU kernels, when built) may run fp16 weights, and bf16 weights where
-        `batch_invariant` asks for our kernel over oneDNN's."""
+        `batch_invariant` asks for our kernel over oneDNN's. `narrow_panels` also packs a bf16 weight that
+        oneDNN runs, with no bias, in our kernel's panels, for the layer stack's narrow steps (module
+        docstring)."""
         if weights not in WEIGHT_FORMATS:
             raise ValueError(f"unknown weight format {weights!r}; use one of {', '.join(WEIGHT_FORMATS)}")
         self.weight: torch.Tensor | None = weight
         self.bias = bias
         self._packed: torch.Tensor | None = None
+        self._narrow: PackedBf16 | None = None
         self._kind = "plain"
         self._kernels = kernels
         self._out_features = weight.shape[0]
@@ -92,18 +103,22 @@ class Linear:
             self._try_pack_bf16()
         if on_cpu and self._kind == "plain" and weight.dtype in _PACKED_DTYPES:
             self._try_pack()
+        if narrow_panels and self._kind == "mkldnn" and weight.dtype == torch.bfloat16 and bias is None \
+                and kernels is not None:
+            self._narrow = self._checked_bf16_panels()
         if self._kind != "plain" and not keep_weight:
             self.weight = None
 
     @property
     def nbytes(self) -> int:
         """Bytes its weight is stored in: fp16 panels 2 per weight, else the weight's dtype (packed or not),
-        and the bias."""
+        and the bias, and the narrow steps' copy where it holds one."""
+        bias = 0 if self.bias is None else self.bias.numel() * self.bias.element_size()
+        narrow = 0 if self._narrow is None else self._narrow.nbytes
         if self._kind == "bf16_panels":
-            return self._packed.nbytes + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+            return self._packed.nbytes + bias
         per_weight = 2 if self._kind in FP16_KINDS else self._dtype_size
-        return self._out_features * self._in_features * per_weight + (
-            0 if self.bias is None else self.bias.numel() * self.bias.element_size())
+        return self._out_features * self._in_features * per_weight + bias + narrow
 
     @property
     def kind(self) -> str:
@@ -136,11 +151,18 @@ class Linear:
             self._packed, self._kind = None, "plain"
 
     def _try_pack_bf16(self) -> None:
+        packed = self._checked_bf16_panels()
+        if packed is not None:
+            self._packed, self._kind = packed, "bf16_panels"
+
+    def _checked_bf16_panels(self) -> PackedBf16 | None:
+        """The weight in our bf16 kernel's panels, if that kernel gives `F.linear`'s result on the probe."""
         packed = self._kernels.pack_bf16(self.weight)
-        self._packed, self._kind = packed, "bf16_panels"
         probe = probe_input(self.weight)
-        if not _agree(self(probe), probe, self.weight, self.bias):
-            self._packed, self._kind = None, "plain"
+        got = packed(probe, out_f32=self.bias is not None)
+        if self.bias is not None:  # as `__call__` adds it: to the float32 sums, rounded once
+            got = got.add_(self.bias).to(torch.bfloat16)
+        return packed if _agree(got, probe, self.weight, self.bias) else None
 
     def _try_pack(self) -> None:
         try:
@@ -160,8 +182,16 @@ class Linear:
 
     @property
     def bf16_panels(self) -> PackedBf16 | None:
-        """The packed bf16 weight when this layer runs our bf16 kernel with no bias, else None."""
-        return self._packed if self._kind == "bf16_panels" and self.bias is None else None
+        """Our bf16 kernel's panels of this layer's weight, with no bias: the weight it runs, or the copy
+        held for narrow steps (`narrow_panels`); else None."""
+        if self.bias is not None:
+            return None
+        return self._packed if self._kind == "bf16_panels" else self._narrow
+
+    @property
+    def narrow_only(self) -> bool:
+        """Whether its bf16 panels are only the narrow steps' copy (oneDNN runs the layer itself)."""
+        return self._narrow is not None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kind == "bf16_panels":  # a `PackedBf16`: the weight was checked when it was packed

@@ -148,7 +148,8 @@ def _build(
     invariance = choose_batch_invariance(batch_invariant, chosen.dtype, chosen_device)
     decoder = Decoder(config, weights, device=chosen_device, dtype=chosen.dtype, weights_format=chosen.weights,
                       kv_dtype=kv.dtype, keep_quantized=held.keep_quantized, quantize_to=held.quantize_to,
-                      int8_activations=held.int8_activations, batch_invariant=invariance.prefer)
+                      int8_activations=held.int8_activations, batch_invariant=invariance.prefer,
+                      narrow_panels=invariance.narrow_panels)
     if invariance.required and not decoder.batch_invariant:
         raise ModelLoadError(f"--batch-invariant on: not every linear layer runs a batch-invariant kernel here "
                              f"(linear kernels: {dict(decoder.linear_kinds)}); the invariant ones are ours for bf16 "
