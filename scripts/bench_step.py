@@ -31,7 +31,16 @@ from ferrox_batch.admission.config import BatcherConfig  # noqa: E402
 from ferrox_batch.bench.batcher import default_model  # noqa: E402
 from ferrox_batch.engine.handle import ContinuousBatcher  # noqa: E402
 from ferrox_batch.generation_types import GenerationParams  # noqa: E402
+from ferrox_batch.runtime.architectures.layer_stack import NARROW_STEP_ROWS, LayerStack  # noqa: E402
 from ferrox_batch.runtime.loading.loader import load_model  # noqa: E402
+
+
+def stack_state(stack: LayerStack | None) -> str:
+    """Whether the layer stack runs the measured steps: every one, none, or (a narrow-only stack) those of at
+    most `NARROW_STEP_ROWS` rows, which a single stream's decode steps are."""
+    if stack is None:
+        return "off"
+    return f"on for steps of up to {NARROW_STEP_ROWS} rows" if stack.narrow_only else "on"
 
 
 def main() -> None:
@@ -97,7 +106,7 @@ def main() -> None:
             rows["worker Python"].append(scheduling)
             rows["other"].append(wall - forward - scheduling)
     print(f"{Path(args.model).name}: {model.precision}, linear kernels {model.decoder.linear_kinds}, "
-          f"layer stack {'on' if model.decoder.layer_stack is not None else 'off'}, batch-invariant "
+          f"layer stack {stack_state(model.decoder.layer_stack)}, batch-invariant "
           f"{'yes' if model.batch_invariant else 'no'}")
     step = statistics.median(rows["step"])
     print(f"| per decode step | ms | share |\n|---|---|---|")

@@ -158,8 +158,8 @@ def _add_model_flags(parser: argparse.ArgumentParser) -> None:
                             "invariant (fp32 dense weights, CUDA); auto does the same where it costs nothing "
                             "measured and fails nothing; on AMX CPUs, where oneDNN's tile kernels are faster for "
                             "wide steps, auto is narrow: oneDNN runs dense bf16 layers, and a second copy of them in "
-                            "our kernel runs the steps of up to 16 rows in one C call; off keeps oneDNN for dense "
-                            "bf16 (default: auto)")
+                            "our kernel runs the steps of up to 16 rows in one C call (narrow asks for that on any "
+                            "CPU; refused on CUDA); off keeps oneDNN for dense bf16 (default: auto)")
     group.add_argument("--chat-template", metavar="FILE", default=None,
                        help="a Jinja chat template to use instead of the checkpoint's (for chat requests and "
                             "/tokenize)")

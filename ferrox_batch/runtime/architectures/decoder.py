@@ -145,6 +145,12 @@ class Decoder:
         self.embed_scale = None if config.embed_scale == 1.0 else torch.tensor(config.embed_scale, dtype=dtype)
         # The layers in one C call where every projection runs one of our kernels (`runtime.architectures.layer_stack`).
         self.layer_stack = LayerStack.bind(self.layers, config, dtype) if self.kernels is not None else None
+        if self.layer_stack is None or not self.layer_stack.narrow_only:
+            # Copies no stack runs (a model the stack does not take: biases, per-head norms, GELU, quantized
+            # layers beside dense ones) would only double the layers' memory.
+            for linear in self._linears():
+                if isinstance(linear, (Linear, GateUp)):
+                    linear.drop_narrow()
 
     @staticmethod
     def kernels_for(device: torch.device, dtype: torch.dtype) -> CpuKernels | None:

@@ -120,6 +120,11 @@ class GateUp:
             return None
         return linear.bf16_panels
 
+    def drop_narrow(self) -> None:
+        """Let the narrow steps' copy go (`Linear.drop_narrow`), where there is one."""
+        if isinstance(self._linear, Linear):
+            self._linear.drop_narrow()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._fused is not None:
             return self._fused(x)  # a `PackedF16Gemm`, checked when it was bound

@@ -37,8 +37,8 @@ from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 
 #: The weights a stack runs, by `csrc/layer_stack.c`'s `kind` argument.
 STACK_KINDS = ("fp16_panels", "quantized", "bf16_panels")
-#: The widest step a narrow-only stack takes (module docstring). One sequence's verification of a full
-#: draft is 16 rows. Beyond that our kernel's compute, not the weights' bytes, bounds a step: at 16 rows of
+#: The widest step a narrow-only stack takes (module docstring). A lone sequence verifying a full draft of
+#: the default 15 tokens is 16 rows (drafting rows share those positions). Beyond that our kernel's compute, not the weights' bytes, bounds a step: at 16 rows of
 #: the default model about 4.3 GFLOP, ~11 ms at the ~400 GFLOP/s two avx512_bf16 cores reach, where AMX
 #: tiles multiply several times faster and oneDNN's Python loop costs ~4 ms a step on top (Zen 4).
 NARROW_STEP_ROWS = 16

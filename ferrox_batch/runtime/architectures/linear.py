@@ -193,6 +193,10 @@ class Linear:
         """Whether its bf16 panels are only the narrow steps' copy (oneDNN runs the layer itself)."""
         return self._narrow is not None
 
+    def drop_narrow(self) -> None:
+        """Let the narrow steps' copy go: for a decoder whose layer stack will not run it."""
+        self._narrow = None
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._kind == "bf16_panels":  # a `PackedBf16`: the weight was checked when it was packed
             if self.bias is None:

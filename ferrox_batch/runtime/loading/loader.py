@@ -94,8 +94,8 @@ def load_model(
     """`dtype` is the precision (`runtime.device`); `kv_cache_dtype` what the KV store holds (auto, fp32,
     fp16 or bf16: `device.choose_kv_dtype`); `weights` how the weights are held (auto, widen, or a format to
     quantize to: `runtime.quant.choice`); `int8_activations` which kernel multiplies quantized weights
-    (`Decoder`'s: int8 activations by default, else the weight-only kernel); `batch_invariant` (auto, on, off
-    or a bool) whether each request's answer must be the same alone or batched (`runtime.invariance`);
+    (`Decoder`'s: int8 activations by default, else the weight-only kernel); `batch_invariant` (auto, on, off,
+    narrow or a bool) whether each request's answer must be the same alone or batched (`runtime.invariance`);
     `chat_template` (Jinja text) replaces the checkpoint's chat template (one that does not compile is a
     `ModelLoadError`, raised before the weights are read)."""
     if chat_template is not None:
@@ -167,11 +167,14 @@ def _build(
         # `auto`'s K/V follow the precision that runs: plain fp32 keeps fp32 K/V.
         kv = choose_kv_dtype(kv_cache_dtype, DtypeChoice(torch.float32, reason), chosen_device, in_place)
         decoder.kv_dtype = kv.dtype  # no store exists yet
+    invariance_reason = invariance.reason
+    if invariance.narrow_panels and not (decoder.layer_stack is not None and decoder.layer_stack.narrow_only):
+        invariance_reason += "; no second copy is held here: the layer stack does not run these layers"
     loaded = LoadedModel(config, decoder, tokenizer, source, reason, precision, kv.reason, weights_reason,
-                         invariance.reason)
+                         invariance_reason)
     log.info("%s runs in %s on %s (linear kernels: %s): %s; KV cache in %s: %s; %s: %s; batch-invariant: %s (%s)",
              source.name, precision, chosen_device, kinds, reason, kv.name, kv.reason, loaded.weights_summary,
-             weights_reason, "yes" if loaded.batch_invariant else "no", invariance.reason)
+             weights_reason, "yes" if loaded.batch_invariant else "no", invariance_reason)
     return loaded
 
 

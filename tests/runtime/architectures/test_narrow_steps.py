@@ -4,7 +4,8 @@ the steps of at most `NARROW_STEP_ROWS` rows over the same weights in our kernel
 
 What is checked: which steps take the stack; that the copy is exactly our kernel's panels (the stack over it
 gives the `on` model's stack's logits bit for bit); that the wide steps are the oneDNN loop's bit for bit; that
-the narrow steps agree with the loop within the two summation orders' bound; and what the copy costs in bytes."""
+the narrow steps agree with the loop within the two summation orders' bound; what the copy costs in bytes;
+that no copy is kept where the stack will not run it; and that `auto` picks it on an AMX CPU."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ import torch
 from kernel_builds import needs_compiler
 from numerics import logits_tolerance
 
+from ferrox_batch.runtime.architectures import layer_stack
 from ferrox_batch.runtime.architectures.layer_stack import NARROW_STEP_ROWS, LayerStack
 from ferrox_batch.runtime.architectures.linear import Linear
+from ferrox_batch.runtime.device import CpuFeatures
 from ferrox_batch.runtime.kernels.cpu_kernels import cpu_kernels
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
-from ferrox_batch.runtime.loading.loader import load_model
+from ferrox_batch.runtime.loading.loader import LoadedModel, load_model
 
 pytestmark = needs_compiler
 
@@ -36,7 +39,7 @@ def steps(rng: random.Random, vocab: int) -> list[list[SeqChunk]]:
     return out
 
 
-def run(model, schedule: list[list[SeqChunk]]) -> list[torch.Tensor]:
+def run(model: LoadedModel, schedule: list[list[SeqChunk]]) -> list[torch.Tensor]:
     store = model.decoder.new_store(4, num_blocks=64)
     for seq in range(3):
         store.add_sequence(seq, 60)
@@ -44,12 +47,12 @@ def run(model, schedule: list[list[SeqChunk]]) -> list[torch.Tensor]:
 
 
 @pytest.fixture
-def stack_calls(monkeypatch) -> list[int]:
+def stack_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """The row count of every forward that went through `LayerStack.run`."""
     calls: list[int] = []
     inner = LayerStack.run
 
-    def spy(self, kernels, h, *args, **kwargs):
+    def spy(self: LayerStack, kernels: object, h: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
         calls.append(h.shape[0])
         return inner(self, kernels, h, *args, **kwargs)
 
@@ -70,7 +73,8 @@ def test_the_stack_takes_the_narrow_steps_and_the_loop_the_wide_ones(tiny_varian
     assert not on.decoder.layer_stack.narrow_only and on.decoder.layer_stack.takes(10 ** 6)
 
 
-def test_the_copy_is_our_kernels_panels_and_the_wide_steps_are_onednns(tiny_variant_dirs) -> None:
+def test_the_copy_is_our_kernels_panels_and_the_wide_steps_are_onednns(tiny_variant_dirs,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     path = tiny_variant_dirs["llama"]
     narrow = load_model(path, device="cpu", dtype="bf16", batch_invariant="narrow")
     on = load_model(path, device="cpu", dtype="bf16", batch_invariant="on")
@@ -78,7 +82,7 @@ def test_the_copy_is_our_kernels_panels_and_the_wide_steps_are_onednns(tiny_vari
     schedule = steps(random.Random(5), narrow.config.vocab_size)
     # Every step through the stack, and `on`'s head swapped for narrow's oneDNN one: the same logits bit for
     # bit, so the stack read exactly the panels `on` runs.
-    narrow.decoder.layer_stack._narrow_only = False
+    monkeypatch.setattr(layer_stack, "NARROW_STEP_ROWS", 10 ** 6)
     on.decoder.lm_head = narrow.decoder.lm_head
     for got, want in zip(run(narrow, schedule), run(on, schedule)):
         assert torch.equal(got, want)
@@ -126,3 +130,34 @@ def test_the_loaded_model_counts_both_copies(tiny_variant_dirs) -> None:
                  for lin in (layer.qkv, layer.o, layer.gate_up._linear, layer.down))
     assert narrow.weight_bytes == off.weight_bytes + layers
     assert not narrow.lm_head.narrow_only  # the head is one Python call whatever the step
+
+
+@pytest.mark.parametrize("variant", ["qwen2", "qwen3", "gemma3", "smollm3-nope"])
+def test_no_copy_is_kept_where_the_stack_does_not_run_the_layers(tiny_variant_dirs, variant) -> None:
+    """A bias (Qwen2), per-head norms (Qwen3), Gemma 3's scalings and GELU, layers without RoPE (SmolLM3): the
+    Python loop runs every step, so the copy would be memory nothing reads."""
+    path = tiny_variant_dirs[variant]
+    narrow = load_model(path, device="cpu", dtype="bf16", batch_invariant="narrow")
+    off = load_model(path, device="cpu", dtype="bf16", batch_invariant="off")
+    assert narrow.decoder.layer_stack is None
+    assert narrow.decoder.weight_bytes == off.decoder.weight_bytes
+    assert "no second copy" in narrow.batch_invariant_reason
+
+
+@pytest.mark.parametrize(("dtype", "weights"), [("fp32", "auto"), ("fp16w", "auto"), ("bf16", "q8_0"),
+                                                ("fp32", "q4_1")])
+def test_narrow_changes_nothing_of_a_load_without_dense_bf16_layers(tiny_variant_dirs, dtype, weights) -> None:
+    path = tiny_variant_dirs["llama"]
+    narrow = load_model(path, device="cpu", dtype=dtype, weights=weights, batch_invariant="narrow").decoder
+    off = load_model(path, device="cpu", dtype=dtype, weights=weights, batch_invariant="off").decoder
+    assert narrow.linear_kinds == off.linear_kinds and narrow.weight_bytes == off.weight_bytes
+    assert (narrow.layer_stack is None) == (off.layer_stack is None)
+    assert narrow.layer_stack is None or not narrow.layer_stack.narrow_only
+
+
+def test_auto_holds_the_copy_on_an_amx_cpu(tiny_variant_dirs, monkeypatch: pytest.MonkeyPatch) -> None:
+    amx = CpuFeatures("x86_64", avx512_bf16=True, amx=True, fbgemm=True)
+    monkeypatch.setattr(CpuFeatures, "probe", classmethod(lambda cls: amx))
+    model = load_model(tiny_variant_dirs["llama"], device="cpu", dtype="bf16")
+    assert set(model.decoder.linear_kinds) == {"mkldnn"} and model.decoder.layer_stack.narrow_only
+    assert "AMX" in model.batch_invariant_reason and not model.batch_invariant
