@@ -98,7 +98,7 @@ class LayerStack:
             elif kind == "bf16_panels":
                 gemms = [getattr(layer.qkv, "bf16_panels", None), getattr(layer.o, "bf16_panels", None),
                          getattr(layer.gate_up, "bf16_gemm", None), getattr(layer.down, "bf16_panels", None)]
-                narrow = narrow or any(getattr(linear, "kind", None) != "bf16_panels"
+                narrow = narrow or any(linear.kind != "bf16_panels"
                                        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
             else:
                 gemms = [getattr(layer.qkv, "f16_panels", None), getattr(layer.o, "f16_panels", None),

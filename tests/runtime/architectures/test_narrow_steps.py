@@ -99,7 +99,8 @@ def test_narrow_steps_agree_with_the_loop_within_the_summation_orders_bound(tiny
     schedule = steps(random.Random(9), narrow.config.vocab_size)
     context = 8 + 3 + NARROW_STEP_ROWS + 1
     for got, want in zip(run(narrow, schedule), run(off, schedule)):
-        bound = logits_tolerance(narrow.config, context, want.float(), torch.bfloat16)
+        # Two bf16 forwards, each within one side's bound of the exact logits.
+        bound = 2 * logits_tolerance(narrow.config, context, want.float(), torch.bfloat16, sides=1)
         assert float((got.float() - want.float()).abs().max()) <= bound
 
 
