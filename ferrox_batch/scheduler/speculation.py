@@ -3,7 +3,9 @@
 A row drafts when speculation is on (`BatcherConfig.speculative`), the step is small (at most
 `speculative_max_batch` decoding rows: a full batch is compute-bound, and drafts would cost it throughput)
 and has no prompt to prefill (its positions go to the prompts), and its lease keeps every position (a
-sliding lease recycles pages a rejected draft could have written). Its draft is the n-gram lookup of
+sliding lease recycles pages a rejected draft could have written), and its output follows no grammar
+(verifying a constrained row's drafted position needs the grammar's mask there: one more mask per drafted
+token on the worker, kept or not, where the row without a draft computes one per token). Its draft is the n-gram lookup of
 `ngram_draft`, capped so that the draft and the token after it stay within `max_tokens`: every position a
 drafted row's forward writes is then inside what admission priced for it. The rows that draft in one step
 share what one row may draft (`speculative_tokens` + 1 positions, each row at least one draft token).
@@ -72,7 +74,7 @@ def plan_drafts(decodes: Sequence[Request], config: BatcherConfig, prompts_pendi
 def draft_for(request: Request, config: BatcherConfig) -> tuple[int, ...]:
     """The row's draft for this step, were it the only row drafting: at most its current draft length and
     what `max_tokens` leaves room for; () while it sits out a pause (counting it down)."""
-    if request.window is not None:
+    if request.window is not None or request.grammar is not None:
         return ()
     if request.draft_pause:
         request.draft_pause -= 1

@@ -121,3 +121,19 @@ def test_only_the_rows_that_draft_share_and_a_pause_counts_every_step():
     assert paused.draft_pause == 1
     plan_drafts([paused], config(8), prompts_pending=True)
     assert paused.draft_pause == 0 and plan_drafts([paused], config(8)) == 8
+
+
+class _Compiled:
+    """A compiled grammar as the scheduler sees one: opaque."""
+
+    spec = None
+
+
+def test_a_row_whose_output_follows_a_grammar_never_drafts():
+    # Verifying a drafted position of a constrained row needs the grammar's mask at that position: one more
+    # mask per drafted token, on the worker, whether or not the draft is kept.
+    constrained, free = row(), row()
+    constrained.grammar = _Compiled()
+    assert draft_for(constrained, config(8)) == ()
+    assert plan_drafts([constrained, free], config(8)) == 8
+    assert constrained.draft == () and free.draft == (7,) * 8
