@@ -16,7 +16,7 @@ the server's readers (`response_format`, a tool's `parameters`) refuse one as th
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from ferrox_batch.checks import encodable
@@ -39,6 +39,12 @@ class StructuredOutput:
     #: The constrained answer comes after free thinking that ends with `</think>`: "implicit" (the output
     #: begins inside it), "tagged" (only when the output opens with `<think>`); None: no thinking.
     reasoning: str | None = None
+    #: Who asked, not what: neither is part of the spec's identity (equal specs share one compile).
+    #: `source`: the request field that said it (what a refusal names); `client`: who holds it while its
+    #: request runs (an API key's tenant or the client's address), priced against its own share of the
+    #: live-grammar budget; None: no one in particular.
+    source: str | None = field(default=None, compare=False)
+    client: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.reasoning is not None and self.reasoning not in REASONING:

@@ -22,6 +22,7 @@ from typing import Iterable, Protocol, Sequence
 from ferrox_batch.admission.block_budget import BlockBudget
 from ferrox_batch.admission.kv_groups import GroupPricing
 from ferrox_batch.admission.window import WindowPolicy
+from ferrox_batch.cancel import CancelToken
 from ferrox_batch.errors import DecodeError, GrammarConstraint, InvalidRequest, TokenOutOfVocab
 from ferrox_batch.generation_types import GenerationParams
 from ferrox_batch.structured import CompiledSpec, StructuredOutput
@@ -30,7 +31,9 @@ from ferrox_batch.structured import CompiledSpec, StructuredOutput
 class GrammarCompiler(Protocol):
     """What compiles structured output at submit (`runtime.sampling.grammar.Grammars`)."""
 
-    def compile(self, spec: StructuredOutput) -> CompiledSpec: ...
+    def compile(self, spec: StructuredOutput, cancel: CancelToken | None = None) -> CompiledSpec:
+        """`spec` compiled for the worker (its work stops when `cancel` is cancelled)."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,5 +124,5 @@ def size_request(prompt: list[int], params: GenerationParams, budget: BlockBudge
     if params.structured is not None:
         if grammars is None:
             raise GrammarConstraint("this batcher has no grammar engine: build it with ContinuousBatcher.from_model")
-        grammar = grammars.compile(params.structured)  # an invalid or oversized schema is refused here
+        grammar = grammars.compile(params.structured, params.cancel)  # an invalid or costly schema is refused here
     return SizedRequest(params=params, positions=hold.held, blocks=hold.blocks, grammar=grammar, window=hold.window)

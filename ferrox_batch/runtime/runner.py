@@ -26,10 +26,9 @@ device has finished: its duration is the step's real cost on every device.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -42,6 +41,9 @@ from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.sampling.logprobs import prompt_logprobs
 from ferrox_batch.runtime.sampling.sampler import BatchSampler, RowSampler
+
+if TYPE_CHECKING:
+    from ferrox_batch.runtime.sampling.sampler import StartedMasks
 
 log = logging.getLogger("ferrox_batch.batch")
 
@@ -75,7 +77,6 @@ class ModelRunner:
         self.pricing: GroupPricing = store.groups.pricing(window)
         self._next_seq = 0
         self._samplers: dict[int, RowSampler] = {}  # by seq_id: from a sequence's first sample to its release
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # for grammar masks, made on first use
 
     @property
     def vocab_size(self) -> int:
@@ -128,12 +129,11 @@ class ModelRunner:
         chunks = [SeqChunk(seq_id, tokens, i in drafted_inputs) for i, (seq_id, tokens) in enumerate(plan.inputs)]
         outcomes, ready = self._rows(plan.sampling)
         rows = [self._samplers[plan.sampling[i].seq_id] for i in ready]
-        # Grammar masks are computed on another thread while the forward runs, so they can overlap it where
+        # Grammar masks are computed on other threads while the forward runs, so they can overlap it where
         # cores are free; on a 2-core machine both compete for the same cores (measured in
-        # docs/benchmarks.md: 0.09 ms of mask work per constrained row and token).
-        masks = None
-        if any(row.matcher is not None for row in rows):
-            masks = self._grammar_pool().submit(self.sampler.grammar_masks, rows)
+        # docs/benchmarks.md: 0.09 ms of mask work per constrained row and token). After the forward the
+        # worker waits for them at most the grammar engine's deadline: a row whose mask is later fails alone.
+        masks = self.sampler.start_masks(rows) if any(row.matcher is not None for row in rows) else None
         # Every position's logits for scored prompts and for drafted rows (verified position by position).
         # The drafted rows whose sampler row is ready (one that could not be made failed its request).
         drafted = sorted(set(plan.drafted).intersection(ready)) if plan.drafted else []
@@ -154,7 +154,7 @@ class ModelRunner:
             logits = logits.clone()
             for i in drafted:
                 logits[plan.sampling[i].row] = spans[plan.sampling[i].row][0]
-        sampled: list = self._sample(plan.sampling, logits, outcomes, ready, rows, _computed_masks(masks))
+        sampled: list = self._sample(plan.sampling, logits, outcomes, ready, rows, masks)
         if drafted:
             self._verify(plan.sampling, drafted, spans, sampled)
         for i in set(plan.drafted) - set(drafted):  # a row that could not sample keeps its last token's position
@@ -216,15 +216,10 @@ class ModelRunner:
         done = set(at_once)
         return [i for i in alive if i not in done]
 
-    def _grammar_pool(self) -> concurrent.futures.ThreadPoolExecutor:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ferrox-grammar")
-        return self._pool
-
     def close(self) -> None:
-        """Stop the grammar thread, if one was started."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)
+        """Stop the grammar mask threads, if any were started."""
+        if self.sampler.grammars is not None:
+            self.sampler.grammars.close()
 
     def _rows(self, sampling: Sequence[RowToSample]) -> tuple[list[Sampled], list[int]]:
         """Every sampling row's state, made when its sequence first samples: (outcomes so far, with a
@@ -249,9 +244,22 @@ class ModelRunner:
         return outcomes, ready
 
     def _sample(self, sampling: Sequence[RowToSample], logits: torch.Tensor, outcomes: list[Sampled],
-                ready: list[int], rows: list[RowSampler], masks: tuple[list[int], torch.Tensor] | None) -> list[Sampled]:
+                ready: list[int], rows: list[RowSampler], started: StartedMasks | None) -> list[Sampled]:
         if not sampling:
             return []
+        masks = None
+        if started is not None:
+            masks, late = self.sampler.collect_masks(started)
+            if late:  # those rows end with their own error; the others sample as if they were not there
+                for j, error in late.items():
+                    outcomes[ready[j]] = error
+                kept = [j for j in range(len(rows)) if j not in late]
+                new_index = {old: new for new, old in enumerate(kept)}
+                if masks is not None:
+                    masks = ([new_index[j] for j in masks[0]], masks[1])
+                ready, rows = [ready[j] for j in kept], [rows[j] for j in kept]
+                if not rows:
+                    return outcomes
         picked = [sampling[i].row for i in ready]
         if picked != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(picked, device=logits.device))
@@ -261,14 +269,15 @@ class ModelRunner:
             # The batched call changes no row's state before its last, per-row part, so each row can
             # be sampled again alone: only the rows that cannot be sampled fail.
             log.exception("batched sampling failed; sampling each row alone")
-            tokens = [self._sample_alone(logits[j:j + 1], row) for j, row in enumerate(rows)]
+            tokens = [self._sample_alone(logits[j:j + 1], row, _row_mask(masks, j)) for j, row in enumerate(rows)]
         for i, token in zip(ready, tokens):
             outcomes[i] = token
         return outcomes
 
-    def _sample_alone(self, logits: torch.Tensor, row: RowSampler) -> Sampled:
+    def _sample_alone(self, logits: torch.Tensor, row: RowSampler,
+                      mask: tuple[list[int], torch.Tensor] | None = None) -> Sampled:
         try:
-            return self.sampler.sample(logits, [row])[0]
+            return self.sampler.sample(logits, [row], mask)[0]
         except Exception as bad:
             log.exception("sampling one row failed")
             return InternalError(f"sampling failed: {type(bad).__name__}: {bad}")
@@ -283,13 +292,9 @@ def _agrees(outcome: Sampled, draft: Sequence[int], position: int) -> bool:
     return token == draft[position]
 
 
-def _computed_masks(masks: concurrent.futures.Future | None) -> tuple[list[int], torch.Tensor] | None:
-    """The grammar masks computed beside the forward; None (the sampler then computes them itself, row by
-    row if need be) when there were none or computing them raised."""
-    if masks is None:
+def _row_mask(masks: tuple[list[int], torch.Tensor] | None, j: int) -> tuple[list[int], torch.Tensor] | None:
+    """Row `j`'s own mask out of a batch's, as `sample` takes it for that row alone (None: it has none)."""
+    if masks is None or j not in masks[0]:
         return None
-    try:
-        return masks.result()
-    except Exception:
-        log.exception("computing grammar masks beside the forward failed; the sampler computes them")
-        return None
+    k = masks[0].index(j)
+    return [0], masks[1][k:k + 1]

@@ -24,9 +24,16 @@ What it promises:
   text; the compiled state measured about 50 times its text (a 212 KB schema: 10 MB), and up to 300
   times for the costliest shape below (25 KB: 7 MB), which `COMPILED_KEPT` bounds. A request holds its
   compiled grammar from submit to answer, so the grammars alive (cached or held) are bounded too:
-  `LIVE_BYTES` of spec text, past which a new spec is refused as busy (`GrammarsBusy`, 503).
-* `masks(matchers, vocab)` computes every constrained row's allowed tokens in one llguidance call that
-  spreads rows over threads, as a `[rows, vocab]` bool tensor (bits unpacked with torch ops).
+  `GrammarLimits.live_bytes` of spec text in all, and `client_live_bytes` per client (`grammar_clients`),
+  past which a new spec is refused as busy (`GrammarsBusy`, 503).
+* What a spec may cost is `GrammarLimits` (`ferrox_batch.grammar_limits`): its compile and its first masks
+  are timed here, on the caller's thread (`grammar_probe`), and a spec past either budget is refused with a
+  400 naming its field (`GrammarTooCostly`; remembered, so a repeat is refused without compiling). A GBNF
+  grammar is converted to Lark in a process of its own, within a time limit (`gbnf`).
+* `start_masks(matchers)` starts each constrained row's next mask on a thread of its own while the forward
+  runs, collected within the worker's deadline (`mask_pool`: a late row fails alone); `masks(matchers,
+  device)` computes them in one llguidance call, waiting for all. Both come as a `[rows, vocab]` bool
+  tensor (bits unpacked with torch ops).
 * The engine's tokenizer is the checkpoint's own (its `tokenizer.json` text), built on first use (about a
   second) and shared; its end tokens are the model's stop tokens, allowed exactly where the grammar may end.
 
@@ -42,7 +49,8 @@ Limits on a compile, and why these (measured on a 2-vCPU Xeon shared with other 
   before the costly part, so a cap on symbols refuses it in milliseconds. 16,384 symbols holds that worst
   shape to about 0.7 s, and is 1.7x what a realistic schema at the byte limit has (about 37 symbols per
   KB: 9,500). Lexer fuel stays at llguidance's default (1,000,000, about 20 ms of regex set-up), as do the
-  per-token step limits, which bound each mask on the worker.
+  per-token step limits; they do not bound a mask's forced-token search, which the probe and the worker's
+  deadline do.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -61,41 +70,32 @@ import llguidance.numpy
 import numpy as np
 import torch
 
+from ferrox_batch.cancel import CancelToken
 from ferrox_batch.errors import DecodeError, GrammarConstraint
+from ferrox_batch.grammar_limits import PROBED_MASKS, GrammarLimits, too_costly
+from ferrox_batch.runtime.sampling.gbnf import GbnfConverter, GbnfTimeout
+from ferrox_batch.runtime.sampling.grammar_clients import ClientShares, GrammarsBusy, HeldGrammar
+from ferrox_batch.runtime.sampling.grammar_probe import first_masks_cpu_s
+from ferrox_batch.runtime.sampling.mask_pool import MaskPool, PendingMasks
 from ferrox_batch.structured import MAX_SPEC_BYTES, StructuredOutput
+
+__all__ = ["COMPILED_BYTES", "COMPILED_KEPT", "MAX_GRAMMAR_SYMBOLS", "CompiledGrammar", "Grammars", "GrammarsBusy",
+           "HeldGrammar"]
 
 #: How many compiled grammars are kept at most.
 COMPILED_KEPT = 32
 #: How many bytes of spec text the kept grammars may have together (about 100 MB compiled): eight schemas
 #: at the byte limit, or `COMPILED_KEPT` small ones.
 COMPILED_BYTES = 2 * 1024 * 1024
-#: How many bytes of spec text the compiled grammars alive at once may have: cached, or held by requests
-#: that wait or run (a request holds its compiled grammar from its submit to its answer, whether or not
-#: the cache still keeps it). About 200 MB compiled for typical schemas; a new spec past it is refused as
-#: busy (503, retry) rather than pinning memory without bound while requests queue.
-LIVE_BYTES = 4 * 1024 * 1024
+#: How many specs refused as too costly are remembered (by their text), so a client that repeats one is
+#: refused without compiling or probing it again.
+REFUSED_KEPT = 256
 #: The most grammar symbols a spec may compile to (llguidance's `max_grammar_size`; module docstring).
 MAX_GRAMMAR_SYMBOLS = 16_384
 #: Fuel for a compile's regex set-up: llguidance's default, about 20 ms.
 INITIAL_LEXER_FUEL = 1_000_000
 #: JSON compiled compact: separators without spaces, no free whitespace.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
-
-
-class GrammarsBusy(DecodeError):
-    """The compiled grammars alive now hold `LIVE_BYTES` of spec text: a new spec must wait for some of
-    the requests holding theirs to finish (503: the request is fine, retry shortly)."""
-
-    retry_after_secs = 1
-    http_status = 503
-    error_code = "server_busy"
-    _fields = ("live_bytes", "limit_bytes")
-
-    def __init__(self, live_bytes: int, limit_bytes: int) -> None:
-        self.live_bytes = live_bytes
-        self.limit_bytes = limit_bytes
-        super().__init__(f"server is at capacity: the grammars of requests in flight hold {live_bytes} bytes "
-                         f"of schema (limit {limit_bytes}); retry shortly")
 
 
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
@@ -114,7 +114,8 @@ class Grammars:
     `keep`, `keep_bytes`: the compiled cache's bounds, in entries and in bytes of spec text."""
 
     def __init__(self, tokenizer_json: str, vocab_size: int, end_tokens: Sequence[int], *,
-                 keep: int = COMPILED_KEPT, keep_bytes: int = COMPILED_BYTES, live_bytes: int = LIVE_BYTES) -> None:
+                 keep: int = COMPILED_KEPT, keep_bytes: int = COMPILED_BYTES, live_bytes: int | None = None,
+                 limits: GrammarLimits = GrammarLimits()) -> None:
         self._json = tokenizer_json
         self.vocab_size = vocab_size
         self._ends = sorted(set(end_tokens))
@@ -131,7 +132,13 @@ class Grammars:
         self._kept: OrderedDict[StructuredOutput, CompiledGrammar] = OrderedDict()  # oldest first
         self._kept_bytes = 0
         self._pending: dict[StructuredOutput, concurrent.futures.Future[CompiledGrammar]] = {}
-        self._live_limit = live_bytes
+        self.limits = limits
+        self._live_limit = limits.live_bytes if live_bytes is None else live_bytes
+        self._clients = ClientShares(limits.client_live_bytes)
+        self._gbnf = GbnfConverter(limits.gbnf_ms / 1000)
+        #: Specs refused as too costly: (what was costly, CPU ms it took, the limit, its flag), oldest first.
+        self._refused: OrderedDict[StructuredOutput, tuple[str, float, int, str]] = OrderedDict()
+        self._pool = MaskPool(self.fill_row, (vocab_size + 31) // 32, limits.mask_deadline_ms / 1000)
         self._live = 0  # bytes of spec text of the compiled grammars alive (guarded by `_lock`)
         #: Every compiled grammar alive, kept or not: a spec a request still holds is never built twice.
         self._alive: weakref.WeakValueDictionary[StructuredOutput, CompiledGrammar] = weakref.WeakValueDictionary()
@@ -144,15 +151,27 @@ class Grammars:
                 self._executor = llguidance.LLExecutor()
             return self._tokenizer, self._executor
 
-    def compile(self, spec: StructuredOutput) -> CompiledGrammar:
+    def compile(self, spec: StructuredOutput, cancel: CancelToken | None = None) -> CompiledGrammar | HeldGrammar:
         """`spec` compiled, or `GrammarConstraint` naming what is wrong: over `MAX_SPEC_BYTES` (refused
-        before any compiling), over the compile-work limits, or invalid. A kept spec is answered from the
-        cache; a spec another thread is compiling is waited for."""
+        before any compiling), over the compile-work limits, or invalid; `GrammarTooCostly` (naming
+        `spec.source`) when its compile or first masks cost more CPU than `limits` allow. A kept spec is
+        answered from the cache; a spec another thread is compiling is waited for. `cancel`: the request's
+        token (a GBNF conversion stops when it is cancelled).
+
+        A spec that names its `client` comes back as that client's `HeldGrammar`, priced against the
+        client's share of the live-grammar budget (`grammar_clients`) while its request holds it."""
+        compiled = self._compiled(spec, cancel)
+        return compiled if spec.client is None else self._clients.hold(spec.client, compiled)
+
+    def _compiled(self, spec: StructuredOutput, cancel: CancelToken | None) -> CompiledGrammar:
         size = spec.size
         if size > MAX_SPEC_BYTES:
             raise GrammarConstraint(f"the {_what(spec)} is {size} bytes as compact text, over this server's "
                                     f"limit of {MAX_SPEC_BYTES}")
         with self._lock:
+            refused = self._refused.get(spec)
+            if refused is not None:
+                raise too_costly(spec.source, *refused)
             known = self._kept.get(spec)
             if known is not None:
                 self._kept.move_to_end(spec)
@@ -173,7 +192,7 @@ class Grammars:
         if not building:
             return pending.result()  # the builder's grammar, or its refusal raised here too
         try:
-            compiled = self._build(spec, size)
+            compiled = self._build(spec, size, cancel)
         except BaseException as failed:
             with self._lock:
                 del self._pending[spec]
@@ -189,25 +208,49 @@ class Grammars:
         pending.set_result(compiled)
         return compiled
 
-    def _build(self, spec: StructuredOutput, size: int) -> CompiledGrammar:
+    def _build(self, spec: StructuredOutput, size: int, cancel: CancelToken | None) -> CompiledGrammar:
         tokenizer, _ = self._engine()
+        text = spec.schema or ""
+        if spec.kind == "grammar":  # GBNF converted in a process of its own; Lark as it is
+            try:
+                text = self._gbnf.to_lark(text, cancel)
+            except GbnfTimeout:
+                raise self._costly(spec, "GBNF grammar whose conversion is", self.limits.gbnf_ms,
+                                   self.limits.gbnf_ms, "--grammar-gbnf-ms") from None
+        began = time.thread_time()
         try:
             if spec.kind in ("json_object", "json_schema"):
                 schema = spec.schema if spec.schema is not None else spec.schema_object()
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
             else:
-                # Lark as it is; a grammar that is GBNF converted to Lark; a regex or a choice as llguidance
-                # writes them. The converter is Python, bounded by the spec's size (`MAX_SPEC_BYTES`).
-                grammar = grammar_from(_FORMATS[spec.kind], spec.schema or "")
+                # Lark as it is (a converted GBNF grammar too); a regex or a choice as llguidance writes them.
+                grammar = grammar_from(_FORMATS[spec.kind], text)
             if spec.reasoning is not None:
                 grammar = _after_thinking(grammar, spec.reasoning)
         except Exception as bad:  # noqa: BLE001 - the converter raises what its parser meets: the client's 400
             raise GrammarConstraint(f"the {_what(spec)} cannot be compiled: {bad}") from None
-        # The build drops the GIL: the worker's Python runs on meanwhile.
+        # The build drops the GIL: the worker's Python runs on meanwhile. It runs on this thread, whose CPU
+        # time is what it cost.
         start = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=self._limits)
         if start.is_error():
             raise GrammarConstraint(f"the {_what(spec)} cannot be compiled: {start.get_error()}")
+        spent = (time.thread_time() - began) * 1e3
+        if spent > self.limits.compile_ms:
+            raise self._costly(spec, f"{_what(spec)} whose compile is", spent, self.limits.compile_ms,
+                               "--grammar-compile-ms")
+        budget = self.limits.first_masks_ms
+        spent = first_masks_cpu_s(start, self.vocab_size, PROBED_MASKS, budget / 1e3) * 1e3
+        if spent > budget:
+            raise self._costly(spec, f"{_what(spec)} whose first masks are", spent, budget, "--grammar-first-masks-ms")
         return CompiledGrammar(spec, size, tokenizer, start)
+
+    def _costly(self, spec: StructuredOutput, what: str, spent_ms: float, limit_ms: int, flag: str) -> DecodeError:
+        """The refusal of a spec too costly to follow, remembered so that a repeat costs nothing."""
+        with self._lock:
+            self._refused[spec] = (what, spent_ms, limit_ms, flag)
+            while len(self._refused) > REFUSED_KEPT:
+                self._refused.popitem(last=False)
+        return too_costly(spec.source, what, spent_ms, limit_ms, flag)
 
     def _remember(self, compiled: CompiledGrammar) -> None:
         """Keep `compiled`, dropping the oldest past either bound (it too, when it alone is past them)."""
@@ -231,8 +274,14 @@ class Grammars:
         with self._lock:
             return len(self._kept), self._kept_bytes
 
-    def matcher(self, compiled: CompiledGrammar) -> llguidance.LLMatcher:
+    def held(self, client: str) -> int:
+        """Bytes of spec text `client`'s requests hold now (its share's use)."""
+        return self._clients.held(client)
+
+    def matcher(self, compiled: CompiledGrammar | HeldGrammar) -> llguidance.LLMatcher:
         """A new row's parser state: a copy of `compiled` at its start (never a compile)."""
+        if isinstance(compiled, HeldGrammar):
+            compiled = compiled.compiled
         if compiled.tokenizer is not self._tokenizer:
             raise GrammarConstraint("the grammar was compiled for another tokenizer")
         return compiled.start.deep_copy()
@@ -243,9 +292,25 @@ class Grammars:
         words = (self.vocab_size + 31) // 32
         bits = np.zeros((len(matchers), words), dtype=np.int32)
         llguidance.numpy.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)], bits)
+        return self.unpack(bits, device)
+
+    def fill_row(self, matcher: llguidance.LLMatcher, bits: np.ndarray, row: int) -> None:
+        """Row `row` of `bits` (`[rows, words]` int32) set to `matcher`'s next mask (llguidance drops the GIL)."""
+        llguidance.numpy.fill_next_token_bitmask(matcher, bits, row)
+
+    def start_masks(self, matchers: Sequence[llguidance.LLMatcher]) -> PendingMasks:
+        """Start every matcher's next mask on threads of its own (`mask_pool`): collected within the deadline."""
+        return self._pool.start(matchers)
+
+    def unpack(self, bits: np.ndarray, device: torch.device) -> torch.Tensor:
+        """`[rows, vocab_size]` bool from llguidance's `[rows, words]` bits."""
         shifts = torch.arange(32, dtype=torch.int32)
-        allowed = (torch.from_numpy(bits).unsqueeze(-1) >> shifts) & 1
-        return allowed.view(len(matchers), words * 32)[:, : self.vocab_size].bool().to(device)
+        allowed = (torch.from_numpy(np.ascontiguousarray(bits)).unsqueeze(-1) >> shifts) & 1
+        return allowed.view(bits.shape[0], bits.shape[1] * 32)[:, : self.vocab_size].bool().to(device)
+
+    def close(self) -> None:
+        """Stop the mask threads."""
+        self._pool.close()
 
 
 def _after_thinking(grammar: str, reasoning: str) -> str:

@@ -67,8 +67,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ferrox_batch.errors import GrammarConstraint, InternalError
+from ferrox_batch.errors import DecodeError, GrammarConstraint, InternalError
 from ferrox_batch.forward import GrammarComplete, Sampled
+from ferrox_batch.grammar_limits import too_slow
 from ferrox_batch.generation_types import SamplingParams
 from ferrox_batch.runtime.sampling.logit_transforms import banned, biased, masked, penalised
 from ferrox_batch.runtime.sampling.logprobs import token_logprobs
@@ -83,6 +84,10 @@ from ferrox_batch.runtime.sampling.sampling_cuts import cuts
 
 if TYPE_CHECKING:
     from ferrox_batch.runtime.sampling.grammar import CompiledGrammar, Grammars
+    from ferrox_batch.runtime.sampling.mask_pool import PendingMasks
+
+    #: The constrained rows' indices and their masks being computed (`BatchSampler.start_masks`).
+    StartedMasks = tuple[list[int], PendingMasks]
 
 __all__ = ["MIN_TEMPERATURE", "BatchSampler", "RowSampler", "SamplingError"]
 
@@ -122,6 +127,29 @@ class BatchSampler:
         if not constrained or self.grammars is None:
             return None
         return constrained, self.grammars.masks([rows[i].matcher for i in constrained], self.device)
+
+    def start_masks(self, rows: Sequence[RowSampler]) -> StartedMasks | None:
+        """Start the constrained rows' masks on threads of their own (`grammar.Grammars.start_masks`), to be
+        collected within the deadline by `collect_masks`; None when no row follows a grammar."""
+        constrained = [i for i, row in enumerate(rows) if row.matcher is not None and not row.matcher.is_stopped()]
+        if not constrained or self.grammars is None:
+            return None
+        return constrained, self.grammars.start_masks([rows[i].matcher for i in constrained])
+
+    def collect_masks(self, started: StartedMasks) -> tuple[tuple[list[int], torch.Tensor] | None, dict[int, DecodeError]]:
+        """The masks `start_masks` started, as `sample` takes them, for the rows whose mask came within the
+        deadline (None: no such row), and the error that ends each other row (by its index in the rows): `GrammarTooSlow` for a
+        late one, `GrammarConstraint` for one whose computation raised."""
+        assert self.grammars is not None
+        constrained, pending = started
+        bits, late, failed = pending.collect()
+        errors: dict[int, DecodeError] = {constrained[j]: too_slow(self.grammars.limits.mask_deadline_ms) for j in late}
+        for j, bad in failed.items():
+            errors[constrained[j]] = GrammarConstraint(f"computing its mask failed: {type(bad).__name__}: {bad}")
+        keep = [j for j in range(len(constrained)) if constrained[j] not in errors]
+        if not keep:
+            return None, errors
+        return ([constrained[j] for j in keep], self.grammars.unpack(bits[keep], self.device)), errors
 
     def sample(self, logits: torch.Tensor, rows: Sequence[RowSampler],
                masks: tuple[list[int], torch.Tensor] | None = None) -> list[Sampled]:

@@ -1,0 +1,131 @@
+"""`GbnfConverter`: llama.cpp GBNF grammars turned into Lark, in a process of their own, within a time limit.
+
+Why a process: llguidance parses Lark natively (in Rust, within its limits) but converts GBNF with a Python
+module (`llguidance.gbnf_to_lark`) whose cost grows with the square of some grammars' size (a chain of
+rules: 77 KB took seconds). On a server thread that is GIL-holding work nobody can stop; in a child process
+it is bounded: the child runs at the lowest CPU priority (the worker's forwards go first), is killed once it
+has run `limit_s`, and is killed as soon as the request's `CancelToken` is cancelled (the client left).
+At most `conversions` run at once; one more is refused as busy at once (a 503), so a flood of grammars
+holds neither the server's prepare threads nor more than that many processes. Converted grammars are kept
+by text (bounded), so a client that repeats its grammar converts it once; a grammar already in Lark is
+never sent to a child.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+
+from llguidance import gbnf_to_lark
+
+from ferrox_batch.cancel import CancelToken
+from ferrox_batch.errors import DecodeError, GrammarConstraint
+
+#: Conversions running at once.
+CONVERSIONS = 2
+#: Converted grammars kept (by their GBNF text), and the most bytes of text they may have together.
+KEPT = 64
+KEPT_BYTES = 4 * 1024 * 1024
+#: How often a waiting conversion looks at its request's cancel token, in seconds.
+POLL_S = 0.02
+
+# The child: lowest priority, the converter module loaded by its path (not the llguidance package, whose
+# native library it does not need), GBNF text on stdin, `{"lark": ...}` or `{"error": ...}` on stdout.
+_CHILD = """
+import importlib.util, json, os, sys
+os.nice(19)
+spec = importlib.util.spec_from_file_location("gbnf_to_lark", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+text = sys.stdin.read()
+try:
+    answer = {"lark": module.gbnf_to_lark(text)}
+except Exception as bad:
+    answer = {"error": f"{type(bad).__name__}: {bad}"}
+sys.stdout.write(json.dumps(answer))
+"""
+
+
+class GbnfTimeout(Exception):
+    """The conversion ran past its time limit (the caller turns it into its refusal, naming the field)."""
+
+
+class GbnfBusy(DecodeError):
+    """Every conversion slot is taken: 503, retry shortly."""
+
+    retry_after_secs = 1
+    http_status = 503
+    error_code = "server_busy"
+
+    def __init__(self) -> None:
+        super().__init__("server is at capacity: other GBNF grammars are being converted; retry shortly")
+
+
+class GbnfConverter:
+    """Converts GBNF to Lark in child processes (module docstring); thread-safe."""
+
+    def __init__(self, limit_s: float, conversions: int = CONVERSIONS) -> None:
+        self.limit_s = limit_s
+        self._slots = threading.BoundedSemaphore(conversions)
+        self._lock = threading.Lock()
+        self._kept: OrderedDict[str, str] = OrderedDict()
+        self._kept_bytes = 0
+
+    def to_lark(self, text: str, cancel: CancelToken | None = None) -> str:
+        """`text` as Lark: as it is when it already is Lark, else converted in a child process.
+
+        Raises `GrammarConstraint` for a grammar the converter refuses or a request cancelled meanwhile,
+        `GbnfTimeout` past the time limit, `GbnfBusy` when every slot is taken."""
+        if gbnf_to_lark.is_lark_syntax(text):
+            return text
+        with self._lock:
+            known = self._kept.get(text)
+            if known is not None:
+                self._kept.move_to_end(text)
+                return known
+        if not self._slots.acquire(blocking=False):
+            raise GbnfBusy()
+        try:
+            lark = self._convert(text, cancel)
+        finally:
+            self._slots.release()
+        with self._lock:
+            if text not in self._kept:
+                self._kept[text] = lark
+                self._kept_bytes += len(text) + len(lark)
+            while self._kept and (len(self._kept) > KEPT or self._kept_bytes > KEPT_BYTES):
+                old, converted = self._kept.popitem(last=False)
+                self._kept_bytes -= len(old) + len(converted)
+        return lark
+
+    def _convert(self, text: str, cancel: CancelToken | None) -> str:
+        child = subprocess.Popen([sys.executable, "-I", "-c", _CHILD, gbnf_to_lark.__file__],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        began = time.monotonic()
+        payload: bytes | None = text.encode("utf-8", "surrogatepass")
+        try:
+            while True:
+                try:
+                    out, _ = child.communicate(payload, timeout=POLL_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    payload = None  # sent with the first call
+                if cancel is not None and cancel.is_cancelled():
+                    raise GrammarConstraint("the grammar's conversion was cancelled: the request was cancelled")
+                if time.monotonic() - began > self.limit_s:
+                    raise GbnfTimeout()
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.communicate()
+        try:
+            answer = json.loads(out)
+        except ValueError:
+            raise GrammarConstraint("the grammar could not be converted from GBNF (its converter failed)") from None
+        if "error" in answer:
+            raise GrammarConstraint(f"the grammar cannot be converted from GBNF to Lark: {answer['error']}")
+        return str(answer["lark"])

@@ -1,0 +1,33 @@
+"""What a compiled grammar's first masks cost, measured on the caller's thread before its request is queued.
+
+A grammar's build is bounded by llguidance's own limits (`runtime.sampling.grammar`), but its masks are not:
+no llguidance limit bounds the forced-token search a regex such as `(x{600}){600}` sets off (its step lexer
+fuel and item limits count other work), which costs 0.5-1 s for the first mask and 0.1 s for each later
+one. So the compile computes the grammar's first masks itself, on a copy, following the lowest allowed
+token each time, and reports the CPU time they took: the caller's thread CPU time, which llguidance spends
+on the calling thread (a machine busy with other work does not make a cheap grammar look costly).
+"""
+
+from __future__ import annotations
+
+import time
+
+import llguidance
+import numpy as np
+
+
+def first_masks_cpu_s(start: llguidance.LLMatcher, vocab_size: int, masks: int, budget_s: float) -> float:
+    """CPU seconds of the first `masks` masks of `start`'s grammar (on a copy; `start` is not advanced),
+    stopping early once past `budget_s` or where the grammar ends or errs."""
+    matcher = start.deep_copy()
+    spent = 0.0
+    for _ in range(masks):
+        began = time.thread_time()
+        bits = matcher.compute_bitmask()
+        spent += time.thread_time() - began
+        if spent > budget_s or matcher.is_error() or matcher.is_stopped():
+            break
+        allowed = np.flatnonzero(np.unpackbits(np.frombuffer(bits, dtype=np.uint8), bitorder="little")[:vocab_size])
+        if allowed.size == 0 or not matcher.consume_token(int(allowed[0])) or matcher.is_stopped():
+            break
+    return spent
