@@ -42,6 +42,7 @@ from ferrox_batch.cli.common import (
     load,
     positive_int,
 )
+from ferrox_batch.cli.grammar_flags import add_grammar_flags, grammar_limits
 from ferrox_batch.cli.replicas import add_replica_flags, check_replica_flags, serve_replicas
 
 #: The batcher's settings are `serve`'s flags, so they stay importable from here as well as from
@@ -116,6 +117,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                            "for one when the API does)")
     http.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="(default: info)")
     add_batcher_flags(parser)
+    add_grammar_flags(parser)
     add_replica_flags(parser)
     parser.set_defaults(handler=cmd_serve)
 
@@ -237,6 +239,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
           allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
           shared_prefix_cache=args.shared_prefix_cache, client_priorities=args.client_priorities,
           reasoning_parser=args.reasoning_parser, pooling=args.pooling, ui=args.ui,
+          grammar_limits=grammar_limits(args),
           drain_timeout=DEFAULT_DRAIN_TIMEOUT_SECS if args.drain_timeout is None else args.drain_timeout)
 
 

@@ -35,6 +35,7 @@ from ferrox_batch.engine.wiring import build_worker, config_ceiling
 from ferrox_batch.engine.worker import Worker
 from ferrox_batch.errors import InvalidRequest, QueueFull
 from ferrox_batch.generation_types import GenerationParams, GenerationResult
+from ferrox_batch.grammar_limits import GrammarLimits
 from ferrox_batch.policy.stop import StopMatcher
 from ferrox_batch.runtime.kernels.openmp import release_thread_pool
 from ferrox_batch.runtime.kv.paged_kv import PagedKvConfig
@@ -106,17 +107,19 @@ class ContinuousBatcher:
         return cls(worker, thread)
 
     @classmethod
-    def from_model(cls, model: LoadedModel, config: BatcherConfig | None = None) -> "ContinuousBatcher":
+    def from_model(cls, model: LoadedModel, config: BatcherConfig | None = None,
+                   grammar_limits: GrammarLimits = GrammarLimits()) -> "ContinuousBatcher":
         """Serve a loaded checkpoint: its tokenizer decodes, and the ceiling prices KV in the store's dtype.
 
         `config` defaults to `BatcherConfig.from_env()` over the serving defaults
         (`BatcherConfig.serving()`, not the upstream ones); with no `kv_blocks` the KV budget is a
-        share of the machine's memory (`runtime.kv.memory`).
+        share of the machine's memory (`runtime.kv.memory`). `grammar_limits`: what one request's
+        structured output may cost (`ferrox_batch.grammar_limits`).
         """
         config = config if config is not None else BatcherConfig.from_env(defaults=BatcherConfig.serving())
         ceiling = ContextCeiling(config.context_limit(model.config.max_position_embeddings), model.kv_shape())
         grammars = Grammars(model.tokenizer.inner.to_str(), model.config.vocab_size,
-                            sorted(model.tokenizer.stop_tokens.ids))
+                            sorted(model.tokenizer.stop_tokens.ids), limits=grammar_limits)
         batcher = cls.spawn_with_ceiling(model.decoder, model.tokenizer.decode, config, ceiling, grammars=grammars)
         batcher.tokenizer = model.tokenizer
         batcher.model_stats = {"precision": model.precision, "weight_bytes": model.decoder.weight_bytes,

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 
+from ferrox_batch.cancel import CancelToken
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import BatcherClosed, DecodeError
 from ferrox_batch.generation_types import GenerationResult
@@ -140,6 +141,7 @@ class Generations:
     async def serve(self, request: Request, *, endpoint: str) -> Response:
         arrival = time.monotonic()
         rid = request_id(request)
+        disconnected: asyncio.Future | None = None
         try:
             # Counted before the body is read: a body that arrives slowly (or never) must not
             # keep a busy server from answering, nor hold a buffer past the limit.
@@ -149,10 +151,18 @@ class Generations:
             self._preparing += 1
             try:
                 raw = await read_body(request, self.limits.max_body_bytes, self.limits.body_read_timeout)
-                prepared = await self._prepare(raw, endpoint, arrival, rid, cache_namespace(request))
+                # Watched from here on: a client that leaves while its request is prepared cancels the work
+                # done for it there (a grammar's conversion), not only what follows.
+                disconnected = asyncio.ensure_future(wait_for_disconnect(request.receive))
+                gone = CancelToken()
+                disconnected.add_done_callback(lambda watch: None if watch.cancelled() else gone.cancel())
+                prepared = await self._prepare(raw, endpoint, arrival, rid, cache_namespace(request),
+                                               client_identity(request), gone)
             finally:
                 self._preparing -= 1
         except DecodeError as refusal:
+            if disconnected is not None:
+                disconnected.cancel()
             self.metrics.refused(refusal.code)
             log.info("request %s: refused, %s (%s)", rid, refusal.http_status, refusal.code)
             response = error_response(refusal)
@@ -163,11 +173,15 @@ class Generations:
             return response
         except ClientDisconnect:  # gone while sending the body: nothing was submitted
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except BaseException:
+            if disconnected is not None:
+                disconnected.cancel()
+            raise
+        assert disconnected is not None  # set once the body was read
         bridges = prepared.bridges
         for bridge in bridges:
             if bridge.final is None:  # the worker may have answered already (a refusal at admission)
                 self.in_flight.add(bridge)
-        disconnected = asyncio.ensure_future(wait_for_disconnect(request.receive))
         events = merged(bridges)
         handed_off = False
         try:
@@ -216,13 +230,14 @@ class Generations:
             return _failure_response(error)
         return got  # type: ignore[return-value]
 
-    async def _prepare(self, raw: bytes, endpoint: str, arrival: float, rid: str, namespace: str | None) -> Prepared:
+    async def _prepare(self, raw: bytes, endpoint: str, arrival: float, rid: str, namespace: str | None,
+                       client: str, gone: CancelToken) -> Prepared:
         """Parse, tokenize and submit on the prepare pool; a request whose handler was cancelled is cancelled."""
         loop = asyncio.get_running_loop()
         try:
             future = loop.run_in_executor(self.prepare_pool, self._preparer.prepare, raw, endpoint, loop,
                                           lambda bridge, final: self._answered(bridge, final, arrival, rid),
-                                          namespace)
+                                          namespace, client, gone)
         except RuntimeError:  # the pool is shut down: the server is stopping
             raise BatcherClosed() from None
         try:
@@ -271,6 +286,15 @@ class Generations:
             await asyncio.wait_for(asyncio.to_thread(join), SHUTDOWN_JOIN_SECS)
         except asyncio.TimeoutError:
             log.warning("shutdown: the pools were still busy after %.0f s", SHUTDOWN_JOIN_SECS)
+
+
+def client_identity(request: Request) -> str:
+    """Who sent `request`, as the grammar engine prices its share: its API key's tenant, else its address
+    (every client of a keyless server behind one proxy is one client, as before)."""
+    namespace = cache_namespace(request)
+    if namespace is not None:
+        return f"tenant:{namespace}"
+    return f"address:{request.client.host if request.client is not None else 'unknown'}"
 
 
 def _answer(fmt: WireFormat | EmbeddingFormat | ResponsesFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:

@@ -26,6 +26,7 @@ from typing import Any
 from dataclasses import dataclass
 
 from ferrox_batch.admission.budget import ContextCeiling
+from ferrox_batch.cancel import CancelToken
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.choices import candidate_params
@@ -88,10 +89,13 @@ class Preparer:
     aliases: tuple[str, ...] = ()
 
     def prepare(self, raw: bytes, endpoint: str, loop: asyncio.AbstractEventLoop,
-                on_final: Callable[[ReplyBridge, Final], None], namespace: str | None = None) -> Prepared:
+                on_final: Callable[[ReplyBridge, Final], None], namespace: str | None = None,
+                client: str | None = None, cancel: CancelToken | None = None) -> Prepared:
         """Parse, check, tokenize and submit one request to `endpoint` (`CHAT`, `COMPLETIONS` or
         `EMBEDDINGS`; blocking); `on_final` runs on `loop` per choice; `namespace`: the prefix-cache
-        namespace of the request's tenant (`access.cache_namespace`)."""
+        namespace of the request's tenant (`access.cache_namespace`); `client`: who sent it (its grammar
+        is priced against that client's share of the live-grammar budget); `cancel`: cancelled when the
+        client leaves (work on its behalf stops, from its grammar's conversion on)."""
         body = parse_json_object(raw)
         original = body
         if endpoint == RESPONSES:  # said as the chat request it amounts to, checked by the chat parser
@@ -113,8 +117,12 @@ class Preparer:
             # The output's form (a schema, a forced tool call) applies to the answer after the thinking.
             how = "implicit" if self.reasoning.implicit else "tagged"
             options = dataclasses.replace(options, structured=dataclasses.replace(options.structured, reasoning=how))
+        if client is not None and options.structured is not None:
+            options = dataclasses.replace(options, structured=dataclasses.replace(options.structured, client=client))
         # Every field is checked before the prompt is tokenized: a refusal costs no tokenizing.
         params = options.generation_params(self.tokenizer, request.max_tokens)
+        if cancel is not None:
+            params = dataclasses.replace(params, cancel=cancel)
         prompts = [self._prompt_ids(request, prompt) for prompt in request.prompts]
         bridges: list[ReplyBridge] = []
         try:

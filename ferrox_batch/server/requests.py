@@ -200,7 +200,7 @@ def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int, rend
         if said is not None:
             raise InvalidRequest(said[0], "...",
                                  f"cannot be combined with tool_choice {choice!r}, which sets the output's form")
-        structured = forced
+        structured = dataclasses.replace(forced, source="tools")
     if structured is not None:  # its combinations (`ignore_eos`) are GenerationParams' to check
         common["options"] = dataclasses.replace(common["options"], structured=structured)
     return ChatRequest(messages=read_messages(body.get("messages")), tools=tools, tool_choice=choice,

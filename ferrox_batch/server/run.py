@@ -21,6 +21,7 @@ import uvicorn
 
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.engine.handle import ContinuousBatcher
+from ferrox_batch.grammar_limits import GrammarLimits
 from ferrox_batch.runtime.loading.loader import LoadedModel, load_model
 from ferrox_batch.server.app import (
     DEFAULT_MAX_BODY_BYTES,
@@ -73,6 +74,7 @@ def serve(
     reasoning_parser: str | None = None,
     pooling: str = "last",
     ui: bool = True,
+    grammar_limits: GrammarLimits = GrammarLimits(),
 ) -> None:
     """Serve `model` (a checkpoint folder, a `.gguf` file, or a loaded model) on `host:port`; block until stopped.
 
@@ -81,7 +83,8 @@ def serve(
     then what is left is cancelled (`listener`). `allowed_hosts` defaults to the loopback names when `host`
     is a loopback address, else no check (`host_check`). `model_name` (one name or several) defaults to the
     checkpoint's folder
-    (or file) name; `chat_template` (Jinja text) replaces the checkpoint's; the other keywords are
+    (or file) name; `chat_template` (Jinja text) replaces the checkpoint's; `grammar_limits` bound what
+    one request's structured output may cost (`ferrox_batch.grammar_limits`); the other keywords are
     `create_app`'s.
     """
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype,
@@ -91,7 +94,7 @@ def serve(
                                                                                 chat_template=chat_template)
     name = model_name or default_model_name(loaded.source)
     batcher = ContinuousBatcher.from_model(loaded, batcher_config if batcher_config is not None
-                                           else BatcherConfig.serving())
+                                           else BatcherConfig.serving(), grammar_limits)
     try:
         app = create_app(batcher, model_name=name, default_max_tokens=default_max_tokens,
                          default_chat_max_tokens=default_chat_max_tokens, max_body_bytes=max_body_bytes,

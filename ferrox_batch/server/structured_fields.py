@@ -16,6 +16,7 @@ submit (a 400 `grammar_constraint`), still before anything is queued.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -64,7 +65,10 @@ def read_structured(body: Mapping[str, Any]) -> tuple[str, StructuredOutput] | N
                              "is not supported by this server")
     if len(found) > 1:
         raise InvalidRequest(found[1][0], "...", f"cannot be combined with {found[0][0]}: say the output's form once")
-    return found[0] if found else None
+    if not found:
+        return None
+    field, spec = found[0]
+    return field, dataclasses.replace(spec, source=field)  # what a refusal of its cost names
 
 
 def _member(field: str, member: str, value: Any) -> StructuredOutput | None:

@@ -3,8 +3,10 @@
 A grammar's build is bounded by llguidance's own limits (`runtime.sampling.grammar`), but its masks are not:
 no llguidance limit bounds the forced-token search a regex such as `(x{600}){600}` sets off (its step lexer
 fuel and item limits count other work), which costs 0.5-1 s for the first mask and 0.1 s for each later
-one. So the compile computes the grammar's first masks itself, on a copy, following the lowest allowed
-token each time, and reports the CPU time they took: the caller's thread CPU time, which llguidance spends
+one. So the compile computes the grammar's first masks itself, on a copy, and reports the CPU time they
+took. Its path: the tokens the grammar forces (as a model's sampling would reach them: `{"a":"` is one
+token `":"` there, and a different path to the same text can take the lexer elsewhere), then the lowest
+allowed token, and again: the caller's thread CPU time, which llguidance spends
 on the calling thread (a machine busy with other work does not make a cheap grammar look costly).
 """
 
@@ -23,6 +25,9 @@ def first_masks_cpu_s(start: llguidance.LLMatcher, vocab_size: int, masks: int, 
     spent = 0.0
     for _ in range(masks):
         began = time.thread_time()
+        forced = matcher.compute_ff_tokens()
+        if forced and not matcher.consume_tokens(forced):
+            break
         bits = matcher.compute_bitmask()
         spent += time.thread_time() - began
         if spent > budget_s or matcher.is_error() or matcher.is_stopped():

@@ -1,0 +1,48 @@
+"""`serve`'s structured-output flags: what one request's grammar, regex or schema may cost
+(`ferrox_batch.grammar_limits`, where each default is explained), one flag per `GrammarLimits` field.
+
+One table drives both the flags and the `GrammarLimits` they make, so a limit cannot have a flag that is
+not applied. Each is shown in `--help` with its default; the README's configuration table lists them too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from ferrox_batch.cli.common import positive_int
+from ferrox_batch.grammar_limits import GrammarLimits
+
+_DEFAULTS = GrammarLimits()
+
+#: GrammarLimits field -> (flag, meaning).
+GRAMMAR_FLAGS: Mapping[str, tuple[str, str]] = MappingProxyType({
+    "compile_ms": ("--grammar-compile-ms", "CPU milliseconds a request's grammar, regex or schema may take to "
+                                           "compile, on the request's own thread; past it, a 400 naming the field"),
+    "first_masks_ms": ("--grammar-first-masks-ms", "CPU milliseconds its first masks may take, probed as it "
+                                                   "compiles; past it, a 400 naming the field"),
+    "mask_deadline_ms": ("--grammar-mask-deadline-ms", "milliseconds the worker waits past a forward for a "
+                                                       "row's grammar mask; a later row ends with grammar_too_slow"),
+    "live_bytes": ("--max-live-grammar-bytes", "bytes of schema text the grammars of requests in flight may "
+                                               "hold in all; past it, a new schema gets 503"),
+    "client_live_bytes": ("--max-client-grammar-bytes", "the same for one client (an API key, else an address): "
+                                                        "its own share"),
+    "gbnf_ms": ("--grammar-gbnf-ms", "milliseconds a GBNF grammar's conversion to Lark may run, in a process of "
+                                     "its own; past it, a 400 naming the field"),
+})
+
+
+def add_grammar_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("structured output", "What one request's grammar, regex or schema may cost.")
+    for field, (flag, meaning) in GRAMMAR_FLAGS.items():
+        group.add_argument(flag, dest=f"grammar_{field}", type=positive_int, default=getattr(_DEFAULTS, field),
+                           metavar="N", help=f"{meaning} (default: {getattr(_DEFAULTS, field)})")
+
+
+def grammar_limits(args: argparse.Namespace) -> GrammarLimits:
+    """The `GrammarLimits` the flags say (their defaults where not given)."""
+    given = {field: getattr(args, f"grammar_{field}") for field in GRAMMAR_FLAGS
+             if getattr(args, f"grammar_{field}", None) is not None}
+    return dataclasses.replace(_DEFAULTS, **given)
