@@ -68,7 +68,9 @@ def read_structured(body: Mapping[str, Any]) -> tuple[str, StructuredOutput] | N
     if not found:
         return None
     field, spec = found[0]
-    return field, dataclasses.replace(spec, source=field)  # what a refusal of its cost names
+    # What a refusal of its cost names: the schema itself where the field holds one.
+    source = f"{field}.json_schema.schema" if field == "response_format" and spec.kind == "json_schema" else field
+    return field, dataclasses.replace(spec, source=source)
 
 
 def _member(field: str, member: str, value: Any) -> StructuredOutput | None:

@@ -14,6 +14,7 @@ never sent to a child.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -25,8 +26,8 @@ from llguidance import gbnf_to_lark
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.errors import DecodeError, GrammarConstraint
 
-#: Conversions running at once.
-CONVERSIONS = 2
+#: Conversions running at once: one core's worth at most, at the lowest priority.
+CONVERSIONS = 1
 #: Converted grammars kept (by their GBNF text), and the most bytes of text they may have together.
 KEPT = 64
 KEPT_BYTES = 4 * 1024 * 1024
@@ -37,7 +38,7 @@ POLL_S = 0.02
 # native library it does not need), GBNF text on stdin, `{"lark": ...}` or `{"error": ...}` on stdout.
 _CHILD = """
 import importlib.util, json, os, sys
-os.nice(19)
+os.nice(19 - os.nice(0))
 spec = importlib.util.spec_from_file_location("gbnf_to_lark", sys.argv[1])
 module = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(module)
@@ -103,7 +104,10 @@ class GbnfConverter:
         return lark
 
     def _convert(self, text: str, cancel: CancelToken | None) -> str:
-        child = subprocess.Popen([sys.executable, "-I", "-c", _CHILD, gbnf_to_lark.__file__],
+        # Started through `nice` where there is one, so even the interpreter's start-up yields to the worker.
+        nice = shutil.which("nice")
+        child = subprocess.Popen([*((nice, "-n", "19") if nice else ()), sys.executable, "-I", "-c", _CHILD,
+                                  gbnf_to_lark.__file__],
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
         began = time.monotonic()
         payload: bytes | None = text.encode("utf-8", "surrogatepass")

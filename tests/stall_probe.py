@@ -1,0 +1,100 @@
+"""`assert_no_stall`: a small well-behaved request's latency beside a hostile one stays near its latency alone.
+
+How: the probe request is sent `SAMPLES` times alone (after a warm-up), then `SAMPLES` times while other
+clients send the hostile request over and over (`copies` at once, each waiting for its answer, so it is
+always in flight while the probe runs). The probe's median beside it must stay within `FACTOR` times its
+median alone, and its slowest within `FACTOR` times its slowest alone; no fixed seconds, so the bound
+follows the machine the test runs on.
+
+Why `FACTOR` is 4: what a hostile request may fairly take from the probe is its share of the machine, not
+the machine. It may be one more row in each of the probe's forwards (a decode step with two rows instead
+of one: at most 2x on a batch this small), and its own parsing, compile and first-masks probe on a prepare
+thread, bounded by the grammar budgets, which on a two-core machine compete with the worker's forward for
+the cores (at most 2x again). 2 x 2 = 4; a stall (a worker waiting on one row's mask, prepare threads held
+by conversions) is 10-100x, as the numbers before the fixes were (0.2 s -> 17 s).
+
+After the hostile requests, `/stats` must show every KV block free and the queue empty. The hostile
+requests' statuses are returned for the caller to check (each must be an answer, never a 5xx but a 503).
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from collections.abc import Callable
+
+import httpx
+
+#: Probe latencies measured alone, and beside the hostile request.
+SAMPLES = 9
+#: What a hostile request may fairly cost the probe (module docstring).
+FACTOR = 4.0
+#: Seconds `/stats` may take to show the hostile requests' blocks back (they are freed at the worker's next tick).
+SETTLE_S = 15.0
+
+Call = tuple[str, dict]
+
+
+def _latencies(client: httpx.Client, probe: Call, count: int) -> list[float]:
+    out = []
+    for _ in range(count):
+        began = time.perf_counter()
+        reply = client.post(probe[0], json=probe[1])
+        out.append(time.perf_counter() - began)
+        assert reply.status_code == 200, reply.text
+    return out
+
+
+def assert_no_stall(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], Call],
+                    copies: int = 1) -> list[httpx.Response]:
+    """Measure `probe` alone and beside `hostile` (a call, or one per send number: to defeat caches), sent
+    by `copies` clients at once; assert the bound; return the hostile answers."""
+    _latencies(client, probe, 2)  # warm-up
+    alone = _latencies(client, probe, SAMPLES)
+    make = hostile if callable(hostile) else (lambda _: hostile)
+    answers: list[httpx.Response] = []
+    stop = threading.Event()
+    sent = [0]
+    lock = threading.Lock()
+
+    def attacker() -> None:
+        with httpx.Client(base_url=client.base_url, timeout=client.timeout) as own:
+            while not stop.is_set():
+                with lock:
+                    sent[0] += 1
+                    route, body = make(sent[0])
+                answer = own.post(route, json=body)
+                with lock:
+                    answers.append(answer)
+
+    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(copies)]
+    for thread in threads:
+        thread.start()
+    try:
+        while not answers and all(t.is_alive() for t in threads):  # every kind of work is under way
+            time.sleep(0.01)
+        beside = _latencies(client, probe, SAMPLES)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(120)
+    report = (f"probe alone: median {statistics.median(alone) * 1e3:.0f} ms, max {max(alone) * 1e3:.0f} ms; "
+              f"beside: median {statistics.median(beside) * 1e3:.0f} ms, max {max(beside) * 1e3:.0f} ms; "
+              f"{len(answers)} hostile requests: {sorted({a.status_code for a in answers})}")
+    print(report)
+    assert all(a.status_code < 500 or a.status_code == 503 for a in answers), report
+    assert statistics.median(beside) <= FACTOR * statistics.median(alone), report
+    assert max(beside) <= FACTOR * max(alone), report
+    _assert_settled(client)
+    return answers
+
+
+def _assert_settled(client: httpx.Client) -> None:
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        stats = client.get("/stats").json()
+        if stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["queue_depth"] == 0:
+            return
+        assert time.monotonic() < deadline, f"after the hostile requests: {stats}"
+        time.sleep(0.05)
