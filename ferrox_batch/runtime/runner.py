@@ -43,7 +43,7 @@ from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.sampling.logprobs import prompt_logprobs
 from ferrox_batch.runtime.sampling.sampler import BatchSampler, RowSampler
 
-log = logging.getLogger("ferrox_batch.batch")
+log = logging.getLogger("ferrox_batch.runtime")
 
 
 class Decoder(Protocol):

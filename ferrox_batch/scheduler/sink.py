@@ -28,7 +28,7 @@ from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.replies import Chunk, Finished, Reply
 
-log = logging.getLogger("ferrox_batch.batch")
+log = logging.getLogger("ferrox_batch.scheduler")
 
 
 class ReplySink(Protocol):
