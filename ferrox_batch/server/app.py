@@ -14,8 +14,8 @@ Endpoints:
 
 Every error, routing ones included, is a JSON body in the OpenAI error shape.
 Every response carries `X-Request-Id`; with `api_key` set, every route but
-`/health` and `/metrics` needs it as a bearer token, with `allowed_hosts` a
-listed `Host`, and every POST a JSON body (see `access`). With
+`/health` and `/metrics` needs it as a bearer token, with `allowed_hosts` every
+route but `/health` a listed `Host`, and every POST a JSON body (see `access`). With
 `allowed_origins`, browsers on those origins may call the API (CORS,
 Starlette's middleware, outermost so preflights never need the key).
 Nothing is global: each app has its own pools, metrics registry and state
@@ -116,8 +116,8 @@ def create_app(
     one per tenant: each key's requests get a prefix-cache namespace of their own unless
     `shared_prefix_cache` (see `api_keys`).
     `allowed_origins`: the browser origins CORS allows (`"*"` for any; empty: CORS off).
-    `allowed_hosts`: the `Host` names requests may carry (None: any; `serve` defaults it from its
-    address, see `host_check`). Every POST needs a JSON body (`access_policy`).
+    `allowed_hosts`: the `Host` names requests to any route but `/health` may carry (None: any; `serve`
+    defaults it from its address, see `host_check`). Every POST needs a JSON body (`access_policy`).
     `client_priorities`: the inclusive range of `priority` requests may use (`client_policy`).
     `reasoning_parser`: how chat answers' thinking is told from the answer (`reasoning`: `deepseek_r1`,
     `qwen3`); None: it is not. `pooling`: how `/v1/embeddings` pools a prompt unless the request says
