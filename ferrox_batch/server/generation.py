@@ -259,6 +259,12 @@ class Generations:
         for bridge in list(self.in_flight):
             bridge.abandon()
 
+    def end_in_flight(self, error: DecodeError) -> int:
+        """End every request still in flight with `error` (the drain ran out: `listener.DrainingServer`): each
+        is cancelled, a stream gets `error` as its last event before `[DONE]`, a plain answer is `error`'s
+        response. Returns how many it ended."""
+        return [bridge.end(error) for bridge in list(self.in_flight)].count(True)
+
     async def shutdown(self) -> None:
         """Cancel what is still in flight (its clients are gone by now) and join the pools."""
         self.abandon_all()

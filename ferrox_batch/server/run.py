@@ -29,7 +29,7 @@ from ferrox_batch.server.app import (
 )
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES
 from ferrox_batch.server.host_check import default_allowed_hosts
-from ferrox_batch.server.listener import DEFAULT_DRAIN_TIMEOUT_SECS, server_config
+from ferrox_batch.server.listener import DEFAULT_DRAIN_TIMEOUT_SECS, DrainingServer, server_config
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS
 
 log = logging.getLogger("ferrox_batch.server")
@@ -102,7 +102,7 @@ def serve(
                          ui=ui)
         config = server_config(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout,
                                max_concurrent_requests=max_concurrent_requests)
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, on_deadline=app.state.ferrox.generations.end_in_flight)
         finished = threading.Event()
         if stop is not None:
             threading.Thread(target=_stop_when, args=(stop, finished, server), name="ferrox-serve-stop",
