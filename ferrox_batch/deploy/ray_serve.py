@@ -77,7 +77,7 @@ COUNT_APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_conc
 #: Those the ingress checks too (`server.access_policy`), before it reads a body.
 ACCESS_APP_KEYWORDS = ("api_key", "allowed_hosts", "shared_prefix_cache")
 APP_KEYWORDS = (*COUNT_APP_KEYWORDS, *ACCESS_APP_KEYWORDS, "allowed_origins", "client_priorities",
-                "reasoning_parser", "pooling", "ui")
+                "reasoning_parser", "pooling", "ui", "escape_control_tokens")
 
 
 @dataclass(frozen=True, slots=True)

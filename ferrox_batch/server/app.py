@@ -99,6 +99,7 @@ def create_app(
     reasoning_parser: str | None = None,
     pooling: str = DEFAULT_POOLING,
     ui: bool = True,
+    escape_control_tokens: bool = False,
 ) -> FastAPI:
     """An app serving `batcher` under the name `model_name`, or under each of several names (requests may
     name any; answers carry the one asked for, else the first).
@@ -121,7 +122,9 @@ def create_app(
     `client_priorities`: the inclusive range of `priority` requests may use (`client_policy`).
     `reasoning_parser`: how chat answers' thinking is told from the answer (`reasoning`: `deepseek_r1`,
     `qwen3`); None: it is not. `pooling`: how `/v1/embeddings` pools a prompt unless the request says
-    (`last` or `mean`). `ui`: serve the chat page on `GET /` (`chat_page`).
+    (`last` or `mean`). `ui`: serve the chat page on `GET /` (`chat_page`). `escape_control_tokens`:
+    control-token text in messages' content is read as text, on chat and `/tokenize` alike
+    (`runtime.loading.control_text`).
     """
     tokenizer = batcher.tokenizer
     if tokenizer is None:
@@ -146,7 +149,10 @@ def create_app(
     reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
     if pooling not in POOLING:
         raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
-    state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling), names)
+    if not isinstance(escape_control_tokens, bool):
+        raise ValueError(f"escape_control_tokens must be true or false, got {escape_control_tokens!r}")
+    state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling,
+                                             escape_control_tokens=escape_control_tokens), names)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -227,7 +233,9 @@ class ServerState:
 
     async def tokenize(self, request: Request) -> Response:
         tokenizer, ceiling = self.generations.tokenizer, self.batcher.ceiling
-        return await self._off_loop(request, lambda body: tokenize(body, tokenizer, ceiling))
+        escape = self.generations.escape_control_tokens
+        return await self._off_loop(request, lambda body: tokenize(body, tokenizer, ceiling,
+                                                                   escape_control_tokens=escape))
 
     async def detokenize(self, request: Request) -> Response:
         tokenizer = self.generations.tokenizer

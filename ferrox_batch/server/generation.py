@@ -116,8 +116,10 @@ class Generations:
     def __init__(self, batcher: ContinuousBatcher, tokenizer: Tokenizer, model_names: str | tuple[str, ...],
                  limits: Limits,
                  policy: ClientPolicy = ClientPolicy(), reasoning: ReasoningParser | None = None,
-                 pooling: str = DEFAULT_POOLING) -> None:
+                 pooling: str = DEFAULT_POOLING, *, escape_control_tokens: bool = False) -> None:
         self.batcher = batcher
+        #: Whether control-token text in messages' content is read as text (`--escape-control-tokens`).
+        self.escape_control_tokens = escape_control_tokens
         self.tokenizer = tokenizer
         names = (model_names,) if isinstance(model_names, str) else model_names
         self.model_name = names[0]
@@ -127,7 +129,7 @@ class Generations:
         self._preparer = Preparer(batcher, tokenizer, names[0], limits.default_max_tokens,
                                   limits.default_chat_max_tokens, policy,
                                   max_buffered_reply_bytes=limits.max_buffered_reply_bytes, reasoning=reasoning,
-                                  pooling=pooling, aliases=names[1:])
+                                  pooling=pooling, aliases=names[1:], escape_control_tokens=escape_control_tokens)
         self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), names[0])
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"

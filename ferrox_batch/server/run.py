@@ -73,6 +73,7 @@ def serve(
     reasoning_parser: str | None = None,
     pooling: str = "last",
     ui: bool = True,
+    escape_control_tokens: bool = False,
 ) -> None:
     """Serve `model` (a checkpoint folder, a `.gguf` file, or a loaded model) on `host:port`; block until stopped.
 
@@ -99,7 +100,7 @@ def serve(
                          allowed_origins=allowed_origins, shared_prefix_cache=shared_prefix_cache,
                          allowed_hosts=default_allowed_hosts(host) if allowed_hosts is None else allowed_hosts,
                          client_priorities=client_priorities, reasoning_parser=reasoning_parser, pooling=pooling,
-                         ui=ui)
+                         ui=ui, escape_control_tokens=escape_control_tokens)
         config = server_config(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout,
                                max_concurrent_requests=max_concurrent_requests)
         server = DrainingServer(config, on_deadline=app.state.ferrox.generations.end_in_flight)
