@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 #: What goes after a control text's first character: U+2060 WORD JOINER, invisible and of no width.
 ESCAPE = "\u2060"
@@ -69,3 +70,13 @@ class ControlText:
             text, found = self._pattern.subn(lambda m: m[0][0] + ESCAPE + m[0][1:], text)
             if not found:
                 return text
+
+    def escape_within(self, value: Any) -> Any:
+        """`value` (JSON: a tool definition) with every string in it, keys included, escaped."""
+        if isinstance(value, str):
+            return self.escape(value)
+        if isinstance(value, dict):
+            return {self.escape_within(k): self.escape_within(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [self.escape_within(v) for v in value]
+        return value

@@ -237,7 +237,8 @@ class Tokenizer:
         ends where the last message's content does (the model continues it, as transformers and vLLM do);
         `template_kwargs`: more variables for the template (`enable_thinking`), never one of those above.
         `escape_control_text`: control-token text in any content but an assistant's (whose markup the
-        template reads, and which is the model's own) is spelt to be read as text (`control_text`)."""
+        template reads, and which is the model's own) and in the tool definitions is spelt to be read as
+        text (`control_text`)."""
         if self._template is None:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
         if not messages:
@@ -259,6 +260,8 @@ class Tokenizer:
             if message.tool_call_id is not None:
                 one["tool_call_id"] = message.tool_call_id
             rendered.append(one)
+        if tools and escape_control_text:
+            tools = [self.control_text.escape_within(dict(t)) for t in tools]
         core = {"messages": rendered, "add_generation_prompt": add_generation_prompt,
                 "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
                 **({"tools": [dict(t) for t in tools]} if tools else {})}
