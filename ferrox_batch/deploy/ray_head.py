@@ -5,10 +5,10 @@ each with ports of its own that run whatever code is sent to them. Ray binds the
 that address when it is a loopback one, on the node's IP (the agents) or every interface (the gRPC servers)
 otherwise. So the head's node IP is `--host`'s address:
 
-* a loopback `--host` (`127.0.0.1`, `::1`, `localhost`): that loopback address, and nothing of Ray's is
-  reachable from another machine. Ray rewrites a loopback node IP to the machine's routable one, for the
-  nodes it expects to join; a local head that no node joins is started with that rewrite held off (only
-  while `ray.init` runs, and for that address only).
+* a loopback `--host` (`127.0.0.1`, `::1`, `localhost`, any of 127/8): `127.0.0.1`, the loopback address
+  Ray keeps its servers to, and nothing of Ray's is reachable from another machine. Ray rewrites a loopback
+  node IP to the machine's routable one, for the nodes it expects to join; a local head that no node joins
+  is started with that rewrite held off (only while `ray.init` runs, and for that address only).
 * another address: that address (Ray's agents bind there; its gRPC servers bind every interface, which Ray
   has no setting for, and are guarded by Ray's token authentication).
 * all interfaces (`0.0.0.0`, `::`) or a host name: Ray's own choice.
@@ -27,16 +27,21 @@ from collections.abc import Iterator
 
 import ray
 
+#: The node IP of a head serving on a loopback address: the one Ray keeps all its servers to.
+LOOPBACK_NODE = "127.0.0.1"
+
 
 def head_address(host: str) -> str | None:
     """The node IP a local head serving on `host` takes (module docstring); None: Ray's choice."""
     name = host.strip().removeprefix("[").removesuffix("]")
     if name.lower() == "localhost":
-        return "127.0.0.1"
+        return LOOPBACK_NODE
     try:
         address = ipaddress.ip_address(name)
     except ValueError:  # a host name: it resolves to whatever the operator made it
         return None
+    if address.is_loopback:
+        return LOOPBACK_NODE
     return None if address.is_unspecified else str(address)
 
 
