@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import socket
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
@@ -216,7 +217,7 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.on_deadline = on_deadline
 
-    async def shutdown(self, sockets: list | None = None) -> None:
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         drain = self.config.timeout_graceful_shutdown
         if drain is None:  # no deadline: uvicorn waits for everything
             await super().shutdown(sockets)
