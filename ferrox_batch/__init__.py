@@ -10,9 +10,11 @@ __version__ = "0.1.0"
 # package itself imports nothing heavy until one of these names is used.
 _EXPORTS = {
     "BatcherConfig": "ferrox_batch.admission.config",
+    "BatcherEvent": "ferrox_batch.replies",
     "CancelToken": "ferrox_batch.cancel",
     "ContinuousBatcher": "ferrox_batch.engine.handle",
     "DecodeError": "ferrox_batch.errors",
+    "DecodeFn": "ferrox_batch.scheduler.request",
     "FinishReason": "ferrox_batch.generation_types",
     "GenerationParams": "ferrox_batch.generation_types",
     "GenerationResult": "ferrox_batch.generation_types",

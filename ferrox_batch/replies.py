@@ -41,3 +41,6 @@ class Finished:
 
 #: What a request's replies are: zero or more `Chunk`s, then exactly one `Finished`.
 Reply = Union[Chunk, Finished]
+
+#: The upstream's name for a reply event, exported under it from the package's top (`docs/upstream.md`).
+BatcherEvent = Reply

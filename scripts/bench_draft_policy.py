@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from ferrox_batch.admission.config import BatcherConfig  # noqa: E402
 from ferrox_batch.bench.batcher import default_model  # noqa: E402
-from ferrox_batch.bench.workloads import shape_requests  # noqa: E402
+from ferrox_batch.bench.shapes import shape_requests  # noqa: E402
 from ferrox_batch.engine.handle import ContinuousBatcher  # noqa: E402
 from ferrox_batch.generation_types import GenerationParams  # noqa: E402
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk  # noqa: E402

@@ -54,9 +54,8 @@ from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.bench.conversations import chat_shape, chat_state
 from ferrox_batch.bench.report import CHAT_SHAPES, CHECKED, check_ids, report
 from ferrox_batch.bench.runs import OURS, child_chat, run_ours
+from ferrox_batch.bench.shapes import COPYING_SHAPES, SINGLE_STREAM_SHAPES, shape_requests
 from ferrox_batch.bench.workloads import (
-    COPYING_SHAPES,
-    SINGLE_STREAM_SHAPES,
     Request,
     current_rss_mb,
     describe,
@@ -64,7 +63,6 @@ from ferrox_batch.bench.workloads import (
     peak_rss_mb,
     run_cb,
     run_static,
-    shape_requests,
 )
 
 METHODS = ("ours", "ours-nocache", "ours-nospec", "static", "cb")

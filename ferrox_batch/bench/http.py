@@ -49,7 +49,8 @@ from ferrox_batch.bench.http_client import (
 )
 from ferrox_batch.bench.report import CHAT_SHAPES, fmt, hit_cell, median_of
 from ferrox_batch.bench.servers import Server, ServerSpec, parse_spec
-from ferrox_batch.bench.workloads import SINGLE_STREAM_SHAPES, Request, describe, shape_requests
+from ferrox_batch.bench.shapes import SINGLE_STREAM_SHAPES, shape_requests
+from ferrox_batch.bench.workloads import Request, describe
 
 #: The configurations compared when none are named: the server's defaults, and the upstream tick.
 DEFAULT_CONFIGS = (

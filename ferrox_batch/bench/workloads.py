@@ -147,7 +147,7 @@ def shape_lengths(shape: str, seed: int) -> list[tuple[int, int]]:
         rng = random.Random(seed + 1)
         return [(rng.randint(16, 256), rng.randint(16, 256)) for _ in range(128)]
     raise ValueError(f"unknown shape {shape!r}; use a, b or s (shape c is a chat: bench.conversations.build_plan; "
-                     "d and d4 copy their prompts: shape_requests)")
+                     "d and d4 copy their prompts: bench.shapes.shape_requests)")
 
 
 def build_requests(shape: str, encode: Callable[[str], list[int]], seed: int = 0, quick: bool = False) -> list[Request]:
@@ -162,21 +162,6 @@ def build_requests(shape: str, encode: Callable[[str], list[int]], seed: int = 0
         ids = [stream[(start + k) % len(stream)] for k in range(length)]
         out.append(Request(ids, new_tokens))
     return out
-
-
-#: The shapes whose answers copy their prompts (`bench.copying`), and the shapes sent one request at a time.
-COPYING_SHAPES = ("d", "d4")
-SINGLE_STREAM_SHAPES = ("s", "d")
-
-
-def shape_requests(shape: str, tokenizer, seed: int = 0, quick: bool = False) -> list[Request]:
-    """The requests of any shape but the chat: a, b and s from the texts' token stream, d and d4 from
-    `bench.copying` (with `tokenizer`'s chat template)."""
-    if shape in COPYING_SHAPES:
-        from ferrox_batch.bench.copying import copying_requests  # it builds on this module's `Request`
-
-        return copying_requests(tokenizer.encode_chat, tokenizer.encode, concurrent=shape == "d4", quick=quick)
-    return build_requests(shape, tokenizer.encode, seed, quick)
 
 
 def describe(requests: Sequence[Request]) -> str:

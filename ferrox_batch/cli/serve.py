@@ -99,7 +99,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                            "(default: none, CORS off)")
     http.add_argument("--allowed-hosts", metavar="HOSTS", type=_hosts, default=None,
                       help="comma-separated Host names requests may carry, any port ('*' for any, '*.example.com' "
-                           "for its subdomains; /health and /metrics take any) (default: localhost, 127.0.0.1 "
+                           "for its subdomains; /health takes any) (default: localhost, 127.0.0.1 "
                            "and [::1] when --host is a loopback address, else any)")
     http.add_argument("--client-priorities", metavar="MIN:MAX", type=_priority_range, default=(0, 0),
                       help="the request priorities clients may use, inclusive; a negative MIN needs the = form "
@@ -108,6 +108,11 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                       help="send a thinking model's thinking (between <think> and </think>) apart from its answer, "
                            "as message.reasoning_content: deepseek_r1 (the answer begins inside the thinking), "
                            "qwen3 (it thinks when it opens with <think>; Qwen3, SmolLM3) (default: none)")
+    http.add_argument("--escape-control-tokens", action="store_true",
+                      help="read control-token text in a message's content (<|im_start|>, <|eot_id|>, <think>: "
+                           "the tokenizer's added tokens) as text, so no user, retrieved document or tool output "
+                           "can close its turn and forge another; an assistant's content is left as sent "
+                           "(default: off, as vLLM and transformers render)")
     http.add_argument("--drain-timeout", metavar="SECONDS", type=_seconds, default=None,
                       help="on SIGTERM or Ctrl-C, stop taking connections and let requests in flight finish for "
                            f"up to this long, then cancel the rest (default: {DEFAULT_DRAIN_TIMEOUT_SECS:g}; with "
@@ -240,6 +245,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
           shared_prefix_cache=args.shared_prefix_cache, client_priorities=args.client_priorities,
           reasoning_parser=args.reasoning_parser, pooling=args.pooling, ui=args.ui,
           grammar_limits=grammar_limits(args),
+          escape_control_tokens=args.escape_control_tokens,
           drain_timeout=DEFAULT_DRAIN_TIMEOUT_SECS if args.drain_timeout is None else args.drain_timeout)
 
 

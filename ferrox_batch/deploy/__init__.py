@@ -2,7 +2,8 @@
 
 * `affinity`: which replica most likely holds a prompt's prefix (pure Python, no Ray);
 * `relay`: one HTTP request carried to a replica and run through its own app (pure ASGI, no Ray);
-* `router`, `ray_serve`: the Ray Serve application built from those two (need `ferrox-batch[ray]`).
+* `router`, `ray_serve`: the Ray Serve application built from those two (need `ferrox-batch[ray]`);
+* `ray_head`: the local Ray head `serve --replicas` starts, its ports on `--host`'s address (needs Ray).
 
 Nothing here is imported by the engine or `ferrox-batch serve` unless asked for, so Ray stays optional.
 """

@@ -17,7 +17,7 @@ untouched, and autoscaling (with `max_replicas`) targets requests in flight per 
 
 `build_application` is the Python entry; `serve_args.app_builder` is the one `serve run` / `serve deploy`
 call with a config file's `args` (`deploy/serve_config.yaml`); `run_local` is `ferrox-batch serve
---replicas N`.
+--replicas N`, on a local Ray head whose ports stay on `--host`'s address (`ray_head`).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from starlette.types import Message
 
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.deploy import ROUTERS
+from ferrox_batch.deploy.ray_head import replica_ports_on_node, start_head
 from ferrox_batch.deploy.relay import REPLICA_HEADER, InProcessApp, RelayedRequest, relayed_response
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
@@ -76,7 +77,7 @@ COUNT_APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_conc
 #: Those the ingress checks too (`server.access_policy`), before it reads a body.
 ACCESS_APP_KEYWORDS = ("api_key", "allowed_hosts", "shared_prefix_cache")
 APP_KEYWORDS = (*COUNT_APP_KEYWORDS, *ACCESS_APP_KEYWORDS, "allowed_origins", "client_priorities",
-                "reasoning_parser", "pooling", "ui")
+                "reasoning_parser", "pooling", "ui", "escape_control_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,7 @@ class FerroxReplica:
         from ferrox_batch.server.app import create_app
         from ferrox_batch.server.run import default_model_name
 
+        replica_ports_on_node()
         if spec.log_level is not None:
             logging.getLogger("ferrox_batch").setLevel(spec.log_level)
         loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype,
@@ -190,6 +192,7 @@ class FerroxIngress:
     holds their settings) before its body is read, then read whole and relayed to a replica the router picks."""
 
     def __init__(self, replicas: DeploymentHandle, app: Mapping[str, Any] | None = None) -> None:
+        replica_ports_on_node()
         self.replicas = replicas.options(stream=True)
         self.access = AccessPolicy.from_settings(app or {})
 
@@ -289,13 +292,14 @@ def replica_stats(base_url: str, replica: str, patience: float = 60.0) -> dict[s
 
 def run_local(app: Application, *, host: str, port: int, stop: threading.Event, num_cpus: int | None = None,
               app_name: str = APP_NAME, after_init: Callable[[], None] | None = None) -> None:
-    """Start a new local Ray instance with `num_cpus` logical CPUs (None: the machine's), serve `app` on
-    `host:port` until `stop` is set (or a signal's exception unwinds the wait), then shut both down.
+    """Start a new local Ray instance with `num_cpus` logical CPUs (None: the machine's) and its ports on
+    `host`'s address (`ray_head`), serve `app` on `host:port` until `stop` is set (or a signal's exception
+    unwinds the wait), then shut both down.
 
     `after_init` runs once Ray is up: `ray.init` installs its own SIGTERM handler (exit at once), and a
     caller that stops cleanly on SIGTERM puts its own back there.
     """
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+    start_head(host, num_cpus=num_cpus)
     try:
         if after_init is not None:
             after_init()

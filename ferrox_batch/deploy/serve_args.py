@@ -61,8 +61,9 @@ def app_builder(args: dict[str, Any]) -> Application:
     for key in ("reasoning_parser", "pooling"):
         if key in args:
             app[key] = str(args[key])
-    if "ui" in args:
-        app["ui"] = _flag("ui", args["ui"])
+    for key in ("ui", "escape_control_tokens"):
+        if key in args:
+            app[key] = _flag(key, args[key])
     known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "weights", "batch_invariant", "chat_template", "kv_memory",
                                           "replicas", "max_replicas", "router", "replica_cpus", "replica_gpus",
                                           "api_key_env", "drain_timeout"}

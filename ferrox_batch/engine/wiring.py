@@ -33,7 +33,7 @@ from ferrox_batch.runtime.sampling.sampler import BatchSampler
 from ferrox_batch.scheduler.request import DecodeFn
 from ferrox_batch.scheduler.scheduler import Scheduler
 
-log = logging.getLogger("ferrox_batch.batch")
+log = logging.getLogger("ferrox_batch.engine")
 
 
 def config_ceiling(decoder, config: BatcherConfig) -> ContextCeiling:

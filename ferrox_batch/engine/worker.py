@@ -54,7 +54,7 @@ from ferrox_batch.scheduler import exits
 from ferrox_batch.scheduler.request import Request
 from ferrox_batch.scheduler.scheduler import Scheduler
 
-log = logging.getLogger("ferrox_batch.batch")
+log = logging.getLogger("ferrox_batch.engine")
 
 #: Ticks in a row that may fail outside any one request before the worker gives up on its state.
 MAX_FAILED_TICKS = 3

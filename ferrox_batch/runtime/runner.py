@@ -45,7 +45,7 @@ from ferrox_batch.runtime.sampling.sampler import BatchSampler, RowSampler
 if TYPE_CHECKING:
     from ferrox_batch.runtime.sampling.sampler import StartedMasks
 
-log = logging.getLogger("ferrox_batch.batch")
+log = logging.getLogger("ferrox_batch.runtime")
 
 
 class Decoder(Protocol):

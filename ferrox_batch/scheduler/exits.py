@@ -48,7 +48,7 @@ from ferrox_batch.scheduler.plan import StepPlan
 from ferrox_batch.scheduler.request import Request
 from ferrox_batch.scheduler.waiting import WaitingQueue
 
-log = logging.getLogger("ferrox_batch.batch")
+log = logging.getLogger("ferrox_batch.scheduler")
 
 #: How `fail_all` runs each return: as it is, or (a dying worker's) logging what raises and going on.
 Safely = Callable[[Callable[[], None]], None]

@@ -17,7 +17,7 @@ import logging
 
 from ferrox_batch.errors import DecodeError, InternalError
 
-log = logging.getLogger("ferrox_batch.batch")
+log = logging.getLogger("ferrox_batch.scheduler")
 
 
 def failure(step: str, error: Exception) -> DecodeError:

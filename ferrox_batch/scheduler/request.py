@@ -40,7 +40,7 @@ from ferrox_batch.stop_tokens import StopTokens
 from ferrox_batch.structured import CompiledSpec
 from ferrox_batch.usage import Usage
 
-log = logging.getLogger("ferrox_batch.batch")
+log = logging.getLogger("ferrox_batch.scheduler")
 
 #: Detokenizes ids to raw bytes (a character may straddle tokens).
 DecodeFn = Callable[[list[int]], bytes]

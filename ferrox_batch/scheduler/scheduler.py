@@ -70,7 +70,7 @@ from ferrox_batch.scheduler.request import DecodeFn, Request
 from ferrox_batch.scheduler.step_cost import StepCostModel
 from ferrox_batch.scheduler.waiting import WaitingQueue
 
-log = logging.getLogger("ferrox_batch.batch")
+log = logging.getLogger("ferrox_batch.scheduler")
 
 
 class Scheduler:

@@ -28,14 +28,16 @@ from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.replies import Chunk, Finished, Reply
 
-log = logging.getLogger("ferrox_batch.batch")
+log = logging.getLogger("ferrox_batch.scheduler")
 
 
 class ReplySink(Protocol):
     """Receives one request's events on the worker thread; must return quickly and never block."""
 
-    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = ()) -> None: ...
-    # A request whose params set `stream_token_ids` gets `token_ids=` (a keyword) on its chunks too.
+    def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...] = (), token_ids: tuple[int, ...] = ()) -> None:
+        """`text` with the log-probabilities of its tokens (when the request asked for them) and their ids
+        (when its params set `stream_token_ids`). `OnceSink` passes only what is non-empty, `token_ids` by
+        keyword, so a sink that never asks for either may take `text` alone."""
 
     def finished(self, outcome: GenerationResult | DecodeError) -> None: ...
 

@@ -4,7 +4,8 @@ Three checks, in this order, each from the request line and headers alone (the b
 refusal), each refusal in OpenAI's error shape:
 
 1. **Host** (`host_check`): with an allowed list, a request naming another host is a 400
-   `host_not_allowed`. It comes first: a DNS-rebinding page learns nothing else about the server.
+   `host_not_allowed`, on every route but the liveness probe. It comes first: a DNS-rebinding page learns
+   nothing else about the server.
 2. **The API key** (`api_keys`): with keys set, a missing, malformed or unknown bearer key is a 401
    `invalid_api_key` with `WWW-Authenticate: Bearer`. A known key names the request's tenant, whose
    prefix-cache namespace the policy hands back.
@@ -13,8 +14,11 @@ refusal), each refusal in OpenAI's error shape:
    POST without asking first (no CORS preflight) only with a "simple" type (text/plain, a form, or none):
    refusing those leaves a web page no way to make the user's browser drive the API.
 
-`OPEN_PATHS` (liveness, readiness and scraping) skip the Host and key checks: probes and scrapers name
-the pod's address and carry no key, and those routes tell a caller nothing about anyone's requests.
+`OPEN_PATHS` (liveness, readiness and scraping) skip the key check: probes and scrapers carry no key.
+Only `PROBE_PATHS` (the liveness probe, which tells a caller nothing but that the server is up) skip the
+Host check too, since a kubelet names the pod's address: the metrics say how busy the server is and how
+long each answer took, which a DNS-rebinding page on a loopback-bound server must not read, so a scraper
+of a server with an allowed list names a listed host.
 `PAGE_PATHS` (the chat page, static bytes a browser loads by navigating, so with no key) skip the key
 check only: the page asks for the key, and the API it calls checks it.
 The server's `AccessMiddleware` and the Ray ingress apply the same policy.
@@ -36,6 +40,8 @@ from ferrox_batch.server.log_text import loggable
 #: Routes neither a Host list nor a key guards: health checks and Prometheus scrapes come from
 #: infrastructure, not clients (vLLM leaves them open to keys too).
 OPEN_PATHS = ("/health", "/metrics")
+#: Routes the Host list does not guard either: the liveness probe.
+PROBE_PATHS = ("/health",)
 #: Routes the Host list guards but no key does: the chat page (`chat_page`).
 PAGE_PATHS = ("/",)
 #: The media type every POST body of this API is.
@@ -82,22 +88,21 @@ class AccessPolicy:
         """(the refusal, None), or (None, the tenant's prefix-cache namespace: None without keys or with a
         shared cache)."""
         namespace = None
-        if path not in OPEN_PATHS:
-            host = headers.get("host")
-            if self.allowed_hosts is not None and not host_allowed(host, self.allowed_hosts):
-                shown = "no Host header" if host is None else f"Host '{loggable(host)}'"
-                return Refusal(400, "host_not_allowed",
-                               f"this server does not answer to {shown}: it allows {', '.join(self.allowed_hosts)} "
-                               f"(its --allowed-hosts)",
-                               f"{shown} is not allowed"), None
-            if self.keys is not None and path not in PAGE_PATHS:
-                scheme, _, token = headers.get("authorization", "").partition(" ")
-                if scheme.lower() != "bearer" or not token.strip():
-                    return _unauthorised("this server needs an API key: send it as 'Authorization: Bearer <key>'"), None
-                index = self.keys.match(token.strip())
-                if index is None:
-                    return _unauthorised("the API key is not valid"), None
-                namespace = self.keys.namespace_of(index)
+        host = headers.get("host")
+        if path not in PROBE_PATHS and self.allowed_hosts is not None and not host_allowed(host, self.allowed_hosts):
+            shown = "no Host header" if host is None else f"Host '{loggable(host)}'"
+            return Refusal(400, "host_not_allowed",
+                           f"this server does not answer to {shown}: it allows {', '.join(self.allowed_hosts)} "
+                           f"(its --allowed-hosts)",
+                           f"{shown} is not allowed"), None
+        if self.keys is not None and path not in OPEN_PATHS and path not in PAGE_PATHS:
+            scheme, _, token = headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                return _unauthorised("this server needs an API key: send it as 'Authorization: Bearer <key>'"), None
+            index = self.keys.match(token.strip())
+            if index is None:
+                return _unauthorised("the API key is not valid"), None
+            namespace = self.keys.namespace_of(index)
         if method == "POST":
             given = headers.get("content-type")
             if given is None or given.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:

@@ -14,8 +14,8 @@ Endpoints:
 
 Every error, routing ones included, is a JSON body in the OpenAI error shape.
 Every response carries `X-Request-Id`; with `api_key` set, every route but
-`/health` and `/metrics` needs it as a bearer token, with `allowed_hosts` a
-listed `Host`, and every POST a JSON body (see `access`). With
+`/health` and `/metrics` needs it as a bearer token, with `allowed_hosts` every
+route but `/health` a listed `Host`, and every POST a JSON body (see `access`). With
 `allowed_origins`, browsers on those origins may call the API (CORS,
 Starlette's middleware, outermost so preflights never need the key).
 Nothing is global: each app has its own pools, metrics registry and state
@@ -99,6 +99,7 @@ def create_app(
     reasoning_parser: str | None = None,
     pooling: str = DEFAULT_POOLING,
     ui: bool = True,
+    escape_control_tokens: bool = False,
 ) -> FastAPI:
     """An app serving `batcher` under the name `model_name`, or under each of several names (requests may
     name any; answers carry the one asked for, else the first).
@@ -116,12 +117,14 @@ def create_app(
     one per tenant: each key's requests get a prefix-cache namespace of their own unless
     `shared_prefix_cache` (see `api_keys`).
     `allowed_origins`: the browser origins CORS allows (`"*"` for any; empty: CORS off).
-    `allowed_hosts`: the `Host` names requests may carry (None: any; `serve` defaults it from its
-    address, see `host_check`). Every POST needs a JSON body (`access_policy`).
+    `allowed_hosts`: the `Host` names requests to any route but `/health` may carry (None: any; `serve`
+    defaults it from its address, see `host_check`). Every POST needs a JSON body (`access_policy`).
     `client_priorities`: the inclusive range of `priority` requests may use (`client_policy`).
     `reasoning_parser`: how chat answers' thinking is told from the answer (`reasoning`: `deepseek_r1`,
     `qwen3`); None: it is not. `pooling`: how `/v1/embeddings` pools a prompt unless the request says
-    (`last` or `mean`). `ui`: serve the chat page on `GET /` (`chat_page`).
+    (`last` or `mean`). `ui`: serve the chat page on `GET /` (`chat_page`). `escape_control_tokens`:
+    control-token text in messages' content is read as text, on chat and `/tokenize` alike
+    (`runtime.loading.control_text`).
     """
     tokenizer = batcher.tokenizer
     if tokenizer is None:
@@ -146,7 +149,10 @@ def create_app(
     reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
     if pooling not in POOLING:
         raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
-    state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling), names)
+    if not isinstance(escape_control_tokens, bool):
+        raise ValueError(f"escape_control_tokens must be true or false, got {escape_control_tokens!r}")
+    state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling,
+                                             escape_control_tokens=escape_control_tokens), names)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -227,7 +233,9 @@ class ServerState:
 
     async def tokenize(self, request: Request) -> Response:
         tokenizer, ceiling = self.generations.tokenizer, self.batcher.ceiling
-        return await self._off_loop(request, lambda body: tokenize(body, tokenizer, ceiling))
+        escape = self.generations.escape_control_tokens
+        return await self._off_loop(request, lambda body: tokenize(body, tokenizer, ceiling,
+                                                                   escape_control_tokens=escape))
 
     async def detokenize(self, request: Request) -> Response:
         tokenizer = self.generations.tokenizer

@@ -7,6 +7,9 @@
   rule: send `add_generation_prompt: false` with it).
 * `chat_template_kwargs`: more variables for the template, such as Qwen3's `enable_thinking`; at most
   `MAX_TEMPLATE_KWARGS_BYTES` as JSON, and never a variable the server sets (`messages`, `tools`, ...).
+
+And one the server decides, not the request: `escape_control_text` (`--escape-control-tokens`), control-token
+text in messages' content read as text (`runtime.loading.control_text`).
 """
 
 from __future__ import annotations
@@ -29,15 +32,17 @@ class ChatRendering:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: tuple[tuple[str, Any], ...] = ()  # (name, JSON value), sorted by name
+    escape_control_text: bool = False
 
     def keywords(self) -> dict[str, Any]:
         """`Tokenizer.apply_chat_template`'s keywords for this rendering."""
         return {"add_generation_prompt": self.add_generation_prompt,
                 "continue_final_message": self.continue_final_message,
-                "template_kwargs": dict(self.template_kwargs)}
+                "template_kwargs": dict(self.template_kwargs), "escape_control_text": self.escape_control_text}
 
 
-def read_rendering(fields: Fields) -> ChatRendering:
+def read_rendering(fields: Fields, *, escape_control_text: bool = False) -> ChatRendering:
+    """The request's rendering; `escape_control_text` is the server's."""
     add = fields.boolean("add_generation_prompt", True)
     cont = fields.boolean("continue_final_message", False)
     if add and cont:
@@ -45,7 +50,7 @@ def read_rendering(fields: Fields) -> ChatRendering:
                                                              "(send add_generation_prompt: false)")
     value = fields.raw("chat_template_kwargs")
     if value is None:
-        return ChatRendering(add, cont)
+        return ChatRendering(add, cont, escape_control_text=escape_control_text)
     if not isinstance(value, dict):
         raise InvalidRequest("chat_template_kwargs", value, "must be an object of template variables")
     size = len(json.dumps(value, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass"))
@@ -58,4 +63,4 @@ def read_rendering(fields: Fields) -> ChatRendering:
     taken = next((k for k in value if k in RESERVED), None)
     if taken is not None:
         raise InvalidRequest("chat_template_kwargs", taken, f"cannot set {taken}: the server sets it")
-    return ChatRendering(add, cont, tuple(sorted(value.items())))
+    return ChatRendering(add, cont, tuple(sorted(value.items())), escape_control_text)

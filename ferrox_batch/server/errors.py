@@ -3,7 +3,7 @@
 The batcher's `DecodeError` family already knows its HTTP status, its
 `Retry-After` and its OpenAI body; the server adds the few refusals only HTTP
 has (an unknown model name, a body over the size cap, more requests open than
-the server takes) as members of the same
+the server takes, a request cut by the drain on stop) as members of the same
 family, so one function answers them all and the refusal metrics can count
 them by the same `code`.
 """
@@ -59,6 +59,21 @@ class ServerBusy(DecodeError):
         self.limit = limit
         super().__init__(f"server is at capacity: {open} generation requests are already open "
                          f"(limit {limit}); retry shortly")
+
+
+class ServerShuttingDown(DecodeError):
+    """A request still running when the server's drain timeout ran out: cancelled, and told so (503, retry:
+    another instance, or this one once it is back, will answer it)."""
+
+    retry_after_secs = 1
+    http_status = 503
+    error_code = "server_shutting_down"
+    _fields = ("drain_timeout",)
+
+    def __init__(self, drain_timeout: float) -> None:
+        self.drain_timeout = drain_timeout
+        super().__init__(f"the server is shutting down: this request was still running when its drain timeout "
+                         f"of {drain_timeout:g} s ran out, and was cancelled; retry it")
 
 
 def error_body(error: BaseException) -> dict[str, Any]:

@@ -117,8 +117,10 @@ class Generations:
     def __init__(self, batcher: ContinuousBatcher, tokenizer: Tokenizer, model_names: str | tuple[str, ...],
                  limits: Limits,
                  policy: ClientPolicy = ClientPolicy(), reasoning: ReasoningParser | None = None,
-                 pooling: str = DEFAULT_POOLING) -> None:
+                 pooling: str = DEFAULT_POOLING, *, escape_control_tokens: bool = False) -> None:
         self.batcher = batcher
+        #: Whether control-token text in messages' content is read as text (`--escape-control-tokens`).
+        self.escape_control_tokens = escape_control_tokens
         self.tokenizer = tokenizer
         names = (model_names,) if isinstance(model_names, str) else model_names
         self.model_name = names[0]
@@ -128,7 +130,7 @@ class Generations:
         self._preparer = Preparer(batcher, tokenizer, names[0], limits.default_max_tokens,
                                   limits.default_chat_max_tokens, policy,
                                   max_buffered_reply_bytes=limits.max_buffered_reply_bytes, reasoning=reasoning,
-                                  pooling=pooling, aliases=names[1:])
+                                  pooling=pooling, aliases=names[1:], escape_control_tokens=escape_control_tokens)
         self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), names[0])
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"
@@ -273,6 +275,12 @@ class Generations:
         """Cancel what is still in flight (its clients are gone by now); new submissions still go through."""
         for bridge in list(self.in_flight):
             bridge.abandon()
+
+    def end_in_flight(self, error: DecodeError) -> int:
+        """End every request still in flight with `error` (the drain ran out: `listener.DrainingServer`): each
+        is cancelled, a stream gets `error` as its last event before `[DONE]`, a plain answer is `error`'s
+        response. Returns how many it ended."""
+        return [bridge.end(error) for bridge in list(self.in_flight)].count(True)
 
     async def shutdown(self) -> None:
         """Cancel what is still in flight (its clients are gone by now) and join the pools."""

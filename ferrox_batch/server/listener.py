@@ -13,10 +13,13 @@ socket and its parser state for good), and connections are not capped. `server_c
 * **Connections are capped** at `connection_cap(max_concurrent_requests)`, above the app's own cap on open
   generation requests, so the app's 503 `server_busy` (OpenAI-shaped, with `Retry-After`) stays the usual
   refusal and uvicorn's plain 503 only meets a flood of connections.
-* **Stopping drains.** On SIGTERM, SIGINT or `should_exit`, uvicorn stops listening (new connections are
-  refused), closes idle keep-alive connections, and lets requests in flight finish for up to
-  `drain_timeout` seconds; then it cancels what is left (their requests are cancelled in the batcher) and
-  the app's shutdown runs.
+* **Stopping drains** (`DrainingServer`). On SIGTERM, SIGINT or `should_exit`, uvicorn stops listening
+  (new connections are refused), closes idle keep-alive connections, and lets requests in flight finish
+  for up to `drain_timeout` seconds. Then the app ends what is left itself (`on_deadline`): each request is
+  cancelled in the batcher, and its client told why, a stream with a `server_shutting_down` error event and
+  `[DONE]`, a plain request with that error's 503. A client that takes nothing of that for `CUT_GRACE_SECS`
+  has its connection closed; then the app's shutdown runs. The log says each step as a drain: no request
+  task is cancelled under the app, which uvicorn would log as a failure with a traceback.
 
 Both parsers uvicorn may run get the same limits (`PROTOCOLS`): httptools, the faster, when installed, else
 h11. Ray Serve's HTTP proxy runs its own uvicorn, which none of this reaches (see docs/deploy.md).
@@ -25,14 +28,21 @@ h11. Ray Serve's HTTP proxy runs its own uvicorn, which none of this reaches (se
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
-from collections.abc import Mapping
+import socket
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ferrox_batch.errors import DecodeError
+from ferrox_batch.server.errors import ServerShuttingDown
+
+log = logging.getLogger("ferrox_batch.server")
 
 #: Bytes of request line and headers one request may send.
 MAX_HEAD_BYTES = 64 * 1024
@@ -45,6 +55,9 @@ KEEP_ALIVE_SECS = 5
 #: must not hold a Ctrl-C for minutes; a deployment that wants in-flight requests to finish sets more
 #: (`--drain-timeout`).
 DEFAULT_DRAIN_TIMEOUT_SECS = 5.0
+#: Seconds the requests ended at the drain's deadline get to send their last event before their connections
+#: are closed: a few hundred bytes that any client still reading takes at once.
+CUT_GRACE_SECS = 2.0
 
 
 def _plain_answer(status: bytes, text: bytes) -> bytes:
@@ -190,3 +203,49 @@ def server_config(app: Any, *, host: str, port: int, log_level: str | None = "in
                           timeout_graceful_shutdown=drain_timeout, timeout_keep_alive=KEEP_ALIVE_SECS,
                           limit_concurrency=connection_cap(max_concurrent_requests),
                           h11_max_incomplete_event_size=max_head_bytes, **options)
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose stop ends what the drain timeout leaves with a reason (module docstring).
+
+    `on_deadline(error)` runs on the loop once the drain timeout (the config's `timeout_graceful_shutdown`)
+    ran out: it ends every request still in flight with `error` and says how many it ended
+    (`Generations.end_in_flight`).
+    """
+
+    def __init__(self, config: uvicorn.Config, *, on_deadline: Callable[[DecodeError], int]) -> None:
+        super().__init__(config)
+        self.on_deadline = on_deadline
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        drain = self.config.timeout_graceful_shutdown
+        if drain is None:  # no deadline: uvicorn waits for everything
+            await super().shutdown(sockets)
+            return
+        log.info("draining: %d requests in flight get up to %g s to finish; new connections are refused",
+                 len(self.server_state.tasks), drain)
+        loop = asyncio.get_running_loop()
+        timers = (loop.call_later(drain, self._deadline, drain),
+                  loop.call_later(drain + CUT_GRACE_SECS, self._close_connections))
+        # uvicorn's own deadline, which cancels request tasks under the app, only past both steps.
+        self.config.timeout_graceful_shutdown = drain + 2 * CUT_GRACE_SECS
+        try:
+            await super().shutdown(sockets)
+        finally:
+            self.config.timeout_graceful_shutdown = drain
+            for timer in timers:
+                timer.cancel()
+
+    def _deadline(self, drain: float) -> None:
+        ended = self.on_deadline(ServerShuttingDown(drain))
+        if ended:
+            log.warning("drain timeout of %g s ran out: %d requests still running were cancelled, their clients "
+                        "told so", drain, ended)
+
+    def _close_connections(self) -> None:
+        connections = list(self.server_state.connections)
+        if connections:
+            log.warning("drain: closing %d connections whose clients did not take their last event within "
+                        "%g s", len(connections), CUT_GRACE_SECS)
+        for connection in connections:
+            connection.transport.close()

@@ -87,6 +87,8 @@ class Preparer:
     pooling: str = DEFAULT_POOLING
     #: The other names the model is served under (`--served-model-name`'s after the first).
     aliases: tuple[str, ...] = ()
+    #: Whether control-token text in messages' content is read as text (`--escape-control-tokens`).
+    escape_control_tokens: bool = False
 
     def prepare(self, raw: bytes, endpoint: str, loop: asyncio.AbstractEventLoop,
                 on_final: Callable[[ReplyBridge, Final], None], namespace: str | None = None,
@@ -104,7 +106,8 @@ class Preparer:
         request: CompletionRequest | ChatRequest | EmbeddingRequest
         if chat:
             request = parse_chat_request(body, default_max_tokens=self.default_chat_max_tokens,
-                                         renders_tools=self.tokenizer.supports_tools)
+                                         renders_tools=self.tokenizer.supports_tools,
+                                         escape_control_text=self.escape_control_tokens)
         elif endpoint == EMBEDDINGS:
             request = parse_embedding_request(body, default_pooling=self.pooling,
                                               hidden_size=self.batcher.hidden_size)

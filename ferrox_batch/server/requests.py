@@ -184,8 +184,10 @@ def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int
     return CompletionRequest(prompts=prompts, best_of=best_of, echo=echo, **common)
 
 
-def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int, renders_tools: bool = True) -> ChatRequest:
-    """`renders_tools`: whether the chat template renders tools (the Hermes format), else the generic one."""
+def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int, renders_tools: bool = True,
+                       escape_control_text: bool = False) -> ChatRequest:
+    """`renders_tools`: whether the chat template renders tools (the Hermes format), else the generic one;
+    `escape_control_text`: the server reads control-token text in messages' content as text (`ChatRendering`)."""
     refuse_not_honoured(body, CHAT)
     fields = Fields(body)
     common = _common(fields, default_max_tokens, chat_logprobs(fields))
@@ -204,7 +206,8 @@ def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int, rend
     if structured is not None:  # its combinations (`ignore_eos`) are GenerationParams' to check
         common["options"] = dataclasses.replace(common["options"], structured=structured)
     return ChatRequest(messages=read_messages(body.get("messages")), tools=tools, tool_choice=choice,
-                       parallel_tool_calls=parallel, tool_format=tool_format, rendering=read_rendering(fields),
+                       parallel_tool_calls=parallel, tool_format=tool_format,
+                       rendering=read_rendering(fields, escape_control_text=escape_control_text),
                        **common)
 
 

@@ -30,7 +30,7 @@ from ferrox_batch.server.app import (
 )
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES
 from ferrox_batch.server.host_check import default_allowed_hosts
-from ferrox_batch.server.listener import DEFAULT_DRAIN_TIMEOUT_SECS, server_config
+from ferrox_batch.server.listener import DEFAULT_DRAIN_TIMEOUT_SECS, DrainingServer, server_config
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS
 
 log = logging.getLogger("ferrox_batch.server")
@@ -75,6 +75,7 @@ def serve(
     pooling: str = "last",
     ui: bool = True,
     grammar_limits: GrammarLimits = GrammarLimits(),
+    escape_control_tokens: bool = False,
 ) -> None:
     """Serve `model` (a checkpoint folder, a `.gguf` file, or a loaded model) on `host:port`; block until stopped.
 
@@ -102,10 +103,10 @@ def serve(
                          allowed_origins=allowed_origins, shared_prefix_cache=shared_prefix_cache,
                          allowed_hosts=default_allowed_hosts(host) if allowed_hosts is None else allowed_hosts,
                          client_priorities=client_priorities, reasoning_parser=reasoning_parser, pooling=pooling,
-                         ui=ui)
+                         ui=ui, escape_control_tokens=escape_control_tokens)
         config = server_config(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout,
                                max_concurrent_requests=max_concurrent_requests)
-        server = uvicorn.Server(config)
+        server = DrainingServer(config, on_deadline=app.state.ferrox.generations.end_in_flight)
         finished = threading.Event()
         if stop is not None:
             threading.Thread(target=_stop_when, args=(stop, finished, server), name="ferrox-serve-stop",

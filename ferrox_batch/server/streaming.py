@@ -16,6 +16,8 @@ What it promises:
   whose client left).
 * `abandon()` (the client left) cancels the request at once through
   `Ticket.cancel`, from the loop thread; the worker then frees its blocks.
+  `end(error)` (the server is stopping) does too, and makes `error` the
+  final event at once, so a stream still open says why it ends.
 * Chunk arrival times are stamped on the worker thread as each chunk is
   handed over (`chunk_times`), which is what time-to-first-token and
   inter-token latency are measured on.
@@ -115,6 +117,17 @@ class ReplyBridge:
         """Return once the reader fell more than `max_buffered` bytes behind (never, if it does not)."""
         await self._overflow.wait()
 
+    def end(self, error: DecodeError) -> bool:
+        """End the request now with `error` as its final event (on the loop thread; the server is stopping):
+        the request is cancelled and whatever the worker still sends for it is dropped. True when it was
+        still unanswered."""
+        if self.final is not None:
+            return False
+        if self.ticket is not None:
+            self.ticket.cancel()
+        self._finish(Finished(error, self._clock()))
+        return True
+
     def abandon(self) -> bool:
         """The reader left: cancel the request. True only for the first call that found it unanswered."""
         if self._abandoned:
@@ -146,7 +159,7 @@ class ReplyBridge:
     # ---------------------------------------------------------------- the loop's side
 
     def _queue_text(self, text: Chunk) -> None:
-        if self._overflow.is_set():
+        if self._overflow.is_set() or self.final is not None:  # nothing goes after the final event
             return
         size = len(text.text.encode("utf-8")) + LOGPROB_WIRE_BYTES * sum(1 + len(e.top) for e in text.logprobs)
         if self._max_buffered is not None and self._buffered + size > self._max_buffered:
@@ -161,6 +174,8 @@ class ReplyBridge:
         self._queue.put_nowait((text, size))
 
     def _finish(self, final: Final) -> None:
+        if self.final is not None:  # the worker's answer to a request the server already ended (`end`)
+            return
         self.final = final
         try:
             self._on_final(self, final)

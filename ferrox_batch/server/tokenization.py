@@ -37,14 +37,16 @@ class TokenizationsBusy(ServerBusy):
                                    f"(limit {limit}); retry shortly")
 
 
-def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, ceiling: ContextCeiling) -> dict[str, Any]:
-    """`{"prompt": text}` or `{"messages": [...]}` -> `{"count", "max_model_len", "tokens", "token_strs"}`."""
+def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, ceiling: ContextCeiling, *,
+             escape_control_tokens: bool = False) -> dict[str, Any]:
+    """`{"prompt": text}` or `{"messages": [...]}` -> `{"count", "max_model_len", "tokens", "token_strs"}`;
+    messages as the chat endpoint renders them (`escape_control_tokens`: the server's setting)."""
     fields = Fields(body)
     return_strs = fields.boolean("return_token_strs", False)
     if ("prompt" in body) == ("messages" in body):
         raise InvalidRequest("prompt", body.get("prompt"), "send exactly one of prompt and messages")
     if "messages" in body:
-        rendering = read_rendering(fields)
+        rendering = read_rendering(fields, escape_control_text=escape_control_tokens)
         messages = read_messages(body["messages"])
         tools = read_tools(body.get("tools"))
         if tools and not tokenizer.supports_tools:  # described in a system message, as chat does

@@ -1,8 +1,10 @@
-"""`ferrox-batch serve --replicas 2`, as a process: it starts Ray, answers, and stops cleanly on SIGTERM
-(what Kubernetes and systemd send; Ray installs its own handler, which `serve` replaces)."""
+"""`ferrox-batch serve --replicas 2`, as a process: it starts Ray with every port on loopback (its `--host`),
+answers, and stops cleanly on SIGTERM (what Kubernetes and systemd send; Ray installs its own handler, which
+`serve` replaces)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import sys
@@ -18,6 +20,21 @@ from ferrox_batch.deploy.relay import REPLICA_HEADER
 
 pytest.importorskip("ray", reason="needs the test extra (ray[serve])")
 pytestmark = pytest.mark.slow
+
+
+def listening_addresses(pid: int) -> dict[tuple[str, int], str]:
+    """(process name, port) -> address of every socket listening in process `pid` and its descendants."""
+    import psutil
+
+    root = psutil.Process(pid)
+    names = {process.pid: process.name() for process in (root, *root.children(recursive=True))}
+    return {(names[c.pid], c.laddr.port): c.laddr.ip for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.pid in names}
+
+
+def is_loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
 
 
 def test_serve_with_replicas_answers_and_stops_cleanly_on_sigterm(tiny_batch_dir: Path) -> None:
@@ -36,6 +53,10 @@ def test_serve_with_replicas_answers_and_stops_cleanly_on_sigterm(tiny_batch_dir
         assert raw.parse().usage.completion_tokens == 8 and raw.headers[REPLICA_HEADER]
         stats = httpx.get(f"{base_url}/stats", timeout=30).json()
         assert stats["max_seqs"] == 8 and stats["worker_alive"]
+        # The GCS, the raylet, Ray's agents, every replica's worker and Serve's proxy: none beyond loopback.
+        listening = listening_addresses(server.proc.pid)
+        assert port in {p for _, p in listening} and len(listening) > 5, listening
+        assert not {k: v for k, v in listening.items() if not is_loopback(v)}
         # To the serve process alone, as Kubernetes signals a container's first process: it drains the
         # replicas through Ray. (A whole-group signal kills Ray's own processes under it first.)
         os.kill(server.proc.pid, signal.SIGTERM)

@@ -6,12 +6,15 @@ modules), the scheduler (`scheduler/`), the runtime (`runtime/`: its shared modu
 `kernels/`, `architectures/`, `sampling/`, `loading/`, and the runner on top), the engine (`engine/`), then
 the server, the deployments, the benchmarks and the command line. Every import in the package, lazy ones
 and type-only ones included, is read from the source; one that goes up a layer, or between two folders of
-one layer, fails this test with the offending line.
+one layer, fails this test with the offending line. Nor does any module import, by any path, a module that
+imports it: a loop between two modules of one folder is a concept split in the wrong place.
 """
 
 from __future__ import annotations
 
 import ast
+import graphlib
+from collections.abc import Mapping
 from pathlib import Path
 
 import ferrox_batch
@@ -95,3 +98,29 @@ def test_the_check_sees_an_upward_import(tmp_path):
     source.write_text("def f():\n    from ferrox_batch.engine import handle as h\n    import ferrox_batch.cli.serve\n")
     assert [imported for _, imported in imports(source)] == ["ferrox_batch.engine.handle", "ferrox_batch.cli.serve"]
     assert RANKS[unit("ferrox_batch.engine.handle")] > RANKS[unit("ferrox_batch.scheduler.scheduler")]
+
+
+def import_cycle(graph: Mapping[str, set[str]]) -> list[str]:
+    """One loop of imports in `graph` (importer -> the modules it imports), as the modules round it; [] for none."""
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as error:
+        return list(error.args[1])
+    return []
+
+
+def test_no_module_imports_itself_round_a_loop():
+    graph = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        importer = module_name(path)
+        graph[importer] = {imported for _, imported in imports(path) if imported != importer}
+    loop = import_cycle(graph)
+    assert not loop, "modules that import each other (lazy and type-only imports count): " + " -> ".join(loop)
+
+
+def test_the_check_sees_a_loop_of_imports(tmp_path):
+    (tmp_path / "a.py").write_text("def f():\n    from ferrox_batch.bench import copying\n")
+    assert [imported for _, imported in imports(tmp_path / "a.py")] == ["ferrox_batch.bench.copying"]
+    graph = {"m.a": {"m.b"}, "m.b": {"m.c"}, "m.c": {"m.a", "m.d"}, "m.d": set()}
+    assert set(import_cycle(graph)) == {"m.a", "m.b", "m.c"}
+    assert import_cycle({"m.a": {"m.b"}, "m.b": set()}) == []

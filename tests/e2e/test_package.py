@@ -1,7 +1,9 @@
-"""The package surface: lazy top-level exports, the engine's core modules, and what imports without torch."""
+"""The package surface: lazy top-level exports, the engine's core modules, what imports without torch, and the
+names its loggers go by."""
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import pkgutil
@@ -76,3 +78,42 @@ def test_the_declared_torch_floor_has_every_api_the_code_uses():
     declared = (int(floor[1]), int(floor[2]))
     for api, since in TORCH_APIS.items():
         assert declared >= since, f"{api} needs torch {since}, pyproject.toml accepts {declared}"
+
+
+def test_the_reply_event_type_is_exported_under_the_upstream_name():
+    from ferrox_batch.replies import Chunk, Finished, Reply
+
+    assert "BatcherEvent" in ferrox_batch.__all__
+    assert ferrox_batch.BatcherEvent == Reply == Chunk | Finished
+    assert isinstance(Chunk("x"), ferrox_batch.BatcherEvent) and isinstance(Finished(None), ferrox_batch.BatcherEvent)
+    # Beside the upstream's other configuration names, as its `config` module exported them.
+    assert {"BatcherConfig", "DecodeFn", "BatcherEvent"} <= set(ferrox_batch.__all__)
+
+
+PACKAGE = Path(ferrox_batch.__file__).parent
+
+
+def _logger_names(path: Path) -> list[tuple[int, bool, str | None]]:
+    """(line, at module level, the name or None where it is no literal) of every `getLogger(...)` in `path`."""
+    tree = ast.parse(path.read_text(), str(path))
+    top = {id(node.value) for node in tree.body if isinstance(node, ast.Assign)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "getLogger":
+            arg = node.args[0] if node.args else None
+            name = arg.value if isinstance(arg, ast.Constant) and isinstance(arg.value, str) else None
+            found.append((node.lineno, id(node) in top, name))
+    return found
+
+
+def test_every_logger_is_named_after_the_package_it_lives_in():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        package = ".".join(parts if parts[-1] == "__init__" else parts[:-1]).removesuffix(".__init__")
+        ancestors = {".".join(package.split(".")[:i]) for i in range(1, package.count(".") + 2)}
+        for line, module_level, name in _logger_names(path):
+            # A module's own logger is its package's; the command line configures the package's top.
+            if name != package if module_level else name not in ancestors:
+                wrong.append(f"{path.relative_to(PACKAGE.parent)}:{line} logs as {name!r}, lives in {package}")
+    assert not wrong, "loggers named after another package:\n" + "\n".join(wrong)

@@ -45,8 +45,9 @@ def captured(monkeypatch, tiny_batch_model) -> dict:
 
 def test_the_flags_reach_serve(captured):
     args = parse("--api-key", "sk-a", "--api-key", "sk-b", "--shared-prefix-cache", "--client-priorities", "0:3",
-                 "--drain-timeout", "12.5", "--allowed-hosts", "api.example.com")
+                 "--drain-timeout", "12.5", "--allowed-hosts", "api.example.com", "--escape-control-tokens")
     assert serve_cli.cmd_serve(args, {}) == 0
+    assert captured["escape_control_tokens"] is True
     assert captured["api_key"] == ("sk-a", "sk-b") and captured["shared_prefix_cache"] is True
     assert captured["client_priorities"] == (0, 3) and captured["drain_timeout"] == 12.5
     assert captured["allowed_hosts"] == ("api.example.com",)
@@ -57,6 +58,7 @@ def test_the_defaults_reach_serve(captured):
     assert captured["api_key"] == () and captured["shared_prefix_cache"] is False
     assert captured["client_priorities"] == (0, 0) and captured["allowed_hosts"] is None
     assert captured["drain_timeout"] == DEFAULT_DRAIN_TIMEOUT_SECS
+    assert captured["escape_control_tokens"] is False
 
 
 def test_the_drain_default_repeated_for_the_cli_matches_the_servers():
@@ -75,8 +77,9 @@ def test_the_replicas_get_the_same_app_settings(monkeypatch):
     from ferrox_batch.deploy.ray_serve import ReplicaSpec
 
     args = parse("--replicas", "2", "--api-key", "sk-a", "--client-priorities", "1:2", "--allowed-hosts", "h.example",
-                 "--shared-prefix-cache")
+                 "--shared-prefix-cache", "--escape-control-tokens")
     settings = replica_app_settings(args, ("sk-a",))
+    assert settings["escape_control_tokens"] is True
     assert settings["api_key"] == ("sk-a",) and settings["client_priorities"] == (1, 2)
     assert settings["allowed_hosts"] == ("h.example",) and settings["shared_prefix_cache"] is True
     ReplicaSpec("/m", app=settings)  # every setting is one the replicas' app takes

@@ -113,7 +113,7 @@ def test_concurrent_rows_equal_each_alone_and_the_ledger_equals_the_store_at_eve
 
 
 def test_the_status_line_and_the_stats_report_each_kind_of_group(gemma, caplog):
-    caplog.set_level("INFO", logger="ferrox_batch.batch")
+    caplog.set_level("INFO", logger="ferrox_batch.scheduler")
     with paged(gemma, 200, config(200)) as batcher:
         batcher.generate(PROMPTS[0], greedy_params(60))
         wait_for(lambda: batcher.stats().kv_blocks_free == 200, "every block back")

@@ -98,7 +98,7 @@ def test_fp16_weights_can_be_asked_for_on_the_cpu_only():
 
 
 def test_the_loader_logs_the_choice_and_keeps_its_reason(tiny_llama_dir, caplog):
-    with caplog.at_level(logging.INFO, logger="ferrox_batch.models"):
+    with caplog.at_level(logging.INFO, logger="ferrox_batch.runtime.loading"):
         model = load_model(tiny_llama_dir, device="cpu", dtype="auto")
     assert model.dtype_reason.startswith("auto")
     assert any(model.dtype_reason in record.getMessage() for record in caplog.records)
@@ -127,7 +127,7 @@ def test_fp16_weights_that_cannot_load_are_named_for_what_runs(tiny_llama_dir, m
     monkeypatch.setattr(torch.ops.quantized, "linear_prepack_fp16", missing, raising=False)
     if cpu_kernels() is not None:  # and our kernel, as where it was built without AVX2, FMA and F16C
         monkeypatch.setattr(cpu_kernels(), "f16_gemm_vectorised", False)
-    with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
+    with caplog.at_level(logging.WARNING, logger="ferrox_batch.runtime.loading"):
         model = load_model(tiny_llama_dir, device="cpu", dtype="fp16w")
     assert not set(FP16_KINDS) & set(model.decoder.linear_kinds)
     assert model.precision == "fp32" and "no fp16-weight linear kernel" in model.dtype_reason

@@ -193,7 +193,7 @@ def _prefill_lines(caplog) -> list[str]:
 
 
 def test_a_head_job_that_does_not_fit_holds_the_line(tiny_batch_model, caplog):
-    caplog.set_level(logging.INFO, logger="ferrox_batch.batch")
+    caplog.set_level(logging.INFO, logger="ferrox_batch.scheduler")
     worker = make_worker(tiny_batch_model, budget_config(4, 4))
     scheduler = worker.scheduler
     head, _ = make_request(worker, [1, 2, 3, 4], greedy_params(8))  # 12 positions: 3 blocks

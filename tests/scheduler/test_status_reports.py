@@ -25,7 +25,7 @@ def _prefill_lines(caplog) -> list[str]:
 
 
 def test_a_prefill_line_counts_the_tokens_the_batch_is_about_to_compute(tiny_batch_model, caplog):
-    caplog.set_level(logging.INFO, logger="ferrox_batch.batch")
+    caplog.set_level(logging.INFO, logger="ferrox_batch.scheduler")
     worker = make_worker(tiny_batch_model, budget_config(4, 64))
     scheduler = worker.scheduler
     for prompt in ([1, 2, 3, 4], [5, 6]):

@@ -6,8 +6,8 @@ Pins:
   browser's "simple" request (text/plain, a form, or no type at all) is a 415 in OpenAI's error shape,
   before the body is read, so a page cannot post to the API without a CORS preflight;
 * with `allowed_hosts`, a request whose `Host` (any port) is not listed is a 400 `host_not_allowed` (what a
-  DNS-rebinding page sends), except the open routes that probes and scrapers call; without it any Host
-  passes, as before;
+  DNS-rebinding page sends), on every route but the liveness probe `/health` (`/metrics` included);
+  without it any Host passes, as before;
 * `serve`'s default list: the loopback names when bound to a loopback address, no check otherwise, and
   `--allowed-hosts` to say;
 * the official client and httpx send what passes.
@@ -49,7 +49,7 @@ def test_a_post_that_is_not_json_is_415(local_server):
     assert httpx.get(local_server + "/v1/models", timeout=DEADLINE).status_code == 200  # GETs carry no body
 
 
-def test_a_host_outside_the_list_is_refused_but_probes_pass(local_server):
+def test_a_host_outside_the_list_is_refused_but_the_liveness_probe_passes(local_server):
     port = local_server.rsplit(":", 1)[1]
     for host in ("evil.example", f"evil.example:{port}", "127.0.0.1.evil.example", "localhost.", "[::2]:80", ""):
         refused = post(local_server, Host=host, **{"Content-Type": "application/json"})
@@ -57,11 +57,14 @@ def test_a_host_outside_the_list_is_refused_but_probes_pass(local_server):
         error = refused.json()["error"]
         assert error["code"] == "host_not_allowed" and "--allowed-hosts" in error["message"]
         assert httpx.get(local_server + "/v1/models", headers={"Host": host}, timeout=DEADLINE).status_code == 400
-        for path in ("/health", "/metrics"):
-            assert httpx.get(local_server + path, headers={"Host": host}, timeout=DEADLINE).status_code == 200
+        # A rebinding page could read the server's traffic off its metrics: the scrape is guarded as every
+        # route is; only the liveness probe takes any Host.
+        assert httpx.get(local_server + "/metrics", headers={"Host": host}, timeout=DEADLINE).status_code == 400
+        assert httpx.get(local_server + "/health", headers={"Host": host}, timeout=DEADLINE).status_code == 200
     for host in ("localhost", f"localhost:{port}", "LOCALHOST:1", "127.0.0.1", f"127.0.0.1:{port}", "[::1]",
                  f"[::1]:{port}"):
         assert post(local_server, Host=host, **{"Content-Type": "application/json"}).status_code == 200, host
+        assert httpx.get(local_server + "/metrics", headers={"Host": host}, timeout=DEADLINE).status_code == 200
 
 
 def test_clients_send_what_passes(local_server):

@@ -58,7 +58,7 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
-log = logging.getLogger("ferrox_batch.models")
+log = logging.getLogger("ferrox_batch.runtime.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_decode.c", "prefill_attention.c", "rms_norm.c", "rope_store.c", "f16_gemm.c", "layer_stack.c",

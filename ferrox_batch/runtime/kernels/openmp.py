@@ -33,7 +33,7 @@ import ctypes
 import logging
 from pathlib import Path
 
-log = logging.getLogger("ferrox_batch.models")
+log = logging.getLogger("ferrox_batch.runtime.kernels")
 
 #: `omp_pause_hard` in OpenMP 5.0's `omp_pause_resource_t`.
 OMP_PAUSE_HARD = 2

@@ -39,7 +39,7 @@ from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.runtime.quant.choice import WeightsChoice, choose_weights
 from ferrox_batch.runtime.quant.weight import QuantizedWeight, Weight
 
-log = logging.getLogger("ferrox_batch.models")
+log = logging.getLogger("ferrox_batch.runtime.loading")
 
 
 @dataclass(slots=True)

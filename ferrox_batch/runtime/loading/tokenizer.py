@@ -35,6 +35,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HfTokenizer
 
 from ferrox_batch.runtime.errors import ModelLoadError
+from ferrox_batch.runtime.loading.control_text import ControlText, control_texts
 from ferrox_batch.runtime.loading.length_bound import LengthBound, length_bound
 from ferrox_batch.stop_tokens import StopTokens
 
@@ -87,6 +88,9 @@ class Tokenizer:
         self.special_texts: dict[int, bytes] = {
             index: token.content.encode("utf-8")
             for index, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+        #: The added tokens a message's content may spell, and their escape (`control_text`).
+        self.control_text = ControlText(control_texts(
+            (token.content, token.special) for token in tokenizer.get_added_tokens_decoder().values()))
         #: How few ids a text can encode to, from its length (None: the pipeline may drop or merge any
         #: amount of input, and no length bound holds). See `least_tokens`.
         self.length_bound: LengthBound | None = length_bound(spec, tokenizer, self._bytes, byte_level_alphabet())
@@ -226,11 +230,15 @@ class Tokenizer:
         tools: Sequence[Mapping[str, Any]] | None = None,
         continue_final_message: bool = False,
         template_kwargs: Mapping[str, Any] | None = None,
+        escape_control_text: bool = False,
     ) -> str:
         """The conversation as the checkpoint's template writes it; `tools` (OpenAI tool definitions) are
         handed to the template, which must read them (`supports_tools`). `continue_final_message`: the text
         ends where the last message's content does (the model continues it, as transformers and vLLM do);
-        `template_kwargs`: more variables for the template (`enable_thinking`), never one of those above."""
+        `template_kwargs`: more variables for the template (`enable_thinking`), never one of those above.
+        `escape_control_text`: control-token text in any content but an assistant's (whose markup the
+        template reads, and which is the model's own) and in the tool definitions is spelt to be read as
+        text (`control_text`)."""
         if self._template is None:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
         if not messages:
@@ -243,12 +251,17 @@ class Tokenizer:
                                                                     m.get("tool_calls"), m.get("tool_call_id"))
             if not isinstance(message.role, str) or not isinstance(message.content, str):
                 raise ValueError(f"message {i} needs a string role and a string content")
-            one: dict[str, Any] = {"role": message.role, "content": message.content}
+            content = message.content
+            if escape_control_text and message.role != "assistant":
+                content = self.control_text.escape(content)
+            one: dict[str, Any] = {"role": message.role, "content": content}
             if message.tool_calls:
                 one["tool_calls"] = [dict(call) for call in message.tool_calls]
             if message.tool_call_id is not None:
                 one["tool_call_id"] = message.tool_call_id
             rendered.append(one)
+        if tools and escape_control_text:
+            tools = [self.control_text.escape_within(dict(t)) for t in tools]
         core = {"messages": rendered, "add_generation_prompt": add_generation_prompt,
                 "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
                 **({"tools": [dict(t) for t in tools]} if tools else {})}

@@ -311,7 +311,7 @@ def test_in_bfloat16_the_kernel_and_gather_and_sdpa_stay_within_bf16_rounding_of
 
 def test_without_a_compiler_the_decoder_falls_back(monkeypatch, caplog) -> None:
     monkeypatch.setattr(build_module.shutil, "which", lambda _name: None)
-    with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
+    with caplog.at_level(logging.WARNING, logger="ferrox_batch.runtime.kernels"):
         assert kernels_module.cpu_kernels.__wrapped__() is None
     assert "no GCC found" in caplog.text
 
@@ -332,7 +332,7 @@ def test_a_source_that_does_not_compile_falls_back_with_the_reason(monkeypatch, 
     broken.write_text("this is not C\n")
     monkeypatch.setattr(build_module, "CSRC", tmp_path)
     monkeypatch.setattr(build_module, "SOURCES", ("broken.c",))
-    with caplog.at_level(logging.WARNING, logger="ferrox_batch.models"):
+    with caplog.at_level(logging.WARNING, logger="ferrox_batch.runtime.kernels"):
         assert kernels_module.cpu_kernels.__wrapped__() is None
     assert "did not build" in caplog.text and "broken.c" in caplog.text
 

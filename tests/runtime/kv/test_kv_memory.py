@@ -43,7 +43,7 @@ def test_a_batcher_given_no_budget_sizes_one_from_memory_and_logs_it(tiny_batch_
     monkeypatch.setattr(memory, "host_available_memory", lambda: 64 * 2**20)
     per_block = PagedKvStore.bytes_per_block(tiny_batch_model.config, 16, tiny_batch_model.decoder.kv_dtype)
     want = int(64 * 2**20 * CPU_KV_FRACTION) // per_block
-    with caplog.at_level(logging.INFO, logger="ferrox_batch.batch"):
+    with caplog.at_level(logging.INFO, logger="ferrox_batch.engine"):
         batcher = spawn(tiny_batch_model, BatcherConfig(kv_block_size=16))
     with batcher:
         assert batcher.stats().kv_blocks_total == want == batcher.store.num_blocks == batcher.config.kv_blocks
