@@ -88,7 +88,8 @@ class SamplingParams:
     #: (token id, bias) pairs added to those tokens' logits before sampling (OpenAI's `logit_bias`, each
     #: in [-100, 100]); a mapping is stored as pairs sorted by id.
     logit_bias: tuple[tuple[int, float], ...] = ()
-    #: Only these ids may be sampled (vLLM's `allowed_token_ids`); None: any.
+    #: Only these ids may be sampled (vLLM's `allowed_token_ids`); None: any. Stored sorted, each id once (a
+    #: repeated id collapses, as in vLLM).
     allowed_token_ids: tuple[int, ...] | None = None
     #: Token sequences the output never contains (`token_constraints`: vLLM's `bad_words`, tokenized).
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
@@ -99,7 +100,10 @@ class SamplingParams:
         elif isinstance(self.logit_bias, Iterable) and not isinstance(self.logit_bias, (str, bytes)):
             object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
         if isinstance(self.allowed_token_ids, Iterable) and not isinstance(self.allowed_token_ids, (str, bytes)):
-            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+            ids = tuple(self.allowed_token_ids)
+            if all(_is_int(t) for t in ids):  # the ids name a set, as vLLM reads them: repeats collapse
+                ids = tuple(sorted(set(ids)))
+            object.__setattr__(self, "allowed_token_ids", ids)
         if isinstance(self.bad_words_ids, Iterable) and not isinstance(self.bad_words_ids, (str, bytes)):
             object.__setattr__(self, "bad_words_ids", tuple(tuple(w) if isinstance(w, Iterable) else w
                                                             for w in self.bad_words_ids))

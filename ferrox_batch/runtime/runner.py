@@ -42,6 +42,7 @@ from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.sampling.logprobs import prompt_logprobs
 from ferrox_batch.runtime.sampling.sampler import BatchSampler, RowSampler
+from ferrox_batch.runtime.sampling.sampler_rows import PreparedBias
 
 log = logging.getLogger("ferrox_batch.batch")
 
@@ -236,7 +237,9 @@ class ModelRunner:
                 try:
                     self._samplers[row.seq_id] = self.sampler.new_row(row.sampling, row.seed, row.window,
                                                                       row.logprobs, row.grammar, row.held,
-                                                                      row.hold_for)
+                                                                      row.hold_for,
+                                                                      row.bias if isinstance(row.bias, PreparedBias)
+                                                                      else None)
                 except DecodeError as bad:
                     outcomes.append(bad)
                     continue

@@ -70,6 +70,9 @@ class Request:
     after: int | None = None
     #: The compiled grammar its output follows (`GenerationParams.structured`, compiled at submit); opaque here.
     grammar: CompiledSpec | None = None
+    #: Its sampling bias as the runtime prepared it at submit, on the caller's thread (shared by a request's
+    #: choices); opaque here. None: the runtime builds it when the row is made.
+    bias: object = None
     #: The window its lease slides by, giving back the pages behind it (`admission.window`; priced at the
     #: hold bound, not every position). None: its lease keeps every position.
     window: WindowPolicy | None = None
