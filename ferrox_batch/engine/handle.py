@@ -187,6 +187,11 @@ class ContinuousBatcher:
         return self._config
 
     @property
+    def vocab_size(self) -> int:
+        """The ids a request may name: `[0, vocab_size)`."""
+        return self._vocab_size
+
+    @property
     def ceiling(self) -> ContextCeiling:
         return self._budget.ceiling
 

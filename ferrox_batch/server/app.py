@@ -63,6 +63,13 @@ from ferrox_batch.server.json_body import JSONBodyResponse, json_pieces
 from ferrox_batch.server.metrics import CONTENT_TYPE
 from ferrox_batch.server.preparation import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from ferrox_batch.server.reasoning import ReasoningParser
+from ferrox_batch.server.request_caps import (
+    DEFAULT_MAX_DETOKENIZE_BYTES,
+    DEFAULT_MAX_PROMPT_LOGPROBS,
+    DEFAULT_MAX_STOP_CHARS,
+    DEFAULT_MAX_TOKENIZATION_IDS,
+    RequestCaps,
+)
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
 from ferrox_batch.server.tokenization import TokenizationsBusy, detokenize, tokenize
 
@@ -99,6 +106,11 @@ def create_app(
     reasoning_parser: str | None = None,
     pooling: str = DEFAULT_POOLING,
     ui: bool = True,
+    max_allowed_token_ids: int | None = None,
+    max_stop_chars: int = DEFAULT_MAX_STOP_CHARS,
+    max_prompt_logprobs: int = DEFAULT_MAX_PROMPT_LOGPROBS,
+    max_tokenization_ids: int = DEFAULT_MAX_TOKENIZATION_IDS,
+    max_detokenize_bytes: int = DEFAULT_MAX_DETOKENIZE_BYTES,
 ) -> FastAPI:
     """An app serving `batcher` under the name `model_name`, or under each of several names (requests may
     name any; answers carry the one asked for, else the first).
@@ -122,6 +134,11 @@ def create_app(
     `reasoning_parser`: how chat answers' thinking is told from the answer (`reasoning`: `deepseek_r1`,
     `qwen3`); None: it is not. `pooling`: how `/v1/embeddings` pools a prompt unless the request says
     (`last` or `mean`). `ui`: serve the chat page on `GET /` (`chat_page`).
+    What one request may cost (`request_caps`, each a 400 naming the field past it): `max_allowed_token_ids`
+    ids in `allowed_token_ids` as sent (None: the vocabulary size), `max_stop_chars` characters over its stop
+    strings, `max_prompt_logprobs` prompt log-probability entries over its rows, `max_tokenization_ids` ids
+    a `/tokenize` answer lists or a `/detokenize` request sends, `max_detokenize_bytes` bytes of text a
+    `/detokenize` answer holds.
     """
     tokenizer = batcher.tokenizer
     if tokenizer is None:
@@ -146,7 +163,10 @@ def create_app(
     reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
     if pooling not in POOLING:
         raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
-    state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling), names)
+    caps = RequestCaps(max_allowed_token_ids, max_stop_chars, max_prompt_logprobs, max_tokenization_ids,
+                       max_detokenize_bytes)  # ValueError naming a cap that is not a positive integer
+    state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling, caps),
+                        names)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -226,12 +246,12 @@ class ServerState:
         return {**self.batcher.stats().to_dict(), **self.batcher.model_stats}
 
     async def tokenize(self, request: Request) -> Response:
-        tokenizer, ceiling = self.generations.tokenizer, self.batcher.ceiling
-        return await self._off_loop(request, lambda body: tokenize(body, tokenizer, ceiling))
+        tokenizer, ceiling, caps = self.generations.tokenizer, self.batcher.ceiling, self.generations.caps
+        return await self._off_loop(request, lambda body: tokenize(body, tokenizer, ceiling, caps))
 
     async def detokenize(self, request: Request) -> Response:
-        tokenizer = self.generations.tokenizer
-        return await self._off_loop(request, lambda body: detokenize(body, tokenizer))
+        tokenizer, caps = self.generations.tokenizer, self.generations.caps
+        return await self._off_loop(request, lambda body: detokenize(body, tokenizer, caps))
 
     async def _off_loop(self, request: Request, answer: Callable[[dict[str, Any]], dict[str, Any]]) -> Response:
         """Read the body under the generation endpoints' limits, parse and answer it on the prepare pool, and

@@ -46,6 +46,7 @@ from ferrox_batch.server.requests import (
 )
 from ferrox_batch.server.chat_format import ChatFormat
 from ferrox_batch.server.reasoning import ReasoningParser
+from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.responses import CompletionFormat, WireFormat
 from ferrox_batch.server.streaming import Final, ReplyBridge
 from ferrox_batch.server.tools.generic import describe_tools
@@ -86,6 +87,8 @@ class Preparer:
     pooling: str = DEFAULT_POOLING
     #: The other names the model is served under (`--served-model-name`'s after the first).
     aliases: tuple[str, ...] = ()
+    #: What one request may cost (`request_caps`), resolved against the model's vocabulary.
+    caps: RequestCaps = RequestCaps()
 
     def prepare(self, raw: bytes, endpoint: str, loop: asyncio.AbstractEventLoop,
                 on_final: Callable[[ReplyBridge, Final], None], namespace: str | None = None) -> Prepared:
@@ -97,6 +100,7 @@ class Preparer:
         if endpoint == RESPONSES:  # said as the chat request it amounts to, checked by the chat parser
             body = chat_body(body)
         chat = endpoint in (CHAT, RESPONSES)
+        self.caps.check_body(body)  # before a list is read: its length and total size are known unread
         request: CompletionRequest | ChatRequest | EmbeddingRequest
         if chat:
             request = parse_chat_request(body, default_max_tokens=self.default_chat_max_tokens,
@@ -116,6 +120,9 @@ class Preparer:
         # Every field is checked before the prompt is tokenized: a refusal costs no tokenizing.
         params = options.generation_params(self.tokenizer, request.max_tokens)
         prompts = [self._prompt_ids(request, prompt) for prompt in request.prompts]
+        # Each row that scores its prompt holds its entries until its answer is written: priced before any runs.
+        self.caps.check_prompt_logprobs(prompts, request.best_of, params.prompt_logprobs,
+                                        "prompt_logprobs" if request.prompt_logprobs is not None else "logprobs")
         bridges: list[ReplyBridge] = []
         try:
             for ids in prompts:
