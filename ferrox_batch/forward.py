@@ -100,6 +100,6 @@ class StepOutput:
     """What the runtime made of a `ForwardPlan` (module docstring)."""
 
     sampled: list[Sampled | Verified]
-    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, Sequence[TokenLogprob | None]] = field(default_factory=dict)
     #: By `PromptToPool.key`: the chunk's pooled final hidden states (`Decoder.forward_pooled`), as floats.
     pooled: dict[int, list[float]] = field(default_factory=dict)
