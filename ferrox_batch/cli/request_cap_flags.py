@@ -16,8 +16,8 @@ from ferrox_batch.cli.common import positive_int
 
 DEFAULT_MAX_STOP_CHARS = 2048
 DEFAULT_MAX_PROMPT_LOGPROBS = 2**20
-DEFAULT_MAX_TOKENIZATION_IDS = 2**17
-DEFAULT_MAX_DETOKENIZE_BYTES = 2**20
+DEFAULT_MAX_TOKENIZATION_IDS = 2**18
+DEFAULT_MAX_DETOKENIZE_BYTES = 2**21
 
 #: `create_app` keyword -> (flag, default (None: the vocabulary size), meaning). The README's
 #: configuration table lists the same rows.

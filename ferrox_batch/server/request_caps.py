@@ -37,11 +37,12 @@ DEFAULT_MAX_STOP_CHARS = 2048
 #: `(prompt tokens - 1) x (alternatives + 1)`. 2**20 is one full 32k-token context with the maximum 20
 #: alternatives (688k), held compactly in about 9 MB and written as about 70 MB of JSON, a piece at a time.
 DEFAULT_MAX_PROMPT_LOGPROBS = 2**20
-#: Ids one `/tokenize` answer lists and one `/detokenize` request sends: a 128k-token context, counted whole.
-DEFAULT_MAX_TOKENIZATION_IDS = 2**17
+#: Ids one `/tokenize` answer lists and one `/detokenize` request sends: twice a 128k-token context, so a
+#: client can count a document it means to truncate (about 2 MB of JSON ids).
+DEFAULT_MAX_TOKENIZATION_IDS = 2**18
 #: Bytes of text one `/detokenize` answer holds (UTF-8, before JSON escaping): 8 bytes for each of
 #: `DEFAULT_MAX_TOKENIZATION_IDS` ids, twice what an English token averages.
-DEFAULT_MAX_DETOKENIZE_BYTES = 2**20
+DEFAULT_MAX_DETOKENIZE_BYTES = 2**21
 
 
 @dataclass(frozen=True, slots=True)
