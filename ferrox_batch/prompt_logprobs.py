@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, overload
+from typing import overload
 
 from ferrox_batch.logprobs import TokenLogprob
 
@@ -48,9 +48,9 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
         self._top_logprobs = array(VALUE_CODE)
 
     @classmethod
-    def from_buffers(cls, top: int, tokens: Sequence[int], logprobs: Any, ranks: Any, top_ids: Any,
-                     top_logprobs: Any) -> PromptLogprobs:
-        """Entries from native-order buffers (bytes-like: a numpy array's, say): `logprobs` float32 and
+    def from_buffers(cls, top: int, tokens: Sequence[int], logprobs: bytes, ranks: bytes, top_ids: bytes,
+                     top_logprobs: bytes) -> PromptLogprobs:
+        """Entries from native-order bytes (a host tensor's, say): `logprobs` float32 and
         `ranks` int32 per token, `top_ids` int32 and `top_logprobs` float32 `top` per token, row by row."""
         out = cls(top)
         out._tokens.extend(tokens)

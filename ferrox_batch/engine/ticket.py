@@ -35,7 +35,8 @@ from ferrox_batch.replies import Chunk, Reply
 
 
 class Ticket:
-    __slots__ = ("prompt_tokens", "max_tokens", "_reply", "_abort", "_aborts", "_done", "_claimed", "_answered", "sampling", "bias")
+    __slots__ = ("prompt_tokens", "max_tokens", "_reply", "_abort", "_aborts", "_done", "_claimed", "_answered",
+                 "sampling", "bias")
 
     def __init__(
         self,

@@ -235,11 +235,10 @@ class ModelRunner:
         for i, row in enumerate(sampling):
             if row.seq_id not in self._samplers:
                 try:
+                    prepared = row.bias if isinstance(row.bias, PreparedBias) else None  # made at submit
                     self._samplers[row.seq_id] = self.sampler.new_row(row.sampling, row.seed, row.window,
                                                                       row.logprobs, row.grammar, row.held,
-                                                                      row.hold_for,
-                                                                      row.bias if isinstance(row.bias, PreparedBias)
-                                                                      else None)
+                                                                      row.hold_for, prepared)
                 except DecodeError as bad:
                     outcomes.append(bad)
                     continue

@@ -108,7 +108,8 @@ def _accept(request: Request, kv: KvLeases, vocab_size: int, clock: Callable[[],
         return refused
     request.admitted(seq_id, clock, stops)
     if request.params.prompt_logprobs is not None:
-        request.prompt_logprobs = PromptLogprobs(request.params.prompt_logprobs, leading=1)  # nothing predicts the first token
+        # Nothing predicts the first token; the others' entries come as arrays, chunk by chunk.
+        request.prompt_logprobs = PromptLogprobs(request.params.prompt_logprobs, leading=1)
     request.num_computed_tokens = adopted = kv.length(seq_id)
     if cache_counters is not None:
         request.cached_tokens = min(adopted, len(request.prompt_tokens))

@@ -388,7 +388,8 @@ def around_caps(draw: st.DrawFn) -> tuple[str, dict[str, Any], str, int | None]:
         prompt = _ids(draw, scored + 1)
         body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "n": rows}
         if draw(st.booleans()):
-            return "/v1/completions", {**body, "prompt_logprobs": top}, "prompt_logprobs", (len(prompt) - 1) * (top + 1) * rows
+            return ("/v1/completions", {**body, "prompt_logprobs": top}, "prompt_logprobs",
+                    (len(prompt) - 1) * (top + 1) * rows)
         # `echo` scores the prompt with `logprobs`' alternatives (at most 5 here): fewer tokens, more rows.
         prompt = _ids(draw, min(-(-draw(_near(CAPS["max_prompt_logprobs"])) // ((min(top, 5) + 1) * rows)), 500) + 1)
         return ("/v1/completions", {**body, "prompt": prompt, "echo": True, "logprobs": min(top, 5)}, "logprobs",
