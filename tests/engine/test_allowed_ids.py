@@ -4,9 +4,10 @@ Pins:
 * duplicates collapse, as vLLM treats them (the ids form a set): `[5, 5, 3]` allows exactly 3 and 5, and
   every id sent three times samples as no list does; an id outside the vocabulary is refused before anything
   is queued (the server bounds the list's length as sent: `server.request_caps`);
-* the row's dense bias (allowed ids, `logit_bias`, one-token bad words) is built on the caller's thread,
-  once for a request's choices (`submit(after=...)` with the same sampling settings), and never on the
-  worker, which serves everyone: the worker only reads it.
+* the row's dense bias (allowed ids, `logit_bias`, one-token bad words) is built, and its ids checked
+  against the vocabulary, on the caller's thread, once for a request's choices (`submit(after=...)` with
+  the same sampling settings), and never on the worker, which serves everyone: the worker only reads it
+  (16 rows of a 49,152-id list cost the worker 0.07 ms, where building each row's took 600 ms).
 """
 
 from __future__ import annotations
@@ -52,6 +53,14 @@ def test_the_bias_is_built_once_on_the_callers_thread_for_every_choice(tiny_mode
         return real(params, vocab_size, device)
 
     monkeypatch.setattr(sampler_rows, "row_bias", spy)
+    read: list[str] = []  # who walks the lists' ids (the vocabulary check)
+    named = SamplingParams.token_ids_named
+
+    def spy_named(params):
+        read.append(threading.current_thread().name)
+        return named.fget(params)
+
+    monkeypatch.setattr(SamplingParams, "token_ids_named", property(spy_named))
     vocab = tiny_model.config.vocab_size
     sampling = SamplingParams(temperature=1.0, allowed_token_ids=range(0, vocab, 2), logit_bias={4: 3.0})
     with spawn(tiny_model, CONFIG) as batcher:
@@ -62,5 +71,6 @@ def test_the_bias_is_built_once_on_the_callers_thread_for_every_choice(tiny_mode
         plain = batcher.generate([1, 2, 3], greedy_params(2))
     assert built == [threading.current_thread().name], built
     assert WORKER_THREAD_NAME not in built
+    assert read and WORKER_THREAD_NAME not in read, read
     assert all(t % 2 == 0 for r in results for t in r.token_ids)
     assert len(plain.token_ids) == 2

@@ -155,12 +155,10 @@ def new_row(params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
             # index_add_, not bincount: bincount on CUDA syncs to size its output.
             index = torch.tensor(ids, dtype=torch.long, device=device)
             counts.index_add_(0, index, torch.ones(len(ids), dtype=torch.float32, device=device))
-    named = params.token_ids_named
-    if named and max(named) >= vocab_size:
-        raise TokenOutOfVocab(max(named), vocab_size)
     if prepared is None:
+        _check_named(params, vocab_size)
         bias = row_bias(params, vocab_size, device)
-    else:
+    else:  # checked when it was prepared: the worker does nothing that grows with the lists
         bias = prepared.tensor
         if bias is not None and bias.shape != (vocab_size,):
             raise ValueError(f"a prepared bias must be [{vocab_size}], got {tuple(bias.shape)}")
@@ -184,8 +182,16 @@ class PreparedBias:
 
 
 def prepare_bias(params: SamplingParams, vocab_size: int, device: torch.device) -> PreparedBias:
-    """`row_bias` as a request's rows share it."""
+    """`row_bias` as a request's rows share it; `TokenOutOfVocab` for an id its lists name past the
+    vocabulary."""
+    _check_named(params, vocab_size)
     return PreparedBias(row_bias(params, vocab_size, device))
+
+
+def _check_named(params: SamplingParams, vocab_size: int) -> None:
+    named = params.token_ids_named
+    if named and max(named) >= vocab_size:
+        raise TokenOutOfVocab(max(named), vocab_size)
 
 
 def row_bias(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor | None:
