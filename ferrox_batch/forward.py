@@ -59,6 +59,8 @@ class RowToSample:
     held: tuple[int, ...] = ()  # ids it may not sample for its first `hold_for` tokens (its stop ids)
     hold_for: int = 0  # `min_tokens` (read only at its first sample, with `window`)
     draft: tuple[int, ...] = ()  # tokens it drafted, fed after its last one: verified position by position
+    #: Its dense bias as the runtime prepared it at submit (opaque here); None: the runtime builds it.
+    bias: object = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +100,6 @@ class StepOutput:
     """What the runtime made of a `ForwardPlan` (module docstring)."""
 
     sampled: list[Sampled | Verified]
-    prompt_logprobs: dict[int, list[TokenLogprob]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, Sequence[TokenLogprob | None]] = field(default_factory=dict)
     #: By `PromptToPool.key`: the chunk's pooled final hidden states (`Decoder.forward_pooled`), as floats.
     pooled: dict[int, list[float]] = field(default_factory=dict)

@@ -27,13 +27,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.checks import UNLIMITED, encodable
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.finish_reason import FinishReason
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
+from ferrox_batch.prompt_logprobs import PromptLogprobs
 from ferrox_batch.stop_limits import check_stop_limits
 from ferrox_batch.structured import StructuredOutput
 from ferrox_batch.token_constraints import check_token_lists
@@ -88,7 +89,8 @@ class SamplingParams:
     #: (token id, bias) pairs added to those tokens' logits before sampling (OpenAI's `logit_bias`, each
     #: in [-100, 100]); a mapping is stored as pairs sorted by id.
     logit_bias: tuple[tuple[int, float], ...] = ()
-    #: Only these ids may be sampled (vLLM's `allowed_token_ids`); None: any.
+    #: Only these ids may be sampled (vLLM's `allowed_token_ids`); None: any. Stored sorted, each id once (a
+    #: repeated id collapses, as in vLLM).
     allowed_token_ids: tuple[int, ...] | None = None
     #: Token sequences the output never contains (`token_constraints`: vLLM's `bad_words`, tokenized).
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
@@ -99,7 +101,10 @@ class SamplingParams:
         elif isinstance(self.logit_bias, Iterable) and not isinstance(self.logit_bias, (str, bytes)):
             object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in self.logit_bias))
         if isinstance(self.allowed_token_ids, Iterable) and not isinstance(self.allowed_token_ids, (str, bytes)):
-            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+            ids = tuple(self.allowed_token_ids)
+            if all(_is_int(t) for t in ids):  # the ids name a set, as vLLM reads them: repeats collapse
+                ids = tuple(sorted(set(ids)))
+            object.__setattr__(self, "allowed_token_ids", ids)
         if isinstance(self.bad_words_ids, Iterable) and not isinstance(self.bad_words_ids, (str, bytes)):
             object.__setattr__(self, "bad_words_ids", tuple(tuple(w) if isinstance(w, Iterable) else w
                                                             for w in self.bad_words_ids))
@@ -320,8 +325,9 @@ class GenerationResult:
     #: One entry per id of `token_ids` when the request asked for log-probabilities; else None.
     logprobs: tuple[TokenLogprob, ...] | None = None
     #: One entry per prompt token when the request asked for them (None for the first, which nothing
-    #: predicts); else None.
-    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    #: predicts); else None. The batcher hands a `PromptLogprobs` (its entries held as arrays, each made
+    #: when read); any other sequence is stored as a tuple.
+    prompt_logprobs: Sequence[TokenLogprob | None] | None = None
     #: The stop token that ended it (an EOS or a `stop_token_ids` entry), which `token_ids` leaves out;
     #: None when it ended otherwise.
     stop_token_id: int | None = None
@@ -341,7 +347,7 @@ class GenerationResult:
             if len(self.logprobs) != len(self.token_ids):
                 raise ValueError(f"logprobs must have one entry per token id: {len(self.logprobs)} for "
                                  f"{len(self.token_ids)} ids")
-        if self.prompt_logprobs is not None:
+        if self.prompt_logprobs is not None and not isinstance(self.prompt_logprobs, PromptLogprobs):
             object.__setattr__(self, "prompt_logprobs", tuple(self.prompt_logprobs))
 
     def __iter__(self) -> Iterator[Any]:

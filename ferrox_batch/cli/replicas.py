@@ -52,6 +52,7 @@ def check_replica_flags(args: argparse.Namespace) -> None:
 def replica_app_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
     """The `create_app` keywords every replica's app gets: `serve`'s HTTP flags, the Host default included
     (the loopback names when `--host` is a loopback address)."""
+    from ferrox_batch.cli.request_cap_flags import request_cap_settings
     from ferrox_batch.server.host_check import default_allowed_hosts
 
     return {"default_max_tokens": args.default_max_tokens, "default_chat_max_tokens": args.default_chat_max_tokens,
@@ -59,7 +60,8 @@ def replica_app_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> dic
             "allowed_origins": args.allowed_origins, "shared_prefix_cache": args.shared_prefix_cache,
             "allowed_hosts": default_allowed_hosts(args.host) if args.allowed_hosts is None else args.allowed_hosts,
             "client_priorities": args.client_priorities, "reasoning_parser": args.reasoning_parser,
-            "pooling": args.pooling, "ui": args.ui, "escape_control_tokens": args.escape_control_tokens}
+            "pooling": args.pooling, "ui": args.ui, "escape_control_tokens": args.escape_control_tokens,
+            **request_cap_settings(args)}
 
 
 def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,

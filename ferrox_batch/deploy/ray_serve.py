@@ -73,7 +73,9 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
 #: Seconds a stopping replica lets its requests finish before it is killed.
 GRACEFUL_SHUTDOWN_S = 20.0
 #: The app keywords a spec may carry (`server.create_app`'s).
-COUNT_APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_concurrent_requests")
+COUNT_APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_concurrent_requests",
+                      "max_allowed_token_ids", "max_stop_chars", "max_prompt_logprobs", "max_tokenization_ids",
+                      "max_detokenize_bytes")
 #: Those the ingress checks too (`server.access_policy`), before it reads a body.
 ACCESS_APP_KEYWORDS = ("api_key", "allowed_hosts", "shared_prefix_cache")
 APP_KEYWORDS = (*COUNT_APP_KEYWORDS, *ACCESS_APP_KEYWORDS, "allowed_origins", "client_priorities",

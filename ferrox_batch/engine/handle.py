@@ -78,6 +78,8 @@ class ContinuousBatcher:
         #: The grammar engine structured output is compiled with, shared with the worker's sampler (None:
         #: this batcher has none, and a request for structured output is refused).
         self._grammars = worker.runner.sampler.grammars
+        #: Where a request's sampling bias is prepared at submit, on the caller's thread (`submit`).
+        self._sampler = worker.runner.sampler
         self._finalizer = weakref.finalize(self, worker.lifecycle.close, worker.jobs)
 
     # ---------------------------------------------------------- constructors
@@ -188,6 +190,11 @@ class ContinuousBatcher:
         return self._config
 
     @property
+    def vocab_size(self) -> int:
+        """The ids a request may name: `[0, vocab_size)`."""
+        return self._vocab_size
+
+    @property
     def ceiling(self) -> ContextCeiling:
         return self._budget.ceiling
 
@@ -254,6 +261,12 @@ class ContinuousBatcher:
                                                                    "special tokens (ContinuousBatcher.from_model)")
             special_texts = self.tokenizer.special_texts
         check_samplable(params, {*params.stop_token_ids, *(() if params.ignore_eos else stop_tokens.ids)})
+        # The bias grows with the request's lists (`allowed_token_ids` up to the vocabulary): built here, once
+        # for a prompt's choices with the same settings, so the worker only reads it.
+        if after is not None and after.sampling is params.sampling:
+            bias = after.bias
+        else:
+            bias = self._sampler.prepare_bias(params.sampling)
         depth = self._queue.try_reserve()
         if depth is not None:
             raise QueueFull(depth, self._queue.cap)
@@ -261,7 +274,8 @@ class ContinuousBatcher:
         replies = QueueSink() if sink is None else None
         request = Request(prompt, params, stop_tokens, OnceSink(replies if sink is None else sink), abort,
                           sized.blocks, sized.positions, stops=stops, grammar=sized.grammar, window=sized.window,
-                          after=None if after is None else after.abort_id, special_texts=special_texts)
+                          after=None if after is None else after.abort_id, special_texts=special_texts,
+                          bias=bias)
         try:
             request.queued(self._clock(), self._config.max_queue_wait_ms)
             self._lifecycle.send(self._jobs, request)
@@ -269,7 +283,8 @@ class ContinuousBatcher:
             self._queue.release()
             raise
         ticket = Ticket(prompt_tokens=len(prompt), max_tokens=params.max_tokens,
-                        reply=None if replies is None else replies.events, abort=abort, aborts=self._aborts)
+                        reply=None if replies is None else replies.events, abort=abort, aborts=self._aborts,
+                        sampling=params.sampling, bias=bias)
         if params.cancel is not None:
             # Registered only after a successful send; hooks are never unregistered, and once
             # the ticket is answered a late cancel does nothing.

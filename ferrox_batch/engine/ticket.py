@@ -30,12 +30,13 @@ from typing import Callable
 from ferrox_batch.admission.queue import AbortInbox
 from ferrox_batch.checks import check_seconds
 from ferrox_batch.errors import DecodeError, WaitTimedOut
-from ferrox_batch.generation_types import GenerationResult
+from ferrox_batch.generation_types import GenerationResult, SamplingParams
 from ferrox_batch.replies import Chunk, Reply
 
 
 class Ticket:
-    __slots__ = ("prompt_tokens", "max_tokens", "_reply", "_abort", "_aborts", "_done", "_claimed", "_answered")
+    __slots__ = ("prompt_tokens", "max_tokens", "_reply", "_abort", "_aborts", "_done", "_claimed", "_answered",
+                 "sampling", "bias")
 
     def __init__(
         self,
@@ -45,8 +46,14 @@ class Ticket:
         reply: queue.SimpleQueue[Reply] | None,
         abort: int,
         aborts: AbortInbox,
+        sampling: SamplingParams | None = None,
+        bias: object = None,
     ) -> None:
-        """`reply`: the `QueueSink`'s queue the worker answers on, or None for a sink of the caller's own."""
+        """`reply`: the `QueueSink`'s queue the worker answers on, or None for a sink of the caller's own.
+        `sampling`, `bias`: the request's sampling settings and the bias prepared for them at submit, which a
+        later choice of the same prompt with the same settings shares (`submit(after=...)`)."""
+        self.sampling = sampling
+        self.bias = bias
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens  # after the context-ceiling clamp
         self._reply = reply

@@ -41,6 +41,7 @@ from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.sampling.logprobs import prompt_logprobs
 from ferrox_batch.runtime.sampling.sampler import BatchSampler, RowSampler
+from ferrox_batch.runtime.sampling.sampler_rows import PreparedBias
 
 if TYPE_CHECKING:
     from ferrox_batch.runtime.sampling.sampler import StartedMasks
@@ -229,9 +230,10 @@ class ModelRunner:
         for i, row in enumerate(sampling):
             if row.seq_id not in self._samplers:
                 try:
+                    prepared = row.bias if isinstance(row.bias, PreparedBias) else None  # made at submit
                     self._samplers[row.seq_id] = self.sampler.new_row(row.sampling, row.seed, row.window,
                                                                       row.logprobs, row.grammar, row.held,
-                                                                      row.hold_for)
+                                                                      row.hold_for, prepared)
                 except DecodeError as bad:
                     outcomes.append(bad)
                     continue

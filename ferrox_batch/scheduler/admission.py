@@ -26,6 +26,7 @@ from ferrox_batch.admission.cache_aware import WINDOW, choose
 from ferrox_batch.admission.counters import Counters
 from ferrox_batch.errors import DecodeError, InvalidRequest, TokenOutOfVocab
 from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.prompt_logprobs import PromptLogprobs
 from ferrox_batch.scheduler.isolation import failure
 from ferrox_batch.scheduler.leases import KvLeases
 from ferrox_batch.scheduler.request import Request
@@ -107,7 +108,8 @@ def _accept(request: Request, kv: KvLeases, vocab_size: int, clock: Callable[[],
         return refused
     request.admitted(seq_id, clock, stops)
     if request.params.prompt_logprobs is not None:
-        request.prompt_logprobs = [None]  # nothing predicts the first token
+        # Nothing predicts the first token; the others' entries come as arrays, chunk by chunk.
+        request.prompt_logprobs = PromptLogprobs(request.params.prompt_logprobs, leading=1)
     request.num_computed_tokens = adopted = kv.length(seq_id)
     if cache_counters is not None:
         request.cached_tokens = min(adopted, len(request.prompt_tokens))

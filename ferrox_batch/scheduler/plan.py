@@ -85,7 +85,7 @@ class StepPlan:
         sampling = tuple(
             RowToSample(r.seq_id, row, r.params.sampling, r.params.seed, r.params.logprobs, r.prefill_tokens,
                         r.grammar, r.held_ids, r.params.min_tokens,
-                        tuple(self.inputs[row][1][1:]) if self.draft_tokens and row < decoding else ())
+                        tuple(self.inputs[row][1][1:]) if self.draft_tokens and row < decoding else (), r.bias)
             for r, row in zip(self.sampling, self.sampling_rows))
         drafted = tuple(i for i, s in enumerate(sampling) if s.draft) if self.draft_tokens else ()
         scoring = []

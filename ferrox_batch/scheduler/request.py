@@ -34,6 +34,7 @@ from ferrox_batch.generation_types import FinishReason, GenerationParams, Genera
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.policy.stop import Matched, StopMatcher
 from ferrox_batch.policy.utf8_stream import Utf8Stream
+from ferrox_batch.prompt_logprobs import PromptLogprobs
 from ferrox_batch.scheduler.ngram_draft import NgramIndex
 from ferrox_batch.scheduler.sink import OnceSink
 from ferrox_batch.stop_tokens import StopTokens
@@ -70,6 +71,9 @@ class Request:
     after: int | None = None
     #: The compiled grammar its output follows (`GenerationParams.structured`, compiled at submit); opaque here.
     grammar: CompiledSpec | None = None
+    #: Its sampling bias as the runtime prepared it at submit, on the caller's thread (shared by a request's
+    #: choices); opaque here. None: the runtime builds it when the row is made.
+    bias: object = None
     #: The window its lease slides by, giving back the pages behind it (`admission.window`; priced at the
     #: hold bound, not every position). None: its lease keeps every position.
     window: WindowPolicy | None = None
@@ -85,8 +89,8 @@ class Request:
     logprobs: list[TokenLogprob] | None = None
     logprobs_sent: int = 0
     #: When asked for (`params.prompt_logprobs`): None for the first prompt token, then one entry per prompt
-    #: token as the chunks that predict them run.
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    #: token as the chunks that predict them run, held as arrays (`PromptLogprobs`), not as objects.
+    prompt_logprobs: PromptLogprobs | None = None
     clock: RowClock | None = None
     #: Its stop matcher: built at submit on the caller's thread (`ContinuousBatcher.submit`), else at admission.
     stops: StopMatcher | None = None
@@ -353,7 +357,7 @@ class Request:
         logprobs = None
         if self.params.logprobs is not None:
             logprobs = tuple(self.logprobs or ())
-        prompt = None if self.prompt_logprobs is None else tuple(self.prompt_logprobs)
+        prompt = self.prompt_logprobs  # handed on whole: the answer reads it a slice at a time
         self.sink.finished(GenerationResult(finish, list(self.output_ids), "".join(self.visible), usage, logprobs,
                                             prompt, self.stop_token_id, self.embedding()))
 

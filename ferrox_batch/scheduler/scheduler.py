@@ -193,7 +193,7 @@ class Scheduler:
     # ------------------------------------------------------------ update
 
     def update(self, plan: StepPlan, sampled: Sequence[Sampled], seconds: float | None = None,
-               prompt_logprobs: Mapping[int, Sequence[TokenLogprob]] | None = None,
+               prompt_logprobs: Mapping[int, Sequence[TokenLogprob | None]] | None = None,
                pooled: Mapping[int, list[float]] | None = None) -> None:
         """Apply a forward that ran `plan` and the tokens sampled after it (`plan.sampling` order).
 

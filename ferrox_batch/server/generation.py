@@ -66,6 +66,7 @@ from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat
 from ferrox_batch.server.preparation import Prepared, Preparer
 from ferrox_batch.server.reasoning import ReasoningParser
+from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.responses_format import ResponsesFormat
 from ferrox_batch.server.responses import WireFormat, finish_reason
 from ferrox_batch.server.sse_events import sse_events
@@ -117,7 +118,8 @@ class Generations:
     def __init__(self, batcher: ContinuousBatcher, tokenizer: Tokenizer, model_names: str | tuple[str, ...],
                  limits: Limits,
                  policy: ClientPolicy = ClientPolicy(), reasoning: ReasoningParser | None = None,
-                 pooling: str = DEFAULT_POOLING, *, escape_control_tokens: bool = False) -> None:
+                 pooling: str = DEFAULT_POOLING, caps: RequestCaps = RequestCaps(), *,
+                 escape_control_tokens: bool = False) -> None:
         self.batcher = batcher
         #: Whether control-token text in messages' content is read as text (`--escape-control-tokens`).
         self.escape_control_tokens = escape_control_tokens
@@ -125,12 +127,15 @@ class Generations:
         names = (model_names,) if isinstance(model_names, str) else model_names
         self.model_name = names[0]
         self.limits = limits
+        #: What one request may cost (`request_caps`), `allowed_token_ids`' cap resolved to the vocabulary.
+        self.caps = caps.resolved(batcher.vocab_size)
         self.in_flight: set[ReplyBridge] = set()  # touched on the loop thread only
         self._preparing = 0  # requests reading their body or on the prepare pool, not yet in flight (loop thread)
         self._preparer = Preparer(batcher, tokenizer, names[0], limits.default_max_tokens,
                                   limits.default_chat_max_tokens, policy,
                                   max_buffered_reply_bytes=limits.max_buffered_reply_bytes, reasoning=reasoning,
-                                  pooling=pooling, aliases=names[1:], escape_control_tokens=escape_control_tokens)
+                                  pooling=pooling, aliases=names[1:], caps=self.caps,
+                                  escape_control_tokens=escape_control_tokens)
         self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), names[0])
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"

@@ -20,6 +20,7 @@ then made a slice at a time as the JSON text reaches them (`json_body.Slices`), 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -88,17 +89,57 @@ def _sliced(shape: Callable[[Sequence[Any]], list[Any]], entries: Sequence[Any])
     return Slices(shape(entries[at:at + SLICE_CONTAINERS]) for at in range(0, len(entries), SLICE_CONTAINERS))
 
 
-def prompt_logprob_entries(shapes: LogprobShapes, entries: Sequence[TokenLogprob | None],
-                           top: int) -> list[dict[str, Any] | None]:
-    """vLLM's `prompt_logprobs` list of a prompt's entries, `top` alternatives each."""
-    out: list[dict[str, Any] | None] = []
-    for entry in entries:
-        if entry is None:
-            out.append(None)
-            continue
-        one = {str(entry.token): {"logprob": finite(entry.logprob), "rank": entry.rank,
-                                  "decoded_token": shapes.text(entry.token)}}
-        for rank, (token, logprob) in enumerate(entry.top[:top], start=1):
-            one.setdefault(str(token), {"logprob": finite(logprob), "rank": rank, "decoded_token": shapes.text(token)})
-        out.append(one)
-    return out
+def prompt_logprob_entries(shapes: LogprobShapes, entries: Sequence[TokenLogprob | None], top: int) -> Slices:
+    """vLLM's `prompt_logprobs` list of a prompt's entries, `top` alternatives each, made a slice at a time as
+    it is written (a prompt's entries are held as arrays until then: `PromptLogprobs`)."""
+    return _sliced(lambda part: [_prompt_entry(shapes, entry, top) for entry in part], entries)
+
+
+def _prompt_entry(shapes: LogprobShapes, entry: TokenLogprob | None, top: int) -> dict[str, Any] | None:
+    if entry is None:
+        return None
+    one = {str(entry.token): {"logprob": finite(entry.logprob), "rank": entry.rank,
+                              "decoded_token": shapes.text(entry.token)}}
+    for rank, (token, logprob) in enumerate(entry.top[:top], start=1):
+        one.setdefault(str(token), {"logprob": finite(logprob), "rank": rank, "decoded_token": shapes.text(token)})
+    return one
+
+
+class EchoEntries(Sequence[TokenLogprob | int]):
+    """Completions' `echo` with `logprobs`: the prompt's first id (nothing predicts it), the prompt's other
+    entries with at most `top` alternatives, then the generated tokens' entries, each made when read."""
+
+    __slots__ = ("_first", "_prompt", "_top", "_generated")
+
+    def __init__(self, first: int, prompt: Sequence[TokenLogprob | None], top: int,
+                 generated: Sequence[TokenLogprob]) -> None:
+        self._first = first
+        self._prompt = prompt
+        self._top = top
+        self._generated = generated
+
+    def __len__(self) -> int:
+        return len(self._prompt) + len(self._generated)
+
+    def _entry(self, i: int) -> TokenLogprob | int:
+        if i == 0:
+            return self._first
+        if i < len(self._prompt):
+            entry = self._prompt[i]
+            assert entry is not None  # only a prompt's first entry is None
+            return entry if len(entry.top) <= self._top else dataclasses.replace(entry, top=entry.top[:self._top])
+        return self._generated[i - len(self._prompt)]
+
+    def __getitem__(self, index: int | slice) -> Any:
+        if isinstance(index, slice):
+            return [self._entry(i) for i in range(*index.indices(len(self)))]
+        n = len(self)
+        if not -n <= index < n:
+            raise IndexError(f"entry {index} of {n}")
+        return self._entry(index % n)
+
+
+def echo_entries(first: int, prompt: Sequence[TokenLogprob | None], top: int,
+                 generated: Sequence[TokenLogprob]) -> EchoEntries:
+    """`EchoEntries` of a prompt whose first id is `first` (`prompt` holds its None, then an entry per token)."""
+    return EchoEntries(first, prompt if prompt else (None,), top, generated)

@@ -25,8 +25,8 @@ from typing import Any
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
-from ferrox_batch.server.json_body import json_pieces
-from ferrox_batch.server.logprob_shapes import LogprobShapes, prompt_logprob_entries
+from ferrox_batch.server.json_body import Slices, json_pieces
+from ferrox_batch.server.logprob_shapes import LogprobShapes, echo_entries, prompt_logprob_entries
 from ferrox_batch.usage import Usage
 
 DONE = b"data: [DONE]\n\n"
@@ -144,7 +144,7 @@ class WireFormat:
             choice["token_ids"] = output_ids(result)
         return choice
 
-    def _prompt_logprobs(self, result: GenerationResult) -> list[dict[str, Any] | None] | None:
+    def _prompt_logprobs(self, result: GenerationResult) -> Slices | None:
         """vLLM's `prompt_logprobs` of the prompt `result` answered, when asked for by name."""
         if self.prompt_logprobs is None or self._tokenizer is None:
             return None
@@ -252,9 +252,7 @@ class CompletionFormat(WireFormat):
             return super()._entries(index, result)
         # The prompt's entries first; its first token has none (nothing predicts it). They carry as many
         # alternatives as `logprobs` asks, though `prompt_logprobs` may have had more computed.
-        prompt = [e if e is None or len(e.top) <= self.echo_top else dataclasses.replace(e, top=e.top[:self.echo_top])
-                  for e in (result.prompt_logprobs or ())[1:]]
-        return [ids[0], *prompt, *(result.logprobs or ())]  # type: ignore[list-item]
+        return echo_entries(ids[0], result.prompt_logprobs or (), self.echo_top, result.logprobs or ())
 
     def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int], lazy: bool) -> dict[str, Any]:
         return shapes.completion(entries, lazy=lazy)

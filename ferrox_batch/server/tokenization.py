@@ -7,7 +7,10 @@ exactly the ids `/v1/chat/completions` queues for those messages, and with `prom
 request may hold here (the context ceiling), which is what a client sizes against. Bad input is a 400
 naming the field, as everywhere. A text longer than the ceiling is counted all the same (a client counting
 a text it means to truncate needs the count): the body size cap bounds the work, tokenizing releases the
-GIL, and the endpoints' own open-request cap bounds how many run at once.
+GIL, and the endpoints' own open-request cap bounds how many run at once. What an answer holds is bounded
+too (`request_caps`): `/tokenize` lists at most `max_tokenization_ids` ids (a text that must tokenize to
+more is refused untokenized), and `/detokenize` takes at most that many and writes at most
+`max_detokenize_bytes` of text, known from the ids' own byte lengths before the text is built.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.errors import ServerBusy
 from ferrox_batch.server.fields import Fields
 from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
+from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.requests import read_messages
 from ferrox_batch.server.chat_rendering import read_rendering
 from ferrox_batch.server.tools.definitions import read_tools
@@ -37,8 +41,8 @@ class TokenizationsBusy(ServerBusy):
                                    f"(limit {limit}); retry shortly")
 
 
-def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, ceiling: ContextCeiling, *,
-             escape_control_tokens: bool = False) -> dict[str, Any]:
+def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, ceiling: ContextCeiling,
+             caps: RequestCaps = RequestCaps(), *, escape_control_tokens: bool = False) -> dict[str, Any]:
     """`{"prompt": text}` or `{"messages": [...]}` -> `{"count", "max_model_len", "tokens", "token_strs"}`;
     messages as the chat endpoint renders them (`escape_control_tokens`: the server's setting)."""
     fields = Fields(body)
@@ -54,21 +58,30 @@ def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, ceiling: ContextCeil
         # The template writes any BOS itself, as for the chat endpoint.
         ids = encode_chat_prompt(tokenizer, messages, None, tools=list(tools) or None, rendering=rendering,
                                  add_special_tokens=fields.boolean("add_special_tokens", False))
+        caps.check_token_count(len(ids), "messages")
     else:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise InvalidRequest("prompt", prompt, "must be a string")
+        caps.check_token_count(tokenizer.least_tokens(prompt), "prompt")  # refused untokenized when it must be
         ids = encode_prompt(tokenizer, prompt, None, add_special_tokens=fields.boolean("add_special_tokens", True))
+        caps.check_token_count(len(ids), "prompt")
     strs = [tokenizer.decode_text([i]) for i in ids] if return_strs else None
     return {"count": len(ids), "max_model_len": ceiling.limit(), "tokens": ids, "token_strs": strs}
 
 
-def detokenize(body: Mapping[str, Any], tokenizer: Tokenizer) -> dict[str, Any]:
-    """`{"tokens": [ids]}` -> `{"prompt": text}`; an id outside the vocabulary is a 400."""
+def detokenize(body: Mapping[str, Any], tokenizer: Tokenizer, caps: RequestCaps = RequestCaps()) -> dict[str, Any]:
+    """`{"tokens": [ids]}` -> `{"prompt": text}`; an id outside the vocabulary is a 400, and so are more ids,
+    or more text, than the caps take."""
     tokens = body.get("tokens")
+    if isinstance(tokens, list):
+        caps.check_token_count(len(tokens), "tokens")  # before any id is read
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise InvalidRequest("tokens", tokens, "must be a list of token ids")
     try:
+        caps.check_text_bytes(tokenizer.decoded_size(tokens))
         return {"prompt": tokenizer.decode_text(tokens)}
     except ValueError as bad:
+        if isinstance(bad, InvalidRequest):
+            raise
         raise InvalidRequest("tokens", tokens, str(bad)) from None

@@ -177,7 +177,8 @@ def long_context(tmp_path_factory: pytest.TempPathFactory):
 
     folder = write_tiny_checkpoint(tmp_path_factory.mktemp("long-context"), max_positions=1 << 18)
     model = load_model(folder, device="cpu", dtype="float32")
-    with served(tiny_batcher(model)) as (base_url, app):
+    # The prompt tokenizes to about 440k ids: more than `/tokenize` answers by default (`request_caps`).
+    with served(tiny_batcher(model), max_tokenization_ids=1 << 20) as (base_url, app):
         yield base_url, app
 
 

@@ -216,6 +216,18 @@ class Tokenizer:
             out.append(table[i])
         return b"".join(out)
 
+    def decoded_size(self, ids: Iterable[int]) -> int:
+        """How many bytes `decode(ids)` returns (the UTF-8 text's, where they are valid), without building
+        them; ids outside the vocabulary raise."""
+        table = self._bytes
+        size = len(table)
+        total = 0
+        for i in ids:
+            if not 0 <= i < size:
+                raise ValueError(f"token id {i} is outside the tokenizer's {size} ids")
+            total += len(table[i])
+        return total
+
     def decode_text(self, ids: Iterable[int]) -> str:
         return self.decode(ids).decode("utf-8", errors="replace")
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 
 from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.prompt_logprobs import PromptLogprobs
 from ferrox_batch.runtime.sampling.sampler_rows import RowSampler
 
 
@@ -45,11 +46,19 @@ def token_logprobs(x: torch.Tensor, tokens: torch.Tensor, host: list[int], rows:
     return out
 
 
-def prompt_logprobs(rows: torch.Tensor, targets: Sequence[int], top: int, vocab_size: int) -> list[TokenLogprob]:
+def prompt_logprobs(rows: torch.Tensor, targets: Sequence[int], top: int, vocab_size: int) -> PromptLogprobs:
     """The log-probabilities of the prompt tokens a chunk's rows predict: row j predicts `targets[j]` (the
-    chunk's last row predicts the next chunk's first token); `rows` may hold more rows than targets."""
+    chunk's last row predicts the next chunk's first token); `rows` may hold more rows than targets. They
+    go from the device to flat host arrays in one copy each, never through per-entry Python objects."""
     if not targets:
-        return []
-    chosen, top_i, top_v, rank = ranked(rows[:len(targets), :vocab_size],
-                                        torch.tensor(list(targets), device=rows.device), top)
-    return [TokenLogprob(t, c, tuple(zip(i, v)), r) for t, c, i, v, r in zip(targets, chosen, top_i, top_v, rank)]
+        return PromptLogprobs(top)
+    lp = rows[:len(targets), :vocab_size].float().log_softmax(dim=-1)
+    picked = lp.gather(1, torch.tensor(list(targets), device=rows.device).unsqueeze(1))
+    rank = (lp > picked).sum(dim=-1, dtype=torch.int32) + 1
+    if top:
+        values, ids = lp.topk(top, dim=-1)
+    else:
+        values, ids = lp.new_empty(len(targets), 0), lp.new_empty(len(targets), 0, dtype=torch.int32)
+    host = [t.contiguous().cpu().numpy().tobytes()
+            for t in (picked.squeeze(1), rank.to(torch.int32), ids.to(torch.int32), values)]
+    return PromptLogprobs.from_buffers(top, targets, *host)

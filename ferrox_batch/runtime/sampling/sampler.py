@@ -76,9 +76,11 @@ from ferrox_batch.runtime.sampling.logprobs import token_logprobs
 from ferrox_batch.runtime.sampling.sampler_rows import (
     MIN_TEMPERATURE,
     NoTokenLeft,
+    PreparedBias,
     RowSampler,
     SamplingError,
     new_row,
+    prepare_bias,
 )
 from ferrox_batch.runtime.sampling.sampling_cuts import cuts
 
@@ -114,11 +116,16 @@ class BatchSampler:
 
     def new_row(self, params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
                 logprobs: int | None = None, grammar: CompiledGrammar | None = None, held: Sequence[int] = (),
-                hold_for: int = 0) -> RowSampler:
+                hold_for: int = 0, prepared: PreparedBias | None = None) -> RowSampler:
         """The state for one admitted request (`sampler_rows.new_row` on this sampler's vocabulary, device
         and grammar engine)."""
         return new_row(params, seed, prompt_ids, self.vocab_size, self.device, logprobs, grammar, self.grammars,
-                       held, hold_for)
+                       held, hold_for, prepared)
+
+    def prepare_bias(self, params: SamplingParams) -> PreparedBias:
+        """A request's dense bias on this sampler's vocabulary and device, built where this is called (the
+        caller's thread, at submit) and shared by the rows made with it."""
+        return prepare_bias(params, self.vocab_size, self.device)
 
     def grammar_masks(self, rows: Sequence[RowSampler]) -> tuple[list[int], torch.Tensor] | None:
         """(indices, `[len(indices), vocab]` allowed tokens) of the rows whose output follows a grammar; None

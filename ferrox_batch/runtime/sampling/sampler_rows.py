@@ -124,12 +124,14 @@ def _penalised(params: SamplingParams) -> bool:
 
 def new_row(params: SamplingParams, seed: int | None, prompt_ids: Sequence[int], vocab_size: int,
             device: torch.device, logprobs: int | None = None, grammar: CompiledGrammar | None = None,
-            grammars: Grammars | None = None, held: Sequence[int] = (), hold_for: int = 0) -> RowSampler:
+            grammars: Grammars | None = None, held: Sequence[int] = (), hold_for: int = 0,
+            prepared: PreparedBias | None = None) -> RowSampler:
     """The state for one admitted request; `prompt_ids` opens its penalty window; `logprobs`: how many
     alternatives its tokens' log-probabilities carry (None: it gets none); `grammar`: the compiled
     grammar its output must follow (`Grammars.compile`, at submit), matched with `grammars`; `held`:
     ids it may not sample for its first `hold_for` tokens (ids past the vocabulary are never sampled
-    anyway, and are dropped)."""
+    anyway, and are dropped); `prepared`: its bias as `row_bias` built it before admission (None: built
+    here)."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {params!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
@@ -153,10 +155,13 @@ def new_row(params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
             # index_add_, not bincount: bincount on CUDA syncs to size its output.
             index = torch.tensor(ids, dtype=torch.long, device=device)
             counts.index_add_(0, index, torch.ones(len(ids), dtype=torch.float32, device=device))
-    named = params.token_ids_named
-    if named and max(named) >= vocab_size:
-        raise TokenOutOfVocab(max(named), vocab_size)
-    bias = _bias(params, vocab_size, device)
+    if prepared is None:
+        _check_named(params, vocab_size)
+        bias = row_bias(params, vocab_size, device)
+    else:  # checked when it was prepared: the worker does nothing that grows with the lists
+        bias = prepared.tensor
+        if bias is not None and bias.shape != (vocab_size,):
+            raise ValueError(f"a prepared bias must be [{vocab_size}], got {tuple(bias.shape)}")
     sequences = tuple((word[:-1], word[-1]) for word in params.bad_words_ids if len(word) > 1)
     matcher = None
     if grammar is not None:
@@ -168,9 +173,31 @@ def new_row(params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
                       hold_for if held_ids else 0, sequences)
 
 
-def _bias(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor | None:
+@dataclass(frozen=True, slots=True)
+class PreparedBias:
+    """A request's dense bias (`row_bias`), built before it reaches the worker and shared by its choices'
+    rows, which only read it (`logit_transforms.biased` adds it out of place). `tensor` None: it has none."""
+
+    tensor: torch.Tensor | None
+
+
+def prepare_bias(params: SamplingParams, vocab_size: int, device: torch.device) -> PreparedBias:
+    """`row_bias` as a request's rows share it; `TokenOutOfVocab` for an id its lists name past the
+    vocabulary."""
+    _check_named(params, vocab_size)
+    return PreparedBias(row_bias(params, vocab_size, device))
+
+
+def _check_named(params: SamplingParams, vocab_size: int) -> None:
+    named = params.token_ids_named
+    if named and max(named) >= vocab_size:
+        raise TokenOutOfVocab(max(named), vocab_size)
+
+
+def row_bias(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor | None:
     """The row's dense bias: `logit_bias`, then -inf outside `allowed_token_ids` and on one-token bad words;
-    None when it has none of them."""
+    None when it has none of them. Its cost grows with the lists, so `ContinuousBatcher.submit` calls it on
+    the caller's thread (`BatchSampler.prepare_bias`), once for a request's choices."""
     banned = [word[0] for word in params.bad_words_ids if len(word) == 1]
     if not params.logit_bias and params.allowed_token_ids is None and not banned:
         return None
