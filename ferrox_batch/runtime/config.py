@@ -20,7 +20,8 @@ from types import MappingProxyType
 from typing import Any
 
 from ferrox_batch.runtime.errors import ModelLoadError, UnsupportedArchitecture
-from ferrox_batch.runtime.rope_scaling import RopeScaling, rope_scaling_of
+from ferrox_batch.runtime.rope_layout import rope_settings
+from ferrox_batch.runtime.rope_scaling import RopeScaling
 
 #: Hugging Face architecture -> family (the `model_type` a config of it carries).
 SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType({
@@ -134,6 +135,9 @@ class ModelConfig:
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2:
             raise ModelLoadError(f"partial_rotary_factor {self.partial_rotary_factor} leaves no dimension to rotate "
                                  f"in a head of {self.head_dim}")
+        if int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ModelLoadError(f"partial_rotary_factor {self.partial_rotary_factor} rotates an odd number of a "
+                                 f"head's {self.head_dim} dimensions, which is not supported")
         s = self.rope_scaling
         if s is not None and s.kind == "longrope" and len(s.short_factor) != self.rotary_dim // 2:
             raise ModelLoadError(f"longrope names {len(s.short_factor)} factors for the {self.rotary_dim // 2} "
@@ -176,12 +180,7 @@ class ModelConfig:
             fields: dict[str, Any] = {}
             if family == "gemma3_text":
                 fields = _gemma3_fields(raw, hidden, layers)
-                rope_theta, rope_scaling = fields.pop("global_rope")
-            else:
-                rope_theta = float(raw.get("rope_theta", 10000.0))
-                rope_scaling = rope_scaling_of(raw, trained)
-            if family == "phi3":
-                fields["partial_rotary_factor"] = float(raw.get("partial_rotary_factor") or 1.0)
+            rope = rope_settings(raw, family, trained)
             if family == "smollm3":
                 fields["rope_layers"] = _rope_layers(raw, layers)
             return cls(
@@ -194,11 +193,13 @@ class ModelConfig:
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
+                rope_theta=rope.theta,
+                rope_scaling=rope.scaling,
+                partial_rotary_factor=rope.partial_rotary_factor,
+                local_rope_theta=rope.local_theta,
                 # Gemma 3's `max_position_embeddings` already counts its linear scaling.
                 max_position_embeddings=trained if family == "gemma3_text" else _servable_positions(trained,
-                                                                                                  rope_scaling),
+                                                                                                  rope.scaling),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "gemma3_text")),
                 attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
                 sliding_window=int(window) if window else None,
@@ -253,8 +254,8 @@ def _servable_positions(trained: int, scaling: RopeScaling | None) -> int:
 
 def _gemma3_fields(raw: dict[str, Any], hidden: int, layers: int) -> dict[str, Any]:
     """Gemma 3's own switches: which layers are local (`layer_types`, or one global layer in every
-    `sliding_window_pattern`), each kind's RoPE (the local base and no scaling; the global base and the
-    config's scaling), the GELU MLP, the scaled embeddings and the attention scale."""
+    `sliding_window_pattern`), the GELU MLP, the scaled embeddings and the attention scale (each layer
+    kind's RoPE is `rope_layout`'s)."""
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
         if raw.get(name) is not None:
             raise ModelLoadError(f"{name} is not supported (Gemma 3 checkpoints leave it unset)")
@@ -267,22 +268,8 @@ def _gemma3_fields(raw: dict[str, Any], hidden: int, layers: int) -> dict[str, A
     unknown = set(types) - {"sliding_attention", "full_attention"}
     if unknown:
         raise ModelLoadError(f"layer_types names kinds this runtime does not run: {sorted(unknown)}")
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:  # one set per layer kind
-        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-        if (local.get("rope_type") or "default") != "default":
-            raise ModelLoadError("scaled RoPE on Gemma 3's local layers is not supported")
-        theta = float(full.get("rope_theta", 1_000_000.0))
-        local_theta = float(local.get("rope_theta", 10_000.0))
-        scaling = rope_scaling_of({"rope_scaling": full}, int(raw.get("max_position_embeddings", 2048)))
-    else:
-        theta = float(raw.get("rope_theta", 1_000_000.0))
-        local_theta = float(raw.get("rope_local_base_freq", 10_000.0))
-        scaling = rope_scaling_of(raw, int(raw.get("max_position_embeddings", 2048)))
     return {
-        "global_rope": (theta, scaling),
         "window_layers": tuple(kind == "sliding_attention" for kind in types),
-        "local_rope_theta": local_theta,
         "embed_scale": math.sqrt(hidden),
         "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar") or 256),
     }
