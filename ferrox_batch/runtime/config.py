@@ -34,6 +34,11 @@ SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType({
     "Gemma3ForCausalLM": "gemma3_text",
 })
 
+#: The most positions a model may be served at: float32 holds every integer up to 2**24 exactly, and the RoPE
+#: angles (here as in the reference) are float32 positions times frequencies; past it positions would round
+#: together. The longest contexts published are below it (Llama 4 Scout's: 10,485,760).
+MAX_POSITIONS = 2**24
+
 #: The MLP gate activations a layer may use: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
@@ -116,10 +121,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelLoadError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ModelLoadError(f"max_position_embeddings {self.max_position_embeddings} (with its RoPE scaling's "
+                                 f"stretch) is past the {MAX_POSITIONS} positions float32 RoPE angles tell apart")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -157,7 +165,10 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], *, checkpoint_layers: int | None = None) -> "ModelConfig":
+        """The config `raw` describes. `checkpoint_layers`, where known, is how many layers the checkpoint's
+        tensors hold: `num_hidden_layers` must name as many, checked before anything is built per layer (a
+        config's word alone never sizes an allocation)."""
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
         if arch is None:
@@ -170,6 +181,9 @@ class ModelConfig:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
             layers = int(raw["num_hidden_layers"])
+            if checkpoint_layers is not None and layers != checkpoint_layers:
+                raise ModelLoadError(f"num_hidden_layers is {layers} but the checkpoint's tensors hold "
+                                     f"{checkpoint_layers} layers")
             head_dim = raw.get("head_dim") or hidden // heads
             trained = int(raw.get("max_position_embeddings", 2048))
             window = raw.get("sliding_window")
@@ -211,11 +225,11 @@ class ModelConfig:
             )
         except KeyError as missing:
             raise ModelLoadError(f"config.json is missing the field {missing.args[0]!r}") from None
-        except (TypeError, ValueError, AttributeError) as bad:
+        except (TypeError, ValueError, AttributeError, OverflowError) as bad:
             raise ModelLoadError(f"config.json has a malformed field: {bad}") from None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path, *, checkpoint_layers: int | None = None) -> "ModelConfig":
         path = Path(path)
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
@@ -225,7 +239,7 @@ class ModelConfig:
             raise ModelLoadError(f"{path} is not valid JSON: {bad}") from None
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{path} must hold a JSON object")
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, checkpoint_layers=checkpoint_layers)
 
 
 def _rope_layers(raw: dict[str, Any], layers: int) -> tuple[bool, ...]:
