@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import Any
 
 from ferrox_batch.runtime.errors import ModelLoadError
-from ferrox_batch.runtime.rope_scaling import RopeScaling, rope_kind, scaling_of
+from ferrox_batch.runtime.rope_scaling import RopeScaling, rope_variant, scaling_of
 
 #: The base a family's reference takes where its config names none (the rest: 10,000).
 DEFAULT_THETAS: Mapping[str, float] = MappingProxyType({"smollm3": 2_000_000.0, "gemma3_text": 1_000_000.0})
@@ -94,7 +94,7 @@ def _gemma3(raw: Mapping[str, Any], max_positions: int) -> RopeSettings:
                                  f"meant is ambiguous")
         full[key] = value
     local_where = "rope_parameters.sliding_attention"
-    if rope_kind(local, local_where) != "default":
+    if rope_variant(local, local_where) != "default":
         raise ModelLoadError(f"{local_where}.rope_type {local['rope_type']!r}: scaled RoPE on Gemma 3's local layers "
                              f"is not supported")
     for place, settings in ((where, full), (local_where, local)):

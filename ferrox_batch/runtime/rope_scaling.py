@@ -75,7 +75,7 @@ VARIANT_KEYS: Mapping[str, frozenset[str]] = MappingProxyType({
 })
 
 
-def rope_kind(params: dict[str, Any], where: str) -> str:
+def rope_variant(params: dict[str, Any], where: str) -> str:
     """The variant a RoPE dict names (`rope_type`, or transformers 4's `type`): "default" when it names none;
     a `ModelLoadError` naming `where` for one this runtime does not compute."""
     kind = params.get("rope_type") or params.get("type") or "default"
@@ -95,7 +95,7 @@ def scaling_of(params: dict[str, Any], where: str, max_positions: int, original:
     `max_positions` is the config's `max_position_embeddings`: dynamic stretches it, and longrope and yarn
     derive their factor from it when the dict leaves the factor out. `original` is the pretrained context
     where the config names one (`rope_layout` decides which place wins); `max_positions` otherwise."""
-    kind = rope_kind(params, where)
+    kind = rope_variant(params, where)
     if kind == "default":
         return None
     if kind == "dynamic":  # NTK stretches the context the config itself names

@@ -173,3 +173,26 @@ def test_gemma3_reads_each_layer_kinds_base_in_either_layout(local: float | None
     assert read_old.theta == theirs.rope_parameters["full_attention"]["rope_theta"]
     assert read_old.local_theta == theirs.rope_parameters["sliding_attention"]["rope_theta"]
     assert (read_old.scaling.factor if read_old.scaling else None) == factor
+
+
+@given(theta=st.one_of(st.none(), st.floats(2.0, 1e7)), partial=st.sampled_from([None, 0.5, 0.75, 1.0]),
+       name=st.sampled_from([None, "longrope", "su"]), original=st.integers(16, 512),
+       factors=st.lists(st.floats(1.0, 8.0), min_size=2, max_size=2))
+def test_phi3_reads_as_transformers_reads_it(theta: float | None, partial: float | None, name: str | None,
+                                            original: int, factors: list[float]) -> None:
+    rotated = int(16 * (partial or 1.0)) // 2
+    old = config("phi3", original_max_position_embeddings=original, **({} if theta is None else {"rope_theta": theta}),
+                 **({} if partial is None else {"partial_rotary_factor": partial}),
+                 **({} if name is None else {"rope_scaling": {"type": name, "short_factor": [factors[0]] * rotated,
+                                                               "long_factor": [factors[1]] * rotated}}))
+    theirs = _tf_config("phi3", **{k: v for k, v in old.items() if k.startswith(("rope", "partial", "original"))})
+    new = {**config("phi3", original_max_position_embeddings=original),
+           "rope_parameters": theirs.to_dict()["rope_parameters"]}
+    read_old, read_new = rope_settings(old, "phi3", 512), rope_settings(new, "phi3", 512)
+    assert read_old == read_new
+    assert read_old.theta == theirs.rope_parameters["rope_theta"]
+    assert read_old.partial_rotary_factor == theirs.rope_parameters["partial_rotary_factor"]
+    assert (read_old.scaling.kind if read_old.scaling else "default") == theirs.rope_parameters["rope_type"]
+    if read_old.scaling is not None:
+        assert read_old.scaling.original_max_position_embeddings == original
+        assert list(read_old.scaling.short_factor) == theirs.rope_parameters["short_factor"]
