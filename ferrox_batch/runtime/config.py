@@ -225,7 +225,7 @@ class ModelConfig:
             )
         except KeyError as missing:
             raise ModelLoadError(f"config.json is missing the field {missing.args[0]!r}") from None
-        except (TypeError, ValueError, AttributeError, OverflowError) as bad:
+        except (TypeError, ValueError, AttributeError, ArithmeticError) as bad:
             raise ModelLoadError(f"config.json has a malformed field: {bad}") from None
 
     @classmethod

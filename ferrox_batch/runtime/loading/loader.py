@@ -7,7 +7,8 @@ inside the folder: an index cannot point the loader at another file). A
 weights kept in their blocks or widened as `--weights` says
 (`runtime.quant.choice`). Every failure is a `ModelLoadError` that names the file and what is
 wrong with it; an unsupported architecture is refused before any weight is
-read.
+read. What the config claims sizes nothing until the tensors bear it out: its layer count is checked
+against the tensors' names (read from the headers) and its vocabulary against the embedding.
 """
 
 from __future__ import annotations
