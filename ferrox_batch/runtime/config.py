@@ -20,7 +20,8 @@ from types import MappingProxyType
 from typing import Any
 
 from ferrox_batch.runtime.errors import ModelLoadError, UnsupportedArchitecture
-from ferrox_batch.runtime.rope_scaling import RopeScaling, rope_scaling_of
+from ferrox_batch.runtime.rope_layout import rope_settings
+from ferrox_batch.runtime.rope_scaling import RopeScaling
 
 #: Hugging Face architecture -> family (the `model_type` a config of it carries).
 SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType({
@@ -32,6 +33,11 @@ SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType({
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3_text",
 })
+
+#: The most positions a model may be served at: float32 holds every integer up to 2**24 exactly, and the RoPE
+#: angles (here as in the reference) are float32 positions times frequencies; past it positions would round
+#: together. The longest contexts published are below it (Llama 4 Scout's: 10,485,760).
+MAX_POSITIONS = 2**24
 
 #: The MLP gate activations a layer may use: SiLU (SwiGLU) or tanh-approximated GELU (GeGLU).
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
@@ -115,10 +121,13 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ModelLoadError(f"config field {name} must be a positive integer, got {value!r}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ModelLoadError(f"max_position_embeddings {self.max_position_embeddings} (with its RoPE scaling's "
+                                 f"stretch) is past the {MAX_POSITIONS} positions float32 RoPE angles tell apart")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
@@ -134,6 +143,9 @@ class ModelConfig:
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2:
             raise ModelLoadError(f"partial_rotary_factor {self.partial_rotary_factor} leaves no dimension to rotate "
                                  f"in a head of {self.head_dim}")
+        if int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ModelLoadError(f"partial_rotary_factor {self.partial_rotary_factor} rotates an odd number of a "
+                                 f"head's {self.head_dim} dimensions, which is not supported")
         s = self.rope_scaling
         if s is not None and s.kind == "longrope" and len(s.short_factor) != self.rotary_dim // 2:
             raise ModelLoadError(f"longrope names {len(s.short_factor)} factors for the {self.rotary_dim // 2} "
@@ -153,7 +165,10 @@ class ModelConfig:
         return self.num_heads // self.num_kv_heads
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, raw: dict[str, Any], *, checkpoint_layers: int | None = None) -> "ModelConfig":
+        """The config `raw` describes. `checkpoint_layers`, where known, is how many layers the checkpoint's
+        tensors hold: `num_hidden_layers` must name as many, checked before anything is built per layer (a
+        config's word alone never sizes an allocation)."""
         archs = raw.get("architectures") or []
         arch = archs[0] if archs else None
         if arch is None:
@@ -166,6 +181,9 @@ class ModelConfig:
             hidden = int(raw["hidden_size"])
             heads = int(raw["num_attention_heads"])
             layers = int(raw["num_hidden_layers"])
+            if checkpoint_layers is not None and layers != checkpoint_layers:
+                raise ModelLoadError(f"num_hidden_layers is {layers} but the checkpoint's tensors hold "
+                                     f"{checkpoint_layers} layers")
             head_dim = raw.get("head_dim") or hidden // heads
             trained = int(raw.get("max_position_embeddings", 2048))
             window = raw.get("sliding_window")
@@ -176,12 +194,7 @@ class ModelConfig:
             fields: dict[str, Any] = {}
             if family == "gemma3_text":
                 fields = _gemma3_fields(raw, hidden, layers)
-                rope_theta, rope_scaling = fields.pop("global_rope")
-            else:
-                rope_theta = float(raw.get("rope_theta", 10000.0))
-                rope_scaling = rope_scaling_of(raw, trained)
-            if family == "phi3":
-                fields["partial_rotary_factor"] = float(raw.get("partial_rotary_factor") or 1.0)
+            rope = rope_settings(raw, family, trained)
             if family == "smollm3":
                 fields["rope_layers"] = _rope_layers(raw, layers)
             return cls(
@@ -194,11 +207,13 @@ class ModelConfig:
                 num_kv_heads=int(raw.get("num_key_value_heads") or heads),
                 head_dim=int(head_dim),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-                rope_theta=rope_theta,
-                rope_scaling=rope_scaling,
+                rope_theta=rope.theta,
+                rope_scaling=rope.scaling,
+                partial_rotary_factor=rope.partial_rotary_factor,
+                local_rope_theta=rope.local_theta,
                 # Gemma 3's `max_position_embeddings` already counts its linear scaling.
                 max_position_embeddings=trained if family == "gemma3_text" else _servable_positions(trained,
-                                                                                                  rope_scaling),
+                                                                                                  rope.scaling),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "gemma3_text")),
                 attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
                 sliding_window=int(window) if window else None,
@@ -210,11 +225,11 @@ class ModelConfig:
             )
         except KeyError as missing:
             raise ModelLoadError(f"config.json is missing the field {missing.args[0]!r}") from None
-        except (TypeError, ValueError, AttributeError) as bad:
+        except (TypeError, ValueError, AttributeError, ArithmeticError) as bad:
             raise ModelLoadError(f"config.json has a malformed field: {bad}") from None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "ModelConfig":
+    def from_file(cls, path: str | Path, *, checkpoint_layers: int | None = None) -> "ModelConfig":
         path = Path(path)
         try:
             raw = json.loads(path.read_text(encoding="utf-8"))
@@ -224,7 +239,7 @@ class ModelConfig:
             raise ModelLoadError(f"{path} is not valid JSON: {bad}") from None
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{path} must hold a JSON object")
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, checkpoint_layers=checkpoint_layers)
 
 
 def _rope_layers(raw: dict[str, Any], layers: int) -> tuple[bool, ...]:
@@ -253,8 +268,8 @@ def _servable_positions(trained: int, scaling: RopeScaling | None) -> int:
 
 def _gemma3_fields(raw: dict[str, Any], hidden: int, layers: int) -> dict[str, Any]:
     """Gemma 3's own switches: which layers are local (`layer_types`, or one global layer in every
-    `sliding_window_pattern`), each kind's RoPE (the local base and no scaling; the global base and the
-    config's scaling), the GELU MLP, the scaled embeddings and the attention scale."""
+    `sliding_window_pattern`), the GELU MLP, the scaled embeddings and the attention scale (each layer
+    kind's RoPE is `rope_layout`'s)."""
     for name in ("final_logit_softcapping", "attn_logit_softcapping"):
         if raw.get(name) is not None:
             raise ModelLoadError(f"{name} is not supported (Gemma 3 checkpoints leave it unset)")
@@ -267,22 +282,8 @@ def _gemma3_fields(raw: dict[str, Any], hidden: int, layers: int) -> dict[str, A
     unknown = set(types) - {"sliding_attention", "full_attention"}
     if unknown:
         raise ModelLoadError(f"layer_types names kinds this runtime does not run: {sorted(unknown)}")
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and "full_attention" in params:  # one set per layer kind
-        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
-        if (local.get("rope_type") or "default") != "default":
-            raise ModelLoadError("scaled RoPE on Gemma 3's local layers is not supported")
-        theta = float(full.get("rope_theta", 1_000_000.0))
-        local_theta = float(local.get("rope_theta", 10_000.0))
-        scaling = rope_scaling_of({"rope_scaling": full}, int(raw.get("max_position_embeddings", 2048)))
-    else:
-        theta = float(raw.get("rope_theta", 1_000_000.0))
-        local_theta = float(raw.get("rope_local_base_freq", 10_000.0))
-        scaling = rope_scaling_of(raw, int(raw.get("max_position_embeddings", 2048)))
     return {
-        "global_rope": (theta, scaling),
         "window_layers": tuple(kind == "sliding_attention" for kind in types),
-        "local_rope_theta": local_theta,
         "embed_scale": math.sqrt(hidden),
         "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar") or 256),
     }

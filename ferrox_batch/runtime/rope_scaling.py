@@ -5,12 +5,15 @@ Hugging Face configs name the variant in `rope_scaling` (or `rope_parameters`) b
 blend of the two, and a scale on the tables), `longrope` (Phi-3: per-frequency factors, a short set within
 the original context and a long set past it) and `llama3` (Llama 3.1: long wavelengths slowed, short ones
 kept, a smooth band between). This module only reads and checks the parameters; the tables they make are
-`architectures.rope`'s. Anything else is refused by name at load.
+`architectures.rope`'s, and where a config keeps the dict is `rope_layout`'s. Any other variant, and any key
+a variant does not read, is refused by name at load.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from ferrox_batch.runtime.errors import ModelLoadError
@@ -55,42 +58,76 @@ class RopeScaling:
             raise ModelLoadError("longrope scaling needs short_factor and long_factor lists of one length")
 
 
-def rope_scaling_of(raw: dict[str, Any], max_positions: int) -> RopeScaling | None:
-    """The scaling a config's `rope_scaling` (or `rope_parameters`) names, None for plain RoPE.
+#: The keys every RoPE dict may hold, whatever its variant: what names it and what `rope_layout` reads itself.
+COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta", "partial_rotary_factor"})
+#: The keys each variant reads (transformers 5.25's `_validate_*_rope_parameters`, `dynamic` as it computes it:
+#: from `max_position_embeddings`, never an `original_max_position_embeddings` of its own). A key outside these
+#: would be ignored here while its author meant it to change the rotation: it is refused instead.
+VARIANT_KEYS: Mapping[str, frozenset[str]] = MappingProxyType({
+    "default": frozenset(),
+    "linear": frozenset({"factor"}),
+    "dynamic": frozenset({"factor"}),
+    "yarn": frozenset({"factor", "original_max_position_embeddings", "attention_factor", "beta_fast", "beta_slow",
+                       "mscale", "mscale_all_dim", "truncate"}),
+    "longrope": frozenset({"short_factor", "long_factor", "original_max_position_embeddings", "attention_factor",
+                           "factor"}),
+    "llama3": frozenset({"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}),
+})
 
-    `max_positions` is the config's `max_position_embeddings`: longrope and yarn derive their factor
-    from it when the config leaves the factor out."""
-    scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
-    if not isinstance(scaling, dict) or not scaling:
+
+def rope_variant(params: dict[str, Any], where: str) -> str:
+    """The variant a RoPE dict names (`rope_type`, or transformers 4's `type`): "default" when it names none;
+    a `ModelLoadError` naming `where` for one this runtime does not compute."""
+    kind = params.get("rope_type") or params.get("type") or "default"
+    if kind not in VARIANT_KEYS:
+        raise ModelLoadError(f"{where}.rope_type {kind!r} is not supported (supported: "
+                             f"{', '.join(VARIANT_KEYS)})")
+    unknown = sorted({key for key, value in params.items() if value is not None} - COMMON_KEYS - VARIANT_KEYS[kind])
+    if unknown:
+        raise ModelLoadError(f"{where} names {', '.join(map(repr, unknown))}, which {kind} RoPE does not read: "
+                             f"refused rather than ignored (it would change the rotation)")
+    return str(kind)
+
+
+def scaling_of(params: dict[str, Any], where: str, max_positions: int, original: int | None) -> RopeScaling | None:
+    """The scaling a RoPE dict (`params`, found at `where`) names, None for plain RoPE.
+
+    `max_positions` is the config's `max_position_embeddings`: dynamic stretches it, and longrope and yarn
+    derive their factor from it when the dict leaves the factor out. `original` is the pretrained context
+    where the config names one (`rope_layout` decides which place wins); `max_positions` otherwise."""
+    kind = rope_variant(params, where)
+    if kind == "default":
         return None
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
-        return None
-    original = scaling.get("original_max_position_embeddings") or raw.get("original_max_position_embeddings")
     if kind == "dynamic":  # NTK stretches the context the config itself names
         original = max_positions
-    factor = scaling.get("factor")
+    elif original is None and kind in ("llama3", "yarn", "longrope"):
+        original = max_positions  # transformers' default for a dict that names none
+    factor = params.get("factor")
     if factor is None and kind in ("yarn", "longrope") and original:
         factor = max_positions / int(original)
     if factor is None and kind != "longrope":
-        raise ModelLoadError(f"{kind} rope scaling needs a factor")
+        raise ModelLoadError(f"{where}: {kind} rope scaling needs a factor")
+    if kind == "llama3":
+        missing = [name for name in ("low_freq_factor", "high_freq_factor") if params.get(name) is None]
+        if missing:
+            raise ModelLoadError(f"{where}: llama3 rope scaling needs {' and '.join(missing)}")
 
     def optional(name: str) -> float | None:
-        value = scaling.get(name)
+        value = params.get(name)
         return None if value is None else float(value)
 
     return RopeScaling(
-        kind=str(kind),
+        kind=kind,
         factor=float(factor if factor is not None else 1.0),
         original_max_position_embeddings=None if original is None else int(original),
-        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
-        beta_fast=float(scaling.get("beta_fast") or 32.0),
-        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
         mscale=optional("mscale"),
         mscale_all_dim=optional("mscale_all_dim"),
-        truncate=bool(scaling.get("truncate", True)),
+        truncate=bool(params.get("truncate", True)),
         attention_factor=optional("attention_factor"),
-        short_factor=tuple(float(f) for f in scaling.get("short_factor") or ()),
-        long_factor=tuple(float(f) for f in scaling.get("long_factor") or ()),
+        short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
+        long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
     )

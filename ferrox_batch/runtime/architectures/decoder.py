@@ -51,7 +51,7 @@ from ferrox_batch.runtime.architectures.quantized_linear import (
     formats_that_run,
     is_quantized_kind,
 )
-from ferrox_batch.runtime.architectures.rope import apply_rope, rope_tables
+from ferrox_batch.runtime.architectures.rope import RopeTables, apply_rope
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
 from ferrox_batch.runtime.errors import ModelLoadError
@@ -138,8 +138,8 @@ class Decoder:
             raise ModelLoadError(f"checkpoint has tensors this architecture does not use: {sorted(unused)[:5]}")
         # One pair of tables per RoPE kind the layers use. A layer without RoPE writes its K/V through the same
         # kernel with tables that rotate by nothing: cos 1 and sin 0 leave every value exactly as it was.
-        self.rope = {kind: rope_tables(config, kind, self.device, dtype)
-                     for kind in sorted({layer.rope for layer in self.layers} | {"global"})}
+        self.rope_tables = RopeTables(config, {layer.rope for layer in self.layers} | {"global"}, self.device, dtype)
+        self.rope = self.rope_tables.tables
         self.cos, self.sin = self.rope["global"]
         # The embeddings' scale as the reference applies it: rounded to the compute dtype first.
         self.embed_scale = None if config.embed_scale == 1.0 else torch.tensor(config.embed_scale, dtype=dtype)
@@ -270,6 +270,9 @@ class Decoder:
             raise ValueError(
                 f"position {top} is past this model's {c.max_position_embeddings} trained positions"
             )
+        if self.rope_tables.cover(top):
+            self.rope = self.rope_tables.tables
+            self.cos, self.sin = self.rope["global"]
         plans: list[PrefillPlan | None] = [None] * len(groups)
         if kernel is not None:  # once per forward and group; the kernels read and write unchecked
             for group, seen in enumerate(groups):

@@ -22,6 +22,7 @@ only thing attention reads of them, are unchanged.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -125,11 +126,13 @@ def angles(dim: int, theta: float, scaling: RopeScaling | None, positions: int) 
     return torch.outer(pos, inverse_frequencies(dim, theta, scaling))
 
 
-def rope_tables(config: ModelConfig, kind: str, device: torch.device, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`(cos, sin)` of one RoPE kind (`ModelConfig.rope_kind`), each `[max_position_embeddings, head_dim]`
-    in `dtype`, in the half-split layout (`apply_rope`); "none" rotates by nothing (cos 1, sin 0)."""
-    d, r, positions = config.head_dim, config.rotary_dim, config.max_position_embeddings
+def rope_tables(config: ModelConfig, kind: str, device: torch.device, dtype: torch.dtype,
+                positions: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(cos, sin)` of one RoPE kind (`ModelConfig.rope_kind`), each `[positions, head_dim]` in `dtype` (by
+    default every position the model can be served at), in the half-split layout (`apply_rope`); "none"
+    rotates by nothing (cos 1, sin 0). Row `p` depends on `p` alone, whatever `positions` is."""
+    d, r = config.head_dim, config.rotary_dim
+    positions = config.max_position_embeddings if positions is None else positions
     if kind == "none":
         return (torch.ones(positions, d, device=device, dtype=dtype),
                 torch.zeros(positions, d, device=device, dtype=dtype))
@@ -154,6 +157,38 @@ def rope_tables(config: ModelConfig, kind: str, device: torch.device, dtype: tor
         cos = torch.where(rotated, cos * factor, cos)
         sin = torch.where(rotated, sin * factor, sin)
     return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+
+
+class RopeTables:
+    """The cos/sin tables of each RoPE kind a model's layers use, over the positions its forwards have reached.
+
+    A row depends on its own position alone, so the tables grow as the sequences do (doubling, never past
+    `max_position_embeddings`) instead of holding every position the config names: what a checkpoint's
+    metadata claims allocates nothing at load, and the tables hold at most twice the positions the longest
+    sequence so far has reached (and had K/V stored for)."""
+
+    #: Rows computed at load (every position, for a model with fewer).
+    INITIAL_ROWS = 4096
+
+    def __init__(self, config: ModelConfig, kinds: Iterable[str], device: torch.device, dtype: torch.dtype) -> None:
+        self._config, self._kinds, self._device, self._dtype = config, sorted(set(kinds)), device, dtype
+        self.tables: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._compute(min(config.max_position_embeddings, self.INITIAL_ROWS))
+
+    @property
+    def rows(self) -> int:
+        """How many positions the tables hold."""
+        return next(iter(self.tables.values()))[0].shape[0]
+
+    def cover(self, top: int) -> bool:
+        """Make the tables hold position `top` (below `max_position_embeddings`); whether they grew."""
+        if top < self.rows:
+            return False
+        self._compute(min(self._config.max_position_embeddings, max(2 * self.rows, top + 1)))
+        return True
+
+    def _compute(self, rows: int) -> None:
+        self.tables = {kind: rope_tables(self._config, kind, self._device, self._dtype, rows) for kind in self._kinds}
 
 
 def rotary_permutation(head_dim: int, rotary_dim: int) -> torch.Tensor:

@@ -124,6 +124,11 @@ class GgufFamily:
         """The HF `config.json` of the checkpoint this file was converted from."""
         meta = Meta(values, self.arch)
         config = _common(meta, self, tensor_names)
+        held = max((int(name.split(".")[1]) for name in tensor_names
+                    if name.startswith("blk.") and name.split(".")[1].isdigit()), default=-1) + 1
+        if config["num_hidden_layers"] != held:  # checked before anything is built per layer
+            raise ModelLoadError(f"metadata key {self.arch}.block_count is {config['num_hidden_layers']} but the "
+                                 f"file's tensors hold {held} layers")
         if self.biased:  # Qwen2's biases: present on every layer or none (the shape check holds them to it)
             config["attention_bias"] = any(f"blk.0.{short}.bias" in tensor_names for short in self.biased)
         config.update(self.extra(meta, config, tensors))

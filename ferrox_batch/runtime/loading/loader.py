@@ -7,7 +7,8 @@ inside the folder: an index cannot point the loader at another file). A
 weights kept in their blocks or widened as `--weights` says
 (`runtime.quant.choice`). Every failure is a `ModelLoadError` that names the file and what is
 wrong with it; an unsupported architecture is refused before any weight is
-read.
+read. What the config claims sizes nothing until the tensors bear it out: its layer count is checked
+against the tensors' names (read from the headers) and its vocabulary against the embedding.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from ferrox_batch.admission.kv import KvShape
@@ -119,7 +120,7 @@ def _load(path: str | Path, device: str | torch.device | None, dtype: str | torc
         return _load_gguf(path, device, dtype, kv_cache_dtype, held, batch_invariant)
     if not path.is_dir():
         raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
-    config = ModelConfig.from_file(path / "config.json")
+    config = ModelConfig.from_file(path / "config.json", checkpoint_layers=_layers_held(path))
     tokenizer = Tokenizer.from_dir(path)
     tensors = _read_safetensors(path)
     return _build(config, tensors, tokenizer, path, device, dtype, kv_cache_dtype, held, batch_invariant)
@@ -136,6 +137,11 @@ def _build(
     held: WeightsChoice,
     batch_invariant: str | bool | None,
 ) -> LoadedModel:
+    embedding = weights.get("model.embed_tokens.weight")
+    if embedding is not None and embedding.shape[0] != config.vocab_size:
+        # Checked before anything is sized by the config's word (the tokenizer's padding is).
+        raise ModelLoadError(f"vocab_size is {config.vocab_size} but model.embed_tokens.weight holds "
+                             f"{embedding.shape[0]} rows")
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelLoadError(
             f"the tokenizer has {tokenizer.vocab_size} ids but the model's vocabulary is {config.vocab_size}"
@@ -176,6 +182,23 @@ def _build(
              source.name, precision, chosen_device, kinds, reason, kv.name, kv.reason, loaded.weights_summary,
              weights_reason, "yes" if loaded.batch_invariant else "no", invariance_reason)
     return loaded
+
+
+def _layers_held(folder: Path) -> int | None:
+    """How many layers the folder's tensors hold (one past the highest `model.layers.N`), read from the
+    safetensors headers or the shard index alone; None where they cannot be read (loading says why)."""
+    index = folder / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            names = list(json.loads(index.read_text())["weight_map"])
+        else:
+            with safe_open(str(folder / "model.safetensors"), framework="pt") as file:
+                names = list(file.keys())
+    except (OSError, SafetensorError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    layers = [int(parts[2]) for parts in (str(name).split(".") for name in names)
+              if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()]
+    return max(layers, default=-1) + 1
 
 
 def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -205,6 +205,10 @@ def rewrite(family: FamilyGguf, out: Path, *, drop: set[str] = frozenset(), chan
     ("gemma3", {"changes": {"tokenizer.ggml.scores": [0.0] * 10}}, "10 token scores for 384 tokens"),
     ("qwen2", {"changes": {"tokenizer.ggml.token_type": [1] * 10}}, "10 token types for 384 tokens"),
     ("qwen2", {"drop": {"tokenizer.ggml.tokens"}}, "no tokenizer.ggml.tokens"),
+    # A layer count the tensors do not hold, refused before a list per layer is built from it.
+    ("smollm3", {"changes": {"smollm3.block_count": 2**31 - 1}}, "block_count is 2147483647 but the file's tensors "
+                                                                 "hold 4 layers"),
+    ("gemma3", {"changes": {"gemma3.block_count": 7}}, "block_count is 7"),
     # Q8_1 is a type llama.cpp computes with but gguf-py cannot dequantize: rows of 64 values, 40 bytes a block
     ("llama", {"tensors": {"blk.1.attn_v.weight": (np.zeros((32, 80), np.uint8), gguf.GGMLQuantizationType.Q8_1)}},
      "blk.1.attn_v.weight is stored as Q8_1, a type gguf-py cannot dequantize"),
@@ -215,6 +219,15 @@ def test_a_malformed_family_file_is_refused_by_name(families: dict[str, FamilyGg
     with pytest.raises(ModelLoadError, match=message) as info:
         read_gguf(path)
     assert "bad.gguf" in str(info.value)
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3"])
+def test_a_context_length_past_what_float32_rope_serves_is_refused(families: dict[str, FamilyGguf], tmp_path: Path,
+                                                                   case: str) -> None:
+    arch = CASES[case][0]
+    path = rewrite(families[case], tmp_path / "long.gguf", changes={f"{arch}.context_length": 2**31 - 1})
+    with pytest.raises(ModelLoadError, match="max_position_embeddings"):
+        load_model(path, device="cpu", dtype="float32")
 
 
 def test_gemma3_reads_what_llama_cpp_hardcodes(families: dict[str, FamilyGguf]) -> None:

@@ -94,10 +94,15 @@ def test_a_weight_of_the_wrong_shape_is_named(tiny_llama_dir, tmp_path):
 
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tiny_llama_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
     folder = copy(tiny_llama_dir, tmp_path / "m")
     raw = json.loads((folder / "config.json").read_text())
     raw["vocab_size"] = 100
     (folder / "config.json").write_text(json.dumps(raw))
+    weights = load_file(str(folder / "model.safetensors"))  # the (tied) embedding of a 100-id vocabulary
+    weights["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"][:100].contiguous()
+    save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="tokenizer has .* ids but the model's vocabulary is 100"):
         load_model(folder, device="cpu", dtype="float32")
 
@@ -106,7 +111,8 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused(tiny_llama_dir,
     "field,value,match",
     [("num_attention_heads", 3, "multiple of"), ("num_hidden_layers", 0, "num_layers"),
      ("rope_scaling", {"rope_type": "su", "factor": 2.0}, "'su' is not supported"),
-     ("rope_scaling", {"rope_type": "yarn", "factor": 2.0}, "yarn rope scaling needs a positive original"),
+     ("rope_scaling", {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0},
+      "yarn rope scaling needs a positive original"),
      ("rope_scaling", {"rope_type": "linear"}, "linear rope scaling needs a factor"),
      ("rope_scaling", {"rope_type": "linear", "factor": -1}, "factor must be positive"),
      ("hidden_act", "relu", "activation 'relu' is not supported")],
