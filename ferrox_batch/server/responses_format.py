@@ -221,9 +221,17 @@ class ResponsesFormat:
                 yield self._event({"type": "response.completed", "response": self.response("completed", event.result)})
                 return
             else:
-                yield self._event({"type": "error", **error_body(event.error)["error"]})
+                for piece in self.failure_events(event.error):
+                    yield piece
                 return
             _, event = await anext(events)
+
+    def failure_events(self, error: BaseException) -> list[bytes]:
+        """How a stream that has begun tells a failure: OpenAI's `error` event, with the error's code, message
+        and param (Responses streams have no `[DONE]`)."""
+        detail = error_body(error)["error"]
+        return [self._event({"type": "error", "code": detail.get("code"), "message": detail["message"],
+                             "param": detail.get("param")})]
 
     def _event(self, payload: dict[str, Any]) -> bytes:
         payload["sequence_number"] = self._sequence
