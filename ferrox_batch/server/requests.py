@@ -56,6 +56,7 @@ from ferrox_batch.server.sampling_fields import (
 from ferrox_batch.server.structured_fields import read_structured
 from ferrox_batch.server.tools.definitions import (
     ToolCallParser,
+    forced_functions,
     forced_grammar,
     read_parallel,
     read_tool_choice,
@@ -157,6 +158,11 @@ class ChatRequest:
     @property
     def parses_tool_calls(self) -> bool:
         return self.tool_choice != "none"
+
+    @property
+    def forced_functions(self) -> tuple[str, ...] | None:
+        """The functions a forced `tool_choice` may call; None when the calls are the model's choice."""
+        return forced_functions(self.tools, self.tool_choice)
 
 
 def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int) -> CompletionRequest:

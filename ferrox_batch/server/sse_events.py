@@ -63,7 +63,7 @@ async def sse_events(first: tuple[int, Event], events: AsyncIterator[tuple[int, 
                 sent[index] += len(event.logprobs)
                 ids_sent[index] += len(event.token_ids)
         elif isinstance(event.result, GenerationResult):
-            closing, reason = fmt.closing_chunks(index)
+            closing, reason = fmt.closing_chunks(index, event.result.finish_reason)
             for chunk in closing:
                 yield sse(chunk)
             rest = (event.result.logprobs or ())[sent[index]:]
