@@ -5,7 +5,8 @@ Pins the shared parser (`ferrox_batch.bounded_json`): a document exactly `MAX_JS
 body included, which would overflow a recursive walk), and brackets inside strings do not count. The
 server's `parse_json_object` answers it as a 400 that says so. JSON held in a string field and parsed again
 (an earlier call's `tool_calls[].function.arguments`, a Responses `function_call`'s `arguments`) is bound
-the same way: deeper is a 400 naming that field, on the chat endpoint, `/tokenize` and `/v1/responses`.
+the same way: deeper is a 400 naming that field, on the chat endpoint, `/tokenize` and `/v1/responses`; and so
+is a JSON schema sent as text (`structured_outputs.json`, `guided_json`).
 """
 
 from __future__ import annotations
@@ -113,3 +114,18 @@ def test_deep_arguments_of_an_earlier_call_are_a_400_naming_them(tiny_batch_mode
             {"id": "c1", "type": "function", "function": {"name": "f", "arguments": nested(MAX_JSON_DEPTH - 1, "{}")}}]},
                    history[2]]
         assert httpx.post(base_url + "/tokenize", json={"messages": shallow}, timeout=DEADLINE).status_code == 200
+
+
+@pytest.mark.parametrize("field, param", [({"structured_outputs": {"json": "SCHEMA"}}, "structured_outputs.json"),
+                                          ({"guided_json": "SCHEMA"}, "guided_json")])
+def test_a_schema_sent_as_deep_json_text_is_a_400_naming_it(server, field, param):
+    base_url, _batcher = server
+    schema = json.dumps(field).replace('"SCHEMA"', json.dumps(nested(100_000)))
+    for path, rest in (("/v1/completions", '"prompt": "x"'), ("/v1/chat/completions",
+                                                             '"messages": [{"role": "user", "content": "x"}]')):
+        raw = "{" + rest + ', "max_tokens": 1, ' + schema[1:]
+        response = httpx.post(base_url + path, content=raw.encode(), headers={"Content-Type": "application/json"},
+                              timeout=DEADLINE)
+        assert response.status_code == 400, (path, response.text[:300])
+        error = response.json()["error"]
+        assert error["param"] == param and "deeper than" in error["message"], error
