@@ -5,7 +5,10 @@ A whole answer's text is split into thinking (`message.reasoning_content`, when 
 parser) and the answer, whose tool calls are parsed into `message.tool_calls` (finish reason
 `tool_calls`). A stream does the same a piece at a time: thinking goes out as `delta.reasoning_content`,
 the answer's content as `delta.content`, its calls as `delta.tool_calls` deltas, each as soon as the
-splitters are sure of it; what they held back goes out at the choice's end.
+splitters are sure of it; what they held back goes out at the choice's end. A forced call (`tool_choice`
+`required` or a named function) is always calls, never content: one cut short (`max_tokens`) is the calls
+it began, with their arguments as far as they were written, and the finish reason that cut it
+(`tools.cut`).
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ferrox_batch.generation_types import GenerationResult
+from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.server.logprob_shapes import LogprobShapes
 from ferrox_batch.server.reasoning import ReasoningParser, ReasoningSplit
 from ferrox_batch.server.responses import WireFormat, finish_reason
+from ferrox_batch.server.tools.cut import cut_calls
 from ferrox_batch.server.tools.definitions import ToolCallParser
 from ferrox_batch.server.tools.stream import ToolStream
 
@@ -29,6 +33,8 @@ class ChatFormat(WireFormat):
     #: With tools: what reads the model's calls out of its text (`tools`), and whether it may make several.
     tool_parser: ToolCallParser | None = None
     parallel_tool_calls = True
+    #: The functions a forced `tool_choice` may call (`definitions.forced_functions`); None: not forced.
+    forced_functions: tuple[str, ...] | None = None
     #: What splits the model's thinking from its answer (`--reasoning-parser`); None: no thinking is read.
     reasoning: ReasoningParser | None = None
 
@@ -56,7 +62,7 @@ class ChatFormat(WireFormat):
         if self.tool_parser is None:
             return super().stream_chunks(index, text, logprobs, token_ids)
         if index not in self._streams:
-            self._streams[index] = ToolStream(self.tool_parser, self.parallel_tool_calls)
+            self._streams[index] = ToolStream(self.tool_parser, self.parallel_tool_calls, self.forced_functions)
         content, deltas = self._streams[index].feed(text) if text else ("", [])
         chunks = []
         if content:
@@ -72,7 +78,7 @@ class ChatFormat(WireFormat):
                   "finish_reason": None}
         return self._streamed(index, choice, token_ids)
 
-    def closing_chunks(self, index: int) -> tuple[list[dict[str, Any]], str | None]:
+    def closing_chunks(self, index: int, reason: FinishReason) -> tuple[list[dict[str, Any]], str | None]:
         chunks: list[dict[str, Any]] = []
         split = self._splits.get(index)
         if split is not None:
@@ -83,12 +89,12 @@ class ChatFormat(WireFormat):
         stream = self._streams.get(index)
         if stream is None:
             return chunks, None
-        rest, deltas, calls = stream.finish()
+        rest, deltas, calls = stream.finish(ended=reason.kind == "stop")
         if rest:
             chunks.append(self.text_chunk(index, rest))
         if deltas:
             chunks.append(self._delta_chunk(index, {"tool_calls": deltas}))
-        return chunks, "tool_calls" if calls else None
+        return chunks, "tool_calls" if calls and not stream.cut else None
 
     def opening_chunks(self, choices: int) -> list[dict[str, Any]]:
         chunks = []
@@ -115,12 +121,18 @@ class ChatFormat(WireFormat):
             message["reasoning_content"] = thinking
         reason = finish_reason(result.finish_reason)
         if self.tool_parser is not None and content:
-            parsed = self.tool_parser.parse(content)
-            if parsed.calls:
+            ended = result.finish_reason.kind == "stop"
+            parsed = self.tool_parser.parse(content) if ended or self.forced_functions is None else None
+            if parsed is not None and parsed.calls:
                 calls = parsed.calls if self.parallel_tool_calls else parsed.calls[:1]
                 message["content"] = parsed.content
                 message["tool_calls"] = [call.to_openai() for call in calls]
                 reason = "tool_calls"
+            elif self.forced_functions is not None:  # cut short: the calls it began, never the envelope
+                calls = cut_calls(self.tool_parser, content, self.forced_functions, self.parallel_tool_calls)
+                message["content"] = None
+                if calls:
+                    message["tool_calls"] = [call.to_openai() for call in calls]
         return {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
 
     def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int], lazy: bool) -> dict[str, Any]:

@@ -6,7 +6,8 @@
   model continues that message (a prefilled assistant answer); not with `add_generation_prompt` (vLLM's
   rule: send `add_generation_prompt: false` with it).
 * `chat_template_kwargs`: more variables for the template, such as Qwen3's `enable_thinking`; at most
-  `MAX_TEMPLATE_KWARGS_BYTES` as JSON, and never a variable the server sets (`messages`, `tools`, ...).
+  `MAX_TEMPLATE_KWARGS_BYTES` as JSON, never a variable the server sets (`messages`, `tools`, ...), and
+  never a name the template environment defines (`namespace`, `range`, `loop`, ...), which would shadow it.
 
 And one the server decides, not the request: `escape_control_text` (`--escape-control-tokens`), control-token
 text in messages' content read as text (`runtime.loading.control_text`).
@@ -19,12 +20,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.runtime.loading.tokenizer import SERVER_VARIABLES, TEMPLATE_GLOBALS
 from ferrox_batch.server.fields import Fields
 
 #: The most bytes `chat_template_kwargs` may take as compact JSON: flags and a few strings, not documents.
 MAX_TEMPLATE_KWARGS_BYTES = 16 * 1024
-#: The template variables the server sets itself.
-RESERVED = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception")
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +60,10 @@ def read_rendering(fields: Fields, *, escape_control_text: bool = False) -> Chat
     bad = next((k for k in value if not k.isidentifier()), None)
     if bad is not None:
         raise InvalidRequest("chat_template_kwargs", bad, "names must be template variable names")
-    taken = next((k for k in value if k in RESERVED), None)
-    if taken is not None:
-        raise InvalidRequest("chat_template_kwargs", taken, f"cannot set {taken}: the server sets it")
+    for name in value:
+        if name in SERVER_VARIABLES:
+            raise InvalidRequest("chat_template_kwargs", name, f"cannot set {name!r}: the server sets it")
+        if name in TEMPLATE_GLOBALS:
+            raise InvalidRequest("chat_template_kwargs", name,
+                                 f"cannot set {name!r}: the chat template's environment defines it")
     return ChatRendering(add, cont, tuple(sorted(value.items())), escape_control_text)

@@ -24,7 +24,9 @@ The pipeline of one request, and why each step is where it is:
    reports before any text (a prompt token outside the vocabulary, a KV page
    store that said no) is still a plain JSON error with its status, never a
    stream that breaks. A stream then carries text chunks, the final chunk,
-   the usage chunk when `stream_options.include_usage` is set, and `[DONE]`.
+   the usage chunk when `stream_options.include_usage` is set, and `[DONE]`;
+   one that fails after its headers went out (on the worker, or while its
+   events are written) ends with an error event (`sse_events.ended_in_band`).
    A whole answer is built and encoded on the *answer* pool and sent a piece
    at a time (`json_body`): a big one never stops the loop, nor sits whole in
    a buffer.
@@ -69,7 +71,7 @@ from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.responses_format import ResponsesFormat
 from ferrox_batch.server.responses import WireFormat, finish_reason
-from ferrox_batch.server.sse_events import sse_events
+from ferrox_batch.server.sse_events import ended_in_band, failure_events, sse_events
 from ferrox_batch.server.streaming import (
     Event,
     EventStreamResponse,
@@ -200,8 +202,9 @@ class Generations:
                 handed_off = True
                 body = (fmt.stream(first, events) if isinstance(fmt, ResponsesFormat)
                         else sse_events(first, events, fmt, prepared.request.include_usage, len(bridges)))  # type: ignore[arg-type]
+                failure = fmt.failure_events if isinstance(fmt, ResponsesFormat) else failure_events
                 return EventStreamResponse(
-                    body,
+                    ended_in_band(body, failure, rid),
                     write_timeout=self.limits.write_timeout, on_close=lambda: self._abandon(*bridges),
                     cut=[bridge.overflowed for bridge in bridges])
             # A request that does not stream gets no `Text` events: the next event of each choice is final.

@@ -182,7 +182,7 @@ class Preparer:
             assert isinstance(request, ChatRequest) and prepared.body is not None
             parser = TOOL_FORMATS[request.tool_format] if request.parses_tool_calls else None
             return ResponsesFormat(name, rid, prepared.body, self.tokenizer, self.reasoning, parser,
-                                   request.parallel_tool_calls)
+                                   request.parallel_tool_calls, request.forced_functions)
         asked = request.options.logprobs is not None or request.prompt_logprobs is not None
         fmt: WireFormat = (ChatFormat if endpoint == CHAT else CompletionFormat)(name, rid,
                                                                                   self.tokenizer if asked else None)
@@ -196,6 +196,7 @@ class Preparer:
         if isinstance(request, ChatRequest) and request.parses_tool_calls:
             fmt.tool_parser = TOOL_FORMATS[request.tool_format]  # type: ignore[attr-defined]
             fmt.parallel_tool_calls = request.parallel_tool_calls  # type: ignore[attr-defined]
+            fmt.forced_functions = request.forced_functions  # type: ignore[attr-defined]
         if isinstance(request, CompletionRequest) and request.echo:
             fmt.echo_top = request.options.logprobs or 0  # type: ignore[attr-defined]
             fmt.echo = [(ids, prompt if isinstance(prompt, str) and request.truncate_prompt_tokens is None  # type: ignore[attr-defined]

@@ -56,6 +56,7 @@ from ferrox_batch.server.sampling_fields import (
 from ferrox_batch.server.structured_fields import read_structured
 from ferrox_batch.server.tools.definitions import (
     ToolCallParser,
+    forced_functions,
     forced_grammar,
     read_parallel,
     read_tool_choice,
@@ -157,6 +158,11 @@ class ChatRequest:
     @property
     def parses_tool_calls(self) -> bool:
         return self.tool_choice != "none"
+
+    @property
+    def forced_functions(self) -> tuple[str, ...] | None:
+        """The functions a forced `tool_choice` may call; None when the calls are the model's choice."""
+        return forced_functions(self.tools, self.tool_choice)
 
 
 def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int) -> CompletionRequest:
@@ -331,7 +337,8 @@ def _message(index: int, message: Any) -> ChatMessage:
             raise InvalidRequest(f"{where}.tool_calls", calls, "must be an assistant's list of function calls")
         content = message.get("content")  # an assistant turn that only called tools has none
         text = "" if content is None else text_content(f"{where}.content", content)
-        return ChatMessage(role, text, tuple(_tool_call_for_template(c) for c in calls))
+        return ChatMessage(role, text, tuple(_tool_call_for_template(f"{where}.tool_calls[{i}]", c)
+                                             for i, c in enumerate(calls)))
     call_id = message.get("tool_call_id")
     if role == "tool" and call_id is not None and not isinstance(call_id, str):
         raise InvalidRequest(f"{where}.tool_call_id", call_id, "must be a string")
@@ -339,16 +346,25 @@ def _message(index: int, message: Any) -> ChatMessage:
                        tool_call_id=call_id if role == "tool" else None)
 
 
-def _tool_call_for_template(call: dict[str, Any]) -> dict[str, Any]:
+def _tool_call_for_template(where: str, call: dict[str, Any]) -> dict[str, Any]:
     """An earlier call as templates expect it: the arguments as an object where they are JSON."""
     function = dict(call["function"])
-    arguments = function.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            function["arguments"] = json.loads(arguments)
-        except ValueError:
-            pass  # left as the client sent it
+    function["arguments"] = call_arguments(f"{where}.function.arguments", function.get("arguments"))
     return {**call, "function": function}
+
+
+def call_arguments(where: str, arguments: Any) -> Any:
+    """A call's `arguments` as the template reads them: the JSON value of a string that holds JSON, anything
+    else as sent. JSON nested deeper than a request body may nest is a 400 naming `where`: the template walks
+    it recursively, as it walks the body."""
+    if not isinstance(arguments, str):
+        return arguments
+    try:
+        return bounded_json.loads(arguments)
+    except bounded_json.JsonTooDeep as deep:
+        raise InvalidRequest(where, arguments, f"is refused: {deep}") from None
+    except ValueError:
+        return arguments  # not JSON: left as the client sent it
 
 
 def text_content(where: str, content: Any, part_types: tuple[str, ...] = ("text",)) -> str:

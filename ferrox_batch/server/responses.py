@@ -187,8 +187,9 @@ class WireFormat:
         none while it is held back (tool calls)."""
         return [self.text_chunk(index, text, logprobs, token_ids)] if text else []
 
-    def closing_chunks(self, index: int) -> tuple[list[dict[str, Any]], str | None]:
-        """Chunks a choice still owes at its end, and the finish reason they impose (None: the result's)."""
+    def closing_chunks(self, index: int, reason: FinishReason) -> tuple[list[dict[str, Any]], str | None]:
+        """Chunks a choice that ended for `reason` still owes, and the finish reason they impose (None: the
+        result's)."""
         return [], None
 
     def usage_chunk(self, usages: Sequence[Usage]) -> dict[str, Any]:

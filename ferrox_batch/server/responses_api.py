@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.server.requests import text_content
+from ferrox_batch.server.requests import call_arguments, text_content
 
 #: Fields whose presence (any value but the one that asks for nothing) this server cannot honour.
 REFUSED = {
@@ -93,6 +93,7 @@ def _input(value: Any) -> list[dict[str, Any]]:
                     "function": {"name": item.get("name"), "arguments": item.get("arguments", "{}")}}
             if not isinstance(call["id"], str) or not isinstance(item.get("name"), str):
                 raise InvalidRequest(where, item, "a function_call needs a call_id and a name")
+            call_arguments(f"{where}.arguments", call["function"]["arguments"])  # refused here, by its own name
             if messages and messages[-1]["role"] == "assistant" and messages[-1].get("tool_calls"):
                 messages[-1]["tool_calls"].append(call)  # calls made together stay one turn
             else:

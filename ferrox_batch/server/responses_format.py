@@ -41,9 +41,11 @@ def _id(prefix: str) -> str:
 class ResponseBuilder:
     """One answer's output items, made from its text as it comes (`feed`, then `finish`)."""
 
-    def __init__(self, reasoning: ReasoningParser | None, tool_parser: ToolCallParser | None, parallel: bool) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tool_parser: ToolCallParser | None, parallel: bool,
+                 forced: Sequence[str] | None = None) -> None:
+        """`forced`: the functions a forced `tool_choice` may call (None: not forced; `tools.cut`)."""
         self._split = None if reasoning is None else ReasoningSplit(reasoning.implicit)
-        self._tools = None if tool_parser is None else ToolStream(tool_parser, parallel)
+        self._tools = None if tool_parser is None else ToolStream(tool_parser, parallel, forced)
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, int] = {}  # "reasoning" / "message" -> the open item's output index
         self._calls: dict[int, int] = {}  # tool-call index -> its item's output index
@@ -57,15 +59,16 @@ class ResponseBuilder:
         self._answer(text, events)
         return events
 
-    def finish(self) -> list[dict[str, Any]]:
-        """What the splitters held back, then every open item closed."""
+    def finish(self, ended: bool = True) -> list[dict[str, Any]]:
+        """What the splitters held back, then every open item closed; `ended`: the answer ran to its natural
+        end (else its calls are `incomplete`, a forced one's as far as it was written)."""
         events: list[dict[str, Any]] = []
         if self._split is not None:
             thinking, text = self._split.finish()
             self._think(thinking, events)
             self._answer(text, events)
         if self._tools is not None:
-            rest, deltas, _calls = self._tools.finish()
+            rest, deltas, _calls = self._tools.finish(ended)
             self._content(rest, events)
             self._call_deltas(deltas, events)
         for kind in ("reasoning", "message"):
@@ -73,7 +76,7 @@ class ResponseBuilder:
         for index in sorted(self._calls.values()):
             item = self.items[index]
             if item["status"] == "in_progress":
-                item["status"] = "completed"
+                item["status"] = "completed" if ended else "incomplete"
                 events.append({"type": "response.function_call_arguments.done", "item_id": item["id"],
                                "output_index": index, "name": item["name"], "arguments": item["arguments"]})
                 events.append({"type": "response.output_item.done", "output_index": index, "item": item})
@@ -167,13 +170,14 @@ class ResponsesFormat:
     """The answer of one `/v1/responses` request: `full` for a whole one, `stream` for its events."""
 
     def __init__(self, model: str, rid: str, body: Mapping[str, Any], tokenizer: Tokenizer,
-                 reasoning: ReasoningParser | None, tool_parser: ToolCallParser | None, parallel: bool) -> None:
+                 reasoning: ReasoningParser | None, tool_parser: ToolCallParser | None, parallel: bool,
+                 forced: Sequence[str] | None = None) -> None:
         self.id = f"resp_{rid}"
         self.created = int(time.time())
         self.model = model
         self._body = body
         self._tokenizer = tokenizer
-        self._builder = ResponseBuilder(reasoning, tool_parser, parallel)
+        self._builder = ResponseBuilder(reasoning, tool_parser, parallel, forced)
         self._sequence = 0
 
     def response(self, status: str, result: GenerationResult | None) -> dict[str, Any]:
@@ -203,7 +207,7 @@ class ResponsesFormat:
     def full(self, results: Sequence[GenerationResult], usages: Sequence[Usage] | None = None) -> Iterator[str]:
         (result,) = results
         self._builder.feed(result.text)
-        self._builder.finish()
+        self._builder.finish(result.finish_reason.kind == "stop")
         return json_pieces(self.response("completed", result))
 
     async def stream(self, first: tuple[int, Event], events: AsyncIterator[tuple[int, Event]]) -> AsyncIterator[bytes]:
@@ -216,14 +220,22 @@ class ResponsesFormat:
                 for payload in self._builder.feed(event.text):
                     yield self._event(payload)
             elif isinstance(event.result, GenerationResult):
-                for payload in self._builder.finish():
+                for payload in self._builder.finish(event.result.finish_reason.kind == "stop"):
                     yield self._event(payload)
                 yield self._event({"type": "response.completed", "response": self.response("completed", event.result)})
                 return
             else:
-                yield self._event({"type": "error", **error_body(event.error)["error"]})
+                for piece in self.failure_events(event.error):
+                    yield piece
                 return
             _, event = await anext(events)
+
+    def failure_events(self, error: BaseException) -> list[bytes]:
+        """How a stream that has begun tells a failure: OpenAI's `error` event, with the error's code, message
+        and param (Responses streams have no `[DONE]`)."""
+        detail = error_body(error)["error"]
+        return [self._event({"type": "error", "code": detail.get("code"), "message": detail["message"],
+                             "param": detail.get("param")})]
 
     def _event(self, payload: dict[str, Any]) -> bytes:
         payload["sequence_number"] = self._sequence

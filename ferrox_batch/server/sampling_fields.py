@@ -23,6 +23,9 @@ from ferrox_batch.structured import StructuredOutput
 #: OpenAI's temperature default. The library's default is greedy; an HTTP client that omits
 #: the field expects OpenAI's behaviour.
 DEFAULT_TEMPERATURE = 1.0
+#: The most digits a `logit_bias` key may have: every token id is below 2**31, which has ten. A longer key
+#: is refused before it is read as an integer (past 4,300 digits Python refuses the conversion itself).
+MAX_TOKEN_ID_DIGITS = 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +106,8 @@ def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise InvalidRequest("logit_bias", key, "keys must be token ids (decimal integers)")
+        if len(key) > MAX_TOKEN_ID_DIGITS:
+            raise InvalidRequest("logit_bias", key, f"keys must be token ids of at most {MAX_TOKEN_ID_DIGITS} digits")
         if not is_number(bias):
             raise InvalidRequest("logit_bias", bias, "values must be numbers in [-100, 100]")
         pairs.append((int(key), bias))

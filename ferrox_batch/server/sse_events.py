@@ -3,13 +3,17 @@
 A request's choices (`n`) stream through one body: each choice's opening chunks, then its text as it comes
 (with the log-probabilities of the tokens it carries), then its closing and final chunks once it is done;
 after the last choice, the usage chunk when asked for, and `[DONE]`. A failure after text went out is
-reported in-band, as OpenAI's streams do. The response that carries this body cancels the request if it
-ends early (`streaming.EventStreamResponse`).
+reported in-band, as OpenAI's streams do: the worker's (a choice that failed) and the server's own while
+it writes the events alike (`ended_in_band`: the headers are out, so the body is the only place left to
+say it), and the stream still ends with `[DONE]`. The response that carries this body cancels the request
+if it ends early (`streaming.EventStreamResponse`).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.replies import Chunk
@@ -17,6 +21,28 @@ from ferrox_batch.server.errors import error_body
 from ferrox_batch.server.responses import DONE, WireFormat, finish_reason, output_ids, sse
 from ferrox_batch.server.streaming import Event
 from ferrox_batch.usage import Usage
+
+log = logging.getLogger("ferrox_batch.server")
+
+
+def failure_events(error: BaseException) -> list[bytes]:
+    """How a stream that has begun tells a failure: OpenAI's error object as an event, then `[DONE]`."""
+    return [sse(error_body(error)), DONE]
+
+
+async def ended_in_band(body: AsyncIterator[bytes], failure: Callable[[BaseException], Sequence[bytes]],
+                        rid: str) -> AsyncIterator[bytes]:
+    """`body`, whose failure (any exception it raises) ends it with `failure(error)`'s events instead of a
+    cut connection: it is sent after the headers, so its status can no longer say so."""
+    async with contextlib.aclosing(body):  # closed with the response, however it ends
+        try:
+            async for piece in body:
+                yield piece
+        except Exception as error:
+            log.error("request %s: its stream failed after it began; it ends with an error event", rid,
+                      exc_info=error)
+            for piece in failure(error):
+                yield piece
 
 
 async def sse_events(first: tuple[int, Event], events: AsyncIterator[tuple[int, Event]], fmt: WireFormat,
@@ -37,7 +63,7 @@ async def sse_events(first: tuple[int, Event], events: AsyncIterator[tuple[int, 
                 sent[index] += len(event.logprobs)
                 ids_sent[index] += len(event.token_ids)
         elif isinstance(event.result, GenerationResult):
-            closing, reason = fmt.closing_chunks(index)
+            closing, reason = fmt.closing_chunks(index, event.result.finish_reason)
             for chunk in closing:
                 yield sse(chunk)
             rest = (event.result.logprobs or ())[sent[index]:]
@@ -50,7 +76,7 @@ async def sse_events(first: tuple[int, Event], events: AsyncIterator[tuple[int, 
                 yield DONE
                 return
         else:  # a failure after text went out: reported in-band, as OpenAI streams do
-            yield sse(error_body(event.error))
-            yield DONE
+            for piece in failure_events(event.error):
+                yield piece
             return
         index, event = await anext(events)

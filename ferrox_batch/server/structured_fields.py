@@ -17,10 +17,10 @@ submit (a 400 `grammar_constraint`), still before anything is queued.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from typing import Any
 
+from ferrox_batch import bounded_json
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.structured import StructuredOutput, check_spec_bytes
 
@@ -80,8 +80,10 @@ def _member(field: str, member: str, value: Any) -> StructuredOutput | None:
         return StructuredOutput.json_object() if value else None
     if member == "json":
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
+            try:  # bounded as a body is: a schema is walked recursively, as a body is
+                value = bounded_json.loads(value)
+            except bounded_json.JsonTooDeep as deep:
+                raise InvalidRequest(field, value, f"is refused: {deep}") from None
             except ValueError as bad:
                 raise InvalidRequest(field, value, f"is not valid JSON ({bad})") from None
         if not isinstance(value, (dict, bool)):

@@ -84,6 +84,8 @@ VOCAB = 384  # the tiny checkpoint's
 #: The fuzzed server's per-request caps: above what the plausible bodies send, low enough to reach.
 CAPS = {"max_allowed_token_ids": 100, "max_stop_chars": 64, "max_prompt_logprobs": 1000,
         "max_tokenization_ids": 256, "max_detokenize_bytes": 600}
+#: JSON text nested past the interpreter's recursion limit, for the fields that hold JSON in a string.
+DEEP_JSON = "[" * 5000 + "]" * 5000
 BAD_IDS = [VOCAB, 2**63 - 1, 2**63, 2**64, 2**64 + 5, -1, -2**63]
 token_ids = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=48)
 # Long enough to fill a prefix-cache block, with one id outside the vocabulary somewhere.
@@ -120,7 +122,7 @@ bad_message = st.fixed_dictionaries(
      "content": st.one_of(texts, anything, st.lists(st.fixed_dictionaries(
          {"type": st.one_of(st.just("text"), texts), "text": st.one_of(texts, anything)}), max_size=3))},
     optional={"tool_calls": st.one_of(anything, st.lists(st.fixed_dictionaries({"function": st.fixed_dictionaries(
-        {"name": texts, "arguments": st.one_of(texts, anything)})}), max_size=2)),
+        {"name": texts, "arguments": st.one_of(texts, anything, st.just(DEEP_JSON))})}), max_size=2)),
               "tool_call_id": st.one_of(texts, anything)})
 messages = st.lists(message, min_size=1, max_size=3)
 bad_messages = st.builds(lambda good, bad, at: good[:at] + [bad] + good[at:], st.lists(message, max_size=2),
@@ -138,7 +140,7 @@ COMMON = {
     "presence_penalty": field(st.floats(-2, 2), 2.0000001, 1e-45),
     "frequency_penalty": field(st.floats(-2, 2), -2.0000001, 5e-324),
     "logit_bias": field(logit_bias, {str(VOCAB): 1}, {str(2**64): 1}, {"-1": 1}, {"1e5": 1}, {"x": 1}, {"5": 101},
-                        {"5": 1e-45}, {"5": "\x00RAW-NAN\x00"}),
+                        {"5": 1e-45}, {"5": "\x00RAW-NAN\x00"}, {"9" * 5000: 1}),
     "seed": field(st.integers(0, 2**32), -1, 2**64, 2**64 - 1),
     "stop": field(st.one_of(st.text(min_size=1, max_size=5), st.lists(st.text(min_size=1, max_size=5), max_size=4)),
                   "\ud800", ["ok", "\udc00"], ["ab"] * 100, "x" * 300, [""], ["\x00"]),
@@ -180,7 +182,7 @@ CHAT = {**COMMON, "messages": field(messages, [], {}, "hi", [{"role": "user", "c
         "add_generation_prompt": field(st.booleans(), 1), "continue_final_message": field(st.booleans(), "x"),
         "chat_template_kwargs": field(st.dictionaries(st.sampled_from(["enable_thinking", "x"]), st.booleans(),
                                                       max_size=2), {"messages": []}, {"a b": 1}, "kw",
-                                      {"big": "x" * 20_000}),
+                                      {"big": "x" * 20_000}, {"namespace": 1}, {"range": "x"}, {"loop": 1}),
         "structured_outputs": field(st.sampled_from([{"regex": "[ab]{1,3}"}, {"choice": ["yes", "no"]},
                                                      {"grammar": 'start: "a" | "b"'}, {"json_object": True},
                                                      {"grammar": 'root ::= "x" [0-9]'}]),
@@ -203,7 +205,7 @@ response_input = st.one_of(prompt_text, st.lists(st.one_of(
                            "content": st.one_of(prompt_text, st.lists(st.fixed_dictionaries(
                                {"type": st.just("input_text"), "text": prompt_text}), min_size=1, max_size=2))}),
     st.fixed_dictionaries({"type": st.just("function_call"), "call_id": st.just("call_1"),
-                           "name": st.just("f"), "arguments": st.just("{}")}),
+                           "name": st.just("f"), "arguments": st.sampled_from(["{}", DEEP_JSON])}),
     st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": st.just("call_1"),
                            "output": prompt_text})), min_size=1, max_size=3))
 RESPONSES = {"model": field(st.just("tiny"), "other"), "input": field(response_input, [], "", [{"type": "x"}],

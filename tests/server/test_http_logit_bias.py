@@ -3,8 +3,9 @@
 Pins: +100 on one token makes greedy decoding pick it every step, through the `openai` client on both
 endpoints; -100 on the token a greedy answer starts with moves it elsewhere; in one batch, only the rows
 that carry a bias are moved (the sampler adds every row's bias in one op); a token id outside the
-vocabulary or a value outside [-100, 100] is a 400 naming `logit_bias`; the reported log-probabilities
-stay the model's own, before the bias.
+vocabulary or a value outside [-100, 100] is a 400 naming `logit_bias`, and so is a key of thousands of digits
+(never read as an integer: Python refuses to convert one); the reported log-probabilities stay the model's
+own, before the bias.
 """
 
 from __future__ import annotations
@@ -43,6 +44,18 @@ def test_a_bias_forces_or_bans_tokens_on_both_endpoints(server):
             with pytest.raises(openai.BadRequestError) as bad:
                 client.completions.create(model=MODEL_NAME, prompt="Hello", max_tokens=1, logit_bias=bias, **GREEDY)
             assert bad.value.param == "logit_bias", bias
+
+
+@pytest.mark.parametrize("key", ["9" * 5000, "1" + "0" * 30, "0" * 5000 + "5"])
+def test_a_key_of_thousands_of_digits_is_a_400_naming_logit_bias(server, key):
+    base_url, batcher = server
+    with openai_client(base_url) as client:
+        for create, body in ((client.completions.create, {"prompt": "Hello"}),
+                             (client.chat.completions.create, {"messages": MESSAGES})):
+            with pytest.raises(openai.BadRequestError) as bad:
+                create(model=MODEL_NAME, max_tokens=1, logit_bias={key: 1}, **body, **GREEDY)
+            assert bad.value.param == "logit_bias" and "digits" in bad.value.message, bad.value.message
+    assert batcher.stats().worker_alive
 
 
 def test_only_biased_rows_move_in_a_batch(tiny_batch_model):

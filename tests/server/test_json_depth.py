@@ -3,7 +3,10 @@
 Pins the shared parser (`ferrox_batch.bounded_json`): a document exactly `MAX_JSON_DEPTH` deep parses as
 `json.loads` parses it, one level more is `JsonTooDeep` (a ValueError), whatever the depth (a 100,000-level
 body included, which would overflow a recursive walk), and brackets inside strings do not count. The
-server's `parse_json_object` answers it as a 400 that says so.
+server's `parse_json_object` answers it as a 400 that says so. JSON held in a string field and parsed again
+(an earlier call's `tool_calls[].function.arguments`, a Responses `function_call`'s `arguments`) is bound
+the same way: deeper is a 400 naming that field, on the chat endpoint, `/tokenize` and `/v1/responses`; and so
+is a JSON schema sent as text (`structured_outputs.json`, `guided_json`).
 """
 
 from __future__ import annotations
@@ -84,3 +87,45 @@ def test_a_deep_body_is_a_400_over_http(tiny_batch_model):
                                   timeout=DEADLINE)
             assert response.status_code == 400, (path, response.text)
             assert response.json()["error"]["param"] == "body" and "deeper than" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("depth", [MAX_JSON_DEPTH + 1, 100_000])
+def test_deep_arguments_of_an_earlier_call_are_a_400_naming_them(tiny_batch_model, depth):
+    arguments = nested(depth - 1, "{}")  # the leaf `{}` is a level
+    history = [{"role": "user", "content": "hi"},
+               {"role": "assistant", "content": None, "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+               {"role": "tool", "tool_call_id": "c1", "content": "done"}]
+    responses_input = [{"type": "message", "role": "user", "content": "hi"},
+                       {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+                       {"type": "function_call_output", "call_id": "c1", "output": "done"}]
+    with served(tiny_batcher(tiny_batch_model)) as (base_url, _app):
+        in_messages = "messages[1].tool_calls[0].function.arguments"
+        for path, body, param in (
+                ("/v1/chat/completions", {"messages": history, "max_tokens": 1}, in_messages),
+                ("/tokenize", {"messages": history}, in_messages),
+                ("/v1/responses", {"input": responses_input, "max_output_tokens": 1}, "input[1].arguments")):
+            response = httpx.post(base_url + path, json=body, timeout=DEADLINE)
+            assert response.status_code == 400, (path, response.text)
+            error = response.json()["error"]
+            assert error["param"] == param, (path, error)
+            assert f"deeper than {MAX_JSON_DEPTH} levels" in error["message"]
+        shallow = [history[0], {**history[1], "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f", "arguments": nested(MAX_JSON_DEPTH - 1, "{}")}}]},
+                   history[2]]
+        assert httpx.post(base_url + "/tokenize", json={"messages": shallow}, timeout=DEADLINE).status_code == 200
+
+
+@pytest.mark.parametrize("field, param", [({"structured_outputs": {"json": "SCHEMA"}}, "structured_outputs.json"),
+                                          ({"guided_json": "SCHEMA"}, "guided_json")])
+def test_a_schema_sent_as_deep_json_text_is_a_400_naming_it(server, field, param):
+    base_url, _batcher = server
+    schema = json.dumps(field).replace('"SCHEMA"', json.dumps(nested(100_000)))
+    for path, rest in (("/v1/completions", '"prompt": "x"'), ("/v1/chat/completions",
+                                                             '"messages": [{"role": "user", "content": "x"}]')):
+        raw = "{" + rest + ', "max_tokens": 1, ' + schema[1:]
+        response = httpx.post(base_url + path, content=raw.encode(), headers={"Content-Type": "application/json"},
+                              timeout=DEADLINE)
+        assert response.status_code == 400, (path, response.text[:300])
+        error = response.json()["error"]
+        assert error["param"] == param and "deeper than" in error["message"], error

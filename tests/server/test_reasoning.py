@@ -75,7 +75,7 @@ def test_chat_shapes_carry_the_thinking_and_the_calls_after_it():
     stream = ChatFormat("m", "r")
     stream.reasoning, stream.tool_parser = QWEN3, HermesToolCalls()
     chunks = [c for i in range(0, len(text), 4) for c in stream.stream_chunks(0, text[i:i + 4])]
-    closing, reason = stream.closing_chunks(0)
+    closing, reason = stream.closing_chunks(0, FinishReason.STOP)
     deltas = [c["choices"][0]["delta"] for c in chunks + closing]
     assert "".join(d.get("reasoning_content", "") for d in deltas) == "hmm"
     assert "".join(d.get("content", "") for d in deltas).strip() == "Hi"

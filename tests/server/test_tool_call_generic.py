@@ -105,7 +105,7 @@ def test_a_reply_that_is_not_an_object_streams_at_once():
 def test_the_scanner_reports_a_calls_name_and_its_arguments_text(value, cuts, first):
     members = [("name", "go"), ("arguments", value)] if first else [("arguments", value), ("name", "go")]
     text = "{" + ", ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in members) + "} trailing"
-    scanner = CallScanner(lambda path: path == ())
+    scanner = CallScanner(lambda path: path == (), call_depth=0)
     events = [e for piece in chunks(text, cuts) for e in scanner.feed(piece)]
     assert scanner.done
     named = [e for e in events if isinstance(e, Named)]

@@ -247,7 +247,8 @@ class Tokenizer:
         """The conversation as the checkpoint's template writes it; `tools` (OpenAI tool definitions) are
         handed to the template, which must read them (`supports_tools`). `continue_final_message`: the text
         ends where the last message's content does (the model continues it, as transformers and vLLM do);
-        `template_kwargs`: more variables for the template (`enable_thinking`), never one of those above.
+        `template_kwargs`: more variables for the template (`enable_thinking`), never one of those above nor a
+        name the template environment defines (`TEMPLATE_GLOBALS`).
         `escape_control_text`: control-token text in any content but an assistant's (whose markup the
         template reads, and which is the model's own) and in the tool definitions is spelt to be read as
         text (`control_text`)."""
@@ -277,12 +278,15 @@ class Tokenizer:
         core = {"messages": rendered, "add_generation_prompt": add_generation_prompt,
                 "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
                 **({"tools": [dict(t) for t in tools]} if tools else {})}
-        clash = sorted(set(template_kwargs or {}) & (set(core) | {"tools"}))
+        clash = sorted(set(template_kwargs or {}) & (SERVER_VARIABLES | TEMPLATE_GLOBALS))
         if clash:
-            raise ValueError(f"template variables {clash} are set by the server, not by the request")
+            raise ValueError(f"template variables {clash} are set by the server or its template environment, "
+                             "not by the request")
         try:
             text = self._template.render(**{**(template_kwargs or {}), **core})
-        except jinja2.TemplateError as bad:  # e.g. a field the template needs and the messages lack
+        # A field the template needs and the messages lack (TemplateError), or a value it cannot use: a
+        # request's variable of the wrong type (TypeError, as vLLM also answers with a 400).
+        except (jinja2.TemplateError, TypeError) as bad:
             raise ValueError(f"chat template failed on the messages: {bad}") from None
         if continue_final_message:
             final = rendered[-1]["content"]
@@ -297,6 +301,17 @@ class Tokenizer:
                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         # The template writes any BOS itself, so none is added here.
         return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
+
+
+#: The variables the server hands every chat template itself.
+SERVER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+#: Names a chat template's environment gives a meaning: Jinja's globals (`range`, `dict`, `namespace`,
+#: `cycler`, `joiner`, `lipsum`), the helpers templates call (`raise_exception`, and transformers'
+#: `strftime_now`, which templates test for), and the names Jinja itself binds inside a template (`loop`,
+#: `self`, `super`, `caller`, `varargs`, `kwargs`). A request's variable of such a name would shadow it, and
+#: the template would call or index a string.
+TEMPLATE_GLOBALS = frozenset(jinja2.defaults.DEFAULT_NAMESPACE) | {
+    "raise_exception", "strftime_now", "loop", "self", "super", "caller", "varargs", "kwargs"}
 
 
 def _compile(source: str) -> jinja2.Template:

@@ -15,6 +15,10 @@ path:
 
 It is not a validator: text that is not JSON gives whatever events its brackets and quotes suggest, and
 the caller's final parse of the whole text decides which calls the answer holds.
+
+What it holds is linear in the text however deeply it nests: a container's place (its path) is kept only
+down to the depth where a format's calls sit (`call_depth`); deeper containers are never calls, and a
+path per level would cost the square of the depth (a model writing 100,000 brackets: gigabytes).
 """
 
 from __future__ import annotations
@@ -53,7 +57,7 @@ Event = Union[Named, Arguments, Closed]
 @dataclass(slots=True)
 class _Frame:
     kind: str  # "{" or "["
-    path: Path
+    path: Path | None  # None below the depth where calls sit: nothing there is a call
     call: int | None = None  # the call this object is, when it is at a call's path
     key: str | None = None  # objects: the member being read
     expect: str = "key"  # objects: "key", "colon", "value", "comma"; arrays: "value", "comma"
@@ -69,10 +73,12 @@ class _Call:
 class CallScanner:
     """Feed text with `feed`; each call returns the events that text completed or continued."""
 
-    def __init__(self, is_call: Callable[[Path], bool], first_call: int = 0) -> None:
+    def __init__(self, is_call: Callable[[Path], bool], first_call: int = 0, *, call_depth: int) -> None:
         """`is_call`: whether an object at this path is a call; `first_call`: the number its first call gets
-        (calls are numbered in the order their objects open)."""
+        (calls are numbered in the order their objects open); `call_depth`: the longest path a call has (no
+        object deeper is asked about)."""
         self._is_call = is_call
+        self._call_depth = call_depth
         self._first = first_call
         self._stack: list[_Frame] = []
         self._calls: list[_Call] = []
@@ -136,9 +142,12 @@ class CallScanner:
             return
         if ch in "{[":
             self._value_start(ch, out)
-            path = () if frame is None else frame.path + ((frame.key or "") if frame.kind == "{" else frame.index,)
+            path: Path | None = ()
+            if frame is not None:
+                path = None if frame.path is None or len(frame.path) >= self._call_depth else \
+                    frame.path + ((frame.key or "") if frame.kind == "{" else frame.index,)
             new = _Frame(ch, path, expect="key" if ch == "{" else "value")
-            if ch == "{" and self._capture is None and self._is_call(path):
+            if ch == "{" and self._capture is None and path is not None and self._is_call(path):
                 new.call = len(self._calls)
                 self._calls.append(_Call())
             self._stack.append(new)

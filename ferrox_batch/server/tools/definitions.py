@@ -128,6 +128,16 @@ def read_parallel(value: Any) -> bool:
     return value
 
 
+def forced_functions(tools: Sequence[dict[str, Any]], choice: str) -> tuple[str, ...] | None:
+    """The functions a forced `tool_choice` may call: every tool's for `required`, the named one's; None for
+    `none` and `auto` (nothing is forced)."""
+    if choice == "required":
+        return tuple(t["function"]["name"] for t in tools)
+    if choice.startswith("function:"):
+        return (choice.removeprefix("function:"),)
+    return None
+
+
 def forced_grammar(parser: ToolCallParser, tools: Sequence[dict[str, Any]], choice: str,
                    parallel: bool = True) -> StructuredOutput | None:
     """The grammar `tool_choice` imposes: None for `none` and `auto`."""

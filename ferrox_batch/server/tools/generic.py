@@ -16,6 +16,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ferrox_batch import bounded_json
 from ferrox_batch.runtime.loading.tokenizer import ChatMessage
 from ferrox_batch.server.tools.call_scanner import CallScanner, Event
 from ferrox_batch.server.tools.definitions import ParsedReply, ToolCall
@@ -64,8 +65,8 @@ class GenericToolCalls:
                 body = body[len(fence):-3].strip()
                 break
         try:
-            value = json.loads(body)
-        except ValueError:
+            value = bounded_json.loads(body)
+        except ValueError:  # JsonTooDeep too: nested deeper than a request may nest, it is content
             return ParsedReply(text, ())
         if not isinstance(value, dict):
             return ParsedReply(text, ())
@@ -100,7 +101,7 @@ class GenericSegmenter:
     def __init__(self) -> None:
         self._start = ""  # the reply's leading text, until it shows which it is
         self._mode = ""  # "", "content" or "calls"
-        self._scanner = CallScanner(_call_path)
+        self._scanner = CallScanner(_call_path, call_depth=2)
 
     def feed(self, text: str) -> tuple[str, list[Event]]:
         if self._mode == "content":

@@ -1,7 +1,9 @@
 """The Hermes/Qwen tool-call format: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` blocks,
 which Hermes, Qwen2.5, Qwen3 and SmolLM3-style chat templates teach.
 
-`HermesToolCalls` parses a whole reply and writes the grammar that forces calls; `HermesSegmenter` finds
+`HermesToolCalls` parses a whole reply and writes the grammar that forces calls (a block nested deeper than
+a request body may nest, `bounded_json`, is not a call: the client could not send it back, and the model's
+text is never a failure of the request); `HermesSegmenter` finds
 them in a stream: content flows until an open tag (a tail that could start the tag is held back), then
 each block's JSON goes through a `CallScanner` (its name, then its arguments as they are written), and
 text between or after the blocks waits for the final parse.
@@ -13,6 +15,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from ferrox_batch import bounded_json
 from ferrox_batch.server.tools.call_scanner import CallScanner, Event
 from ferrox_batch.server.tools.definitions import ParsedReply, ToolCall
 from ferrox_batch.structured import StructuredOutput
@@ -46,8 +49,8 @@ class HermesToolCalls:
         blocks = self.blocks(text)
         for _start, _end, body in blocks:
             try:
-                call = ToolCall.read(json.loads(body))
-            except ValueError:
+                call = ToolCall.read(bounded_json.loads(body))
+            except ValueError:  # JsonTooDeep too: a call nested deeper than a request may nest
                 continue  # not a call after all: it stays in the content
             if call is not None:
                 calls.append(call)
@@ -105,7 +108,7 @@ class HermesSegmenter:
                 return pending[:len(pending) - keep], events
             self._calls_begun, self._unsent = True, ""
             content, text = pending[:at], pending[at + len(self._parser.OPEN):]
-            self._scanner = CallScanner(_root, self._offset)
+            self._scanner = CallScanner(_root, self._offset, call_depth=0)
         else:
             content = ""
         while text:
@@ -124,7 +127,7 @@ class HermesSegmenter:
                 self._between = pending[len(pending) - held_tail(pending, self._parser.OPEN):]
                 break
             text = pending[at + len(self._parser.OPEN):]
-            self._scanner = CallScanner(_root, self._offset)
+            self._scanner = CallScanner(_root, self._offset, call_depth=0)
         return content, events
 
 
