@@ -59,7 +59,7 @@ class RowToSample:
     held: tuple[int, ...] = ()  # ids it may not sample for its first `hold_for` tokens (its stop ids)
     hold_for: int = 0  # `min_tokens` (read only at its first sample, with `window`)
     draft: tuple[int, ...] = ()  # tokens it drafted, fed after its last one: verified position by position
-    #: Its dense bias as the runtime prepared it at submit (opaque here); None: the runtime builds it.
+    #: Its bias as the runtime prepared it at submit, compactly (opaque here); None: the runtime builds it.
     bias: object = None
 
 

@@ -261,8 +261,9 @@ class ContinuousBatcher:
                                                                    "special tokens (ContinuousBatcher.from_model)")
             special_texts = self.tokenizer.special_texts
         check_samplable(params, {*params.stop_token_ids, *(() if params.ignore_eos else stop_tokens.ids)})
-        # The bias grows with the request's lists (`allowed_token_ids` up to the vocabulary): built here, once
-        # for a prompt's choices with the same settings, so the worker only reads it.
+        # The bias grows with the request's lists (`allowed_token_ids` up to the vocabulary): checked and
+        # compacted here, once for a prompt's choices with the same settings, into a form no bigger than the
+        # lists (never a [vocab] tensor while it waits); the worker only scatters it into each admitted row.
         if after is not None and after.sampling is params.sampling:
             bias = after.bias
         else:

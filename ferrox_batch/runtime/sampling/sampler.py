@@ -123,9 +123,9 @@ class BatchSampler:
                        held, hold_for, prepared)
 
     def prepare_bias(self, params: SamplingParams) -> PreparedBias:
-        """A request's dense bias on this sampler's vocabulary and device, built where this is called (the
-        caller's thread, at submit) and shared by the rows made with it."""
-        return prepare_bias(params, self.vocab_size, self.device)
+        """A request's bias for this sampler's vocabulary, checked and compacted where this is called (the
+        caller's thread, at submit) and shared by the rows made with it, each of which scatters it once."""
+        return prepare_bias(params, self.vocab_size)
 
     def grammar_masks(self, rows: Sequence[RowSampler]) -> tuple[list[int], torch.Tensor] | None:
         """(indices, `[len(indices), vocab]` allowed tokens) of the rows whose output follows a grammar; None

@@ -2,7 +2,8 @@
 
 A row holds its own generator (non-greedy rows: seeded from the request, or from OS entropy when it has
 none), its penalty window (counts over prompt ++ generated, only when a penalty is on), its dense bias
-vector (`logit_bias`, with -inf for every id outside `allowed_token_ids` and for one-token bad words),
+vector (`logit_bias`, with -inf for every id outside `allowed_token_ids` and for one-token bad words;
+prepared at submit in a form bounded by the lists, `PreparedBias`, and scattered when the row is made),
 the bans that depend on what it generated (the stop ids until `min_tokens`, the last token of a longer
 bad word once the rest of it was generated), its grammar state, and how many log-probability
 alternatives it wants. Making a row checks everything that depends on the vocabulary (an
@@ -130,8 +131,8 @@ def new_row(params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
     alternatives its tokens' log-probabilities carry (None: it gets none); `grammar`: the compiled
     grammar its output must follow (`Grammars.compile`, at submit), matched with `grammars`; `held`:
     ids it may not sample for its first `hold_for` tokens (ids past the vocabulary are never sampled
-    anyway, and are dropped); `prepared`: its bias as `row_bias` built it before admission (None: built
-    here)."""
+    anyway, and are dropped); `prepared`: its bias as `prepare_bias` compacted it before admission (None:
+    prepared here)."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"params must be a SamplingParams, got {params!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MAX_SEED):
@@ -156,12 +157,10 @@ def new_row(params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
             index = torch.tensor(ids, dtype=torch.long, device=device)
             counts.index_add_(0, index, torch.ones(len(ids), dtype=torch.float32, device=device))
     if prepared is None:
-        _check_named(params, vocab_size)
-        bias = row_bias(params, vocab_size, device)
-    else:  # checked when it was prepared: the worker does nothing that grows with the lists
-        bias = prepared.tensor
-        if bias is not None and bias.shape != (vocab_size,):
-            raise ValueError(f"a prepared bias must be [{vocab_size}], got {tuple(bias.shape)}")
+        prepared = prepare_bias(params, vocab_size)
+    elif prepared.vocab_size != vocab_size:  # checked when it was prepared: here only one scatter, no per-id work
+        raise ValueError(f"a prepared bias must be for a vocabulary of {vocab_size}, not {prepared.vocab_size}")
+    bias = dense_bias(prepared, device)
     sequences = tuple((word[:-1], word[-1]) for word in params.bad_words_ids if len(word) > 1)
     matcher = None
     if grammar is not None:
@@ -175,17 +174,23 @@ def new_row(params: SamplingParams, seed: int | None, prompt_ids: Sequence[int],
 
 @dataclass(frozen=True, slots=True)
 class PreparedBias:
-    """A request's dense bias (`row_bias`), built before it reaches the worker and shared by its choices'
-    rows, which only read it (`logit_transforms.biased` adds it out of place). `tensor` None: it has none."""
+    """A request's bias as it waits for admission, in a form bounded by its own lists, not the vocabulary:
+    every id is `fill` (0, or -inf when the request has an allowed list) but `ids` (sorted, unique, int32 on
+    the host), which are `values` (float32). Built on the caller's thread (`prepare_bias`) and shared by a
+    request's choices; each admitted row scatters it into its own dense `[vocab_size]` vector
+    (`dense_bias`), in one write. `ids` None: the request has no bias."""
 
-    tensor: torch.Tensor | None
+    vocab_size: int
+    fill: float = 0.0
+    ids: torch.Tensor | None = None
+    values: torch.Tensor | None = None
 
 
-def prepare_bias(params: SamplingParams, vocab_size: int, device: torch.device) -> PreparedBias:
-    """`row_bias` as a request's rows share it; `TokenOutOfVocab` for an id its lists name past the
-    vocabulary."""
+def prepare_bias(params: SamplingParams, vocab_size: int) -> PreparedBias:
+    """The compact bias of a request's rows (`compact_bias`); `TokenOutOfVocab` for an id its lists name
+    past the vocabulary."""
     _check_named(params, vocab_size)
-    return PreparedBias(row_bias(params, vocab_size, device))
+    return compact_bias(params, vocab_size)
 
 
 def _check_named(params: SamplingParams, vocab_size: int) -> None:
@@ -194,21 +199,42 @@ def _check_named(params: SamplingParams, vocab_size: int) -> None:
         raise TokenOutOfVocab(max(named), vocab_size)
 
 
-def row_bias(params: SamplingParams, vocab_size: int, device: torch.device) -> torch.Tensor | None:
-    """The row's dense bias: `logit_bias`, then -inf outside `allowed_token_ids` and on one-token bad words;
-    None when it has none of them. Its cost grows with the lists, so `ContinuousBatcher.submit` calls it on
-    the caller's thread (`BatchSampler.prepare_bias`), once for a request's choices."""
-    banned = [word[0] for word in params.bad_words_ids if len(word) == 1]
-    if not params.logit_bias and params.allowed_token_ids is None and not banned:
+def compact_bias(params: SamplingParams, vocab_size: int) -> PreparedBias:
+    """`logit_bias`, then -inf outside `allowed_token_ids` and on one-token bad words, as `PreparedBias`
+    holds it: with an allowed list, the allowed ids (less the banned ones) with their bias or 0 over a fill
+    of -inf; without, the biased and banned ids over a fill of 0. At most one entry per id the lists name.
+    Its cost grows with the lists, so `ContinuousBatcher.submit` calls it on the caller's thread
+    (`BatchSampler.prepare_bias`), once for a request's choices."""
+    banned = torch.tensor([word[0] for word in params.bad_words_ids if len(word) == 1], dtype=torch.int64)
+    if not params.logit_bias and params.allowed_token_ids is None and not banned.numel():
+        return PreparedBias(vocab_size)
+    pairs = tuple(zip(*params.logit_bias)) or ((), ())
+    biased = torch.tensor(pairs[0], dtype=torch.int64)
+    weights = torch.tensor(pairs[1], dtype=torch.float32)
+    if params.allowed_token_ids is None:
+        kept = ~torch.isin(biased, banned)
+        banned = banned.unique()
+        ids = torch.cat([biased[kept], banned])
+        values = torch.cat([weights[kept], torch.full((banned.numel(),), float("-inf"))])
+        fill = 0.0
+    else:
+        ids = torch.tensor(params.allowed_token_ids, dtype=torch.int64).unique()  # sorted
+        ids = ids[~torch.isin(ids, banned)]
+        values = torch.zeros(ids.numel(), dtype=torch.float32)
+        if ids.numel() and biased.numel():
+            at = torch.searchsorted(ids, biased).clamp_(max=ids.numel() - 1)
+            hit = ids[at] == biased  # a bias on an id outside the list is overruled by its -inf
+            values[at[hit]] = weights[hit]
+        fill = float("-inf")
+    order = ids.argsort()
+    return PreparedBias(vocab_size, fill, ids[order].to(torch.int32), values[order].contiguous())
+
+
+def dense_bias(prepared: PreparedBias, device: torch.device) -> torch.Tensor | None:
+    """The row's float32 `[vocab_size]` bias on `device` (None: it has none): one fill and one scatter,
+    whatever the lists' length."""
+    if prepared.ids is None or prepared.values is None:
         return None
-    bias = torch.zeros(vocab_size, dtype=torch.float32, device=device)
-    if params.logit_bias:
-        ids, values = zip(*params.logit_bias)
-        bias[torch.tensor(ids, device=device)] = torch.tensor(values, dtype=torch.float32, device=device)
-    if params.allowed_token_ids is not None:
-        outside = torch.ones(vocab_size, dtype=torch.bool, device=device)
-        outside[torch.tensor(params.allowed_token_ids, device=device)] = False
-        bias.masked_fill_(outside, float("-inf"))
-    if banned:
-        bias[torch.tensor(banned, device=device)] = float("-inf")
+    bias = torch.full((prepared.vocab_size,), prepared.fill, dtype=torch.float32, device=device)
+    bias[prepared.ids.to(device=device, dtype=torch.long)] = prepared.values.to(device)
     return bias
