@@ -35,7 +35,7 @@ from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.finish_reason import FinishReason
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS, TokenLogprob
 from ferrox_batch.prompt_logprobs import PromptLogprobs
-from ferrox_batch.stop_limits import check_stop_limits
+from ferrox_batch.stop_limits import DEFAULT_MAX_STOP_CHARS, check_stop_limits
 from ferrox_batch.structured import StructuredOutput
 from ferrox_batch.token_constraints import check_token_lists
 from ferrox_batch.usage import Usage
@@ -204,6 +204,9 @@ class GenerationParams:
     #: them); unlike `stop_token_ids` they are stop strings, so `min_tokens` neither bans them nor lets
     #: them end the output early.
     stop_string_ids: tuple[int, ...] = ()
+    #: Characters its stop strings may hold in all: their matcher's memory and build time grow with them
+    #: (`stop_limits`). The library's default is the server's; a server passes its `--max-stop-chars`.
+    max_stop_chars: int = DEFAULT_MAX_STOP_CHARS
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -240,7 +243,9 @@ class GenerationParams:
             for t in ids:
                 if not _is_int(t) or t < 0:
                     raise InvalidRequest(name, t, "entries must be integers >= 0")
-        check_stop_limits(self.stop, self.all_stop_ids)
+        if not _is_int(self.max_stop_chars) or self.max_stop_chars < 1:
+            raise InvalidRequest("max_stop_chars", self.max_stop_chars, "must be a positive integer")
+        check_stop_limits(self.stop, self.all_stop_ids, self.max_stop_chars)
         if self.cancel is not None and not isinstance(self.cancel, CancelToken):
             raise InvalidRequest("cancel", self.cancel, "must be a CancelToken or None")
         if not isinstance(self.ignore_eos, bool):

@@ -18,6 +18,7 @@ from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.generation_types import GenerationParams, GenerationResult, SamplingParams
 from ferrox_batch.policy.stop import resolve_stop_tokens
 from ferrox_batch.runtime.loading.tokenizer import ChatMessage, Tokenizer
+from ferrox_batch.stop_limits import DEFAULT_MAX_STOP_CHARS
 from ferrox_batch.structured import StructuredOutput
 from ferrox_batch.token_constraints import bad_words_ids
 
@@ -59,12 +60,14 @@ def text_params(
     stream_token_ids: bool = False,
     bad_words: Sequence[str] = (),
     pooling: str | None = None,
+    max_stop_chars: int = DEFAULT_MAX_STOP_CHARS,
     **sampling_fields: Any,
 ) -> GenerationParams:
     """`GenerationParams` for text: stop strings that are one token also stop by id, and `bad_words` are
     tokenized into the sampling's `bad_words_ids` (`token_constraints`).
 
     Sampling comes as a ready `SamplingParams` or as its fields (`temperature=...`), not both.
+    `max_stop_chars`: the characters `stop` may hold in all (a server passes its `--max-stop-chars`).
     """
     if sampling is None:
         sampling = SamplingParams(**sampling_fields)
@@ -95,6 +98,7 @@ def text_params(
         spaces_between_special_tokens=spaces_between_special_tokens,
         stream_token_ids=stream_token_ids,
         pooling=pooling,
+        max_stop_chars=max_stop_chars,
     )
     ids = resolve_stop_tokens(params.stop, lambda s: tokenizer.encode(s, add_special_tokens=False))
     return dataclasses.replace(params, stop_string_ids=tuple(ids))

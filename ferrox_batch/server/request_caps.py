@@ -27,12 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.stop_limits import DEFAULT_MAX_STOP_CHARS, check_stop_chars
 
-#: Characters over all of a request's stop strings. A worst-case list of the per-string limits (64 x 256
-#: characters sharing no prefix) builds a 5.25 MB matcher in 22 ms (57 ms on a loaded machine); 2,048
-#: characters build 0.65 MB in 1.5 ms, and are far above what clients send (OpenAI's 4 stops; evaluation
-#: harnesses' few delimiters of tens of characters).
-DEFAULT_MAX_STOP_CHARS = 2048
 #: Prompt log-probability entries a request may ask for: the sum over its rows (prompts x choices) of
 #: `(prompt tokens - 1) x (alternatives + 1)`. 2**20 is one full 32k-token context with the maximum 20
 #: alternatives (688k), held compactly in about 9 MB and written as about 70 MB of JSON, a piece at a time.
@@ -79,10 +75,7 @@ class RequestCaps:
                                  f"may hold at most {cap:,} ids (this server's --max-allowed-token-ids)")
         stop = body.get("stop")
         stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
-        total = sum(len(s) for s in stops if isinstance(s, str))
-        if total > self.max_stop_chars:
-            raise InvalidRequest("stop", total, f"strings may hold at most {self.max_stop_chars:,} characters in all "
-                                                "(this server's --max-stop-chars)")
+        check_stop_chars(stops, self.max_stop_chars, "--max-stop-chars")
 
     def check_prompt_logprobs(self, prompts: Sequence[Sequence[int]], rows_per_prompt: int,
                               alternatives: int | None, field: str) -> None:

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ferrox_batch.policy.stop import Emit, Matched, StopMatcher, StopStep
-from ferrox_batch.stop_limits import MAX_STOP_CHARS, MAX_STOPS
+from ferrox_batch.stop_limits import MAX_STOP_STRING_CHARS, MAX_STOPS
 
 # ---------------------------------------------------------------------------
 # The reference: the matcher as a direct search of the pending text, one `find` and one suffix scan per
@@ -138,7 +138,7 @@ def _tokens(rng: random.Random, alphabet: str, count: int) -> list[str]:
 
 
 def test_push_does_the_same_work_with_the_most_stops_as_with_one() -> None:
-    """256 tokens through a matcher with one stop and with `MAX_STOPS` stops of up to `MAX_STOP_CHARS`
+    """256 tokens through a matcher with one stop and with `MAX_STOPS` stops of up to `MAX_STOP_STRING_CHARS`
     characters. The text keeps partially matching (a two-letter alphabet, stops made of the same letters,
     some of them the text itself), which is where a per-stop search works hardest. The direct search does
     about `MAX_STOPS` times the work; the automaton does the same work whatever the list (a factor 3 is
@@ -147,9 +147,9 @@ def test_push_does_the_same_work_with_the_most_stops_as_with_one() -> None:
     tokens = _tokens(rng, "ab", 256)
     text = "".join(tokens)
     stops = [text[i : i + 5 + 3 * i] for i in range(MAX_STOPS // 2)]  # prefixes of the text itself
-    stops += ["".join(rng.choice("ab") for _ in range(rng.randint(2, MAX_STOP_CHARS))) for _ in range(MAX_STOPS // 2)]
+    stops += ["".join(rng.choice("ab") for _ in range(rng.randint(2, MAX_STOP_STRING_CHARS))) for _ in range(MAX_STOPS // 2)]
     stops = [s + "!" for s in stops]  # none completes: every token is matched against the whole list
-    assert len(stops) == MAX_STOPS and max(map(len, stops)) <= MAX_STOP_CHARS
+    assert len(stops) == MAX_STOPS and max(map(len, stops)) <= MAX_STOP_STRING_CHARS
     one = _lines_pushing(stops[:1], tokens)
     many = _lines_pushing(stops, tokens)
     assert many < 3 * one, f"{many} lines with {MAX_STOPS} stops against {one} with one"
@@ -157,9 +157,9 @@ def test_push_does_the_same_work_with_the_most_stops_as_with_one() -> None:
 
 def test_a_long_partial_match_costs_no_more_per_token_than_a_short_one() -> None:
     """A run of one letter against stops that are runs of it with a different end: the direct search
-    re-scans the withheld run (up to `MAX_STOP_CHARS` characters) for every stop on every token."""
+    re-scans the withheld run (up to `MAX_STOP_STRING_CHARS` characters) for every stop on every token."""
     tokens = ["a"] * 512
-    stops = ["a" * (MAX_STOP_CHARS - 1 - i) + "b" for i in range(MAX_STOPS)]
+    stops = ["a" * (MAX_STOP_STRING_CHARS - 1 - i) + "b" for i in range(MAX_STOPS)]
     one = _lines_pushing(["ab"], tokens)
     many = _lines_pushing(stops, tokens)
     assert many < 3 * one, f"{many} lines with {MAX_STOPS} long stops against {one} with one short one"
