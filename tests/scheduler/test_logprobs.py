@@ -25,6 +25,7 @@ from ferrox_batch.generation_types import GenerationParams, SamplingParams
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.replies import Chunk, Finished
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
+from ferrox_batch.runtime.sampling.logprobs import prompt_logprobs
 from ferrox_batch.runtime.sampling.sampler import BatchSampler
 from ferrox_batch.scheduler.sink import QueueSink
 
@@ -140,3 +141,19 @@ def test_prompt_logprobs_are_the_prompts_own_whatever_the_chunking_and_the_cache
             tolerance = 2 * logits_tolerance(tiny_batch_model.config, i + 1, rows[i])
             assert entry.token == token and abs(entry.logprob - value) <= tolerance
             assert len(entry.top) == 2
+
+
+def test_a_prompt_token_and_a_sampled_token_get_the_same_entry_from_the_same_logits():
+    """Both read one computation (`logprobs.ranked_tensors`): the same logits and token give the same
+    log-probability, rank and alternatives, bit for bit, whichever path asked (ties included)."""
+    vocab = 50
+    logits = torch.randn(4, vocab + 3, generator=torch.Generator().manual_seed(3))  # the lm head's padding past vocab
+    logits[2, :vocab] = logits[2, 0]  # every token tied
+    logits[3, 7] = logits[3, 11] = logits[3, :vocab].max()  # two tied best
+    sampler = BatchSampler(vocab, "cpu")
+    for k in (0, 1, 5):
+        rows = [sampler.new_row(SamplingParams(), None, [], logprobs=k) for _ in range(4)]
+        sampled = sampler.sample(logits, rows)
+        targets = [entry.token for entry in sampled]
+        scored = prompt_logprobs(logits, targets, k, vocab)
+        assert list(scored) == sampled, (k, list(scored), sampled)

@@ -17,19 +17,27 @@ from ferrox_batch.prompt_logprobs import PromptLogprobs
 from ferrox_batch.runtime.sampling.sampler_rows import RowSampler
 
 
+def ranked_tensors(logits: torch.Tensor, chosen: torch.Tensor,
+                   top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For each row of `logits` (`[n, vocab]`), on its device: the log-probability of its `chosen` id
+    (`[n]`, float32), the ids (`[n, top]`, int64) and log-probabilities (`[n, top]`) of its `top` most
+    likely tokens (`[n, 0]` when `top` is 0), and the chosen id's rank (`[n]`, int64: 1 + the tokens
+    strictly likelier). The one computation both sampled and prompt tokens' log-probabilities read."""
+    lp = logits.float().log_softmax(dim=-1)
+    picked = lp.gather(1, chosen.unsqueeze(1))
+    rank = (lp > picked).sum(dim=-1) + 1
+    if top:
+        values, ids = lp.topk(top, dim=-1)
+    else:
+        values, ids = lp.new_empty(len(lp), 0), lp.new_empty(len(lp), 0, dtype=torch.long)
+    return picked.squeeze(1), ids, values, rank
+
+
 def ranked(logits: torch.Tensor, chosen: torch.Tensor, top: int) -> tuple[list[float], list[list[int]],
                                                                           list[list[float]], list[int]]:
-    """For each row of `logits` (`[n, vocab]`): the log-probability of its `chosen` id, the ids and
-    log-probabilities of its `top` most likely tokens (empty lists when `top` is 0), and the chosen id's
-    rank (1 + the tokens strictly likelier)."""
-    lp = logits.float().log_softmax(dim=-1)
-    picked_t = lp.gather(1, chosen.unsqueeze(1))
-    rank = ((lp > picked_t).sum(dim=-1) + 1).tolist()
-    picked = picked_t.squeeze(1).tolist()
-    if not top:
-        return picked, [[] for _ in picked], [[] for _ in picked], rank
-    values, ids = lp.topk(top, dim=-1)
-    return picked, ids.tolist(), values.tolist(), rank
+    """`ranked_tensors` as host lists: (chosen log-probabilities, top ids, top log-probabilities, ranks)."""
+    picked, ids, values, rank = ranked_tensors(logits, chosen, top)
+    return picked.tolist(), ids.tolist(), values.tolist(), rank.tolist()
 
 
 def token_logprobs(x: torch.Tensor, tokens: torch.Tensor, host: list[int], rows: Sequence[RowSampler],
@@ -52,13 +60,7 @@ def prompt_logprobs(rows: torch.Tensor, targets: Sequence[int], top: int, vocab_
     go from the device to flat host arrays in one copy each, never through per-entry Python objects."""
     if not targets:
         return PromptLogprobs(top)
-    lp = rows[:len(targets), :vocab_size].float().log_softmax(dim=-1)
-    picked = lp.gather(1, torch.tensor(list(targets), device=rows.device).unsqueeze(1))
-    rank = (lp > picked).sum(dim=-1, dtype=torch.int32) + 1
-    if top:
-        values, ids = lp.topk(top, dim=-1)
-    else:
-        values, ids = lp.new_empty(len(targets), 0), lp.new_empty(len(targets), 0, dtype=torch.int32)
-    host = [t.contiguous().cpu().numpy().tobytes()
-            for t in (picked.squeeze(1), rank.to(torch.int32), ids.to(torch.int32), values)]
+    picked, ids, values, rank = ranked_tensors(rows[:len(targets), :vocab_size],
+                                               torch.tensor(list(targets), device=rows.device), top)
+    host = [t.contiguous().cpu().numpy().tobytes() for t in (picked, rank.to(torch.int32), ids.to(torch.int32), values)]
     return PromptLogprobs.from_buffers(top, targets, *host)
