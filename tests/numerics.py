@@ -12,6 +12,7 @@ side of a comparison rounds; none comes from a measurement.
 * `gamma(n)`: summing n terms in any order, blocked, pairwise or with FMA, errs by at most
   gamma_n = n*u / (1 - n*u) times the sum of the terms' magnitudes.
 * `softmax_error(p, ...)`: how far a float32 `exp(l - max) / sum` may be from the exact softmax.
+* `log_softmax_error(lp, scale, ...)`: the same for a float32 `log_softmax`.
 * `logits_tolerance(config, context, logits, dtype)`: how far two whole forwards of one model, which
   differ only in where and in what order they round, may put a logit apart (see there).
 """
@@ -125,6 +126,25 @@ def softmax_error(p: torch.Tensor, *, exp_ulps: float, logit_error: float = 0.0)
     row_sum = n * u / (1 - n * u)  # gamma_n, row by row
     relative = 2 * logit_error + 2 * exp_ulps * u + row_sum + u + n.log() * u
     return p * relative + u / math.e
+
+
+def log_softmax_error(lp: torch.Tensor, scale: float, *, exp_ulps: float) -> torch.Tensor:
+    """Per element, how far a float32 `log_softmax` along the last axis may be from the exact log-softmax
+    `lp` of the same float32 logits, whose largest magnitude is `scale`.
+
+    lp_i = (l_i - m) - log s with s = sum_j exp(l_j - m) over the row's n terms. s errs relatively by at
+    most gamma_n (the sum) + 2 * exp_ulps * u (each exp) + u * sum_j p_j (m - l_j) (each shifted input's
+    rounding, carried through exp), and that last sum is at most the entropy, ln n; log s then errs by that
+    relative error, plus its own rounding of a value <= ln n. The shift and the final subtraction round
+    once each (u * |lp_i| each), or, where torch adds m + log s first and subtracts that from l_i, once at
+    u * (scale + ln n) and once at u * |lp_i|; the bound covers either order.
+    """
+    lp = lp.double()
+    u = unit_roundoff(torch.float32)
+    n = int(lp.isfinite().sum(-1).max().clamp(min=1))
+    ln_n = math.log(n)
+    relative_sum = gamma(n) + 2 * exp_ulps * u + u * ln_n
+    return 2 * u * lp.abs() + relative_sum / (1 - relative_sum) + 2 * u * ln_n + u * (scale + ln_n)
 
 
 # --- whole forwards ---------------------------------------------------------------------------------
