@@ -127,7 +127,7 @@ class Preparer:
         if client is not None and options.structured is not None:
             options = dataclasses.replace(options, structured=dataclasses.replace(options.structured, client=client))
         # Every field is checked before the prompt is tokenized: a refusal costs no tokenizing.
-        params = options.generation_params(self.tokenizer, request.max_tokens)
+        params = options.generation_params(self.tokenizer, request.max_tokens, self.caps.max_stop_chars)
         if cancel is not None:
             params = dataclasses.replace(params, cancel=cancel)
         prompts = [self._prompt_ids(request, prompt) for prompt in request.prompts]

@@ -16,6 +16,7 @@ from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.generation_types import GenerationParams, SamplingParams
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
+from ferrox_batch.stop_limits import DEFAULT_MAX_STOP_CHARS
 from ferrox_batch.server.extra_fields import ExtraSampling, read_extra_sampling
 from ferrox_batch.server.fields import Fields, is_number
 from ferrox_batch.structured import StructuredOutput
@@ -56,9 +57,12 @@ class SamplingOptions:
     #: An embedding's pooling (`/v1/embeddings`); None: a generation.
     pooling: str | None = None
 
-    def generation_params(self, tokenizer: Tokenizer, max_tokens: int) -> GenerationParams:
-        """Params for the batcher; stop strings that are one token are also stopped on by id."""
-        return text_params(tokenizer, max_tokens=max_tokens, stop=self.stop, seed=self.seed,
+    def generation_params(self, tokenizer: Tokenizer, max_tokens: int,
+                          max_stop_chars: int = DEFAULT_MAX_STOP_CHARS) -> GenerationParams:
+        """Params for the batcher; stop strings that are one token are also stopped on by id;
+        `max_stop_chars`: the server's bound on the stop strings' characters in all (`--max-stop-chars`)."""
+        return text_params(tokenizer, max_tokens=max_tokens, stop=self.stop, max_stop_chars=max_stop_chars,
+                           seed=self.seed,
                            ignore_eos=self.ignore_eos, sampling=self.sampling, cache_salt=self.cache_salt,
                            priority=self.priority, max_queue_wait_ms=self.max_queue_wait_ms,
                            logprobs=self.logprobs, prompt_logprobs=self.prompt_logprobs,

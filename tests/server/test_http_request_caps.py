@@ -133,3 +133,14 @@ def test_a_cap_must_be_a_positive_integer(tiny_batch_model, keyword):
                 create_app(batcher, model_name="tiny", **{keyword: bad})
     finally:
         batcher.close(DEADLINE)
+
+
+def test_a_raised_stop_cap_serves_stop_lists_past_the_library_default(tiny_batch_model):
+    from ferrox_batch.stop_limits import DEFAULT_MAX_STOP_CHARS, MAX_STOP_STRING_CHARS
+
+    limit = 2 * DEFAULT_MAX_STOP_CHARS
+    count = DEFAULT_MAX_STOP_CHARS // MAX_STOP_STRING_CHARS + 1  # past the default in all, within the raised cap
+    stops = [chr(0x4E00 + i) * MAX_STOP_STRING_CHARS for i in range(count)]
+    with served(tiny_batcher(tiny_batch_model), max_stop_chars=limit) as (base_url, _app):
+        served_ok(base_url, COMPLETIONS, {**BASE[COMPLETIONS], "stop": stops})
+        refused(base_url, COMPLETIONS, {**BASE[COMPLETIONS], "stop": stops * 2}, "stop", limit)
