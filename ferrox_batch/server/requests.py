@@ -38,7 +38,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ferrox_batch import bounded_json
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
 from ferrox_batch.runtime.loading.tokenizer import ChatMessage
@@ -46,7 +45,7 @@ from ferrox_batch.server.body_text import refuse_lone_surrogates
 from ferrox_batch.server.chat_rendering import ChatRendering, read_rendering
 from ferrox_batch.server.choices import MAX_CHOICES, MAX_PROMPT_ROWS
 from ferrox_batch.server.extra_fields import read_prompt_logprobs, read_truncation
-from ferrox_batch.server.fields import Fields, is_int
+from ferrox_batch.server.fields import Fields, is_int, json_text
 from ferrox_batch.server.sampling_fields import (
     SamplingOptions,
     chat_logprobs,
@@ -86,12 +85,7 @@ def _reject_constant(name: str) -> Any:
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object; malformed JSON (NaN and Infinity included) is a 400, and so is a body
     nested deeper than `bounded_json.MAX_JSON_DEPTH` or holding a string that is not valid Unicode."""
-    try:
-        value = bounded_json.loads(raw, parse_constant=_reject_constant)
-    except bounded_json.JsonTooDeep as deep:
-        raise InvalidRequest("body", raw[:SHOWN_CHARS], f"is refused: {deep}") from None
-    except ValueError as bad:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise InvalidRequest("body", raw[:SHOWN_CHARS], f"is not valid JSON ({bad})") from None
+    value = json_text("body", raw, shown=raw[:SHOWN_CHARS], parse_constant=_reject_constant)
     if not isinstance(value, dict):
         raise InvalidRequest("body", value, "must be a JSON object")
     refuse_lone_surrogates(raw, value)
@@ -359,12 +353,7 @@ def call_arguments(where: str, arguments: Any) -> Any:
     it recursively, as it walks the body."""
     if not isinstance(arguments, str):
         return arguments
-    try:
-        return bounded_json.loads(arguments)
-    except bounded_json.JsonTooDeep as deep:
-        raise InvalidRequest(where, arguments, f"is refused: {deep}") from None
-    except ValueError:
-        return arguments  # not JSON: left as the client sent it
+    return json_text(where, arguments, lenient=True)  # not JSON: left as the client sent it
 
 
 def text_content(where: str, content: Any, part_types: tuple[str, ...] = ("text",)) -> str:
