@@ -58,7 +58,7 @@ from ferrox_batch.errors import BatcherClosed, DecodeError
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.replies import Finished
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
-from ferrox_batch.server.access import cache_namespace, request_id
+from ferrox_batch.server.access import cache_namespace, client_identity, request_id
 from ferrox_batch.server.body import BodyReadTimedOut, read_body
 from ferrox_batch.server.choices import best, merged
 from ferrox_batch.server.client_policy import ClientPolicy
@@ -302,15 +302,6 @@ class Generations:
             await asyncio.wait_for(asyncio.to_thread(join), SHUTDOWN_JOIN_SECS)
         except asyncio.TimeoutError:
             log.warning("shutdown: the pools were still busy after %.0f s", SHUTDOWN_JOIN_SECS)
-
-
-def client_identity(request: Request) -> str:
-    """Who sent `request`, as the grammar engine prices its share: its API key's tenant, else its address
-    (every client of a keyless server behind one proxy is one client, as before)."""
-    namespace = cache_namespace(request)
-    if namespace is not None:
-        return f"tenant:{namespace}"
-    return f"address:{request.client.host if request.client is not None else 'unknown'}"
 
 
 def _answer(fmt: WireFormat | EmbeddingFormat | ResponsesFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:
