@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import ray
 
 #: The node IP of a head serving on a loopback address: the one Ray keeps all its servers to.
 LOOPBACK_NODE = "127.0.0.1"
+#: How gRPC names every interface in an address to bind.
+ALL_INTERFACES = ("[::]", "0.0.0.0")
 
 
 def head_address(host: str) -> str | None:
@@ -45,24 +49,37 @@ def head_address(host: str) -> str | None:
     return None if address.is_unspecified else str(address)
 
 
-@contextlib.contextmanager
-def _loopback_kept(address: str) -> Iterator[None]:
-    """Ray's rewrite of a loopback node IP held off for `address` while the head starts (module docstring)."""
-    from ray._private import services
+class _LoopbackKept:
+    """Ray's rewrite of a loopback node IP held off for one address while a head starts (module docstring).
 
-    resolve = getattr(services, "resolve_ip_for_localhost", None)
-    if resolve is None or not ipaddress.ip_address(address).is_loopback:
-        yield  # a Ray that no longer rewrites it, or an address it never rewrites
-        return
+    Ray reads the rewrite from a module-level function of its own, so holding it off is a process-wide swap:
+    one lock lets one head at a time swap it, so two heads started at once never restore each other's
+    replacement, and it is restored whatever `ray.init` raised."""
 
-    def keep(host: str) -> str:
-        return host if host == address else resolve(host)
+    _lock = threading.Lock()
 
-    services.resolve_ip_for_localhost = keep
-    try:
-        yield
-    finally:
-        services.resolve_ip_for_localhost = resolve
+    @classmethod
+    @contextlib.contextmanager
+    def kept(cls, address: str) -> Iterator[None]:
+        from ray._private import services
+
+        if not ipaddress.ip_address(address).is_loopback:
+            yield  # an address Ray never rewrites
+            return
+        with cls._lock:
+            resolve = getattr(services, "resolve_ip_for_localhost", None)
+            if resolve is None:
+                yield  # a Ray that no longer rewrites it
+                return
+
+            def keep(host: str) -> str:
+                return host if host == address else resolve(host)
+
+            services.resolve_ip_for_localhost = keep
+            try:
+                yield
+            finally:
+                services.resolve_ip_for_localhost = resolve
 
 
 def start_head(host: str, *, num_cpus: int | None) -> None:
@@ -72,27 +89,42 @@ def start_head(host: str, *, num_cpus: int | None) -> None:
     if address is None:
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
         return
-    with _loopback_kept(address):
+    with _LoopbackKept.kept(address):
         ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _node_ip_address=address)
+
+
+class _PortsOnNode:
+    """Serve's `add_port_to_grpc_server`, as a replica's module calls it, with an all-interfaces address
+    (the inter-deployment server's) moved to the node's loopback address; any other address is left as is."""
+
+    __slots__ = ("add_port", "node")
+
+    def __init__(self, add_port: Callable[[Any, str], int], node: str) -> None:
+        self.add_port = add_port
+        self.node = node
+
+    def __call__(self, server: Any, address: str) -> int:
+        host, _, port = address.rpartition(":")
+        return self.add_port(server, f"{_grpc_host(self.node)}:{port}" if host in ALL_INTERFACES else address)
 
 
 def replica_ports_on_node() -> None:
     """In a Serve replica's process, before Serve starts the replica's own gRPC server: on a loopback node,
-    that server listens on the node's loopback address rather than every interface (module docstring)."""
+    that server listens on the node's loopback address rather than every interface (module docstring).
+
+    Only the name Serve's replica module calls is replaced (Ray's own helper, and every other caller of it,
+    stay as they are), and only once however many deployments of the process call this: the server starts
+    after the replica's constructor returns, so the replacement lasts for the process, which is the
+    replica's alone."""
     from ray.serve._private import replica as serve_replica
 
-    node = ray.util.get_node_ip_address()
     add_port = getattr(serve_replica, "add_port_to_grpc_server", None)
-    if add_port is None or getattr(add_port, "node_address", None) is not None or \
-            not ipaddress.ip_address(node).is_loopback:
-        return  # a Serve that opens no such server, one already kept on the node, or a node others reach
-
-    def on_node(server, address: str):
-        host, _, port = address.rpartition(":")
-        return add_port(server, f"{_grpc_host(node)}:{port}" if host in ("[::]", "0.0.0.0") else address)
-
-    on_node.node_address = node
-    serve_replica.add_port_to_grpc_server = on_node
+    if add_port is None or isinstance(add_port, _PortsOnNode):
+        return  # a Serve that opens no such server, or one already kept on the node
+    node = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node).is_loopback:
+        return  # a node others reach: the server binds as Serve says
+    serve_replica.add_port_to_grpc_server = _PortsOnNode(add_port, node)
 
 
 def _grpc_host(address: str) -> str:

@@ -203,7 +203,7 @@ class FerroxIngress:
         if refusal is not None:  # an unauthenticated client gets nothing read, parsed or relayed
             return refusal.response()
         try:
-            relayed = await RelayedRequest.read(request, tenant=tenant)
+            relayed = await RelayedRequest.read(request, tenant=None if tenant is None else tenant.namespace)
         except DecodeError as refusal:  # too large, or too slow to arrive: answered here, as a replica would
             return error_response(refusal)
         except ClientDisconnect:

@@ -17,7 +17,8 @@ from ferrox_batch.cancel import CancelToken
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.generation_types import GenerationParams, GenerationResult, SamplingParams
 from ferrox_batch.policy.stop import resolve_stop_tokens
-from ferrox_batch.runtime.loading.tokenizer import ChatMessage, Tokenizer
+from ferrox_batch.runtime.loading.chat_template import ChatMessage
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.stop_limits import DEFAULT_MAX_STOP_CHARS
 from ferrox_batch.structured import StructuredOutput
 from ferrox_batch.token_constraints import bad_words_ids

@@ -12,11 +12,14 @@ is asked for, and a refusal still carries the CORS headers a browser needs to re
   POST), each refusal in OpenAI's error shape before the body is read, logged as one line whose client
   text (method, path, header values) is escaped (`log_text.loggable`).
 * **The tenant.** A request carrying one of several keys belongs to that key's tenant: `cache_namespace`
-  gives the prefix-cache namespace its generation requests use (None without keys or with a shared cache).
+  gives the prefix-cache namespace its generation requests use (None without keys or with a shared cache),
+  and `client_identity` the client its per-client budgets are priced to: the tenant, shared cache or not,
+  else the client's address (an IPv6 one by its /64, which one host usually holds whole).
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import uuid
 
@@ -32,11 +35,15 @@ log = logging.getLogger("ferrox_batch.server")
 REQUEST_ID_HEADER = "X-Request-Id"
 #: Longer ids are replaced: they end up in every log line and response id of the request.
 MAX_REQUEST_ID_CHARS = 128
-#: Where the middleware puts a request's tenant namespace, in its scope's state.
+#: Where the middleware puts a request's tenant namespace, and its tenant's name, in its scope's state.
 NAMESPACE_STATE = "cache_namespace"
+TENANT_STATE = "tenant"
+#: The prefix length an IPv6 client is known by: a host (or a home's network) is usually given a whole /64.
+IPV6_CLIENT_PREFIX = 64
 
-__all__ = ["MAX_REQUEST_ID_CHARS", "NAMESPACE_STATE", "OPEN_PATHS", "REQUEST_ID_HEADER", "AccessMiddleware",
-           "cache_namespace", "request_id", "usable_request_id"]
+__all__ = ["IPV6_CLIENT_PREFIX", "MAX_REQUEST_ID_CHARS", "NAMESPACE_STATE", "OPEN_PATHS", "REQUEST_ID_HEADER",
+           "TENANT_STATE", "AccessMiddleware", "cache_namespace", "client_identity", "request_id",
+           "usable_request_id"]
 
 
 def usable_request_id(value: str | None) -> bool:
@@ -55,6 +62,29 @@ def cache_namespace(connection: HTTPConnection) -> str | None:
     """The prefix-cache namespace of the tenant whose key this exchange carried (None: no tenant)."""
     namespace = connection.scope.get("state", {}).get(NAMESPACE_STATE)
     return namespace if isinstance(namespace, str) else None
+
+
+def client_identity(connection: HTTPConnection) -> str:
+    """Who sent this exchange, as per-client budgets price it: its API key's tenant (whether or not tenants
+    share the prefix cache), else its address, an IPv6 one by its /64 (every client of a keyless server
+    behind one proxy is one client)."""
+    tenant = connection.scope.get("state", {}).get(TENANT_STATE)
+    if isinstance(tenant, str):
+        return f"tenant:{tenant}"
+    host = connection.client.host if connection.client is not None else None
+    return f"address:{'unknown' if host is None else _address_client(host)}"
+
+
+def _address_client(host: str) -> str:
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:  # not an address (a test client's name, a Unix socket): as it is
+        return host
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
+        return str(ipaddress.IPv6Network((address, IPV6_CLIENT_PREFIX), strict=False))
+    return str(address)
 
 
 class AccessMiddleware:
@@ -79,11 +109,12 @@ class AccessMiddleware:
                 MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
             await send(message)
 
-        refusal, namespace = self.policy.check(scope["method"], scope["path"], headers)
+        refusal, tenant = self.policy.check(scope["method"], scope["path"], headers)
         if refusal is not None:
             log.info("request %s: %d on %s %s (%s)", rid, refusal.status, loggable(scope["method"]),
                      loggable(scope["path"]), refusal.logged)
             await refusal.response()(scope, receive, send_with_id)
             return
-        state[NAMESPACE_STATE] = namespace
+        if tenant is not None:
+            state[NAMESPACE_STATE], state[TENANT_STATE] = tenant.namespace, tenant.name
         await self.app(scope, receive, send_with_id)

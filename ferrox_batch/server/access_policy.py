@@ -7,8 +7,8 @@ refusal), each refusal in OpenAI's error shape:
    `host_not_allowed`, on every route but the liveness probe. It comes first: a DNS-rebinding page learns
    nothing else about the server.
 2. **The API key** (`api_keys`): with keys set, a missing, malformed or unknown bearer key is a 401
-   `invalid_api_key` with `WWW-Authenticate: Bearer`. A known key names the request's tenant, whose
-   prefix-cache namespace the policy hands back.
+   `invalid_api_key` with `WWW-Authenticate: Bearer`. A known key names the request's tenant, which the
+   policy hands back (`Tenant`: its name and its prefix-cache namespace).
 3. **A JSON body.** A POST must say `Content-Type: application/json` (parameters such as charset allowed),
    else 415 `unsupported_media_type`. Every POST this API has takes JSON, and a browser sends a cross-origin
    POST without asking first (no CORS preflight) only with a "simple" type (text/plain, a form, or none):
@@ -65,6 +65,15 @@ class Refusal:
         return JSONResponse(body, status_code=self.status, headers=dict(self.headers) if self.headers else None)
 
 
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    """Whose key a request carried: the tenant's name (`ApiKeys.tenant_of`) and its prefix-cache namespace
+    (None with a shared cache)."""
+
+    name: str
+    namespace: str | None
+
+
 class AccessPolicy:
     """The three checks of one server (see the module docstring); immutable once built."""
 
@@ -84,10 +93,9 @@ class AccessPolicy:
         return cls(api_key=settings.get("api_key"), allowed_hosts=settings.get("allowed_hosts"),
                    shared_prefix_cache=settings.get("shared_prefix_cache", False))
 
-    def check(self, method: str, path: str, headers: Headers) -> tuple[Refusal | None, str | None]:
-        """(the refusal, None), or (None, the tenant's prefix-cache namespace: None without keys or with a
-        shared cache)."""
-        namespace = None
+    def check(self, method: str, path: str, headers: Headers) -> tuple[Refusal | None, Tenant | None]:
+        """(the refusal, None), or (None, the request's tenant: None without keys or on an open route)."""
+        tenant = None
         host = headers.get("host")
         if path not in PROBE_PATHS and self.allowed_hosts is not None and not host_allowed(host, self.allowed_hosts):
             shown = "no Host header" if host is None else f"Host '{loggable(host)}'"
@@ -102,7 +110,7 @@ class AccessPolicy:
             index = self.keys.match(token.strip())
             if index is None:
                 return _unauthorised("the API key is not valid"), None
-            namespace = self.keys.namespace_of(index)
+            tenant = Tenant(self.keys.tenant_of(index), self.keys.namespace_of(index))
         if method == "POST":
             given = headers.get("content-type")
             if given is None or given.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
@@ -110,7 +118,7 @@ class AccessPolicy:
                 return Refusal(415, "unsupported_media_type",
                                f"a POST body must be JSON: send 'Content-Type: {JSON_MEDIA_TYPE}' (got {shown})",
                                f"{shown}, not JSON"), None
-        return None, namespace
+        return None, tenant
 
 
 def _unauthorised(message: str) -> Refusal:

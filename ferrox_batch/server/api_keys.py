@@ -1,4 +1,4 @@
-"""`ApiKeys`: the bearer keys a server takes, one tenant each, and the prefix-cache namespace of each tenant.
+"""`ApiKeys`: the bearer keys a server takes, one tenant each, its name and its prefix-cache namespace.
 
 Why tenants get their own namespace: the prefix cache lets a request adopt the KV blocks of any earlier
 prompt that shares its beginning, and `usage.prompt_tokens_details.cached_tokens` says how many it adopted.
@@ -6,7 +6,8 @@ Shared between clients, that count tells one client whether another recently sen
 prompt, a document), one guess at a time. So by default each key's requests use a namespace of their own,
 which `server.client_policy` combines with the request's own `cache_salt`: two keys never share a cached
 block, and a salt is a namespace inside its tenant's. `shared_prefix_cache=True` turns this off for
-operators whose keys all belong to one party and who want the hits across them.
+operators whose keys all belong to one party and who want the hits across them. The tenant keeps its name
+(`tenant_of`) either way: budgets shared per client (the live grammars') are still one share per key.
 
 What it promises:
 
@@ -74,3 +75,10 @@ class ApiKeys:
 
     def namespace_of(self, index: int) -> str | None:
         return self._namespaces[index]
+
+    def tenant_of(self, index: int) -> str:
+        """The name of key `index`'s tenant, whether or not tenants share the cache: what its share of a
+        per-client budget is kept under. Its index among the keys, never anything of the key."""
+        if not 0 <= index < len(self._keys):
+            raise IndexError(f"there is no key {index}")
+        return f"key{index}"

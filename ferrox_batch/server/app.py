@@ -50,12 +50,11 @@ from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
 from ferrox_batch.server.chat_page import PAGE_PATH, ChatPage
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES, ClientPolicy
 from ferrox_batch.server.errors import error_body, error_response
-from ferrox_batch.server.generation import (
-    CLIENT_CLOSED_REQUEST,
+from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST, Generations
+from ferrox_batch.server.generation_limits import (
     DEFAULT_MAX_BUFFERED_REPLY_BYTES,
     DEFAULT_MAX_CONCURRENT_TOKENIZATIONS,
     DEFAULT_WRITE_TIMEOUT_SECS,
-    Generations,
     Limits,
 )
 from ferrox_batch.server.embeddings import DEFAULT_POOLING

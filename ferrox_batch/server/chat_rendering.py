@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.runtime.loading.tokenizer import SERVER_VARIABLES, TEMPLATE_GLOBALS
+from ferrox_batch.runtime.loading.chat_template import SERVER_VARIABLES, TEMPLATE_GLOBALS
 from ferrox_batch.server.fields import Fields
 
 #: The most bytes `chat_template_kwargs` may take as compact JSON: flags and a few strings, not documents.

@@ -90,3 +90,10 @@ def error_response(error: DecodeError) -> JSONResponse:
     if error.retry_after_secs is not None:
         headers = {"Retry-After": str(error.retry_after_secs)}
     return JSONResponse(error.to_dict(), status_code=error.http_status, headers=headers)
+
+
+def failure_response(error: BaseException) -> JSONResponse:
+    """A request's failure as its response: a `DecodeError`'s own, anything else (a bug) a 500."""
+    if isinstance(error, DecodeError):
+        return error_response(error)
+    return JSONResponse(error_body(error), status_code=500)

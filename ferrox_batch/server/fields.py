@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ferrox_batch import bounded_json
 from ferrox_batch.errors import InvalidRequest
 
 
@@ -17,6 +18,21 @@ def is_int(value: Any) -> bool:
 
 def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def json_text(where: str, text: str | bytes, *, shown: Any = None, lenient: bool = False, **options: Any) -> Any:
+    """The JSON value of `text`, nested no deeper than a request body may nest (`bounded_json`): deeper is a
+    400 naming `where`, since what reads it walks it recursively, as a body is walked. Text that is not JSON
+    is a 400 too, or with `lenient` comes back as it is. `shown`: what a refusal quotes (default `text`);
+    `options`: `json.loads`'."""
+    try:
+        return bounded_json.loads(text, **options)
+    except bounded_json.JsonTooDeep as deep:
+        raise InvalidRequest(where, text if shown is None else shown, f"is refused: {deep}") from None
+    except ValueError as bad:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        if lenient:
+            return text
+        raise InvalidRequest(where, text if shown is None else shown, f"is not valid JSON ({bad})") from None
 
 
 class Fields:

@@ -47,10 +47,9 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.engine.handle import ContinuousBatcher
@@ -58,14 +57,15 @@ from ferrox_batch.errors import BatcherClosed, DecodeError
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.replies import Finished
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
-from ferrox_batch.server.access import cache_namespace, request_id
+from ferrox_batch.server.access import cache_namespace, client_identity, request_id
 from ferrox_batch.server.body import BodyReadTimedOut, read_body
 from ferrox_batch.server.choices import best, merged
 from ferrox_batch.server.client_policy import ClientPolicy
-from ferrox_batch.server.errors import ServerBusy, error_body, error_response
+from ferrox_batch.server.errors import ServerBusy, error_response, failure_response
 from ferrox_batch.server.json_body import JSONBodyResponse
 from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat
+from ferrox_batch.server.generation_limits import Limits
 from ferrox_batch.server.preparation import Prepared, Preparer
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
@@ -87,31 +87,9 @@ log = logging.getLogger("ferrox_batch.server")
 SHUTDOWN_JOIN_SECS = 10.0
 #: nginx's "client closed request": nobody reads it, but access logs then say what happened.
 CLIENT_CLOSED_REQUEST = 499
-#: Seconds a reply's send may wait for the client to take it before the client is treated as gone (its
-#: request cancelled, the connection closed): a reader that takes nothing for this long has stalled.
-DEFAULT_WRITE_TIMEOUT_SECS = 30.0
-#: Bytes of streamed reply queued for a client that reads slower than the model writes, before its
-#: request is cancelled: about 1,500 tokens with 20 alternatives each, far more without.
-DEFAULT_MAX_BUFFERED_REPLY_BYTES = 2 * 1024 * 1024
-#: `/tokenize` and `/detokenize` requests open at once; one more is refused with 503 `server_busy`.
-#: They share the prepare pool with generation, whose own cap does not count them.
-DEFAULT_MAX_CONCURRENT_TOKENIZATIONS = 32
 #: Threads that build and encode whole (non-streamed) answers, apart from the prepare pool so that
 #: finished answers never queue behind new requests' tokenizing.
 ANSWER_THREADS = 2
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """The knobs of `create_app` that shape generation requests."""
-
-    default_max_tokens: int
-    default_chat_max_tokens: int
-    max_body_bytes: int
-    max_concurrent_requests: int
-    prepare_threads: int
-    body_read_timeout: float  # seconds
-    write_timeout: float = DEFAULT_WRITE_TIMEOUT_SECS
-    max_buffered_reply_bytes: int = DEFAULT_MAX_BUFFERED_REPLY_BYTES
-    max_concurrent_tokenizations: int = DEFAULT_MAX_CONCURRENT_TOKENIZATIONS
 
 
 class Generations:
@@ -237,7 +215,9 @@ class Generations:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         error = got[1].error if isinstance(got[1], Finished) else None
         if error is not None:
-            return _failure_response(error)
+            # A bug is already logged with its traceback by `_answered`: a 500 here, not a re-raise that
+            # the app's handler (and the ASGI server) would log again.
+            return failure_response(error)
         return got  # type: ignore[return-value]
 
     async def _prepare(self, raw: bytes, endpoint: str, arrival: float, rid: str, namespace: str | None,
@@ -304,28 +284,11 @@ class Generations:
             log.warning("shutdown: the pools were still busy after %.0f s", SHUTDOWN_JOIN_SECS)
 
 
-def client_identity(request: Request) -> str:
-    """Who sent `request`, as the grammar engine prices its share: its API key's tenant, else its address
-    (every client of a keyless server behind one proxy is one client, as before)."""
-    namespace = cache_namespace(request)
-    if namespace is not None:
-        return f"tenant:{namespace}"
-    return f"address:{request.client.host if request.client is not None else 'unknown'}"
-
-
 def _answer(fmt: WireFormat | EmbeddingFormat | ResponsesFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:
     """The whole answer's JSON text, in pieces (blocking: for the answer pool); `best_of` ranks each prompt's
     candidates there too."""
     chosen = [r for at in range(0, len(results), best_of) for r in best(results[at:at + best_of], n, asked)]
     yield from fmt.full(chosen, [r.usage for r in results])
-
-
-def _failure_response(error: BaseException) -> Response:
-    if isinstance(error, DecodeError):
-        return error_response(error)
-    # A bug, already logged with its traceback by `_answered`: a 500 here, not a re-raise that
-    # the app's handler (and the ASGI server) would log again.
-    return JSONResponse(error_body(error), status_code=500)
 
 
 def _cancel_orphan(future: asyncio.Future) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 
 from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.errors import CONTEXT_LENGTH_EXCEEDED, InvalidRequest, KvBudgetExceeded
-from ferrox_batch.runtime.loading.tokenizer import ChatMessage, Tokenizer
+from ferrox_batch.runtime.loading.chat_template import ChatMessage
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.chat_rendering import ChatRendering
 
 

@@ -24,7 +24,8 @@ What it promises:
 * `n` (up to `choices.MAX_CHOICES`) and completions' `best_of` fan out into
   rows of the batch (`choices`), and so do a completion's several prompts (OpenAI's four prompt forms),
   up to `choices.MAX_PROMPT_ROWS` rows a request.
-* vLLM's extra fields (`extra_fields`) are read on both endpoints.
+* vLLM's extra fields (`extra_fields`) are read on both endpoints; a chat's
+  `messages` by `chat_messages`.
 
 Defaults when `max_tokens` / `max_completion_tokens` are absent are supplied
 by the caller (`create_app`): OpenAI's 16 for completions, 1024 for chat.
@@ -33,20 +34,19 @@ by the caller (`create_app`): OpenAI's 16 for completions, 1024 for chat.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ferrox_batch import bounded_json
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
-from ferrox_batch.runtime.loading.tokenizer import ChatMessage
+from ferrox_batch.runtime.loading.chat_template import ChatMessage
 from ferrox_batch.server.body_text import refuse_lone_surrogates
+from ferrox_batch.server.chat_messages import read_messages
 from ferrox_batch.server.chat_rendering import ChatRendering, read_rendering
 from ferrox_batch.server.choices import MAX_CHOICES, MAX_PROMPT_ROWS
 from ferrox_batch.server.extra_fields import read_prompt_logprobs, read_truncation
-from ferrox_batch.server.fields import Fields, is_int
+from ferrox_batch.server.fields import Fields, is_int, json_text
 from ferrox_batch.server.sampling_fields import (
     SamplingOptions,
     chat_logprobs,
@@ -75,8 +75,6 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 #: The tool-call formats: the Hermes/Qwen `<tool_call>` blocks where the chat template renders tools, the
 #: generic JSON object (tools described in a system message) where it does not.
 TOOL_FORMATS: dict[str, ToolCallParser] = {"hermes": HermesToolCalls(), "generic": GenericToolCalls()}
-#: OpenAI's chat roles; any other is refused rather than handed to the chat template.
-CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _reject_constant(name: str) -> Any:
@@ -86,12 +84,7 @@ def _reject_constant(name: str) -> Any:
 def parse_json_object(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object; malformed JSON (NaN and Infinity included) is a 400, and so is a body
     nested deeper than `bounded_json.MAX_JSON_DEPTH` or holding a string that is not valid Unicode."""
-    try:
-        value = bounded_json.loads(raw, parse_constant=_reject_constant)
-    except bounded_json.JsonTooDeep as deep:
-        raise InvalidRequest("body", raw[:SHOWN_CHARS], f"is refused: {deep}") from None
-    except ValueError as bad:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise InvalidRequest("body", raw[:SHOWN_CHARS], f"is not valid JSON ({bad})") from None
+    value = json_text("body", raw, shown=raw[:SHOWN_CHARS], parse_constant=_reject_constant)
     if not isinstance(value, dict):
         raise InvalidRequest("body", value, "must be a JSON object")
     refuse_lone_surrogates(raw, value)
@@ -309,75 +302,3 @@ def _id_prompt(where: str, value: list[Any]) -> tuple[int, ...]:
         if not is_int(token) or token < 0:
             raise InvalidRequest(where, token, "token ids must be non-negative integers")
     return tuple(value)
-
-
-def read_messages(value: Any) -> tuple[ChatMessage, ...]:
-    if value is None:
-        raise InvalidRequest("messages", value, "is required")
-    if not isinstance(value, list):
-        raise InvalidRequest("messages", value, "must be a list of messages")
-    if not value:
-        raise InvalidRequest("messages", value, "must hold at least one message")
-    return tuple(_message(i, m) for i, m in enumerate(value))
-
-
-def _message(index: int, message: Any) -> ChatMessage:
-    where = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise InvalidRequest(where, message, "must be an object with a role and a content")
-    role = message.get("role")
-    if not isinstance(role, str) or not role:
-        raise InvalidRequest(f"{where}.role", role, "must be a non-empty string")
-    if role not in CHAT_ROLES:
-        raise InvalidRequest(f"{where}.role", role, f"must be one of {', '.join(CHAT_ROLES)}")
-    calls = message.get("tool_calls")
-    if calls is not None:
-        if role != "assistant" or not isinstance(calls, list) or not all(
-                isinstance(c, dict) and isinstance(c.get("function"), dict) for c in calls):
-            raise InvalidRequest(f"{where}.tool_calls", calls, "must be an assistant's list of function calls")
-        content = message.get("content")  # an assistant turn that only called tools has none
-        text = "" if content is None else text_content(f"{where}.content", content)
-        return ChatMessage(role, text, tuple(_tool_call_for_template(f"{where}.tool_calls[{i}]", c)
-                                             for i, c in enumerate(calls)))
-    call_id = message.get("tool_call_id")
-    if role == "tool" and call_id is not None and not isinstance(call_id, str):
-        raise InvalidRequest(f"{where}.tool_call_id", call_id, "must be a string")
-    return ChatMessage(role, text_content(f"{where}.content", message.get("content")),
-                       tool_call_id=call_id if role == "tool" else None)
-
-
-def _tool_call_for_template(where: str, call: dict[str, Any]) -> dict[str, Any]:
-    """An earlier call as templates expect it: the arguments as an object where they are JSON."""
-    function = dict(call["function"])
-    function["arguments"] = call_arguments(f"{where}.function.arguments", function.get("arguments"))
-    return {**call, "function": function}
-
-
-def call_arguments(where: str, arguments: Any) -> Any:
-    """A call's `arguments` as the template reads them: the JSON value of a string that holds JSON, anything
-    else as sent. JSON nested deeper than a request body may nest is a 400 naming `where`: the template walks
-    it recursively, as it walks the body."""
-    if not isinstance(arguments, str):
-        return arguments
-    try:
-        return bounded_json.loads(arguments)
-    except bounded_json.JsonTooDeep as deep:
-        raise InvalidRequest(where, arguments, f"is refused: {deep}") from None
-    except ValueError:
-        return arguments  # not JSON: left as the client sent it
-
-
-def text_content(where: str, content: Any, part_types: tuple[str, ...] = ("text",)) -> str:
-    """A string, or OpenAI's list of content parts when every part is text (joined); `part_types`: the
-    types a text part may have (chat's `text`; the Responses API's `input_text` and `output_text` too)."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        texts = []
-        for i, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in part_types or not isinstance(part.get("text"), str):
-                raise InvalidRequest(f"{where}[{i}]", part, f"must be a text part ({' or '.join(part_types)}, with "
-                                                     "its text): this server takes text only")
-            texts.append(part["text"])
-        return "".join(texts)
-    raise InvalidRequest(where, content, "must be a string (or a list of text parts)")

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.server.requests import call_arguments, text_content
+from ferrox_batch.server.chat_messages import call_arguments, text_content
 
 #: Fields whose presence (any value but the one that asks for nothing) this server cannot honour.
 REFUSED = {

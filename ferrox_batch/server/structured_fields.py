@@ -20,8 +20,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ferrox_batch import bounded_json
 from ferrox_batch.errors import InvalidRequest
+from ferrox_batch.server.fields import json_text
 from ferrox_batch.structured import StructuredOutput, check_spec_bytes
 
 #: `guided_*` fields -> the `structured_outputs` member each one is.
@@ -79,13 +79,8 @@ def _member(field: str, member: str, value: Any) -> StructuredOutput | None:
             raise InvalidRequest(field, value, "must be true or false")
         return StructuredOutput.json_object() if value else None
     if member == "json":
-        if isinstance(value, str):
-            try:  # bounded as a body is: a schema is walked recursively, as a body is
-                value = bounded_json.loads(value)
-            except bounded_json.JsonTooDeep as deep:
-                raise InvalidRequest(field, value, f"is refused: {deep}") from None
-            except ValueError as bad:
-                raise InvalidRequest(field, value, f"is not valid JSON ({bad})") from None
+        if isinstance(value, str):  # a schema is walked recursively, as a body is
+            value = json_text(field, value)
         if not isinstance(value, (dict, bool)):
             raise InvalidRequest(field, value, "must be a JSON schema (an object, or its JSON text)")
         spec = StructuredOutput.json_schema(value)

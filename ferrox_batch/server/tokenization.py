@@ -25,7 +25,7 @@ from ferrox_batch.server.errors import ServerBusy
 from ferrox_batch.server.fields import Fields
 from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
 from ferrox_batch.server.request_caps import RequestCaps
-from ferrox_batch.server.requests import read_messages
+from ferrox_batch.server.chat_messages import read_messages
 from ferrox_batch.server.chat_rendering import read_rendering
 from ferrox_batch.server.tools.definitions import read_tools
 from ferrox_batch.server.tools.generic import describe_tools

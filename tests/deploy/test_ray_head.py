@@ -8,10 +8,15 @@ worker to the network.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import pytest
 
 ray = pytest.importorskip("ray", reason="needs the test extra (ray[serve])")
 import ray._private.services as ray_services  # noqa: E402
+
+from worker_helpers import DEADLINE  # noqa: E402
 
 from ferrox_batch.deploy.ray_head import head_address, start_head  # noqa: E402
 
@@ -67,6 +72,45 @@ def test_a_failed_start_puts_rays_resolution_back(monkeypatch):
     assert ray_services.resolve_ip_for_localhost is resolve
 
 
+def test_heads_started_at_once_never_leave_a_replacement_behind(monkeypatch):
+    """Two heads started together: the second waits for the first to put Ray's resolution back, so neither
+    restores the other's replacement (which would keep loopback addresses unrewritten for the process)."""
+    resolve = ray_services.resolve_ip_for_localhost
+    first_inside, first_done = threading.Event(), threading.Event()
+    # How long the first start gives the second to reach `ray.init` beside it: it never does, so the test
+    # spends this much once; it only has to exceed a thread's start.
+    together = threading.Barrier(2, timeout=0.5)
+    seen: list[str] = []
+
+    def init(**options):
+        seen.append(ray_services.resolve_ip_for_localhost(options["_node_ip_address"]))
+        if not first_inside.is_set():
+            first_inside.set()
+            with contextlib.suppress(threading.BrokenBarrierError):
+                together.wait()
+            return
+        with contextlib.suppress(threading.BrokenBarrierError):
+            together.wait()
+        assert first_done.wait(DEADLINE)  # the first start ends (and restores) before this one
+
+    def first() -> None:
+        try:
+            start_head("127.0.0.1", num_cpus=1)
+        finally:
+            first_done.set()
+
+    monkeypatch.setattr(ray, "init", init)
+    threads = [threading.Thread(target=first)]
+    threads[0].start()
+    assert first_inside.wait(DEADLINE)
+    threads.append(threading.Thread(target=start_head, args=("::1",), kwargs={"num_cpus": 1}))
+    threads[1].start()
+    for thread in threads:
+        thread.join(DEADLINE)
+    assert seen == ["127.0.0.1", "127.0.0.1"]
+    assert ray_services.resolve_ip_for_localhost is resolve, "a start restored the other's replacement"
+
+
 def test_serve_replicas_start_the_head_and_the_http_proxy_on_the_host(started, monkeypatch):
     import threading
 
@@ -102,3 +146,19 @@ def test_a_replica_on_a_loopback_node_opens_its_grpc_server_there(monkeypatch, n
     serve_replica.add_port_to_grpc_server(None, "[::]:0")  # what Serve asks for as a replica starts
     serve_replica.add_port_to_grpc_server(None, "10.9.9.9:7000")  # an address of its own choosing stays
     assert opened == [bound, "10.9.9.9:7000"]
+
+
+def test_the_replica_patch_replaces_only_the_replica_modules_name(monkeypatch):
+    from ray._common import tls_utils
+    from ray.serve._private import replica as serve_replica
+
+    from ferrox_batch.deploy.ray_head import replica_ports_on_node
+
+    helper = tls_utils.add_port_to_grpc_server
+    monkeypatch.setattr(serve_replica, "add_port_to_grpc_server", serve_replica.add_port_to_grpc_server)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "127.0.0.1")
+    replica_ports_on_node()
+    patched = serve_replica.add_port_to_grpc_server
+    replica_ports_on_node()
+    assert serve_replica.add_port_to_grpc_server is patched and patched.add_port is helper  # wrapped once
+    assert tls_utils.add_port_to_grpc_server is helper  # Ray's own helper, for every other caller, is untouched

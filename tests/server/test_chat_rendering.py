@@ -26,7 +26,7 @@ from tiny_checkpoint import write_tiny_checkpoint
 
 from ferrox_batch.runtime.errors import ModelLoadError
 from ferrox_batch.runtime.loading.loader import load_model
-from ferrox_batch.runtime.loading.tokenizer import SERVER_VARIABLES, TEMPLATE_GLOBALS
+from ferrox_batch.runtime.loading.chat_template import SERVER_VARIABLES, TEMPLATE_GLOBALS
 
 TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"

@@ -11,10 +11,8 @@ in the nested ones (messages and their parts, tools and their schemas, `response
 * `/health` answers 200 (the worker lives);
 * once the server is idle, every KV block is free and nothing waits.
 
-The server runs with small per-request caps (`CAPS`, `server.request_caps`), and one test sends values
-around and past each of them (`allowed_token_ids`' length, the stop list's characters, prompt
-log-probability entries, `/tokenize`'s and `/detokenize`'s ids and text): each is a 200 at or under its cap
-and a 400 naming its field past it, never a 5xx.
+The server runs with small per-request caps (`fuzz_helpers.CAPS`, `server.request_caps`); `test_fuzz_caps`
+sends values around and past each of them.
 
 The example budget is fixed per test; under the `ci` profile the draw is derandomized, so a commit's result
 is reproducible, and a plain `make test` explores new examples each run.
@@ -23,23 +21,14 @@ is reproducible, and a plain `make test` explores new examples each run.
 from __future__ import annotations
 
 import json
-import time
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import pytest
+from fuzz_helpers import FUZZ_SETTINGS, VOCAB, check, fuzzed_server
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
-from server_helpers import DEADLINE, served, tiny_batcher
 
-from ferrox_batch.server.request_caps import RequestCaps
-from ferrox_batch.server.tokenization import tokenize
-
-EXAMPLES = 120
-FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
-                         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
-                                                HealthCheck.data_too_large])
 
 # JSON that `json.dumps` cannot write: placeholders swapped for raw tokens after dumping.
 RAW = {"\x00RAW-NAN\x00": "NaN", "\x00RAW-INF\x00": "Infinity", "\x00RAW-NEGINF\x00": "-Infinity",
@@ -80,10 +69,6 @@ def field(valid: st.SearchStrategy, *edges: Any) -> tuple[st.SearchStrategy, st.
     return valid, (st.one_of(st.sampled_from(edges), st.sampled_from(edges), anything) if edges else anything)
 
 
-VOCAB = 384  # the tiny checkpoint's
-#: The fuzzed server's per-request caps: above what the plausible bodies send, low enough to reach.
-CAPS = {"max_allowed_token_ids": 100, "max_stop_chars": 64, "max_prompt_logprobs": 1000,
-        "max_tokenization_ids": 256, "max_detokenize_bytes": 600}
 #: JSON text nested past the interpreter's recursion limit, for the fields that hold JSON in a string.
 DEEP_JSON = "[" * 5000 + "]" * 5000
 BAD_IDS = [VOCAB, 2**63 - 1, 2**63, 2**64, 2**64 + 5, -1, -2**63]
@@ -271,27 +256,8 @@ content_types = st.one_of(st.just("application/json"), st.just("application/json
 
 @pytest.fixture(scope="module")
 def fuzzed(tiny_batch_model):
-    batcher = tiny_batcher(tiny_batch_model, prefix_cache=True, max_queue_wait_ms=60_000)
-    with served(batcher, write_timeout=10.0, **CAPS) as (base_url, _app):
-        with httpx.Client(base_url=base_url, timeout=60.0) as http:
-            yield http
-
-
-def check(http: httpx.Client, reply: httpx.Response) -> None:
-    assert reply.status_code < 500, (reply.status_code, reply.text[:500])
-    if reply.status_code >= 400 and reply.request.method != "HEAD":  # a HEAD answer has no body
-        error = reply.json()["error"]
-        assert isinstance(error["message"], str) and error["message"], error
-        assert isinstance(error["type"], str) and error["type"], error
-    assert http.get("/health").status_code == 200, "the worker stopped"
-    deadline = time.monotonic() + DEADLINE
-    while True:
-        stats = http.get("/stats").json()
-        idle = stats["queue_depth"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
-        if idle:
-            return
-        assert time.monotonic() < deadline, f"blocks are still held when idle: {stats}"
-        time.sleep(0.01)
+    with fuzzed_server(tiny_batch_model) as http:
+        yield http
 
 
 def post(http: httpx.Client, route: str, body: bytes, content_type: str) -> None:
@@ -348,90 +314,4 @@ def test_tokenization_never_answers_5xx(fuzzed, route, tokenize, detokenize, con
 def test_every_route_and_method_answers_without_a_5xx(fuzzed, method, path, query):
     reply = fuzzed.request(method, path + ("?" + query if query else ""), content=b"{}",
                            headers={"Content-Type": "application/json"})
-    check(fuzzed, reply)
-
-
-def _ids(draw: st.DrawFn, length: int, low: int = 0) -> list[int]:
-    """`length` ids in `[low, VOCAB)`: a short drawn pattern repeated (a long list drawn id by id would be
-    more data than hypothesis draws for one example)."""
-    pattern = draw(st.lists(st.integers(low, VOCAB - 1), min_size=1, max_size=8))
-    return (pattern * (length // len(pattern) + 1))[:length]
-
-
-def _near(cap: int) -> st.SearchStrategy[int]:
-    """A count at the cap, just past it, or anywhere from 1 to twice it (each side about as often)."""
-    return st.one_of(st.integers(cap - 2, cap), st.integers(cap + 1, cap + 2), st.integers(1, cap),
-                     st.integers(cap + 1, 2 * cap))
-
-
-@st.composite
-def around_caps(draw: st.DrawFn) -> tuple[str, dict[str, Any], str, int | None]:
-    """(route, body, the field a cap names, what that cap counts for the body (None: to be tokenized)), for
-    a body around one cap and within every other."""
-    cap = draw(st.sampled_from(["allowed_token_ids", "stop", "prompt_logprobs", "tokenize", "detokenize"]))
-    route = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
-    base: dict[str, Any] = ({"prompt": "The quick brown fox"} if route == "/v1/completions"
-                            else {"messages": [{"role": "user", "content": "hi"}]})
-    base.update(max_tokens=draw(st.integers(1, 2)), temperature=0)
-    if cap == "allowed_token_ids":
-        length = draw(_near(CAPS["max_allowed_token_ids"]))
-        ids = _ids(draw, length)  # repeats count too
-        return route, {**base, "allowed_token_ids": ids, "n": draw(st.integers(1, 3))}, cap, length
-    if cap == "stop":
-        total = draw(_near(CAPS["max_stop_chars"]))
-        count = draw(st.integers(1, 8))
-        lengths = [total // count + (i < total % count) for i in range(count)]
-        stops = [draw(st.sampled_from(["\u2603", "q", "\ud83d\ude80"])) * n for n in lengths if n]
-        return route, {**base, "stop": stops}, cap, total
-    if cap == "prompt_logprobs":
-        top = draw(st.integers(1, 20))
-        rows = draw(st.integers(1, 3))
-        scored = min(-(-draw(_near(CAPS["max_prompt_logprobs"])) // ((top + 1) * rows)), 500)  # rounded up
-        prompt = _ids(draw, scored + 1)
-        body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "n": rows}
-        if draw(st.booleans()):
-            return ("/v1/completions", {**body, "prompt_logprobs": top}, "prompt_logprobs",
-                    (len(prompt) - 1) * (top + 1) * rows)
-        # `echo` scores the prompt with `logprobs`' alternatives (at most 5 here): fewer tokens, more rows.
-        prompt = _ids(draw, min(-(-draw(_near(CAPS["max_prompt_logprobs"])) // ((min(top, 5) + 1) * rows)), 500) + 1)
-        return ("/v1/completions", {**body, "prompt": prompt, "echo": True, "logprobs": min(top, 5)}, "logprobs",
-                (len(prompt) - 1) * (min(top, 5) + 1) * rows)
-    if cap == "tokenize":
-        words = max(1, draw(_near(CAPS["max_tokenization_ids"])) // 2)  # about two tokens a word
-        text = " ".join(draw(st.sampled_from(["a", "bc", "fox", "\u2603"])) for _ in range(words))
-        key = draw(st.sampled_from(["prompt", "messages"]))
-        body = {"prompt": text} if key == "prompt" else {"messages": [{"role": "user", "content": text}]}
-        return "/tokenize", {**body, "return_token_strs": draw(st.booleans())}, key, None
-    if draw(st.booleans()):  # around the ids' cap
-        length, low = draw(_near(CAPS["max_tokenization_ids"])), 0
-    else:  # around the text's: merged tokens, of a few bytes each
-        length, low = draw(st.integers(100, 300)), VOCAB - 128
-    ids = _ids(draw, length, low)
-    return "/detokenize", {"tokens": ids}, "tokens", None
-
-
-LIMITS = {"allowed_token_ids": "max_allowed_token_ids", "stop": "max_stop_chars", "prompt_logprobs": "max_prompt_logprobs",
-          "logprobs": "max_prompt_logprobs"}
-
-
-@FUZZ_SETTINGS
-@given(case=around_caps())
-def test_values_around_each_cap_are_served_or_refused_naming_it(fuzzed, tiny_batch_model, case):
-    route, body, field, counted = case
-    tokenizer = tiny_batch_model.tokenizer
-    if route == "/tokenize":  # counted as the endpoint counts, with no cap
-        unbounded = RequestCaps(max_tokenization_ids=10**9)
-        counted = tokenize(body, tokenizer, SimpleNamespace(limit=lambda: 0), unbounded)["count"]
-        over = counted > CAPS["max_tokenization_ids"]
-    elif route == "/detokenize":
-        over = (len(body["tokens"]) > CAPS["max_tokenization_ids"]
-                or tokenizer.decoded_size(body["tokens"]) > CAPS["max_detokenize_bytes"])
-    else:
-        over = counted > CAPS[LIMITS[field]]
-    reply = fuzzed.post(route, content=encode(body), headers={"Content-Type": "application/json"})
-    if over:
-        assert reply.status_code == 400, (field, counted, reply.text[:300])
-        assert reply.json()["error"]["param"] == field, reply.text[:300]
-    else:
-        assert reply.status_code == 200, (field, counted, reply.text[:300])
     check(fuzzed, reply)

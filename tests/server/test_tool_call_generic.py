@@ -15,7 +15,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ferrox_batch.runtime.loading.tokenizer import ChatMessage
+from ferrox_batch.runtime.loading.chat_template import ChatMessage
 from ferrox_batch.server.tools.call_scanner import Arguments, CallScanner, Closed, Named
 from ferrox_batch.server.tools.definitions import ToolCall
 from ferrox_batch.server.tools.generic import GenericToolCalls, describe_tools

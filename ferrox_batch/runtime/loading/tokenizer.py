@@ -1,4 +1,5 @@
-"""The tokenizer: encode, raw-byte decode, chat templates and the model's stop tokens.
+"""The tokenizer: encode, raw-byte decode, chat templates (rendered by `chat_template`) and the model's stop
+tokens.
 
 `decode(ids) -> bytes` is the upstream `DecodeFn` contract: it returns raw
 bytes, because a character may straddle two tokens; the batcher's per-row
@@ -25,16 +26,20 @@ never fit a context without tokenizing it.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
-import jinja2
-import jinja2.meta
-import jinja2.sandbox
 from tokenizers import Tokenizer as HfTokenizer
 
 from ferrox_batch.runtime.errors import ModelLoadError
+from ferrox_batch.runtime.loading.chat_template import (  # noqa: F401 - ChatMessage and the names: re-exported
+    SERVER_VARIABLES,
+    TEMPLATE_GLOBALS,
+    ChatMessage,
+    ChatTemplate,
+    compile_template,
+    template_text,
+)
 from ferrox_batch.runtime.loading.control_text import ControlText, control_texts
 from ferrox_batch.runtime.loading.length_bound import LengthBound, length_bound
 from ferrox_batch.stop_tokens import StopTokens
@@ -51,17 +56,6 @@ def byte_level_alphabet() -> dict[str, int]:
             chars.append(256 + extra)
             extra += 1
     return {chr(c): b for b, c in zip(printable, chars)}
-
-
-@dataclass(frozen=True, slots=True)
-class ChatMessage:
-    role: str
-    content: str
-    #: An assistant turn's tool calls, in OpenAI's shape (`{"id", "type": "function", "function": {"name",
-    #: "arguments"}}`), handed to the chat template as they are.
-    tool_calls: tuple[dict[str, Any], ...] | None = None
-    #: A `tool` turn's answer to which call.
-    tool_call_id: str | None = None
 
 
 class Tokenizer:
@@ -99,16 +93,15 @@ class Tokenizer:
     def set_chat_template(self, chat_template: str | None) -> None:
         """Use `chat_template` (Jinja text; None: none) for chat, in place of the checkpoint's: a template
         that does not compile is a `ModelLoadError`."""
-        self._template = _compile(chat_template) if chat_template else None
+        self._template = ChatTemplate(chat_template) if chat_template else None
         self.chat_template = chat_template
         #: Whether the chat template reads `tools` (renders the tool definitions a request offers).
-        self.supports_tools = chat_template is not None and "tools" in jinja2.meta.find_undeclared_variables(
-            jinja2.Environment().parse(chat_template))
+        self.supports_tools = self._template is not None and self._template.supports_tools
 
     @staticmethod
     def check_chat_template(chat_template: str) -> None:
         """`ModelLoadError` unless `chat_template` compiles."""
-        _compile(chat_template)
+        compile_template(chat_template)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "Tokenizer":
@@ -149,7 +142,7 @@ class Tokenizer:
             stop_ids.add(eos_id)
         return cls(
             inner,
-            chat_template=_template_text(tokenizer_config.get("chat_template")),
+            chat_template=template_text(tokenizer_config.get("chat_template")),
             bos_token=bos,
             eos_token=eos,
             add_bos=bool(tokenizer_config.get("add_bos_token", False)) and bos is not None,
@@ -254,78 +247,15 @@ class Tokenizer:
         text (`control_text`)."""
         if self._template is None:
             raise ValueError("this checkpoint has no chat template; send a plain prompt instead")
-        if not messages:
-            raise ValueError("a chat needs at least one message")
-        if tools and not self.supports_tools:
-            raise ValueError("this checkpoint's chat template does not render tools")
-        rendered = []
-        for i, m in enumerate(messages):
-            message = m if isinstance(m, ChatMessage) else ChatMessage(m.get("role"), m.get("content"),  # type: ignore[arg-type]
-                                                                    m.get("tool_calls"), m.get("tool_call_id"))
-            if not isinstance(message.role, str) or not isinstance(message.content, str):
-                raise ValueError(f"message {i} needs a string role and a string content")
-            content = message.content
-            if escape_control_text and message.role != "assistant":
-                content = self.control_text.escape(content)
-            one: dict[str, Any] = {"role": message.role, "content": content}
-            if message.tool_calls:
-                one["tool_calls"] = [dict(call) for call in message.tool_calls]
-            if message.tool_call_id is not None:
-                one["tool_call_id"] = message.tool_call_id
-            rendered.append(one)
-        if tools and escape_control_text:
-            tools = [self.control_text.escape_within(dict(t)) for t in tools]
-        core = {"messages": rendered, "add_generation_prompt": add_generation_prompt,
-                "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
-                **({"tools": [dict(t) for t in tools]} if tools else {})}
-        clash = sorted(set(template_kwargs or {}) & (SERVER_VARIABLES | TEMPLATE_GLOBALS))
-        if clash:
-            raise ValueError(f"template variables {clash} are set by the server or its template environment, "
-                             "not by the request")
-        try:
-            text = self._template.render(**{**(template_kwargs or {}), **core})
-        # A field the template needs and the messages lack (TemplateError), or a value it cannot use: a
-        # request's variable of the wrong type (TypeError, as vLLM also answers with a 400).
-        except (jinja2.TemplateError, TypeError) as bad:
-            raise ValueError(f"chat template failed on the messages: {bad}") from None
-        if continue_final_message:
-            final = rendered[-1]["content"]
-            for cut in (final, final.strip()):
-                at = text.rfind(cut) if cut else -1
-                if at >= 0:
-                    return text[:at + len(cut)]
-            raise ValueError("continue_final_message: the final message does not appear in the rendered chat")
-        return text
+        return self._template.render(messages, bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     control_text=self.control_text, add_generation_prompt=add_generation_prompt,
+                                     tools=tools, continue_final_message=continue_final_message,
+                                     template_kwargs=template_kwargs, escape_control_text=escape_control_text)
 
     def encode_chat(self, messages: Sequence[ChatMessage | Mapping[str, Any]],
                     tools: Sequence[Mapping[str, Any]] | None = None) -> list[int]:
         # The template writes any BOS itself, so none is added here.
         return self.encode(self.apply_chat_template(messages, tools=tools), add_special_tokens=False)
-
-
-#: The variables the server hands every chat template itself.
-SERVER_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
-#: Names a chat template's environment gives a meaning: Jinja's globals (`range`, `dict`, `namespace`,
-#: `cycler`, `joiner`, `lipsum`), the helpers templates call (`raise_exception`, and transformers'
-#: `strftime_now`, which templates test for), and the names Jinja itself binds inside a template (`loop`,
-#: `self`, `super`, `caller`, `varargs`, `kwargs`). A request's variable of such a name would shadow it, and
-#: the template would call or index a string.
-TEMPLATE_GLOBALS = frozenset(jinja2.defaults.DEFAULT_NAMESPACE) | {
-    "raise_exception", "strftime_now", "loop", "self", "super", "caller", "varargs", "kwargs"}
-
-
-def _compile(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-    def raise_exception(message: str) -> None:
-        raise ValueError(f"chat template refused the messages: {message}")
-
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as bad:
-        raise ModelLoadError(f"chat template does not compile: {bad}") from None
 
 
 def _decoder_kinds(decoder: Mapping[str, Any]) -> set[str]:
@@ -348,15 +278,6 @@ def _read_json(path: Path) -> dict[str, Any]:
 def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _template_text(value: Any) -> str | None:
-    if isinstance(value, list):  # named templates: take "default"
-        for entry in value:
-            if isinstance(entry, dict) and entry.get("name") == "default":
-                return entry.get("template")
-        return None
     return value if isinstance(value, str) else None
 
 

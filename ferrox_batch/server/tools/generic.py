@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ferrox_batch import bounded_json
-from ferrox_batch.runtime.loading.tokenizer import ChatMessage
+from ferrox_batch.runtime.loading.chat_template import ChatMessage
 from ferrox_batch.server.tools.call_scanner import CallScanner, Event
 from ferrox_batch.server.tools.definitions import ParsedReply, ToolCall
 from ferrox_batch.structured import StructuredOutput

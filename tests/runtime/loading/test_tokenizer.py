@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from ferrox_batch.engine.text import prompt_ids
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.runtime.loading.tokenizer import Tokenizer, _compile, byte_level_alphabet
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer, byte_level_alphabet
 from ferrox_batch.stop_tokens import StopTokens
 
 
@@ -66,7 +66,7 @@ def test_bad_chat_messages_are_refused_clearly(tok):
 
 def test_a_template_that_fails_on_the_messages_is_a_value_error(tiny_llama_dir):
     tok = Tokenizer.from_dir(tiny_llama_dir)
-    tok._template = _compile("{{ messages[0].tools.name }}")  # needs a field these messages lack
+    tok.set_chat_template("{{ messages[0].tools.name }}")  # needs a field these messages lack
     with pytest.raises(ValueError, match="chat template failed on the messages"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
     with pytest.raises(InvalidRequest, match="chat template failed"):  # the library's text path: a 400
