@@ -28,7 +28,9 @@ convert in milliseconds, so 1 s leaves them 100x.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from ferrox_batch.errors import DecodeError, GrammarConstraint, InvalidRequest
 
@@ -43,6 +45,17 @@ DEFAULT_LIVE_BYTES = 4 * 1024 * 1024
 DEFAULT_CLIENT_LIVE_BYTES = 1024 * 1024
 DEFAULT_GBNF_MS = 1000
 
+#: Each `GrammarLimits` field's `serve` flag; a Ray Serve config file's key is the flag in snake case
+#: (`deploy.serve_args`).
+LIMIT_FLAGS: Mapping[str, str] = MappingProxyType({
+    "compile_ms": "--grammar-compile-ms",
+    "first_masks_ms": "--grammar-first-masks-ms",
+    "mask_deadline_ms": "--grammar-mask-deadline-ms",
+    "live_bytes": "--max-live-grammar-bytes",
+    "client_live_bytes": "--max-client-grammar-bytes",
+    "gbnf_ms": "--grammar-gbnf-ms",
+})
+
 
 @dataclass(frozen=True, slots=True)
 class GrammarLimits:
@@ -56,8 +69,7 @@ class GrammarLimits:
     gbnf_ms: int = DEFAULT_GBNF_MS
 
     def __post_init__(self) -> None:
-        for name in ("compile_ms", "first_masks_ms", "mask_deadline_ms", "live_bytes", "client_live_bytes",
-                     "gbnf_ms"):
+        for name in LIMIT_FLAGS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")

@@ -11,6 +11,15 @@ by the deadline (every thread busy) is not the row's fault: it goes to the fresh
 of its own, so the wait is bounded by the deadline times the rounds it takes to start every row (one,
 unless more rows were constrained than the pool has threads).
 
+Late threads are bounded, so that a client whose grammars keep missing the deadline cannot make the server
+spawn threads without end: a late computation is counted until it ends. While `MAX_LATE_BUSY` of them run,
+a new grammar is refused as busy (`MasksBusy`, a 503 at compile, on the caller's side); while
+`MAX_LATE` of them run, no further mask is started at all and the step's constrained rows are late at
+once (rows already admitted could otherwise add one thread each). So at most `threads` threads serve a
+step and fewer than `MAX_LATE + threads` late ones run. A late row's matcher is held by its step's
+`PendingMasks` until its thread is done, and is never used again: the row ends with its error that step and
+its sampler row is released.
+
 Masks are written into one `[rows, words]` int32 bit array per step (llguidance's layout: bit `t % 32`
 of word `t // 32` allows token `t`); a late row's thread writes into that step's array only, which it
 keeps alive until it is done.
@@ -25,8 +34,27 @@ from typing import Any
 
 import numpy as np
 
+from ferrox_batch.errors import DecodeError
+
 #: Threads one pool may run at once: a step's constrained rows each get one while they compute.
 MAX_MASK_THREADS = 64
+#: Late computations still running past which a new grammar is refused as busy (a quarter of the pool).
+MAX_LATE_BUSY = MAX_MASK_THREADS // 4
+#: Late computations still running past which no mask is started (module docstring).
+MAX_LATE = MAX_MASK_THREADS
+
+
+class MasksBusy(DecodeError):
+    """Grammar masks that missed the worker's deadline are still being computed: a new grammar must wait for
+    them to end (503: the request is fine, retry shortly)."""
+
+    retry_after_secs = 1
+    http_status = 503
+    error_code = "server_busy"
+
+    def __init__(self, late: int) -> None:
+        super().__init__(f"server is at capacity: {late} grammar masks that missed their deadline are still "
+                         "being computed; retry shortly")
 
 #: Fills row `index` of a `[rows, words]` int32 bit array with `matcher`'s next mask.
 Fill = Callable[[Any, np.ndarray, int], None]
@@ -35,20 +63,51 @@ Fill = Callable[[Any, np.ndarray, int], None]
 class MaskPool:
     """Computes rows' masks on threads and collects them within a deadline (module docstring)."""
 
-    def __init__(self, fill: Fill, words: int, deadline_s: float, threads: int = MAX_MASK_THREADS) -> None:
+    def __init__(self, fill: Fill, words: int, deadline_s: float, threads: int = MAX_MASK_THREADS,
+                 late_busy: int = MAX_LATE_BUSY, late_most: int = MAX_LATE) -> None:
         self._fill = fill
         self._words = words
         self.deadline_s = deadline_s
         self._threads = threads
+        self._late_busy = late_busy
+        self._late_most = late_most
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()  # guards `_pool` (started on the worker, closed from any thread)
+        # Guards `_pool` (started on the worker, closed from any thread) and the late computations.
+        self._lock = threading.Lock()
+        self._late: set[concurrent.futures.Future[None]] = set()  # late computations still running
 
     def start(self, matchers: Sequence[Any]) -> PendingMasks:
         """Start computing every matcher's next mask (row `i` of the result is `matchers[i]`'s)."""
         bits = np.zeros((len(matchers), self._words), dtype=np.int32)
         pending = PendingMasks(self, matchers, bits)
-        pending.submit(range(len(matchers)))
+        if not self._full():
+            pending.submit(range(len(matchers)))
         return pending
+
+    def late(self) -> int:
+        """Late computations still running."""
+        with self._lock:
+            return len(self._late)
+
+    def check_room(self) -> None:
+        """`MasksBusy` while `late_busy` late computations run (a new grammar's refusal)."""
+        late = self.late()
+        if late >= self._late_busy:
+            raise MasksBusy(late)
+
+    def _full(self) -> bool:
+        return self.late() >= self._late_most
+
+    def _mark_late(self, futures: Sequence[concurrent.futures.Future[None]]) -> None:
+        """Count `futures` as late until each ends."""
+        with self._lock:
+            self._late.update(futures)
+        for future in futures:
+            future.add_done_callback(self._ended)
+
+    def _ended(self, future: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            self._late.discard(future)
 
     def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
         with self._lock:
@@ -63,11 +122,16 @@ class MaskPool:
         if pool is not None:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def close(self) -> None:
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Stop the threads: wait for the current pool's, and up to `timeout_s` (None: as long as they take)
+        for the late ones; whether every one ended."""
         with self._lock:
             pool, self._pool = self._pool, None
+            late = list(self._late)
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
+        _, running = concurrent.futures.wait(late, timeout=timeout_s)
+        return not running
 
 
 class PendingMasks:
@@ -108,13 +172,17 @@ class PendingMasks:
                 break
             with self._lock:
                 started = {row for row in waiting if row in self._started}
-            late.extend(sorted(started))
             unstarted = [row for row in waiting if row not in started and waiting[row].cancel()]
             # A task that started between the check and its cancel is late too: it had the deadline.
-            late.extend(row for row in waiting if row not in started and row not in unstarted)
+            running = [row for row in waiting if row not in unstarted]
+            late.extend(running)
+            self._pool._mark_late([waiting[row] for row in running])
             self._pool._abandon()
-            if not unstarted:
+            if not unstarted or self._pool._full():
+                late.extend(unstarted)  # no room to start them: late, without a wait
                 break
             self.submit(unstarted)
             waiting = {row: self._futures[row] for row in unstarted}
+        if not self._futures:  # never started: late threads hold every place
+            late.extend(range(len(self._matchers)))
         return self.bits, sorted(late), failed
