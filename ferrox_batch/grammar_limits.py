@@ -1,7 +1,7 @@
 """`GrammarLimits`: what one request's structured output may cost, and the refusals past each bound.
 
 Shared vocabulary (no torch, no llguidance), so the CLI can show the defaults and every layer can quote
-them. The grammar engine (`runtime.sampling.grammar`) enforces them:
+them. The grammar engine (`runtime.sampling.grammar`, `grammar_compiler`) enforces them:
 
 * `compile_ms`, `first_masks_ms`: CPU milliseconds a spec's compile, and the first `PROBED_MASKS` masks of
   its grammar, may take on the caller's thread (a prepare thread over HTTP), measured as that thread's CPU
@@ -12,8 +12,8 @@ them. The grammar engine (`runtime.sampling.grammar`) enforces them:
 * `live_bytes`, `client_live_bytes`: bytes of spec text the compiled grammars alive at once may have, in
   all and per client (an API key's tenant, else the client's address): a new spec past either is refused
   as busy (503), so one client's long requests with big schemas fill only its own share.
-* `gbnf_ms`: milliseconds a GBNF grammar's conversion to Lark may take; it runs in a process of its own,
-  killed past it or when the client leaves (`runtime.sampling.gbnf`).
+* `gbnf_ms`: CPU milliseconds a GBNF grammar's conversion to Lark may take; it runs in a process of its
+  own, killed past it or when the client leaves (`runtime.sampling.gbnf`).
 
 Why these defaults (measured on a 2-vCPU Xeon, the default model's 49k vocabulary): realistic schemas'
 first masks take 0.1-2 ms, and the costliest shape the compile bounds admit (2,000 optional properties)

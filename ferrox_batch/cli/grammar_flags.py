@@ -29,8 +29,8 @@ _MEANINGS = {
     "live_bytes": "bytes of schema text the grammars of requests in flight may hold in all; past it, a new "
                   "schema gets 503",
     "client_live_bytes": "the same for one client (an API key, else an address): its own share",
-    "gbnf_ms": "milliseconds a GBNF grammar's conversion to Lark may run, in a process of its own; past it, a "
-               "400 naming the field",
+    "gbnf_ms": "CPU milliseconds a GBNF grammar's conversion to Lark may take, in a process of its own; past "
+               "it, a 400 naming the field",
 }
 #: GrammarLimits field -> (flag, meaning).
 GRAMMAR_FLAGS: Mapping[str, tuple[str, str]] = MappingProxyType(
