@@ -7,8 +7,10 @@ them. The grammar engine (`runtime.sampling.grammar`, `grammar_compiler`) enforc
   its grammar, may take on the caller's thread (a prepare thread over HTTP), measured as that thread's CPU
   time so that a busy machine does not refuse a cheap spec. Past either, the spec is refused with a 400
   naming the request field that said it (`GrammarTooCostly`), before anything is queued.
-* `mask_deadline_ms`: how long the worker waits, once a step's forward is done, for a row's grammar mask;
-  a row whose mask is later ends with `GrammarTooSlow` (its own error), and the step goes on without it.
+* `mask_deadline_ms`: how long the worker waits, once a step's forward is done (or the row's mask has
+  started, if later), for a row's grammar mask; a row whose mask is later ends with `GrammarTooSlow` (its
+  own error), and the step goes on without it (`runtime.sampling.mask_pool`, which also bounds the threads
+  late masks leave running).
 * `live_bytes`, `client_live_bytes`: bytes of spec text the compiled grammars alive at once may have, in
   all and per client (an API key's tenant, else the client's address): a new spec past either is refused
   as busy (503), so one client's long requests with big schemas fill only its own share.

@@ -3,13 +3,14 @@
 Why per row and not llguidance's one parallel call over the batch: that call returns when its slowest row
 is done, and one row's grammar can make a mask cost a second, so the whole batch (every other client)
 would wait on it. Here each row's mask is a task of its own, started while the forward runs (llguidance
-drops the GIL while it computes). Once the forward is done the worker waits at most `deadline_s` more;
-a row whose mask started but is not done by then is *late*, and only that row fails (the caller ends it
-with its own error). A computation cannot be stopped part-way, so a late row's thread is left to finish
-alone: the pool is replaced, so the next steps' masks never queue behind it. A task that had not started
-by the deadline (every thread busy) is not the row's fault: it goes to the fresh pool and gets a deadline
-of its own, so the wait is bounded by the deadline times the rounds it takes to start every row (one,
-unless more rows were constrained than the pool has threads).
+drops the GIL while it computes). Once the forward is done the worker waits for each row at most
+`deadline_s` from the later of then and the row's start (a row that waited for a thread is not charged for
+the wait); a row not done by its deadline is *late*, and only that row fails (the caller ends it with its
+own error). A computation cannot be stopped part-way, so a late row's thread is left to finish alone: the
+pool is replaced, and the rows not started yet go to the fresh pool, so neither they nor the next steps'
+masks queue behind it. A row moved so once that still does not start within a deadline is late too, so the
+wait is bounded by the deadline times the rounds it takes to start every row (one, unless more rows were
+constrained than the pool has threads).
 
 Late threads are bounded, so that a client whose grammars keep missing the deadline cannot make the server
 spawn threads without end: a late computation is counted until it ends. While `MAX_LATE_BUSY` of them run,
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -142,7 +144,7 @@ class PendingMasks:
         self._matchers = matchers
         self.bits = bits
         self._futures: dict[int, concurrent.futures.Future[None]] = {}
-        self._started: set[int] = set()  # rows whose computation began (set by their threads)
+        self._started: dict[int, float] = {}  # row -> when its computation began (set by its thread)
         self._lock = threading.Lock()
 
     def submit(self, rows: Sequence[int] | range) -> None:
@@ -152,17 +154,21 @@ class PendingMasks:
 
     def _compute(self, row: int) -> None:
         with self._lock:
-            self._started.add(row)
+            self._started[row] = time.monotonic()
         self._pool._fill(self._matchers[row], self.bits, row)
 
     def collect(self) -> tuple[np.ndarray, list[int], dict[int, BaseException]]:
-        """(the bit array, the late rows, the rows whose computation raised and what it raised), waiting at
-        most the deadline per round (module docstring)."""
+        """(the bit array, the late rows, the rows whose computation raised and what it raised), each row
+        waited for up to the deadline from the later of this call and its start (module docstring)."""
+        deadline = self._pool.deadline_s
+        began = time.monotonic()
         late: list[int] = []
         failed: dict[int, BaseException] = {}
         waiting = dict(self._futures)
+        moved: set[int] = set()  # rows sent to a fresh pool once already
+        until = began + deadline
         while waiting:
-            done, _ = concurrent.futures.wait(waiting.values(), timeout=self._pool.deadline_s)
+            done, _ = concurrent.futures.wait(waiting.values(), timeout=max(0.0, until - time.monotonic()))
             for row, future in list(waiting.items()):
                 if future in done:
                     del waiting[row]
@@ -170,19 +176,30 @@ class PendingMasks:
                         failed[row] = future.exception()  # type: ignore[assignment]
             if not waiting:
                 break
+            now = time.monotonic()
             with self._lock:
-                started = {row for row in waiting if row in self._started}
-            unstarted = [row for row in waiting if row not in started and waiting[row].cancel()]
-            # A task that started between the check and its cancel is late too: it had the deadline.
-            running = [row for row in waiting if row not in unstarted]
-            late.extend(running)
-            self._pool._mark_late([waiting[row] for row in running])
-            self._pool._abandon()
-            if not unstarted or self._pool._full():
-                late.extend(unstarted)  # no room to start them: late, without a wait
-                break
-            self.submit(unstarted)
-            waiting = {row: self._futures[row] for row in unstarted}
+                due = {row: max(began, self._started[row]) + deadline for row in waiting if row in self._started}
+            overdue = [row for row, when in due.items() if when <= now]
+            late.extend(overdue)
+            self._pool._mark_late([waiting.pop(row) for row in overdue])
+            running = [when for row, when in due.items() if row in waiting]
+            if overdue or not running:
+                # Threads are held by late rows (or none started a row for a whole deadline): the rows not
+                # started yet go to a fresh pool instead of queueing behind them, once; a row whose cancel
+                # fails has just started and keeps its own deadline.
+                unstarted = [row for row in waiting if row not in due and waiting[row].cancel()]
+                self._pool._abandon()
+                for row in unstarted:
+                    del waiting[row]
+                again = [row for row in unstarted if row not in moved]
+                late.extend(row for row in unstarted if row in moved)
+                if again and self._pool._full():
+                    late.extend(again)  # no room to start them: late, without a wait
+                elif again:
+                    moved.update(again)
+                    self.submit(again)
+                    waiting.update({row: self._futures[row] for row in again})
+            until = min(running) if running else time.monotonic() + deadline
         if not self._futures:  # never started: late threads hold every place
             late.extend(range(len(self._matchers)))
         return self.bits, sorted(late), failed

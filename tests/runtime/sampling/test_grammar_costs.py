@@ -19,6 +19,7 @@ import signal
 import subprocess
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -145,6 +146,24 @@ def test_rows_that_never_started_are_not_late_for_it():
         pool.close()
 
 
+def test_a_row_that_waited_for_a_thread_gets_the_whole_deadline_from_its_start():
+    """One thread: the first row's mask takes half the deadline, the second's starts after it and takes
+    more than the rest of the first's deadline but less than a deadline of its own: neither is late."""
+    deadline_s = DEFAULT_DEADLINE_S
+    first, second = object(), object()
+
+    def fill(matcher: object, bits: np.ndarray, row: int) -> None:
+        time.sleep(deadline_s / 2 if matcher is first else deadline_s * 0.7)
+        bits[row] = row + 1
+
+    pool = MaskPool(fill, words=1, deadline_s=deadline_s, threads=1)
+    try:
+        bits, late, failed = pool.start([first, second]).collect()
+        assert late == [] and failed == {} and bits[:, 0].tolist() == [1, 2]
+    finally:
+        pool.close()
+
+
 def test_late_threads_are_bounded_and_a_new_grammar_is_busy_meanwhile():
     threads, busy, most = 2, 3, 4
     slow = [object() for _ in range(12)]
@@ -171,6 +190,27 @@ def test_late_threads_are_bounded_and_a_new_grammar_is_busy_meanwhile():
         assert pool.close(timeout_s=30)
     assert pool.late() == 0 and mask_threads() == before
     pool.check_room()
+
+
+class Matcher:
+    """A stand-in matcher that a weak reference can follow."""
+
+
+def test_a_late_rows_matcher_lives_until_its_thread_is_done():
+    slow = Matcher()
+    alive = weakref.ref(slow)
+    release = threading.Event()
+    pool = MaskPool(lambda matcher, bits, row: release.wait(30), words=1, deadline_s=0.01)
+    try:
+        assert pool.start([slow]).collect()[1] == [0]
+        del slow  # the row is released: only the late thread's step holds its matcher now
+        gc.collect()
+        assert alive() is not None
+    finally:
+        release.set()
+        assert pool.close(timeout_s=30)
+    gc.collect()
+    assert alive() is None
 
 
 def test_a_new_grammar_is_busy_while_late_masks_run(tiny_batch_model):
