@@ -8,9 +8,9 @@ them. The grammar engine (`runtime.sampling.grammar`, `grammar_compiler`) enforc
   time so that a busy machine does not refuse a cheap spec. Past either, the spec is refused with a 400
   naming the request field that said it (`GrammarTooCostly`), before anything is queued.
 * `mask_deadline_ms`: how long the worker waits, once a step's forward is done (or the row's mask has
-  started, if later), for a row's grammar mask; a row whose mask is later ends with `GrammarTooSlow` (its
-  own error), and the step goes on without it (`runtime.sampling.mask_pool`, which also bounds the threads
-  late masks leave running).
+  started, if later), for a row's grammar mask; a row whose mask is later, and has used half of it in CPU,
+  ends with `GrammarTooSlow` (its own error), and the step goes on without it; no row is waited for past
+  four times it (`runtime.sampling.mask_pool`, which also bounds the threads late masks leave running).
 * `live_bytes`, `client_live_bytes`: bytes of spec text the compiled grammars alive at once may have, in
   all and per client (an API key's tenant, else the client's address): a new spec past either is refused
   as busy (503), so one client's long requests with big schemas fill only its own share.
@@ -22,8 +22,9 @@ first masks take 0.1-2 ms, and the costliest shape the compile bounds admit (2,0
 17 ms, where `(x{300}){300}` takes 140 ms and `(x{600}){600}` 0.5-0.8 s (then 0.1 s for each later
 token); 50 ms sits between. The costliest compile the symbol bound admits takes about 0.7 s, a realistic
 212 KB schema 0.1-0.2 s: 2 s refuses only what would be slower still. A mask of a grammar that passed the
-probe takes under 1 ms per step; 1 s past the forward only cuts a grammar that got costly later on, never a
-cheap one whose thread a loaded machine was slow to schedule (200 ms did, on two shared cores).
+probe takes under 1 ms per step; 1 s past the forward only cuts a grammar that got costly later on. A cheap
+one whose thread a loaded machine was slow to schedule is not cut at any deadline, since a row is charged
+for its mask's CPU (200 ms of wall alone cut such rows, on two shared cores).
 The GBNF converter is quadratic in the worst case (a chain of rules: 77 KB took seconds); real grammars
 convert in milliseconds, so 1 s leaves them 100x.
 """

@@ -24,8 +24,9 @@ _MEANINGS = {
                   "own thread; past it, a 400 naming the field",
     "first_masks_ms": "CPU milliseconds its first masks may take, probed as it compiles; past it, a 400 naming "
                       "the field",
-    "mask_deadline_ms": "milliseconds the worker waits past a forward for a row's grammar mask; a later row ends "
-                        "with grammar_too_slow",
+    "mask_deadline_ms": "milliseconds the worker waits past a forward for a row's grammar mask; a later row "
+                        "whose mask used half of it in CPU ends with grammar_too_slow (none is waited for "
+                        "past four times it)",
     "live_bytes": "bytes of schema text the grammars of requests in flight may hold in all; past it, a new "
                   "schema gets 503",
     "client_live_bytes": "the same for one client (an API key, else an address): its own share",

@@ -7,8 +7,8 @@ it is bounded: the child runs at the lowest CPU priority (the worker's forwards 
 has used `limit_s` of CPU, and is killed as soon as the request's `CancelToken` is cancelled (the client
 left). The limit counts the child's CPU time, not the wall's: at the lowest priority on a busy machine a
 cheap grammar's child may wait seconds for a core, which says nothing about the grammar, and a refusal
-as too costly is remembered. A child that waits past `STARVED_FACTOR` times the limit on the wall is
-killed too, as busy (503, retry; nothing remembered).
+as too costly is remembered. A child that waits past `starved_s` on the wall (`STARVED_FACTOR` times the
+limit, at least `STARVED_MIN_S`) is killed too, as busy (503, retry; nothing remembered).
 At most `conversions` run at once; one more is refused as busy at once (a 503), so a flood of grammars
 holds neither the server's prepare threads nor more than that many processes. Converted grammars are kept
 by text (bounded), so a client that repeats its grammar converts it once; a grammar already in Lark is
@@ -38,8 +38,11 @@ KEPT = 64
 KEPT_BYTES = 4 * 1024 * 1024
 #: How often a waiting conversion looks at its request's cancel token, in seconds.
 POLL_S = 0.02
-#: Wall time, in multiples of the CPU limit, after which a child starved of CPU is given up as busy.
+#: Wall time after which a child starved of CPU is given up as busy: this many times its CPU limit, and at
+#: least `STARVED_MIN_S` (at the lowest priority, on a machine busy with other work, a child may get a
+#: percent or two of a core).
 STARVED_FACTOR = 20
+STARVED_MIN_S = 30.0
 
 # The child: lowest priority, the converter module loaded by its path (not the llguidance package, whose
 # native library it does not need), GBNF text on stdin, `{"lark": ...}` or `{"error": ...}` on stdout.
@@ -76,8 +79,9 @@ class GbnfBusy(DecodeError):
 class GbnfConverter:
     """Converts GBNF to Lark in child processes (module docstring); thread-safe."""
 
-    def __init__(self, limit_s: float, conversions: int = CONVERSIONS) -> None:
+    def __init__(self, limit_s: float, conversions: int = CONVERSIONS, starved_s: float | None = None) -> None:
         self.limit_s = limit_s
+        self.starved_s = max(limit_s * STARVED_FACTOR, STARVED_MIN_S) if starved_s is None else starved_s
         self._slots = threading.BoundedSemaphore(conversions)
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, str] = OrderedDict()
@@ -131,7 +135,7 @@ class GbnfConverter:
                 spent = _cpu_s(child.pid)
                 if (waited if spent is None else spent) > self.limit_s:
                     raise GbnfTimeout()
-                if waited > self.limit_s * STARVED_FACTOR:
+                if waited > self.starved_s:
                     raise GbnfBusy()
         finally:
             if child.poll() is None:

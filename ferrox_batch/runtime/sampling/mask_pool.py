@@ -5,12 +5,15 @@ is done, and one row's grammar can make a mask cost a second, so the whole batch
 would wait on it. Here each row's mask is a task of its own, started while the forward runs (llguidance
 drops the GIL while it computes). Once the forward is done the worker waits for each row at most
 `deadline_s` from the later of then and the row's start (a row that waited for a thread is not charged for
-the wait); a row not done by its deadline is *late*, and only that row fails (the caller ends it with its
-own error). A computation cannot be stopped part-way, so a late row's thread is left to finish alone: the
-pool is replaced, and the rows not started yet go to the fresh pool, so neither they nor the next steps'
-masks queue behind it. A row moved so once that still does not start within a deadline is late too, so the
-wait is bounded by the deadline times the rounds it takes to start every row (one, unless more rows were
-constrained than the pool has threads).
+the wait). A row not done by then is *late* when its grammar is to blame: its mask has used half the
+deadline in CPU time (its thread's own clock), so a cheap mask whose thread a loaded machine left waiting
+(other processes, a collector's pause) is not cut for it; whatever CPU it got, a row is late after
+`LATE_WALL_DEADLINES` deadlines, which bounds the worker's wait. Only a late row fails (the caller ends it
+with its own error). A computation cannot be stopped part-way, so a late row's thread is left to finish
+alone: the pool is replaced, and the rows not started yet go to the fresh pool, so neither they nor the
+next steps' masks queue behind it. A row moved so once that still does not start within a deadline is
+late too, so the wait is bounded by the deadline times the rounds it takes to start every row (one, unless
+more rows were constrained than the pool has threads).
 
 Late threads are bounded, so that a client whose grammars keep missing the deadline cannot make the server
 spawn threads without end: a late computation is counted until it ends. While `MAX_LATE_BUSY` of them run,
@@ -32,6 +35,7 @@ import concurrent.futures
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -44,6 +48,41 @@ MAX_MASK_THREADS = 64
 MAX_LATE_BUSY = MAX_MASK_THREADS // 4
 #: Late computations still running past which no mask is started (module docstring).
 MAX_LATE = MAX_MASK_THREADS
+
+
+#: A row past its deadline on the wall is late once its mask has used this share of the deadline in CPU
+#: time, or once it has run `LATE_WALL_DEADLINES` deadlines on the wall whatever CPU it got (module docstring).
+LATE_CPU_SHARE = 0.5
+LATE_WALL_DEADLINES = 4
+#: How often, in deadlines, a row past its deadline but not charged yet is looked at again.
+RECHECK_DEADLINES = 1 / 8
+
+
+@dataclass(frozen=True, slots=True)
+class _Start:
+    """When a row's computation began: the wall's time, and its thread's CPU clock and reading."""
+
+    at: float
+    clock: int | None
+    cpu: float
+
+    @classmethod
+    def now(cls) -> _Start:
+        """Read on the computing thread."""
+        try:
+            clock = time.pthread_getcpuclockid(threading.get_ident())
+            return cls(time.monotonic(), clock, time.clock_gettime(clock))
+        except (AttributeError, OSError):  # no per-thread CPU clock here: the wall alone decides
+            return cls(time.monotonic(), None, 0.0)
+
+    def cpu_spent(self) -> float | None:
+        """CPU seconds its thread has run since (None where that cannot be read)."""
+        if self.clock is None:
+            return None
+        try:
+            return time.clock_gettime(self.clock) - self.cpu
+        except OSError:
+            return None
 
 
 class MasksBusy(DecodeError):
@@ -144,7 +183,7 @@ class PendingMasks:
         self._matchers = matchers
         self.bits = bits
         self._futures: dict[int, concurrent.futures.Future[None]] = {}
-        self._started: dict[int, float] = {}  # row -> when its computation began (set by its thread)
+        self._started: dict[int, _Start] = {}  # row -> when its computation began (set by its thread)
         self._lock = threading.Lock()
 
     def submit(self, rows: Sequence[int] | range) -> None:
@@ -153,9 +192,19 @@ class PendingMasks:
             self._futures[row] = executor.submit(self._compute, row)
 
     def _compute(self, row: int) -> None:
+        start = _Start.now()
         with self._lock:
-            self._started[row] = time.monotonic()
+            self._started[row] = start
         self._pool._fill(self._matchers[row], self.bits, row)
+
+    def _charged(self, start: _Start, began: float, now: float) -> bool:
+        """Whether a row past its deadline on the wall is late: its mask used `LATE_CPU_SHARE` of the
+        deadline in CPU (its grammar's cost, not the machine's load), or ran `LATE_WALL_DEADLINES` of them."""
+        deadline = self._pool.deadline_s
+        if now - max(began, start.at) >= deadline * LATE_WALL_DEADLINES:
+            return True
+        spent = start.cpu_spent()
+        return spent is None or spent >= deadline * LATE_CPU_SHARE
 
     def collect(self) -> tuple[np.ndarray, list[int], dict[int, BaseException]]:
         """(the bit array, the late rows, the rows whose computation raised and what it raised), each row
@@ -178,11 +227,15 @@ class PendingMasks:
                 break
             now = time.monotonic()
             with self._lock:
-                due = {row: max(began, self._started[row]) + deadline for row in waiting if row in self._started}
-            overdue = [row for row, when in due.items() if when <= now]
+                starts = {row: self._started[row] for row in waiting if row in self._started}
+            due = {row: max(began, start.at) + deadline for row, start in starts.items()}
+            overdue = [row for row, when in due.items() if when <= now and self._charged(starts[row], began, now)]
             late.extend(overdue)
             self._pool._mark_late([waiting.pop(row) for row in overdue])
-            running = [when for row, when in due.items() if row in waiting]
+            # Past its deadline but not charged yet: looked at again soon, and at its wall limit at the latest.
+            running = [when if when > now else min(now + deadline * RECHECK_DEADLINES,
+                                                   max(began, starts[row].at) + deadline * LATE_WALL_DEADLINES)
+                       for row, when in due.items() if row in waiting]
             if overdue or not running:
                 # Threads are held by late rows (or none started a row for a whole deadline): the rows not
                 # started yet go to a fresh pool instead of queueing behind them, once; a row whose cancel

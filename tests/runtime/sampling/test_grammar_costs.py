@@ -32,7 +32,7 @@ from ferrox_batch.runtime.sampling import gbnf
 from ferrox_batch.runtime.sampling.gbnf import GbnfBusy, GbnfConverter
 from ferrox_batch.runtime.sampling.grammar import Grammars, GrammarsBusy
 from ferrox_batch.runtime.sampling.grammar_probe import first_masks_cpu_s
-from ferrox_batch.runtime.sampling.mask_pool import MaskPool, MasksBusy
+from ferrox_batch.runtime.sampling.mask_pool import LATE_WALL_DEADLINES, MaskPool, MasksBusy
 from ferrox_batch.structured import StructuredOutput
 
 HOSTILE = "(x{600}){600}"
@@ -76,18 +76,25 @@ def test_a_regex_or_pattern_whose_first_masks_are_costly_is_refused_naming_its_f
 
 class SlowFill:
     """A fake matcher engine: the mask of a row whose matcher is in `slow` takes until `release` is set (or
-    30 s); every other row's is done at once, and `done` is set once `fast` of them are."""
+    30 s), waiting (a thread the machine does not run) or, with `burn`, spinning on the CPU (a costly
+    grammar); every other row's is done at once, and `done` is set once `fast` of them are."""
 
-    def __init__(self, *slow: object, fast: int = 0) -> None:
+    def __init__(self, *slow: object, fast: int = 0, burn: bool = False) -> None:
         self.slow = slow
         self.release = threading.Event()
         self.done = threading.Event()
         self._fast = fast
+        self._burn = burn
         self._lock = threading.Lock()
 
     def __call__(self, matcher: object, bits: np.ndarray, row: int) -> None:
         if any(matcher is s for s in self.slow):
-            self.release.wait(30)
+            if self._burn:
+                ends = time.monotonic() + 30
+                while not self.release.is_set() and time.monotonic() < ends:
+                    pass
+            else:
+                self.release.wait(30)
         bits[row] = row + 1
         if not any(matcher is s for s in self.slow):
             with self._lock:
@@ -135,7 +142,7 @@ def test_a_late_row_is_reported_alone_and_the_wait_is_bounded_by_the_deadline():
 
 def test_rows_that_never_started_are_not_late_for_it():
     slow = object()
-    fill = SlowFill(slow)
+    fill = SlowFill(slow, burn=True)
     # The second row waits for the first's thread; once it has a thread of its own, the default deadline.
     pool = MaskPool(fill, words=1, deadline_s=DEFAULT_DEADLINE_S, threads=1)
     try:
@@ -161,6 +168,39 @@ def test_a_row_that_waited_for_a_thread_gets_the_whole_deadline_from_its_start()
         bits, late, failed = pool.start([first, second]).collect()
         assert late == [] and failed == {} and bits[:, 0].tolist() == [1, 2]
     finally:
+        pool.close()
+
+
+def test_a_row_is_late_for_its_grammars_cpu_not_for_a_thread_the_machine_left_waiting():
+    """Past the deadline on the wall, a row whose mask burns CPU is late; one whose thread got no CPU (a
+    loaded machine, a collector's pause) is waited for, up to `LATE_WALL_DEADLINES` deadlines."""
+    deadline_s = DEFAULT_DEADLINE_S / 2
+    burning, waiting = object(), object()
+    burn = SlowFill(burning, burn=True)
+    stalled_s = deadline_s * (1 + LATE_WALL_DEADLINES) / 2  # past the deadline, within the wall's limit
+
+    def fill(matcher: object, bits: np.ndarray, row: int) -> None:
+        if matcher is waiting:
+            time.sleep(stalled_s)
+            bits[row] = row + 1
+        else:
+            burn(matcher, bits, row)
+
+    pool = MaskPool(fill, words=1, deadline_s=deadline_s)
+    try:
+        began = time.monotonic()
+        bits, late, _ = pool.start([burning, waiting]).collect()
+        assert late == [0] and bits[1].tolist() == [2]
+        assert time.monotonic() - began >= stalled_s
+        stuck = SlowFill(waiting)  # never runs: late at the wall's limit
+        pool_ = MaskPool(stuck, words=1, deadline_s=0.01)
+        began = time.monotonic()
+        assert pool_.start([waiting]).collect()[1] == [0]
+        assert time.monotonic() - began >= 0.01 * LATE_WALL_DEADLINES
+        stuck.release.set()
+        pool_.close()
+    finally:
+        burn.release.set()
         pool.close()
 
 
@@ -314,7 +354,7 @@ def test_a_child_that_never_gets_the_cpu_is_given_up_as_busy(monkeypatch):
 
     monkeypatch.setattr(gbnf.subprocess, "Popen", Stopped)
     with pytest.raises(GbnfBusy) as busy:
-        GbnfConverter(limit_s=0.02).to_lark('root ::= "yes" | "no"\n')
+        GbnfConverter(limit_s=0.02, starved_s=0.5).to_lark('root ::= "yes" | "no"\n')
     assert busy.value.http_status == 503  # not the grammar's fault: nothing remembered, retry
     assert children[0].poll() is not None  # killed
 
