@@ -12,8 +12,8 @@ deadline in CPU time (its thread's own clock), so a cheap mask whose thread a lo
 with its own error). A computation cannot be stopped part-way, so a late row's thread is left to finish
 alone: the pool is replaced, and the rows not started yet go to the fresh pool, so neither they nor the
 next steps' masks queue behind it. A row moved so once that still does not start within a deadline is
-late too, so the wait is bounded by the deadline times the rounds it takes to start every row (one, unless
-more rows were constrained than the pool has threads).
+late too, so the wait is bounded by `LATE_WALL_DEADLINES` deadlines times the rounds it takes to start
+every row (one, unless more rows were constrained than the pool has threads).
 
 Late threads are bounded, so that a client whose grammars keep missing the deadline cannot make the server
 spawn threads without end: a late computation is counted until it ends. While `MAX_LATE_BUSY` of them run,
