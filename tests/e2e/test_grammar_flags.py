@@ -35,7 +35,7 @@ def test_every_limit_has_a_flag_that_reaches_the_one_process_server():
     assert inspect.signature(serve).parameters["grammar_limits"].default == GrammarLimits()
 
 
-def test_every_replica_gets_the_limits_from_the_flags_and_from_a_config_file(monkeypatch, tiny_batch_dir):
+def test_every_replica_gets_the_limits_from_the_flags_and_from_a_config_file(tiny_batch_dir):
     pytest.importorskip("ray", reason="needs the test extra (ray[serve])")
     from ferrox_batch.admission.config import BatcherConfig
     from ferrox_batch.cli.replicas import replica_spec
