@@ -1,8 +1,10 @@
 """`serve`'s structured-output flags: what one request's grammar, regex or schema may cost
 (`ferrox_batch.grammar_limits`, where each default is explained), one flag per `GrammarLimits` field.
 
-One table drives both the flags and the `GrammarLimits` they make, so a limit cannot have a flag that is
-not applied. Each is shown in `--help` with its default; the README's configuration table lists them too.
+One table (`grammar_limits.LIMIT_FLAGS`) drives both the flags and the `GrammarLimits` they make, so a
+limit cannot have a flag that is not applied; the same limits reach the one-process server and every
+replica (`cli.replicas`). Each is shown in `--help` with its default; the README's configuration table
+lists them too.
 """
 
 from __future__ import annotations
@@ -13,25 +15,27 @@ from collections.abc import Mapping
 from types import MappingProxyType
 
 from ferrox_batch.cli.common import positive_int
-from ferrox_batch.grammar_limits import GrammarLimits
+from ferrox_batch.grammar_limits import LIMIT_FLAGS, GrammarLimits
 
 _DEFAULTS = GrammarLimits()
 
+_MEANINGS = {
+    "compile_ms": "CPU milliseconds a request's grammar, regex or schema may take to compile, on the request's "
+                  "own thread; past it, a 400 naming the field",
+    "first_masks_ms": "CPU milliseconds its first masks may take, probed as it compiles; past it, a 400 naming "
+                      "the field",
+    "mask_deadline_ms": "milliseconds the worker waits past a forward for a row's grammar mask; a later row "
+                        "whose mask used half of it in CPU ends with grammar_too_slow (none is waited for "
+                        "past four times it)",
+    "live_bytes": "bytes of schema text the grammars of requests in flight may hold in all; past it, a new "
+                  "schema gets 503",
+    "client_live_bytes": "the same for one client (an API key, else an address): its own share",
+    "gbnf_ms": "CPU milliseconds a GBNF grammar's conversion to Lark may take, in a process of its own; past "
+               "it, a 400 naming the field",
+}
 #: GrammarLimits field -> (flag, meaning).
-GRAMMAR_FLAGS: Mapping[str, tuple[str, str]] = MappingProxyType({
-    "compile_ms": ("--grammar-compile-ms", "CPU milliseconds a request's grammar, regex or schema may take to "
-                                           "compile, on the request's own thread; past it, a 400 naming the field"),
-    "first_masks_ms": ("--grammar-first-masks-ms", "CPU milliseconds its first masks may take, probed as it "
-                                                   "compiles; past it, a 400 naming the field"),
-    "mask_deadline_ms": ("--grammar-mask-deadline-ms", "milliseconds the worker waits past a forward for a "
-                                                       "row's grammar mask; a later row ends with grammar_too_slow"),
-    "live_bytes": ("--max-live-grammar-bytes", "bytes of schema text the grammars of requests in flight may "
-                                               "hold in all; past it, a new schema gets 503"),
-    "client_live_bytes": ("--max-client-grammar-bytes", "the same for one client (an API key, else an address): "
-                                                        "its own share"),
-    "gbnf_ms": ("--grammar-gbnf-ms", "milliseconds a GBNF grammar's conversion to Lark may run, in a process of "
-                                     "its own; past it, a 400 naming the field"),
-})
+GRAMMAR_FLAGS: Mapping[str, tuple[str, str]] = MappingProxyType(
+    {field: (flag, _MEANINGS[field]) for field, flag in LIMIT_FLAGS.items()})
 
 
 def add_grammar_flags(parser: argparse.ArgumentParser) -> None:

@@ -1,6 +1,7 @@
 """`ferrox-batch serve --replicas N`: the same server as N replicas on a local Ray Serve instance.
 
-The flags are `serve`'s, checked the same way before anything starts (the device too); each replica
+The flags are `serve`'s, checked the same way before anything starts (the device too), and each replica
+gets every one of them (its app's settings, its batcher's and its grammar limits); each replica
 loads the model and sizes its own KV budget (`--kv-memory` each, or an equal share of the machine's
 default). The default checkpoint is fetched here, once, before any replica starts. On CUDA each replica
 takes one GPU.
@@ -18,6 +19,7 @@ from typing import Any
 
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.cli.common import CliError, chat_template_text, model_path, positive_int
+from ferrox_batch.cli.grammar_flags import grammar_limits
 from ferrox_batch.deploy import ROUTERS
 
 
@@ -64,12 +66,24 @@ def replica_app_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> dic
             **request_cap_settings(args)}
 
 
+def replica_spec(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,
+                 keys: tuple[str, ...]) -> Any:
+    """The `deploy.ray_serve.ReplicaSpec` every replica gets from `serve`'s flags (needs Ray Serve)."""
+    from ferrox_batch.deploy.ray_serve import ReplicaSpec
+
+    return ReplicaSpec(str(model_path(args, env)), tuple(args.model_name) if args.model_name else None, args.device,
+                       args.dtype, config, memory, replica_app_settings(args, keys),
+                       log_level=logging.getLogger("ferrox_batch").level, kv_cache_dtype=args.kv_cache_dtype,
+                       weights=args.weights, batch_invariant=args.batch_invariant,
+                       chat_template=chat_template_text(args), grammar=grammar_limits(args))
+
+
 def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,
                    keys: tuple[str, ...], restore_signals: Callable[[], None]) -> None:
     """Run the replicated server until Ctrl-C or SIGTERM unwinds it; `restore_signals` puts `serve`'s
     handlers back after Ray installed its own."""
     try:
-        from ferrox_batch.deploy.ray_serve import ReplicaSpec, build_application, run_local
+        from ferrox_batch.deploy.ray_serve import build_application, run_local
     except ImportError as err:
         raise CliError(f"--replicas needs Ray Serve ({err}): pip install 'ferrox-batch[ray]'") from None
     from ferrox_batch.runtime.device import choose_device
@@ -79,10 +93,7 @@ def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: Bat
     except ValueError as err:
         raise CliError(f"--device: {err}", status=2) from None
     cpus = args.replica_cpus or max(1, (os.cpu_count() or 1) // args.replicas)
-    spec = ReplicaSpec(str(model_path(args, env)), tuple(args.model_name) if args.model_name else None, args.device, args.dtype, config, memory,
-                       replica_app_settings(args, keys), log_level=logging.getLogger("ferrox_batch").level,
-                       kv_cache_dtype=args.kv_cache_dtype, weights=args.weights,
-                       batch_invariant=args.batch_invariant, chat_template=chat_template_text(args))
+    spec = replica_spec(args, env, config, memory, keys)
     drain = {} if args.drain_timeout is None else {"drain_timeout": args.drain_timeout}
     app = build_application(spec, args.replicas, max_replicas=args.max_replicas, router=args.router or "affinity",
                             replica_cpus=cpus, replica_gpus=1.0 if device.type == "cuda" else 0.0, **drain)

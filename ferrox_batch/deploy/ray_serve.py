@@ -49,6 +49,7 @@ from ferrox_batch.deploy import ROUTERS
 from ferrox_batch.deploy.ray_head import replica_ports_on_node, start_head
 from ferrox_batch.deploy.relay import REPLICA_HEADER, InProcessApp, RelayedRequest, relayed_response
 from ferrox_batch.errors import DecodeError
+from ferrox_batch.grammar_limits import GrammarLimits
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
 from ferrox_batch.runtime.invariance import BATCH_INVARIANT_CHOICES
 from ferrox_batch.runtime.quant.choice import WEIGHTS_CHOICES
@@ -108,11 +109,15 @@ class ReplicaSpec:
     kv_share: int = 1
     #: The level of the replica's `ferrox_batch` loggers (None: Ray's default for a replica).
     log_level: int | None = None
+    #: What one request's structured output may cost (`serve`'s grammar flags).
+    grammar: GrammarLimits = field(default_factory=GrammarLimits)
 
     def __post_init__(self) -> None:
         unknown = set(self.app) - set(APP_KEYWORDS)
         if unknown:
             raise ValueError(f"unknown app settings {sorted(unknown)}; known: {', '.join(APP_KEYWORDS)}")
+        if not isinstance(self.grammar, GrammarLimits):
+            raise ValueError(f"grammar must be GrammarLimits, got {self.grammar!r}")
         if isinstance(self.kv_share, bool) or not isinstance(self.kv_share, int) or self.kv_share < 1:
             raise ValueError(f"kv_share must be a positive integer, got {self.kv_share!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -156,7 +161,7 @@ class FerroxReplica:
                             weights=spec.weights, batch_invariant=spec.batch_invariant,
                             chat_template=spec.chat_template)
         config = with_kv_budget(spec.batcher, spec.kv_memory, loaded.decoder, share=spec.kv_share)
-        self.batcher = ContinuousBatcher.from_model(loaded, config)
+        self.batcher = ContinuousBatcher.from_model(loaded, config, spec.grammar)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.app = create_app(self.batcher, model_name=spec.model_name or default_model_name(loaded.source),
                               **dict(spec.app))

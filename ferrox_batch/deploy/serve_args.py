@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from ray.serve.deployment import Application
@@ -18,6 +20,11 @@ from ray.serve.deployment import Application
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.api_key_list import split_keys
 from ferrox_batch.deploy.ray_serve import APP_KEYWORDS, COUNT_APP_KEYWORDS, ReplicaSpec, build_application
+from ferrox_batch.grammar_limits import LIMIT_FLAGS, GrammarLimits
+
+#: A config file's key for each `GrammarLimits` field: its `serve` flag in snake case.
+GRAMMAR_KEYS: Mapping[str, str] = MappingProxyType(
+    {flag.removeprefix("--").replace("-", "_"): field for field, flag in LIMIT_FLAGS.items()})
 
 
 def app_builder(args: dict[str, Any]) -> Application:
@@ -25,7 +32,8 @@ def app_builder(args: dict[str, Any]) -> Application:
 
     Keys: `model` (a checkpoint folder or .gguf; required), `model_name`, `device`, `dtype`, `kv_memory`
     (e.g. "512MiB"), any `BatcherConfig` field (`max_seqs`, `prefill_chunk`, ...), the app's keywords
-    (APP_KEYWORDS: lists as comma-separated strings, `client_priorities` as "MIN:MAX"), `api_key_env` (the
+    (APP_KEYWORDS: lists as comma-separated strings, `client_priorities` as "MIN:MAX"), the grammar limits
+    (GRAMMAR_KEYS: `grammar_compile_ms`, `max_live_grammar_bytes`, ..., as `serve`'s flags), `api_key_env` (the
     name of an environment variable holding the keys, comma-separated, so that no key is written in the
     file; unset is an error, never an open API), and `replicas`, `max_replicas`, `router`, `replica_cpus`,
     `replica_gpus`, `drain_timeout`. Values may be strings, as `serve run key=value` passes them; an unknown
@@ -64,7 +72,8 @@ def app_builder(args: dict[str, Any]) -> Application:
     for key in ("ui", "escape_control_tokens"):
         if key in args:
             app[key] = _flag(key, args[key])
-    known = fields | set(APP_KEYWORDS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "weights", "batch_invariant", "chat_template", "kv_memory",
+    grammar = GrammarLimits(**{field: _positive(key, args[key]) for key, field in GRAMMAR_KEYS.items() if key in args})
+    known = fields | set(APP_KEYWORDS) | set(GRAMMAR_KEYS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "weights", "batch_invariant", "chat_template", "kv_memory",
                                           "replicas", "max_replicas", "router", "replica_cpus", "replica_gpus",
                                           "api_key_env", "drain_timeout"}
     unknown = set(args) - known
@@ -79,7 +88,8 @@ def app_builder(args: dict[str, Any]) -> Application:
                        kv_cache_dtype=str(args.get("kv_cache_dtype", "auto")),
                        weights=str(args.get("weights", "auto")),
                        batch_invariant=str(args.get("batch_invariant", "auto")),
-                       chat_template=_template(args["chat_template"]) if "chat_template" in args else None)
+                       chat_template=_template(args["chat_template"]) if "chat_template" in args else None,
+                       grammar=grammar)
     return build_application(
         spec, _whole("replicas", args.get("replicas", 1)),
         max_replicas=_whole("max_replicas", args["max_replicas"]) if "max_replicas" in args else None,
@@ -138,6 +148,13 @@ def _whole(key: str, value: Any, optional: bool = False) -> Any:
     if isinstance(value, str) and value.strip().isdigit():
         return int(value)
     raise ValueError(f"{key} must be a whole number, got {value!r}")
+
+
+def _positive(key: str, value: Any) -> int:
+    whole = _whole(key, value)
+    if whole < 1:
+        raise ValueError(f"{key} must be a positive whole number, got {value!r}")
+    return whole
 
 
 def _number(key: str, value: Any) -> float:

@@ -4,7 +4,11 @@ Why a process: llguidance parses Lark natively (in Rust, within its limits) but 
 module (`llguidance.gbnf_to_lark`) whose cost grows with the square of some grammars' size (a chain of
 rules: 77 KB took seconds). On a server thread that is GIL-holding work nobody can stop; in a child process
 it is bounded: the child runs at the lowest CPU priority (the worker's forwards go first), is killed once it
-has run `limit_s`, and is killed as soon as the request's `CancelToken` is cancelled (the client left).
+has used `limit_s` of CPU, and is killed as soon as the request's `CancelToken` is cancelled (the client
+left). The limit counts the child's CPU time, not the wall's: at the lowest priority on a busy machine a
+cheap grammar's child may wait seconds for a core, which says nothing about the grammar, and a refusal
+as too costly is remembered. A child that waits past `starved_s` on the wall (`STARVED_FACTOR` times the
+limit, at least `STARVED_MIN_S`) is killed too, as busy (503, retry; nothing remembered).
 At most `conversions` run at once; one more is refused as busy at once (a 503), so a flood of grammars
 holds neither the server's prepare threads nor more than that many processes. Converted grammars are kept
 by text (bounded), so a client that repeats its grammar converts it once; a grammar already in Lark is
@@ -14,6 +18,7 @@ never sent to a child.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -33,6 +38,11 @@ KEPT = 64
 KEPT_BYTES = 4 * 1024 * 1024
 #: How often a waiting conversion looks at its request's cancel token, in seconds.
 POLL_S = 0.02
+#: Wall time after which a child starved of CPU is given up as busy: this many times its CPU limit, and at
+#: least `STARVED_MIN_S` (at the lowest priority, on a machine busy with other work, a child may get a
+#: percent or two of a core).
+STARVED_FACTOR = 20
+STARVED_MIN_S = 30.0
 
 # The child: lowest priority, the converter module loaded by its path (not the llguidance package, whose
 # native library it does not need), GBNF text on stdin, `{"lark": ...}` or `{"error": ...}` on stdout.
@@ -52,25 +62,26 @@ sys.stdout.write(json.dumps(answer))
 
 
 class GbnfTimeout(Exception):
-    """The conversion ran past its time limit (the caller turns it into its refusal, naming the field)."""
+    """The conversion used more CPU than its limit (the caller turns it into its refusal, naming the field)."""
 
 
 class GbnfBusy(DecodeError):
-    """Every conversion slot is taken: 503, retry shortly."""
+    """Every conversion slot is taken, or the child got no CPU for too long: 503, retry shortly."""
 
     retry_after_secs = 1
     http_status = 503
     error_code = "server_busy"
 
     def __init__(self) -> None:
-        super().__init__("server is at capacity: other GBNF grammars are being converted; retry shortly")
+        super().__init__("server is at capacity: GBNF grammars are being converted; retry shortly")
 
 
 class GbnfConverter:
     """Converts GBNF to Lark in child processes (module docstring); thread-safe."""
 
-    def __init__(self, limit_s: float, conversions: int = CONVERSIONS) -> None:
+    def __init__(self, limit_s: float, conversions: int = CONVERSIONS, starved_s: float | None = None) -> None:
         self.limit_s = limit_s
+        self.starved_s = max(limit_s * STARVED_FACTOR, STARVED_MIN_S) if starved_s is None else starved_s
         self._slots = threading.BoundedSemaphore(conversions)
         self._lock = threading.Lock()
         self._kept: OrderedDict[str, str] = OrderedDict()
@@ -80,7 +91,7 @@ class GbnfConverter:
         """`text` as Lark: as it is when it already is Lark, else converted in a child process.
 
         Raises `GrammarConstraint` for a grammar the converter refuses or a request cancelled meanwhile,
-        `GbnfTimeout` past the time limit, `GbnfBusy` when every slot is taken."""
+        `GbnfTimeout` past the CPU limit, `GbnfBusy` when every slot is taken or the child is starved of CPU."""
         if gbnf_to_lark.is_lark_syntax(text):
             return text
         with self._lock:
@@ -120,8 +131,12 @@ class GbnfConverter:
                     payload = None  # sent with the first call
                 if cancel is not None and cancel.is_cancelled():
                     raise GrammarConstraint("the grammar's conversion was cancelled: the request was cancelled")
-                if time.monotonic() - began > self.limit_s:
+                waited = time.monotonic() - began
+                spent = _cpu_s(child.pid)
+                if (waited if spent is None else spent) > self.limit_s:
                     raise GbnfTimeout()
+                if waited > self.starved_s:
+                    raise GbnfBusy()
         finally:
             if child.poll() is None:
                 child.kill()
@@ -133,3 +148,13 @@ class GbnfConverter:
         if "error" in answer:
             raise GrammarConstraint(f"the grammar cannot be converted from GBNF to Lark: {answer['error']}")
         return str(answer["lark"])
+
+
+def _cpu_s(pid: int) -> float | None:
+    """CPU seconds (user and system) process `pid` has used, from `/proc`; None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read().rsplit(b")", 1)[1].split()  # the fields after the command's name
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
