@@ -323,11 +323,36 @@ def sampled_outputs(model, k: int, first_seed: int) -> tuple[Counter, object]:
     config = BatcherConfig(kv_block_size=8, kv_blocks=4096, max_seqs=256, max_queue=SAMPLES, max_batch_tokens=4096,
                            max_prefills_per_tick=256, speculative=k > 0, speculative_tokens=max(k, 1),
                            speculative_ngram_min=1, speculative_max_batch=256)
-    with ContinuousBatcher.from_model(model, config) as b:
-        tickets = [b.submit([8] * 10, GenerationParams(max_tokens=5, ignore_eos=True, sampling=sampling,
-                                                       seed=first_seed + i)) for i in range(SAMPLES)]
+    # The worker's forwards wait until every request is queued: how fast the caller's thread submits (which
+    # varies with the machine's load) then decides nothing, and every wave after the first is whole.
+    gate = threading.Event()
+    with ContinuousBatcher.spawn_with_config(GatedDecoder(model.decoder, gate), model.tokenizer.decode, config) as b:
+        try:
+            tickets = [b.submit([8] * 10, GenerationParams(max_tokens=5, ignore_eos=True, sampling=sampling,
+                                                           seed=first_seed + i)) for i in range(SAMPLES)]
+        finally:
+            gate.set()
         outputs = Counter(t.wait(timeout=120).token_ids for t in tickets)
         return outputs, b.stats()
+
+
+class GatedDecoder:
+    """The real decoder, whose forwards wait for `gate`."""
+
+    def __init__(self, inner, gate: threading.Event) -> None:
+        self.inner = inner
+        self.gate = gate
+
+    def __getattr__(self, name: str):
+        attr = getattr(self.inner, name)
+        if not (name.startswith("forward") and callable(attr)):
+            return attr
+
+        def gated(*args, **kwargs):
+            self.gate.wait()
+            return attr(*args, **kwargs)
+
+        return gated
 
 
 def test_sampled_outputs_keep_the_models_distribution(tiny_batch_model):
