@@ -185,7 +185,8 @@ class GrammarCompiler:
                 schema = spec.schema if spec.schema is not None else spec.schema_object()
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
             else:
-                # Lark as it is (a converted GBNF grammar too); a regex or a choice as llguidance writes them.
+                # Lark as it is (a converted GBNF grammar too: its "grammar" format would run llguidance's
+                # quadratic Lark detection again, `gbnf`); a regex or a choice as llguidance writes them.
                 grammar = grammar_from(_FORMATS[spec.kind], text)
             if spec.reasoning is not None:
                 grammar = _after_thinking(grammar, spec.reasoning)
@@ -251,7 +252,7 @@ def _after_thinking(grammar: str, reasoning: str) -> str:
 
 
 #: Our kinds -> llguidance's `grammar_from` formats.
-_FORMATS = {"lark": "lark", "grammar": "grammar", "regex": "regex", "choice": "choice"}
+_FORMATS = {"lark": "lark", "grammar": "lark", "regex": "regex", "choice": "choice"}
 _NAMES = {"lark": "Lark grammar", "grammar": "grammar", "regex": "regular expression", "choice": "choice"}
 
 
