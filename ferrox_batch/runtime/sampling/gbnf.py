@@ -73,6 +73,14 @@ class GbnfTimeout(Exception):
     """The conversion used more CPU than its limit (the caller turns it into its refusal, naming the field)."""
 
 
+class GrammarCancelled(GrammarConstraint):
+    """The request whose grammar was being converted was cancelled (its client left): its conversion stopped.
+    Another request waiting on the same conversion converts it again with its own token."""
+
+    def __init__(self) -> None:
+        super().__init__("the grammar's conversion was cancelled: the request was cancelled")
+
+
 class GbnfBusy(DecodeError):
     """Every conversion slot is taken, or the child got no CPU for too long: 503, retry shortly."""
 
@@ -138,7 +146,7 @@ class GbnfConverter:
                 except subprocess.TimeoutExpired:
                     payload = None  # sent with the first call
                 if cancel is not None and cancel.is_cancelled():
-                    raise GrammarConstraint("the grammar's conversion was cancelled: the request was cancelled")
+                    raise GrammarCancelled()
                 waited = time.monotonic() - began
                 spent = _cpu_s(child.pid)
                 if (waited if spent is None else spent) > self.limit_s:
