@@ -36,6 +36,11 @@ def check(http: httpx.Client, reply: httpx.Response) -> None:
         error = reply.json()["error"]
         assert isinstance(error["message"], str) and error["message"], error
         assert isinstance(error["type"], str) and error["type"], error
+    settled(http)
+
+
+def settled(http: httpx.Client) -> None:
+    """The worker alive, and once idle nothing held: every block free, nothing queued."""
     assert http.get("/health").status_code == 200, "the worker stopped"
     deadline = time.monotonic() + DEADLINE
     while True:

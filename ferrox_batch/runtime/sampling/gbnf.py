@@ -77,6 +77,8 @@ class GrammarCancelled(GrammarConstraint):
     """The request whose grammar was being converted was cancelled (its client left): its conversion stopped.
     Another request waiting on the same conversion converts it again with its own token."""
 
+    _fields = ()
+
     def __init__(self) -> None:
         super().__init__("the grammar's conversion was cancelled: the request was cancelled")
 

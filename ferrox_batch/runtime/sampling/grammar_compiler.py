@@ -132,7 +132,7 @@ class GrammarCompiler:
         """Refuses what `spec` is refused whatever is alive: over `MAX_SPEC_BYTES`, or remembered as too costly."""
         if spec.size > MAX_SPEC_BYTES:
             raise GrammarConstraint(f"the {_what(spec)} is {spec.size} bytes as compact text, over this server's "
-                                    f"limit of {MAX_SPEC_BYTES}")
+                                    f"limit of {MAX_SPEC_BYTES}", spec.source)
         with self._lock:
             refused = self._refused.get(spec)
         if refused is not None:
@@ -158,9 +158,14 @@ class GrammarCompiler:
             except GrammarTooCostly:
                 self.check(spec)  # named for this request's own field
                 raise
+            except GrammarConstraint as bad:
+                raise _naming(bad, spec) from None
         size = spec.size
         try:
-            compiled = self._build(spec, size, cancel)
+            try:
+                compiled = self._build(spec, size, cancel)
+            except GrammarConstraint as bad:
+                raise _naming(bad, spec) from None
         except BaseException as failed:
             with self._lock:
                 del self._pending[spec]
@@ -298,6 +303,13 @@ def _after_thinking(grammar: str, reasoning: str) -> str:
 #: Our kinds -> llguidance's `grammar_from` formats.
 _FORMATS = {"lark": "lark", "grammar": "lark", "regex": "regex", "choice": "choice"}
 _NAMES = {"lark": "Lark grammar", "grammar": "grammar", "regex": "regular expression", "choice": "choice"}
+
+
+def _naming(refusal: GrammarConstraint, spec: StructuredOutput) -> GrammarConstraint:
+    """`refusal` (a compile's: the spec is invalid) naming `spec`'s own field; a cancellation as it is."""
+    if type(refusal) is not GrammarConstraint:
+        return refusal
+    return GrammarConstraint(refusal.detail, spec.source)
 
 
 def _what(spec: StructuredOutput) -> str:
