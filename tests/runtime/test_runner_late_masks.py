@@ -3,6 +3,8 @@
 Pins: the late row, in the middle of the batch, ends with `GrammarTooSlow` alone; every other row is sampled
 from its own logits with its own mask (the masks' row indices remapped past the late row): each constrained
 row's token is the greedy pick among what its grammar allows, and the unconstrained row's is its argmax.
+A row whose grammar erred (a copy of a grammar whose shared lexer another row's costly masks exhausted) is
+told its grammar's error, not that it was complete.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import threading
 import numpy as np
 import torch
 
+from ferrox_batch.errors import GrammarConstraint
 from ferrox_batch.forward import RowToSample
 from ferrox_batch.generation_types import SamplingParams
 from ferrox_batch.grammar_limits import GrammarLimits, GrammarTooSlow
@@ -63,3 +66,26 @@ def test_a_late_row_fails_alone_and_the_others_sample_with_their_own_masks(tiny_
         else:
             expected = int(logits[j].argmax())
         assert token == expected, j
+
+
+class BrokenMatcher:
+    """A row's matcher that erred computing its mask (llguidance's matchers stop when they err): a shared
+    lexer past its expression budget, as a copy of a grammar that another row made costly meets."""
+
+    def is_error(self) -> bool:
+        return True
+
+    def is_stopped(self) -> bool:
+        return True
+
+    def get_error(self) -> str:
+        return "lexer error: too many expressions constructed"
+
+    def consume_token(self, token: int) -> bool:
+        raise AssertionError("an erred matcher is never fed")
+
+
+def test_a_row_whose_grammar_erred_is_told_so_not_that_it_was_complete():
+    outcome = BatchSampler._advance(BrokenMatcher(), 5, 5)
+    assert isinstance(outcome, GrammarConstraint) and "too many expressions" in str(outcome)
+    assert "already complete" not in str(outcome)
