@@ -125,11 +125,18 @@ class GrammarConstraint(DecodeError):
     http_status = 400
     error_type = "invalid_request_error"
     error_code = "grammar_constraint"
-    _fields = ("detail",)
+    _fields = ("detail", "param")
 
-    def __init__(self, detail: str) -> None:
+    def __init__(self, detail: str, param: str | None = None) -> None:
         self.detail = detail
+        self.param = param  # the request field whose grammar it is, where known (a compile's refusal)
         super().__init__(f"grammar-constrained decoding stopped: {detail}")
+
+    def to_dict(self) -> dict[str, Any]:
+        body = super().to_dict()
+        if self.param is not None:
+            body["error"]["param"] = self.param
+        return body
 
 
 class QueueTimeout(DecodeError):

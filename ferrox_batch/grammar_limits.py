@@ -13,7 +13,8 @@ them. The grammar engine (`runtime.sampling.grammar`, `grammar_compiler`) enforc
   four times it (`runtime.sampling.mask_pool`, which also bounds the threads late masks leave running).
 * `live_bytes`, `client_live_bytes`: bytes of spec text the compiled grammars alive at once may have, in
   all and per client (an API key's tenant, else the client's address): a new spec past either is refused
-  as busy (503), so one client's long requests with big schemas fill only its own share.
+  as busy (503; cached grammars no request holds are evicted first, and a client's share is checked before
+  its spec is compiled), so one client's long requests with big schemas fill only its own share.
 * `gbnf_ms`: CPU milliseconds a GBNF grammar's conversion to Lark may take; it runs in a process of its
   own, killed past it or when the client leaves (`runtime.sampling.gbnf`).
 

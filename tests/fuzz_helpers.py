@@ -11,6 +11,8 @@ import httpx
 from hypothesis import HealthCheck, settings
 from server_helpers import DEADLINE, served, tiny_batcher
 
+from ferrox_batch.request_caps import RequestCaps
+
 EXAMPLES = 120
 FUZZ_SETTINGS = settings(max_examples=EXAMPLES, deadline=None,
                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture,
@@ -25,7 +27,7 @@ CAPS = {"max_allowed_token_ids": 100, "max_stop_chars": 64, "max_prompt_logprobs
 def fuzzed_server(model) -> Iterator[httpx.Client]:
     """`model` served with the prefix cache on (as when serving) and `CAPS`; a client of it."""
     batcher = tiny_batcher(model, prefix_cache=True, max_queue_wait_ms=60_000)
-    with served(batcher, write_timeout=10.0, **CAPS) as (base_url, _app):
+    with served(batcher, write_timeout=10.0, request_caps=RequestCaps(**CAPS)) as (base_url, _app):
         with httpx.Client(base_url=base_url, timeout=60.0) as http:
             yield http
 
@@ -36,6 +38,11 @@ def check(http: httpx.Client, reply: httpx.Response) -> None:
         error = reply.json()["error"]
         assert isinstance(error["message"], str) and error["message"], error
         assert isinstance(error["type"], str) and error["type"], error
+    settled(http)
+
+
+def settled(http: httpx.Client) -> None:
+    """The worker alive, and once idle nothing held: every block free, nothing queued."""
     assert http.get("/health").status_code == 200, "the worker stopped"
     deadline = time.monotonic() + DEADLINE
     while True:

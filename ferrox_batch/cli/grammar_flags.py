@@ -10,11 +10,10 @@ lists them too.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Mapping
 from types import MappingProxyType
 
-from ferrox_batch.cli.common import positive_int
+from ferrox_batch.cli.flag_table import add_flags, from_flags
 from ferrox_batch.grammar_limits import LIMIT_FLAGS, GrammarLimits
 
 _DEFAULTS = GrammarLimits()
@@ -38,15 +37,15 @@ GRAMMAR_FLAGS: Mapping[str, tuple[str, str]] = MappingProxyType(
     {field: (flag, _MEANINGS[field]) for field, flag in LIMIT_FLAGS.items()})
 
 
+def _dest(field: str) -> str:
+    return f"grammar_{field}"
+
+
 def add_grammar_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("structured output", "What one request's grammar, regex or schema may cost.")
-    for field, (flag, meaning) in GRAMMAR_FLAGS.items():
-        group.add_argument(flag, dest=f"grammar_{field}", type=positive_int, default=getattr(_DEFAULTS, field),
-                           metavar="N", help=f"{meaning} (default: {getattr(_DEFAULTS, field)})")
+    add_flags(group, GRAMMAR_FLAGS, _DEFAULTS, _dest, str)
 
 
 def grammar_limits(args: argparse.Namespace) -> GrammarLimits:
     """The `GrammarLimits` the flags say (their defaults where not given)."""
-    given = {field: getattr(args, f"grammar_{field}") for field in GRAMMAR_FLAGS
-             if getattr(args, f"grammar_{field}", None) is not None}
-    return dataclasses.replace(_DEFAULTS, **given)
+    return from_flags(args, GRAMMAR_FLAGS, _DEFAULTS, _dest)

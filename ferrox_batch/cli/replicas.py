@@ -20,6 +20,7 @@ from typing import Any
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.cli.common import CliError, chat_template_text, model_path, positive_int
 from ferrox_batch.cli.grammar_flags import grammar_limits
+from ferrox_batch.cli.request_cap_flags import request_caps
 from ferrox_batch.deploy import ROUTERS
 
 
@@ -54,7 +55,6 @@ def check_replica_flags(args: argparse.Namespace) -> None:
 def replica_app_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
     """The `create_app` keywords every replica's app gets: `serve`'s HTTP flags, the Host default included
     (the loopback names when `--host` is a loopback address)."""
-    from ferrox_batch.cli.request_cap_flags import request_cap_settings
     from ferrox_batch.server.host_check import default_allowed_hosts
 
     return {"default_max_tokens": args.default_max_tokens, "default_chat_max_tokens": args.default_chat_max_tokens,
@@ -62,8 +62,7 @@ def replica_app_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> dic
             "allowed_origins": args.allowed_origins, "shared_prefix_cache": args.shared_prefix_cache,
             "allowed_hosts": default_allowed_hosts(args.host) if args.allowed_hosts is None else args.allowed_hosts,
             "client_priorities": args.client_priorities, "reasoning_parser": args.reasoning_parser,
-            "pooling": args.pooling, "ui": args.ui, "escape_control_tokens": args.escape_control_tokens,
-            **request_cap_settings(args)}
+            "pooling": args.pooling, "ui": args.ui, "escape_control_tokens": args.escape_control_tokens}
 
 
 def replica_spec(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,
@@ -75,7 +74,8 @@ def replica_spec(args: argparse.Namespace, env: Mapping[str, str], config: Batch
                        args.dtype, config, memory, replica_app_settings(args, keys),
                        log_level=logging.getLogger("ferrox_batch").level, kv_cache_dtype=args.kv_cache_dtype,
                        weights=args.weights, batch_invariant=args.batch_invariant,
-                       chat_template=chat_template_text(args), grammar=grammar_limits(args))
+                       chat_template=chat_template_text(args), grammar=grammar_limits(args),
+                       caps=request_caps(args))
 
 
 def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,

@@ -44,7 +44,7 @@ from ferrox_batch.cli.common import (
 )
 from ferrox_batch.cli.grammar_flags import add_grammar_flags, grammar_limits
 from ferrox_batch.cli.replicas import add_replica_flags, check_replica_flags, serve_replicas
-from ferrox_batch.cli.request_cap_flags import add_request_cap_flags, request_cap_settings
+from ferrox_batch.cli.request_cap_flags import add_request_cap_flags, request_caps
 
 #: The batcher's settings are `serve`'s flags, so they stay importable from here as well as from
 #: `cli.batcher_settings`.
@@ -247,7 +247,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
           shared_prefix_cache=args.shared_prefix_cache, client_priorities=args.client_priorities,
           reasoning_parser=args.reasoning_parser, pooling=args.pooling, ui=args.ui,
           grammar_limits=grammar_limits(args),
-          escape_control_tokens=args.escape_control_tokens, **request_cap_settings(args),
+          escape_control_tokens=args.escape_control_tokens, request_caps=request_caps(args),
           drain_timeout=DEFAULT_DRAIN_TIMEOUT_SECS if args.drain_timeout is None else args.drain_timeout)
 
 

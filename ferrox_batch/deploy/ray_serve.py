@@ -50,6 +50,7 @@ from ferrox_batch.deploy.ray_head import replica_ports_on_node, start_head
 from ferrox_batch.deploy.relay import REPLICA_HEADER, InProcessApp, RelayedRequest, relayed_response
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.grammar_limits import GrammarLimits
+from ferrox_batch.request_caps import RequestCaps
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
 from ferrox_batch.runtime.invariance import BATCH_INVARIANT_CHOICES
 from ferrox_batch.runtime.quant.choice import WEIGHTS_CHOICES
@@ -74,9 +75,7 @@ HEALTH_CHECK_TIMEOUT_S = 30.0
 #: Seconds a stopping replica lets its requests finish before it is killed.
 GRACEFUL_SHUTDOWN_S = 20.0
 #: The app keywords a spec may carry (`server.create_app`'s).
-COUNT_APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_concurrent_requests",
-                      "max_allowed_token_ids", "max_stop_chars", "max_prompt_logprobs", "max_tokenization_ids",
-                      "max_detokenize_bytes")
+COUNT_APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_concurrent_requests")
 #: Those the ingress checks too (`server.access_policy`), before it reads a body.
 ACCESS_APP_KEYWORDS = ("api_key", "allowed_hosts", "shared_prefix_cache")
 APP_KEYWORDS = (*COUNT_APP_KEYWORDS, *ACCESS_APP_KEYWORDS, "allowed_origins", "client_priorities",
@@ -111,6 +110,8 @@ class ReplicaSpec:
     log_level: int | None = None
     #: What one request's structured output may cost (`serve`'s grammar flags).
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
+    #: What one request may cost beyond it (`serve`'s request-cost flags).
+    caps: RequestCaps = field(default_factory=RequestCaps)
 
     def __post_init__(self) -> None:
         unknown = set(self.app) - set(APP_KEYWORDS)
@@ -118,6 +119,8 @@ class ReplicaSpec:
             raise ValueError(f"unknown app settings {sorted(unknown)}; known: {', '.join(APP_KEYWORDS)}")
         if not isinstance(self.grammar, GrammarLimits):
             raise ValueError(f"grammar must be GrammarLimits, got {self.grammar!r}")
+        if not isinstance(self.caps, RequestCaps):
+            raise ValueError(f"caps must be RequestCaps, got {self.caps!r}")
         if isinstance(self.kv_share, bool) or not isinstance(self.kv_share, int) or self.kv_share < 1:
             raise ValueError(f"kv_share must be a positive integer, got {self.kv_share!r}")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -164,7 +167,7 @@ class FerroxReplica:
         self.batcher = ContinuousBatcher.from_model(loaded, config, spec.grammar)
         self.replica = serve.get_replica_context().replica_id.unique_id
         self.app = create_app(self.batcher, model_name=spec.model_name or default_model_name(loaded.source),
-                              **dict(spec.app))
+                              request_caps=spec.caps, **dict(spec.app))
         self.relay = InProcessApp(self.app, self.replica)
         log.info("replica %s serves %s with %d KV blocks", self.replica, loaded.source, config.kv_blocks)
 

@@ -21,10 +21,16 @@ from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.api_key_list import split_keys
 from ferrox_batch.deploy.ray_serve import APP_KEYWORDS, COUNT_APP_KEYWORDS, ReplicaSpec, build_application
 from ferrox_batch.grammar_limits import LIMIT_FLAGS, GrammarLimits
+from ferrox_batch.request_caps import CAP_FLAGS, RequestCaps
 
-#: A config file's key for each `GrammarLimits` field: its `serve` flag in snake case.
-GRAMMAR_KEYS: Mapping[str, str] = MappingProxyType(
-    {flag.removeprefix("--").replace("-", "_"): field for field, flag in LIMIT_FLAGS.items()})
+
+def config_keys(flags: Mapping[str, str]) -> Mapping[str, str]:
+    """A config file's key for each field of a flag table: its `serve` flag in snake case."""
+    return MappingProxyType({flag.removeprefix("--").replace("-", "_"): field for field, flag in flags.items()})
+
+
+GRAMMAR_KEYS = config_keys(LIMIT_FLAGS)
+CAP_KEYS = config_keys(CAP_FLAGS)
 
 
 def app_builder(args: dict[str, Any]) -> Application:
@@ -33,7 +39,8 @@ def app_builder(args: dict[str, Any]) -> Application:
     Keys: `model` (a checkpoint folder or .gguf; required), `model_name`, `device`, `dtype`, `kv_memory`
     (e.g. "512MiB"), any `BatcherConfig` field (`max_seqs`, `prefill_chunk`, ...), the app's keywords
     (APP_KEYWORDS: lists as comma-separated strings, `client_priorities` as "MIN:MAX"), the grammar limits
-    (GRAMMAR_KEYS: `grammar_compile_ms`, `max_live_grammar_bytes`, ..., as `serve`'s flags), `api_key_env` (the
+    (GRAMMAR_KEYS: `grammar_compile_ms`, `max_live_grammar_bytes`, ..., as `serve`'s flags), the request caps
+    (CAP_KEYS: `max_stop_chars`, ..., as `serve`'s flags), `api_key_env` (the
     name of an environment variable holding the keys, comma-separated, so that no key is written in the
     file; unset is an error, never an open API), and `replicas`, `max_replicas`, `router`, `replica_cpus`,
     `replica_gpus`, `drain_timeout`. Values may be strings, as `serve run key=value` passes them; an unknown
@@ -73,7 +80,8 @@ def app_builder(args: dict[str, Any]) -> Application:
         if key in args:
             app[key] = _flag(key, args[key])
     grammar = GrammarLimits(**{field: _positive(key, args[key]) for key, field in GRAMMAR_KEYS.items() if key in args})
-    known = fields | set(APP_KEYWORDS) | set(GRAMMAR_KEYS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "weights", "batch_invariant", "chat_template", "kv_memory",
+    caps = RequestCaps(**{field: _positive(key, args[key]) for key, field in CAP_KEYS.items() if key in args})
+    known = fields | set(APP_KEYWORDS) | set(GRAMMAR_KEYS) | set(CAP_KEYS) | {"model", "model_name", "device", "dtype", "kv_cache_dtype", "weights", "batch_invariant", "chat_template", "kv_memory",
                                           "replicas", "max_replicas", "router", "replica_cpus", "replica_gpus",
                                           "api_key_env", "drain_timeout"}
     unknown = set(args) - known
@@ -89,7 +97,7 @@ def app_builder(args: dict[str, Any]) -> Application:
                        weights=str(args.get("weights", "auto")),
                        batch_invariant=str(args.get("batch_invariant", "auto")),
                        chat_template=_template(args["chat_template"]) if "chat_template" in args else None,
-                       grammar=grammar)
+                       grammar=grammar, caps=caps)
     return build_application(
         spec, _whole("replicas", args.get("replicas", 1)),
         max_replicas=_whole("max_replicas", args["max_replicas"]) if "max_replicas" in args else None,

@@ -62,13 +62,7 @@ from ferrox_batch.server.json_body import JSONBodyResponse, json_pieces
 from ferrox_batch.server.metrics import CONTENT_TYPE
 from ferrox_batch.server.preparation import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from ferrox_batch.server.reasoning import ReasoningParser
-from ferrox_batch.server.request_caps import (
-    DEFAULT_MAX_DETOKENIZE_BYTES,
-    DEFAULT_MAX_PROMPT_LOGPROBS,
-    DEFAULT_MAX_STOP_CHARS,
-    DEFAULT_MAX_TOKENIZATION_IDS,
-    RequestCaps,
-)
+from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
 from ferrox_batch.server.tokenization import TokenizationsBusy, detokenize, tokenize
 
@@ -106,11 +100,7 @@ def create_app(
     pooling: str = DEFAULT_POOLING,
     ui: bool = True,
     escape_control_tokens: bool = False,
-    max_allowed_token_ids: int | None = None,
-    max_stop_chars: int = DEFAULT_MAX_STOP_CHARS,
-    max_prompt_logprobs: int = DEFAULT_MAX_PROMPT_LOGPROBS,
-    max_tokenization_ids: int = DEFAULT_MAX_TOKENIZATION_IDS,
-    max_detokenize_bytes: int = DEFAULT_MAX_DETOKENIZE_BYTES,
+    request_caps: RequestCaps = RequestCaps(),
 ) -> FastAPI:
     """An app serving `batcher` under the name `model_name`, or under each of several names (requests may
     name any; answers carry the one asked for, else the first).
@@ -136,11 +126,10 @@ def create_app(
     (`last` or `mean`). `ui`: serve the chat page on `GET /` (`chat_page`). `escape_control_tokens`:
     control-token text in messages' content is read as text, on chat and `/tokenize` alike
     (`runtime.loading.control_text`).
-    What one request may cost (`request_caps`, each a 400 naming the field past it): `max_allowed_token_ids`
-    ids in `allowed_token_ids` as sent (None: the vocabulary size), `max_stop_chars` characters over its stop
-    strings, `max_prompt_logprobs` prompt log-probability entries over its rows, `max_tokenization_ids` ids
-    a `/tokenize` answer lists or a `/detokenize` request sends, `max_detokenize_bytes` bytes of text a
-    `/detokenize` answer holds.
+    `request_caps`: what one request may cost (`ferrox_batch.request_caps`; each a 400 naming the field past
+    it, `server.request_caps`): ids in `allowed_token_ids` as sent, characters over its stop strings, prompt
+    log-probability entries over its rows, ids a `/tokenize` answer lists or a `/detokenize` request sends,
+    bytes of text a `/detokenize` answer holds.
     """
     tokenizer = batcher.tokenizer
     if tokenizer is None:
@@ -167,9 +156,10 @@ def create_app(
         raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
     if not isinstance(escape_control_tokens, bool):
         raise ValueError(f"escape_control_tokens must be true or false, got {escape_control_tokens!r}")
-    caps = RequestCaps(max_allowed_token_ids, max_stop_chars, max_prompt_logprobs, max_tokenization_ids,
-                       max_detokenize_bytes)  # ValueError naming a cap that is not a positive integer
-    state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling, caps,
+    if not isinstance(request_caps, RequestCaps):
+        raise ValueError(f"request_caps must be RequestCaps, got {request_caps!r}")
+    state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling,
+                                             request_caps,
                                              escape_control_tokens=escape_control_tokens), names)
 
     @contextlib.asynccontextmanager

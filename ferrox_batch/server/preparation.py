@@ -47,7 +47,7 @@ from ferrox_batch.server.requests import (
 )
 from ferrox_batch.server.chat_format import ChatFormat
 from ferrox_batch.server.reasoning import ReasoningParser
-from ferrox_batch.server.request_caps import RequestCaps
+from ferrox_batch.server.request_caps import RequestCaps, check_body, check_prompt_logprobs
 from ferrox_batch.server.responses import CompletionFormat, WireFormat
 from ferrox_batch.server.streaming import Final, ReplyBridge
 from ferrox_batch.server.tools.generic import describe_tools
@@ -106,7 +106,7 @@ class Preparer:
         if endpoint == RESPONSES:  # said as the chat request it amounts to, checked by the chat parser
             body = chat_body(body)
         chat = endpoint in (CHAT, RESPONSES)
-        self.caps.check_body(body)  # before a list is read: its length and total size are known unread
+        check_body(self.caps, body)  # before a list is read: its length and total size are known unread
         request: CompletionRequest | ChatRequest | EmbeddingRequest
         if chat:
             request = parse_chat_request(body, default_max_tokens=self.default_chat_max_tokens,
@@ -132,8 +132,8 @@ class Preparer:
             params = dataclasses.replace(params, cancel=cancel)
         prompts = [self._prompt_ids(request, prompt) for prompt in request.prompts]
         # Each row that scores its prompt holds its entries until its answer is written: priced before any runs.
-        self.caps.check_prompt_logprobs(prompts, request.best_of, params.prompt_logprobs,
-                                        "prompt_logprobs" if request.prompt_logprobs is not None else "logprobs")
+        check_prompt_logprobs(self.caps, prompts, request.best_of, params.prompt_logprobs,
+                              "prompt_logprobs" if request.prompt_logprobs is not None else "logprobs")
         bridges: list[ReplyBridge] = []
         try:
             for ids in prompts:

@@ -1,5 +1,5 @@
-"""What one request may cost beyond its tokens and blocks: the caps an operator sets (`serve`'s flags), and
-their checks, each a 400 naming the field and the limit.
+"""What one request may cost beyond its tokens and blocks: the checks of the caps an operator sets
+(`ferrox_batch.request_caps.RequestCaps`, `serve`'s flags), each a 400 naming the field and the limit.
 
 Each cap prices a cost that grows with something a client chooses and that the body-size cap alone lets
 grow too far:
@@ -21,84 +21,61 @@ or answered.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.stop_limits import DEFAULT_MAX_STOP_CHARS, check_stop_chars
+from ferrox_batch.request_caps import (
+    DEFAULT_MAX_DETOKENIZE_BYTES,
+    DEFAULT_MAX_PROMPT_LOGPROBS,
+    DEFAULT_MAX_STOP_CHARS,
+    DEFAULT_MAX_TOKENIZATION_IDS,
+    RequestCaps,
+)
+from ferrox_batch.stop_limits import check_stop_chars
 
-#: Prompt log-probability entries a request may ask for: the sum over its rows (prompts x choices) of
-#: `(prompt tokens - 1) x (alternatives + 1)`. 2**20 is one full 32k-token context with the maximum 20
-#: alternatives (688k), held compactly in about 9 MB and written as about 70 MB of JSON, a piece at a time.
-DEFAULT_MAX_PROMPT_LOGPROBS = 2**20
-#: Ids one `/tokenize` answer lists and one `/detokenize` request sends: twice a 128k-token context, so a
-#: client can count a document it means to truncate (about 2 MB of JSON ids).
-DEFAULT_MAX_TOKENIZATION_IDS = 2**18
-#: Bytes of text one `/detokenize` answer holds (UTF-8, before JSON escaping): 8 bytes for each of
-#: `DEFAULT_MAX_TOKENIZATION_IDS` ids, twice what an English token averages.
-DEFAULT_MAX_DETOKENIZE_BYTES = 2**21
+__all__ = ["DEFAULT_MAX_DETOKENIZE_BYTES", "DEFAULT_MAX_PROMPT_LOGPROBS", "DEFAULT_MAX_STOP_CHARS",
+           "DEFAULT_MAX_TOKENIZATION_IDS", "RequestCaps", "check_body", "check_prompt_logprobs",
+           "check_text_bytes", "check_token_count"]
 
 
-@dataclass(frozen=True, slots=True)
-class RequestCaps:
-    """The per-request caps of one app (`create_app`'s keywords of the same names)."""
+def check_body(caps: RequestCaps, body: Mapping[str, Any]) -> None:
+    """The caps a generation body's raw fields can be held to before they are parsed: the length of
+    `allowed_token_ids` and the stop list's total characters (their types are the parser's to check)."""
+    allowed = body.get("allowed_token_ids")
+    cap = caps.max_allowed_token_ids
+    if isinstance(allowed, list) and cap is not None and len(allowed) > cap:
+        raise InvalidRequest("allowed_token_ids", len(allowed),
+                             f"may hold at most {cap:,} ids (this server's --max-allowed-token-ids)")
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
+    check_stop_chars(stops, caps.max_stop_chars, "--max-stop-chars")
 
-    #: Ids an `allowed_token_ids` list may hold as sent; None: the model's vocabulary size.
-    max_allowed_token_ids: int | None = None
-    max_stop_chars: int = DEFAULT_MAX_STOP_CHARS
-    max_prompt_logprobs: int = DEFAULT_MAX_PROMPT_LOGPROBS
-    max_tokenization_ids: int = DEFAULT_MAX_TOKENIZATION_IDS
-    max_detokenize_bytes: int = DEFAULT_MAX_DETOKENIZE_BYTES
 
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is None and field.name == "max_allowed_token_ids":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field.name} must be a positive integer, got {value!r}")
+def check_prompt_logprobs(caps: RequestCaps, prompts: Sequence[Sequence[int]], rows_per_prompt: int,
+                          alternatives: int | None, field: str) -> None:
+    """`alternatives`: the prompt log-probabilities' alternatives per token each row computes (None: it
+    computes none); `field`: what the request asked for them by (`prompt_logprobs`, or `logprobs` with
+    `echo`)."""
+    if alternatives is None:
+        return
+    entries = rows_per_prompt * (alternatives + 1) * sum(max(len(p) - 1, 0) for p in prompts)
+    if entries > caps.max_prompt_logprobs:
+        raise InvalidRequest(field, alternatives,
+                             f"asks for {entries:,} prompt log-probabilities (scored prompt tokens x "
+                             f"(alternatives + 1) x rows), more than this server's limit of "
+                             f"{caps.max_prompt_logprobs:,} (--max-prompt-logprobs)")
 
-    def resolved(self, vocab_size: int) -> RequestCaps:
-        """These caps with `max_allowed_token_ids` at most the vocabulary: a longer list repeats an id."""
-        cap = self.max_allowed_token_ids
-        return dataclasses.replace(self, max_allowed_token_ids=vocab_size if cap is None else min(cap, vocab_size))
 
-    def check_body(self, body: Mapping[str, Any]) -> None:
-        """The caps a generation body's raw fields can be held to before they are parsed: the length of
-        `allowed_token_ids` and the stop list's total characters (their types are the parser's to check)."""
-        allowed = body.get("allowed_token_ids")
-        cap = self.max_allowed_token_ids
-        if isinstance(allowed, list) and cap is not None and len(allowed) > cap:
-            raise InvalidRequest("allowed_token_ids", len(allowed),
-                                 f"may hold at most {cap:,} ids (this server's --max-allowed-token-ids)")
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if isinstance(stop, list) else []
-        check_stop_chars(stops, self.max_stop_chars, "--max-stop-chars")
+def check_token_count(caps: RequestCaps, count: int, field: str) -> None:
+    """`/tokenize`'s answer (`field` the prompt's) or `/detokenize`'s request (`tokens`)."""
+    if count > caps.max_tokenization_ids:
+        raise InvalidRequest(field, count, f"comes to {count:,} token ids, more than this server's limit of "
+                                           f"{caps.max_tokenization_ids:,} (--max-tokenization-ids)")
 
-    def check_prompt_logprobs(self, prompts: Sequence[Sequence[int]], rows_per_prompt: int,
-                              alternatives: int | None, field: str) -> None:
-        """`alternatives`: the prompt log-probabilities' alternatives per token each row computes (None: it
-        computes none); `field`: what the request asked for them by (`prompt_logprobs`, or `logprobs` with
-        `echo`)."""
-        if alternatives is None:
-            return
-        entries = rows_per_prompt * (alternatives + 1) * sum(max(len(p) - 1, 0) for p in prompts)
-        if entries > self.max_prompt_logprobs:
-            raise InvalidRequest(field, alternatives,
-                                 f"asks for {entries:,} prompt log-probabilities (scored prompt tokens x "
-                                 f"(alternatives + 1) x rows), more than this server's limit of "
-                                 f"{self.max_prompt_logprobs:,} (--max-prompt-logprobs)")
 
-    def check_token_count(self, count: int, field: str) -> None:
-        """`/tokenize`'s answer (`field` the prompt's) or `/detokenize`'s request (`tokens`)."""
-        if count > self.max_tokenization_ids:
-            raise InvalidRequest(field, count, f"comes to {count:,} token ids, more than this server's limit of "
-                                               f"{self.max_tokenization_ids:,} (--max-tokenization-ids)")
-
-    def check_text_bytes(self, size: int) -> None:
-        """`/detokenize`'s answer: `size` bytes of text."""
-        if size > self.max_detokenize_bytes:
-            raise InvalidRequest("tokens", size, f"decode to {size:,} bytes of text, more than this server's "
-                                                 f"limit of {self.max_detokenize_bytes:,} (--max-detokenize-bytes)")
+def check_text_bytes(caps: RequestCaps, size: int) -> None:
+    """`/detokenize`'s answer: `size` bytes of text."""
+    if size > caps.max_detokenize_bytes:
+        raise InvalidRequest("tokens", size, f"decode to {size:,} bytes of text, more than this server's "
+                                             f"limit of {caps.max_detokenize_bytes:,} (--max-detokenize-bytes)")

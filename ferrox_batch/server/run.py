@@ -22,6 +22,7 @@ import uvicorn
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.grammar_limits import GrammarLimits
+from ferrox_batch.request_caps import RequestCaps
 from ferrox_batch.runtime.loading.loader import LoadedModel, load_model
 from ferrox_batch.server.app import (
     DEFAULT_MAX_BODY_BYTES,
@@ -29,12 +30,6 @@ from ferrox_batch.server.app import (
     create_app,
 )
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES
-from ferrox_batch.server.request_caps import (
-    DEFAULT_MAX_DETOKENIZE_BYTES,
-    DEFAULT_MAX_PROMPT_LOGPROBS,
-    DEFAULT_MAX_STOP_CHARS,
-    DEFAULT_MAX_TOKENIZATION_IDS,
-)
 from ferrox_batch.server.host_check import default_allowed_hosts
 from ferrox_batch.server.listener import DEFAULT_DRAIN_TIMEOUT_SECS, DrainingServer, server_config
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS
@@ -82,11 +77,7 @@ def serve(
     ui: bool = True,
     grammar_limits: GrammarLimits = GrammarLimits(),
     escape_control_tokens: bool = False,
-    max_allowed_token_ids: int | None = None,
-    max_stop_chars: int = DEFAULT_MAX_STOP_CHARS,
-    max_prompt_logprobs: int = DEFAULT_MAX_PROMPT_LOGPROBS,
-    max_tokenization_ids: int = DEFAULT_MAX_TOKENIZATION_IDS,
-    max_detokenize_bytes: int = DEFAULT_MAX_DETOKENIZE_BYTES,
+    request_caps: RequestCaps = RequestCaps(),
 ) -> None:
     """Serve `model` (a checkpoint folder, a `.gguf` file, or a loaded model) on `host:port`; block until stopped.
 
@@ -96,8 +87,8 @@ def serve(
     is a loopback address, else no check (`host_check`). `model_name` (one name or several) defaults to the
     checkpoint's folder
     (or file) name; `chat_template` (Jinja text) replaces the checkpoint's; `grammar_limits` bound what
-    one request's structured output may cost (`ferrox_batch.grammar_limits`); the other keywords are
-    `create_app`'s.
+    one request's structured output may cost (`ferrox_batch.grammar_limits`), `request_caps` what one
+    request may cost beyond it (`ferrox_batch.request_caps`); the other keywords are `create_app`'s.
     """
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype,
                                                                                 kv_cache_dtype=kv_cache_dtype,
@@ -114,10 +105,7 @@ def serve(
                          allowed_origins=allowed_origins, shared_prefix_cache=shared_prefix_cache,
                          allowed_hosts=default_allowed_hosts(host) if allowed_hosts is None else allowed_hosts,
                          client_priorities=client_priorities, reasoning_parser=reasoning_parser, pooling=pooling,
-                         ui=ui, escape_control_tokens=escape_control_tokens,
-                         max_allowed_token_ids=max_allowed_token_ids, max_stop_chars=max_stop_chars,
-                         max_prompt_logprobs=max_prompt_logprobs, max_tokenization_ids=max_tokenization_ids,
-                         max_detokenize_bytes=max_detokenize_bytes)
+                         ui=ui, escape_control_tokens=escape_control_tokens, request_caps=request_caps)
         config = server_config(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout,
                                max_concurrent_requests=max_concurrent_requests)
         server = DrainingServer(config, on_deadline=app.state.ferrox.generations.end_in_flight)

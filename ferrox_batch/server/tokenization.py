@@ -24,7 +24,7 @@ from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.errors import ServerBusy
 from ferrox_batch.server.fields import Fields
 from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
-from ferrox_batch.server.request_caps import RequestCaps
+from ferrox_batch.server.request_caps import RequestCaps, check_text_bytes, check_token_count
 from ferrox_batch.server.chat_messages import read_messages
 from ferrox_batch.server.chat_rendering import read_rendering
 from ferrox_batch.server.tools.definitions import read_tools
@@ -58,14 +58,14 @@ def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, ceiling: ContextCeil
         # The template writes any BOS itself, as for the chat endpoint.
         ids = encode_chat_prompt(tokenizer, messages, None, tools=list(tools) or None, rendering=rendering,
                                  add_special_tokens=fields.boolean("add_special_tokens", False))
-        caps.check_token_count(len(ids), "messages")
+        check_token_count(caps, len(ids), "messages")
     else:
         prompt = body["prompt"]
         if not isinstance(prompt, str):
             raise InvalidRequest("prompt", prompt, "must be a string")
-        caps.check_token_count(tokenizer.least_tokens(prompt), "prompt")  # refused untokenized when it must be
+        check_token_count(caps, tokenizer.least_tokens(prompt), "prompt")  # refused untokenized when it must be
         ids = encode_prompt(tokenizer, prompt, None, add_special_tokens=fields.boolean("add_special_tokens", True))
-        caps.check_token_count(len(ids), "prompt")
+        check_token_count(caps, len(ids), "prompt")
     strs = [tokenizer.decode_text([i]) for i in ids] if return_strs else None
     return {"count": len(ids), "max_model_len": ceiling.limit(), "tokens": ids, "token_strs": strs}
 
@@ -75,11 +75,11 @@ def detokenize(body: Mapping[str, Any], tokenizer: Tokenizer, caps: RequestCaps 
     or more text, than the caps take."""
     tokens = body.get("tokens")
     if isinstance(tokens, list):
-        caps.check_token_count(len(tokens), "tokens")  # before any id is read
+        check_token_count(caps, len(tokens), "tokens")  # before any id is read
     if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
         raise InvalidRequest("tokens", tokens, "must be a list of token ids")
     try:
-        caps.check_text_bytes(tokenizer.decoded_size(tokens))
+        check_text_bytes(caps, tokenizer.decoded_size(tokens))
         return {"prompt": tokenizer.decode_text(tokens)}
     except ValueError as bad:
         if isinstance(bad, InvalidRequest):

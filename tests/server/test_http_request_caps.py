@@ -13,6 +13,8 @@ import httpx
 import pytest
 from server_helpers import DEADLINE, poll, served, stats, tiny_batcher
 
+from ferrox_batch.request_caps import RequestCaps
+
 CAPS = {"max_allowed_token_ids": 40, "max_stop_chars": 24, "max_prompt_logprobs": 120,
         "max_tokenization_ids": 30, "max_detokenize_bytes": 60}
 COMPLETIONS = "/v1/completions"
@@ -26,7 +28,7 @@ BASE = {
 @pytest.fixture(scope="module")
 def server(tiny_batch_model):
     batcher = tiny_batcher(tiny_batch_model)
-    with served(batcher, **CAPS) as (base_url, _app):
+    with served(batcher, request_caps=RequestCaps(**CAPS)) as (base_url, _app):
         yield base_url, batcher
 
 
@@ -130,7 +132,9 @@ def test_a_cap_must_be_a_positive_integer(tiny_batch_model, keyword):
     try:
         for bad in (0, -1, 1.5, True, *(() if keyword == "max_allowed_token_ids" else (None,))):
             with pytest.raises(ValueError, match=keyword):
-                create_app(batcher, model_name="tiny", **{keyword: bad})
+                RequestCaps(**{keyword: bad})
+        with pytest.raises(ValueError, match="request_caps"):
+            create_app(batcher, model_name="tiny", request_caps={keyword: 1})
     finally:
         batcher.close(DEADLINE)
 
@@ -141,6 +145,6 @@ def test_a_raised_stop_cap_serves_stop_lists_past_the_library_default(tiny_batch
     limit = 2 * DEFAULT_MAX_STOP_CHARS
     count = DEFAULT_MAX_STOP_CHARS // MAX_STOP_STRING_CHARS + 1  # past the default in all, within the raised cap
     stops = [chr(0x4E00 + i) * MAX_STOP_STRING_CHARS for i in range(count)]
-    with served(tiny_batcher(tiny_batch_model), max_stop_chars=limit) as (base_url, _app):
+    with served(tiny_batcher(tiny_batch_model), request_caps=RequestCaps(max_stop_chars=limit)) as (base_url, _app):
         served_ok(base_url, COMPLETIONS, {**BASE[COMPLETIONS], "stop": stops})
         refused(base_url, COMPLETIONS, {**BASE[COMPLETIONS], "stop": stops * 2}, "stop", limit)

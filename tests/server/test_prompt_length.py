@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from server_helpers import DEADLINE, MODEL_NAME, poll, served, tiny_batcher
 from tiny_checkpoint import SPECIAL_TOKENS, write_tiny_checkpoint
 
+from ferrox_batch.request_caps import RequestCaps
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 
 #: Texts mixing the special tokens' literal spellings with arbitrary characters (multi-byte ones too).
@@ -178,7 +179,7 @@ def long_context(tmp_path_factory: pytest.TempPathFactory):
     folder = write_tiny_checkpoint(tmp_path_factory.mktemp("long-context"), max_positions=1 << 18)
     model = load_model(folder, device="cpu", dtype="float32")
     # The prompt tokenizes to about 440k ids: more than `/tokenize` answers by default (`request_caps`).
-    with served(tiny_batcher(model), max_tokenization_ids=1 << 20) as (base_url, app):
+    with served(tiny_batcher(model), request_caps=RequestCaps(max_tokenization_ids=1 << 20)) as (base_url, app):
         yield base_url, app
 
 

@@ -12,13 +12,16 @@ limit, at least `STARVED_MIN_S`) is killed too, as busy (503, retry; nothing rem
 At most `conversions` run at once; one more is refused as busy at once (a 503), so a flood of grammars
 holds neither the server's prepare threads nor more than that many processes. Converted grammars are kept
 by text (bounded), so a client that repeats its grammar converts it once; a grammar already in Lark is
-never sent to a child.
+never sent to a child. Which one a text is, `is_lark` tells in time linear in the text: llguidance's own
+check (`gbnf_to_lark.is_lark_syntax`) is a regex whose time grows with the square of a run of newlines, on
+this thread and holding the GIL (256 KiB of them would stop the worker for minutes).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +47,11 @@ POLL_S = 0.02
 STARVED_FACTOR = 20
 STARVED_MIN_S = 30.0
 
+# llguidance's `(?m)^\s*(%llguidance\b|start\s*:)` without its quadratic part: the line's leading `\s*` may
+# cross newlines there, so every line start of a run of newlines scans the rest of the run; a match that
+# crosses one is also a match from the line start after the last one it crosses, which is all this tries.
+_LARK = re.compile(r"(?m)^[^\S\n]*(?:%llguidance\b|start\s*:)")
+
 # The child: lowest priority, the converter module loaded by its path (not the llguidance package, whose
 # native library it does not need), GBNF text on stdin, `{"lark": ...}` or `{"error": ...}` on stdout.
 _CHILD = """
@@ -63,6 +71,16 @@ sys.stdout.write(json.dumps(answer))
 
 class GbnfTimeout(Exception):
     """The conversion used more CPU than its limit (the caller turns it into its refusal, naming the field)."""
+
+
+class GrammarCancelled(GrammarConstraint):
+    """The request whose grammar was being converted was cancelled (its client left): its conversion stopped.
+    Another request waiting on the same conversion converts it again with its own token."""
+
+    _fields = ()
+
+    def __init__(self) -> None:
+        super().__init__("the grammar's conversion was cancelled: the request was cancelled")
 
 
 class GbnfBusy(DecodeError):
@@ -92,7 +110,7 @@ class GbnfConverter:
 
         Raises `GrammarConstraint` for a grammar the converter refuses or a request cancelled meanwhile,
         `GbnfTimeout` past the CPU limit, `GbnfBusy` when every slot is taken or the child is starved of CPU."""
-        if gbnf_to_lark.is_lark_syntax(text):
+        if is_lark(text):
             return text
         with self._lock:
             known = self._kept.get(text)
@@ -130,7 +148,7 @@ class GbnfConverter:
                 except subprocess.TimeoutExpired:
                     payload = None  # sent with the first call
                 if cancel is not None and cancel.is_cancelled():
-                    raise GrammarConstraint("the grammar's conversion was cancelled: the request was cancelled")
+                    raise GrammarCancelled()
                 waited = time.monotonic() - began
                 spent = _cpu_s(child.pid)
                 if (waited if spent is None else spent) > self.limit_s:
@@ -148,6 +166,11 @@ class GbnfConverter:
         if "error" in answer:
             raise GrammarConstraint(f"the grammar cannot be converted from GBNF to Lark: {answer['error']}")
         return str(answer["lark"])
+
+
+def is_lark(text: str) -> bool:
+    """Whether `text` is a Lark grammar (else GBNF), as llguidance tells them apart, in time linear in `text`."""
+    return _LARK.search(text) is not None
 
 
 def _cpu_s(pid: int) -> float | None:

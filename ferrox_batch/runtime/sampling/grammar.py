@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ferrox_batch.cancel import CancelToken
+from ferrox_batch.errors import GrammarConstraint
 from ferrox_batch.grammar_limits import GrammarLimits
 from ferrox_batch.runtime.sampling.grammar_clients import ClientShares, GrammarsBusy, HeldGrammar
 from ferrox_batch.runtime.sampling.grammar_compiler import (
@@ -86,8 +87,15 @@ class Grammars:
         A spec that names its `client` comes back as that client's `HeldGrammar`, priced against the
         client's share of the live-grammar budget (`grammar_clients`) while its request holds it."""
         self._pool.check_room()
-        compiled = self._compiler.compile(spec, cancel)
-        return compiled if spec.client is None else self._clients.hold(spec.client, compiled)
+        if spec.client is None:
+            return self._compiler.compile(spec, cancel)
+        self._compiler.check(spec)  # a spec refused whatever the budget is a 400, not a 503 of the share
+        reservation = self._clients.reserve(spec.client, spec)
+        try:
+            return HeldGrammar(self._compiler.compile(spec, cancel), reservation)
+        except BaseException:
+            reservation.release()
+            raise
 
     def live(self) -> int:
         """Bytes of spec text of the compiled grammars alive now (cached or held by requests)."""

@@ -5,8 +5,9 @@ pricing what requests hold. One pool for everyone let a few long requests of one
 make every other client's schema a 503; so each client (`StructuredOutput.client`: an API key's tenant,
 else the client's address) is priced against a share of its own. A client's bytes are the sizes of the
 distinct specs its requests hold (the `n` choices of one request, or two requests with one schema, hold
-it once), counted from the first `HeldGrammar` of a spec to the last one's release (its request answered,
-and the handle dropped). `GrammarsBusy` (503, retry) refuses a spec past either bound.
+it once), reserved from the spec's size before it is compiled (a client past its share costs no compile
+and fills no cache) and counted to the last hold's release (its request answered, and the handle
+dropped; or its compile failed). `GrammarsBusy` (503, retry) refuses a spec past either bound.
 """
 
 from __future__ import annotations
@@ -37,11 +38,21 @@ class GrammarsBusy(DecodeError):
                          f"of schema (limit {limit_bytes}); retry shortly")
 
 
+class Reservation:
+    """A client's share reserved for one spec: given back by `release()`, or when dropped."""
+
+    __slots__ = ("release", "__weakref__")
+
+    def __init__(self, shares: ClientShares, client: str, spec: StructuredOutput) -> None:
+        self.release = weakref.finalize(self, shares._release, client, spec, spec.size)
+
+
 @dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class HeldGrammar:
     """One request's hold on a compiled grammar, priced to its client until the request drops it."""
 
     compiled: Any  # `grammar.CompiledGrammar`
+    reservation: Reservation
 
     @property
     def spec(self) -> StructuredOutput:
@@ -57,10 +68,10 @@ class ClientShares:
         self._held: dict[str, dict[StructuredOutput, int]] = {}  # client -> spec -> requests holding it
         self._bytes: dict[str, int] = {}
 
-    def hold(self, client: str, compiled: Any) -> HeldGrammar:
-        """A hold on `compiled` for a request of `client`; `GrammarsBusy` when a spec it does not hold yet
-        would take it past its share."""
-        spec, size = compiled.spec, compiled.size
+    def reserve(self, client: str, spec: StructuredOutput) -> Reservation:
+        """`client`'s share reserved for `spec` (before it is compiled); `GrammarsBusy` when a spec it does not
+        hold yet would take it past its share."""
+        size = spec.size
         with self._lock:
             specs = self._held.setdefault(client, {})
             if spec not in specs:
@@ -71,9 +82,7 @@ class ClientShares:
                     raise GrammarsBusy(held, self.share, "of this client's requests in flight")
                 self._bytes[client] = held + size
             specs[spec] = specs.get(spec, 0) + 1
-        handle = HeldGrammar(compiled)
-        weakref.finalize(handle, self._release, client, spec, size)
-        return handle
+        return Reservation(self, client, spec)
 
     def _release(self, client: str, spec: StructuredOutput, size: int) -> None:
         with self._lock:

@@ -13,8 +13,12 @@ What it promises (`grammar.Grammars` is the engine built on it):
   text; the compiled state measured about 50 times its text (a 212 KB schema: 10 MB), and up to 300
   times for the costliest shape below (25 KB: 7 MB), which `COMPILED_KEPT` bounds. A request holds its
   compiled grammar from submit to answer, so the grammars alive (cached or held) are bounded too:
-  `GrammarLimits.live_bytes` of spec text in all, past which a new spec is refused as busy
-  (`GrammarsBusy`, 503).
+  `GrammarLimits.live_bytes` of spec text in all. A new spec past it first evicts cached grammars no
+  request holds (oldest first); past it still, it is refused as busy (`GrammarsBusy`, 503), naming the
+  bytes that requests in flight hold.
+* A request waiting on another's build of an equal spec is answered on its own terms: when the builder's
+  request was cancelled (its GBNF conversion stopped), it builds the spec with its own token; when the spec
+  is too costly, its refusal names the waiter's own field.
 
 Limits on a compile, and why these (measured on a 2-vCPU Xeon shared with other work):
 
@@ -48,8 +52,8 @@ from llguidance import grammar_from
 
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.errors import DecodeError, GrammarConstraint
-from ferrox_batch.grammar_limits import PROBED_MASKS, GrammarLimits, too_costly
-from ferrox_batch.runtime.sampling.gbnf import GbnfConverter, GbnfTimeout
+from ferrox_batch.grammar_limits import PROBED_MASKS, GrammarLimits, GrammarTooCostly, too_costly
+from ferrox_batch.runtime.sampling.gbnf import GbnfConverter, GbnfTimeout, GrammarCancelled
 from ferrox_batch.runtime.sampling.grammar_clients import GrammarsBusy
 from ferrox_batch.runtime.sampling.grammar_probe import first_masks_cpu_s
 from ferrox_batch.structured import MAX_SPEC_BYTES, StructuredOutput
@@ -124,37 +128,44 @@ class GrammarCompiler:
                 self._executor = llguidance.LLExecutor()
             return self.tokenizer, self._executor
 
-    def compile(self, spec: StructuredOutput, cancel: CancelToken | None = None) -> CompiledGrammar:
-        """`spec` compiled (`Grammars.compile` says what it refuses), from the cache when it is kept or alive."""
-        size = spec.size
-        if size > MAX_SPEC_BYTES:
-            raise GrammarConstraint(f"the {_what(spec)} is {size} bytes as compact text, over this server's "
-                                    f"limit of {MAX_SPEC_BYTES}")
+    def check(self, spec: StructuredOutput) -> None:
+        """Refuses what `spec` is refused whatever is alive: over `MAX_SPEC_BYTES`, or remembered as too costly."""
+        if spec.size > MAX_SPEC_BYTES:
+            raise GrammarConstraint(f"the {_what(spec)} is {spec.size} bytes as compact text, over this server's "
+                                    f"limit of {MAX_SPEC_BYTES}", spec.source)
         with self._lock:
             refused = self._refused.get(spec)
-            if refused is not None:
-                raise too_costly(spec.source, *refused)
-            known = self._kept.get(spec)
-            if known is not None:
-                self._kept.move_to_end(spec)
-                return known
-            known = self._alive.get(spec)
-            if known is not None:
-                self._remember(known)
-                return known
-            pending = self._pending.get(spec)
-            if pending is None:
-                if self._live + size > self._live_limit:
-                    raise GrammarsBusy(self._live, self._live_limit)
-                self._live += size  # counted from the build on, so concurrent builds count too
-                pending = self._pending[spec] = concurrent.futures.Future()
-                building = True
-            else:
-                building = False
-        if not building:
-            return pending.result()  # the builder's grammar, or its refusal raised here too
+        if refused is not None:
+            raise too_costly(spec.source, *refused)
+
+    def compile(self, spec: StructuredOutput, cancel: CancelToken | None = None) -> CompiledGrammar:
+        """`spec` compiled (`Grammars.compile` says what it refuses), from the cache when it is kept or alive."""
+        self.check(spec)
+        while True:
+            with self._lock:
+                found = self._find(spec)
+                if isinstance(found, CompiledGrammar):
+                    return found
+                if found is None:  # this thread builds it
+                    pending = self._pending[spec]
+                    break
+            try:
+                return found.result()  # the builder's grammar
+            except GrammarCancelled:
+                if cancel is not None and cancel.is_cancelled():
+                    raise
+                # The builder's client left, not this one: built again, with this request's token.
+            except GrammarTooCostly:
+                self.check(spec)  # named for this request's own field
+                raise
+            except GrammarConstraint as bad:
+                raise _naming(bad, spec) from None
+        size = spec.size
         try:
-            compiled = self._build(spec, size, cancel)
+            try:
+                compiled = self._build(spec, size, cancel)
+            except GrammarConstraint as bad:
+                raise _naming(bad, spec) from None
         except BaseException as failed:
             with self._lock:
                 del self._pending[spec]
@@ -169,6 +180,44 @@ class GrammarCompiler:
             self._remember(compiled)
         pending.set_result(compiled)
         return compiled
+
+    def _find(self, spec: StructuredOutput) -> CompiledGrammar | concurrent.futures.Future[CompiledGrammar] | None:
+        """(Under the lock.) `spec` kept or alive, or its build in flight to wait on; else None, with its
+        build registered for this thread and its bytes counted (`GrammarsBusy` past the live budget)."""
+        known = self._kept.get(spec)
+        if known is not None:
+            self._kept.move_to_end(spec)
+            return known
+        known = self._alive.get(spec)
+        if known is not None:
+            self._remember(known)
+            return known
+        pending = self._pending.get(spec)
+        if pending is not None:
+            return pending
+        if self._live + spec.size > self._live_limit:
+            self._evict_unheld(self._live_limit - spec.size)
+            if self._live + spec.size > self._live_limit:
+                raise GrammarsBusy(self._live, self._live_limit)
+        self._live += spec.size  # counted from the build on, so concurrent builds count too
+        self._pending[spec] = concurrent.futures.Future()
+        return None
+
+    def _evict_unheld(self, target: int) -> None:
+        """(Under the lock.) Drops kept grammars no request holds, oldest first, until the live bytes are at
+        most `target` or none is left; kept ones a request holds stay kept, in their place."""
+        still_held: list[CompiledGrammar] = []
+        for spec in list(self._kept):
+            if self._live <= target:
+                break
+            self._kept_bytes -= self._kept.pop(spec).size  # unheld: its finalizer uncounts it here
+            held = self._alive.get(spec)
+            if held is not None:
+                still_held.append(held)
+        for held in reversed(still_held):
+            self._kept[held.spec] = held
+            self._kept.move_to_end(held.spec, last=False)
+            self._kept_bytes += held.size
 
     def _build(self, spec: StructuredOutput, size: int, cancel: CancelToken | None) -> CompiledGrammar:
         tokenizer, _ = self.engine()
@@ -185,7 +234,8 @@ class GrammarCompiler:
                 schema = spec.schema if spec.schema is not None else spec.schema_object()
                 grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
             else:
-                # Lark as it is (a converted GBNF grammar too); a regex or a choice as llguidance writes them.
+                # Lark as it is (a converted GBNF grammar too: its "grammar" format would run llguidance's
+                # quadratic Lark detection again, `gbnf`); a regex or a choice as llguidance writes them.
                 grammar = grammar_from(_FORMATS[spec.kind], text)
             if spec.reasoning is not None:
                 grammar = _after_thinking(grammar, spec.reasoning)
@@ -251,8 +301,15 @@ def _after_thinking(grammar: str, reasoning: str) -> str:
 
 
 #: Our kinds -> llguidance's `grammar_from` formats.
-_FORMATS = {"lark": "lark", "grammar": "grammar", "regex": "regex", "choice": "choice"}
+_FORMATS = {"lark": "lark", "grammar": "lark", "regex": "regex", "choice": "choice"}
 _NAMES = {"lark": "Lark grammar", "grammar": "grammar", "regex": "regular expression", "choice": "choice"}
+
+
+def _naming(refusal: GrammarConstraint, spec: StructuredOutput) -> GrammarConstraint:
+    """`refusal` (a compile's: the spec is invalid) naming `spec`'s own field; a cancellation as it is."""
+    if type(refusal) is not GrammarConstraint:
+        return refusal
+    return GrammarConstraint(refusal.detail, spec.source)
 
 
 def _what(spec: StructuredOutput) -> str:

@@ -205,6 +205,8 @@ class BatchSampler:
     @staticmethod
     def _advance(matcher: Any, token: int, outcome: Sampled) -> Sampled:
         """Feed the sampled token to the row's grammar: the outcome, marked complete when the grammar is."""
+        if matcher.is_error():  # it erred computing its mask (a matcher that errs is also stopped)
+            return GrammarConstraint(f"its grammar failed: {matcher.get_error()}")
         if matcher.is_stopped():  # a row finishes with the token that completes it: never sampled after
             return GrammarConstraint("the grammar was already complete")
         if not matcher.consume_token(token) or matcher.is_error():
