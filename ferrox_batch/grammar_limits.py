@@ -23,9 +23,10 @@ first masks take 0.1-2 ms, and the costliest shape the compile bounds admit (2,0
 17 ms, where `(x{300}){300}` takes 140 ms and `(x{600}){600}` 0.5-0.8 s (then 0.1 s for each later
 token); 50 ms sits between. The costliest compile the symbol bound admits takes about 0.7 s, a realistic
 212 KB schema 0.1-0.2 s: 2 s refuses only what would be slower still. A mask of a grammar that passed the
-probe takes under 1 ms per step; 1 s past the forward only cuts a grammar that got costly later on. A cheap
-one whose thread a loaded machine was slow to schedule is not cut at any deadline, since a row is charged
-for its mask's CPU (200 ms of wall alone cut such rows, on two shared cores).
+probe takes under 1 ms per step; 200 ms past the forward (a row charged once its mask has used 100 ms of
+CPU, 100x that) only cuts a grammar that got costly later on, and bounds what any step waits to 800 ms. A
+cheap one whose thread a loaded machine was slow to schedule is not cut, since a row is charged for its
+mask's CPU (200 ms of wall alone cut such rows, on two shared cores).
 The GBNF converter is quadratic in the worst case (a chain of rules: 77 KB took seconds); real grammars
 convert in milliseconds, so 1 s leaves them 100x.
 """
@@ -42,7 +43,7 @@ from ferrox_batch.errors import DecodeError, GrammarConstraint, InvalidRequest
 PROBED_MASKS = 3
 DEFAULT_COMPILE_MS = 2000
 DEFAULT_FIRST_MASKS_MS = 50
-DEFAULT_MASK_DEADLINE_MS = 1000
+DEFAULT_MASK_DEADLINE_MS = 200
 #: About 200 MB compiled for typical schemas (about 50 bytes compiled per byte of text).
 DEFAULT_LIVE_BYTES = 4 * 1024 * 1024
 #: A client's share: four clients at their share fill the server's.
