@@ -1,10 +1,13 @@
 """`assert_no_stall`: a small well-behaved request's latency beside a hostile one stays near its latency alone.
 
-How: the probe request is sent `SAMPLES` times alone (after a warm-up), then `SAMPLES` times while other
+How: the probe request is sent `SAMPLES` times alone (after a warm-up), then over and over while other
 clients send the hostile request over and over (`copies` at once, each waiting for its answer, so it is
-always in flight while the probe runs). The probe's median beside it must stay within `FACTOR` times its
-median alone, and its second slowest within `FACTOR` times its slowest alone; no fixed seconds, so the bound
-follows the machine the test runs on.
+always in flight while the probe runs): at least `SAMPLES` times, and until `2 * copies + 1` hostile answers
+came while it was sent, so that one attacker's requests ran whole beside it twice (each phase of a hostile
+request, from its parsing to its answer's writing, is measured, however long it takes). Beside it, the
+probe's median and its mean must stay within `FACTOR` times its median and mean alone, and no more of its
+samples may pass `FACTOR` times its slowest alone than a sample alone passes its slowest (one in `SAMPLES`,
+at least one); no fixed seconds, so the bound follows the machine the test runs on.
 
 Why `FACTOR` is 4: what a hostile request may fairly take from the probe is its share of the machine, not
 the machine. It may be one more row in each of the probe's forwards (a decode step with two rows instead
@@ -21,10 +24,11 @@ requests' statuses are returned for the caller to check (each must be an answer,
 
 from __future__ import annotations
 
+import gc
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import httpx
 
@@ -35,23 +39,41 @@ FACTOR = 4.0
 #: Seconds `/stats` may take to show the hostile requests' blocks back (they are freed at the worker's next tick).
 SETTLE_S = 15.0
 
-Call = tuple[str, dict]
+Call = tuple[str, dict | bytes]
 
 
-def _latencies(client: httpx.Client, probe: Call, count: int) -> list[float]:
-    out = []
-    for _ in range(count):
+def _latencies(client: httpx.Client, probe: Call, count: int, until: Callable[[], bool] = lambda: True) -> list[float]:
+    out: list[float] = []
+    while len(out) < count or not until():
         began = time.perf_counter()
-        reply = client.post(probe[0], json=probe[1])
+        reply = _post(client, probe)
         out.append(time.perf_counter() - began)
         assert reply.status_code == 200, reply.text
     return out
 
 
+def _post(client: httpx.Client, call: Call) -> httpx.Response:
+    route, body = call
+    if isinstance(body, bytes):
+        return client.post(route, content=body, headers={"Content-Type": "application/json"})
+    return client.post(route, json=body)
+
+
 def assert_no_stall(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], Call],
-                    copies: int = 1) -> list[httpx.Response]:
+                    copies: int = 1, hostile_headers: Mapping[str, str] | None = None) -> list[httpx.Response]:
     """Measure `probe` alone and beside `hostile` (a call, or one per send number: to defeat caches), sent
-    by `copies` clients at once; assert the bound; return the hostile answers."""
+    by `copies` clients at once; assert the bound; return the hostile answers (each answer's `request`
+    holds what was sent)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        return _measure(client, probe, hostile, copies, client.headers if hostile_headers is None else hostile_headers)
+    finally:
+        gc.unfreeze()
+
+
+def _measure(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], Call], copies: int,
+             headers: Mapping[str, str]) -> list[httpx.Response]:
     _latencies(client, probe, 2)  # warm-up
     alone = _latencies(client, probe, SAMPLES)
     make = hostile if callable(hostile) else (lambda _: hostile)
@@ -60,13 +82,22 @@ def assert_no_stall(client: httpx.Client, probe: Call, hostile: Call | Callable[
     sent = [0]
     lock = threading.Lock()
 
+    failures: list[BaseException] = []
+
     def attacker() -> None:
-        with httpx.Client(base_url=client.base_url, timeout=client.timeout) as own:
+        try:
+            attack()
+        except BaseException as failed:  # a hostile request the server never answered: reported below
+            failures.append(failed)
+            raise
+
+    def attack() -> None:
+        with httpx.Client(base_url=client.base_url, timeout=client.timeout, headers=headers) as own:
             while not stop.is_set():
                 with lock:
                     sent[0] += 1
-                    route, body = make(sent[0])
-                answer = own.post(route, json=body)
+                    call = make(sent[0])
+                answer = _post(own, call)
                 with lock:
                     answers.append(answer)
                 if answer.status_code == 503 and "retry-after" in answer.headers:
@@ -81,20 +112,29 @@ def assert_no_stall(client: httpx.Client, probe: Call, hostile: Call | Callable[
     try:
         while not answers and all(t.is_alive() for t in threads):  # every kind of work is under way
             time.sleep(0.01)
-        beside = _latencies(client, probe, SAMPLES)
+        before = len(answers)
+        beside = _latencies(client, probe, SAMPLES, until=lambda: len(answers) - before >= 2 * copies + 1
+                            or not all(t.is_alive() for t in threads))
     finally:
         stop.set()
         for thread in threads:
             thread.join(120)
+    assert not failures, f"a hostile request got no answer: {failures[0]!r}"
     report = (f"probe alone: median {statistics.median(alone) * 1e3:.0f} ms, max {max(alone) * 1e3:.0f} ms; "
-              f"beside: median {statistics.median(beside) * 1e3:.0f} ms, max {max(beside) * 1e3:.0f} ms; "
+              f"beside ({len(beside)} samples): median {statistics.median(beside) * 1e3:.0f} ms, max {max(beside) * 1e3:.0f} ms; "
               f"{len(answers)} hostile requests: {sorted({a.status_code for a in answers})}")
     print(report)
     assert all(a.status_code < 500 or a.status_code == 503 for a in answers), report
     assert statistics.median(beside) <= FACTOR * statistics.median(alone), report
-    # One slow sample among `SAMPLES` is the machine's (its other work); a stall delays every sample sent
-    # while the hostile work runs, so the second slowest must stay within the bound too.
-    assert sorted(beside)[-2] <= FACTOR * max(alone), report
+    # The time the probe waited in all: a stall that holds it for most of a hostile request's life, however
+    # rare in samples (one long sample), takes the probe's throughput below its fair share.
+    assert statistics.fmean(beside) <= FACTOR * statistics.fmean(alone), report
+    # A fresh sample of the probe alone exceeds the slowest of `SAMPLES` with probability 1 / (SAMPLES + 1):
+    # the machine's own slow samples (its other work) come about once per `SAMPLES`; past `FACTOR` times that
+    # slowest, no more than that many may come (a stall that delays a sample each time the hostile work runs,
+    # and it ran whole at least twice, comes as often when that work is short).
+    slow = sum(t > FACTOR * max(alone) for t in beside)
+    assert slow <= max(1, len(beside) // SAMPLES), report
     _assert_settled(client)
     return answers
 

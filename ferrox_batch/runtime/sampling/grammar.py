@@ -160,8 +160,16 @@ class Grammars:
 
         A spec that names its `client` comes back as that client's `HeldGrammar`, priced against the
         client's share of the live-grammar budget (`grammar_clients`) while its request holds it."""
-        compiled = self._compiled(spec, cancel)
-        return compiled if spec.client is None else self._clients.hold(spec.client, compiled)
+        if spec.client is None:
+            return self._compiled(spec, cancel)
+        # Priced to its client before it is built: a client's builds in flight must not fill the pool.
+        self._clients.take(spec.client, spec, spec.size)
+        try:
+            compiled = self._compiled(spec, cancel)
+        except BaseException:
+            self._clients.release(spec.client, spec, spec.size)
+            raise
+        return self._clients.handle(spec.client, compiled)
 
     def _compiled(self, spec: StructuredOutput, cancel: CancelToken | None) -> CompiledGrammar:
         size = spec.size

@@ -60,7 +60,13 @@ class ClientShares:
     def hold(self, client: str, compiled: Any) -> HeldGrammar:
         """A hold on `compiled` for a request of `client`; `GrammarsBusy` when a spec it does not hold yet
         would take it past its share."""
-        spec, size = compiled.spec, compiled.size
+        self.take(client, compiled.spec, compiled.size)
+        return self.handle(client, compiled)
+
+    def take(self, client: str, spec: StructuredOutput, size: int) -> None:
+        """Count `spec` to `client` (`GrammarsBusy` past its share), before its grammar is built: a client's
+        builds in flight are its own share's, not only the pool's. `handle` gives the hold to a request;
+        `release` gives it back unused (the build failed)."""
         with self._lock:
             specs = self._held.setdefault(client, {})
             if spec not in specs:
@@ -71,11 +77,14 @@ class ClientShares:
                     raise GrammarsBusy(held, self.share, "of this client's requests in flight")
                 self._bytes[client] = held + size
             specs[spec] = specs.get(spec, 0) + 1
+
+    def handle(self, client: str, compiled: Any) -> HeldGrammar:
+        """The request's hold on `compiled`, taken by `take`: given back when the request drops it."""
         handle = HeldGrammar(compiled)
-        weakref.finalize(handle, self._release, client, spec, size)
+        weakref.finalize(handle, self.release, client, compiled.spec, compiled.size)
         return handle
 
-    def _release(self, client: str, spec: StructuredOutput, size: int) -> None:
+    def release(self, client: str, spec: StructuredOutput, size: int) -> None:
         with self._lock:
             specs = self._held[client]
             specs[spec] -= 1
