@@ -1,0 +1,199 @@
+"""No request priced by a per-request cap stalls the others (`stall_probe.assert_no_stall`): beside each
+hostile request below, a small greedy completion's latency stays within a bound derived from its latency
+alone, the hostile request gets the answer it should, and every block comes back.
+
+Each hostile request is sent at the most its cap allows (a 200: legal, and its cost bounded) and just past it
+(a 400 naming the field and the limit), with the server's default caps:
+
+* `allowed_token_ids` of 800,000 ids with `n: 16` (refused), and of the whole vocabulary with `n: 16`;
+* `/detokenize` of about 4 MiB of the id of the model's longest token (refused), and of as many as the cap
+  takes, and one more;
+* the worst stop list the caps allow (64 strings of 32 characters, sharing no prefix: 2,048 characters),
+  one string more, one character more, and 100,000 stop strings (all refused);
+* prompt log-probabilities with 20 alternatives over the longest prompt the context allows, and one row
+  more (refused). The tiny model's 512-token context and the 64 rows a request may take stay under the
+  default cap, so this module's server sets it to one full context's entries;
+* a 4 MiB prompt, a body nested 5,000 levels deep, `n: 16` with 20 alternatives per token over 200 tokens,
+  and four clients at once each sending 1 MB of text to `/tokenize`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import httpx
+import pytest
+from server_helpers import served, tiny_batcher
+from stall_probe import assert_no_stall
+
+from ferrox_batch.server.request_caps import (
+    DEFAULT_MAX_STOP_CHARS,
+    DEFAULT_MAX_TOKENIZATION_IDS,
+)
+from ferrox_batch.stop_limits import MAX_STOPS
+
+#: Measured past the bound on a loaded two-core machine (probe median alone -> beside, two runs each): each
+#: request is refused or answered within its caps, but its body's parse, or the answer's building, holds the
+#: interpreter long enough that a 16-token probe (15-45 ms on the tiny model, nearly all Python) waits 4.5-17x.
+#: Strict: once the cause is fixed the test passes and this mark must go.
+HOLDS_THE_INTERPRETER = pytest.mark.xfail(strict=True, reason="the probe waits past the bound beside it")
+#: Measured at the bound (3.4-5.3x, past it in about half the runs on a loaded two-core machine): not yet a
+#: verdict either way; the bound's derivation or the cause is to be settled before the mark goes.
+AT_THE_BOUND = pytest.mark.xfail(strict=False, reason="at the bound on a loaded machine: passes about half the runs")
+
+PROBE = ("/v1/completions", {"prompt": "hello", "max_tokens": 16, "temperature": 0, "ignore_eos": True})
+#: A body just inside the server's 4 MiB limit.
+BODY_BYTES = 4 * 1024 * 1024 - 1024
+WORDS = "lorem ipsum dolor sit amet " * (BODY_BYTES // 27)
+
+
+#: The tiny model's context, and the prompt log-probability entries of one full context with 20 alternatives.
+CONTEXT = 512
+MAX_PROMPT_LOGPROBS = (CONTEXT - 2) * 21
+
+
+@pytest.fixture(scope="module")
+def http(tiny_batch_model):
+    assert tiny_batch_model.config.max_position_embeddings == CONTEXT
+    with served(tiny_batcher(tiny_batch_model), max_prompt_logprobs=MAX_PROMPT_LOGPROBS) as (base_url, _app):
+        with httpx.Client(base_url=base_url, timeout=120) as client:
+            yield client
+
+
+def sent(answer: httpx.Response) -> dict:
+    return json.loads(answer.request.content)
+
+
+def refused(answer: httpx.Response, field: str, limit: str) -> None:
+    """A 400 naming `field`, whose message names `limit`."""
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == field and limit in error["message"], answer.text
+
+
+def answered(answer: httpx.Response) -> None:
+    assert answer.status_code == 200, answer.text
+
+
+def both(answers: list[httpx.Response], past: Callable[[httpx.Response], bool]) -> None:
+    """Each answer checked: `past(answer)` says whether it was sent past its cap (and checks it); both kinds came."""
+    kinds: set[bool] = set()
+    for answer in answers:
+        kinds.add(past(answer))
+    assert kinds == {True, False}, "the attack sent only one kind of request"
+
+
+@HOLDS_THE_INTERPRETER
+def test_allowed_token_ids_with_n_16_stall_no_one(http, tiny_batch_model):
+    vocab = tiny_batch_model.config.vocab_size
+
+    def allowed(i: int) -> tuple[str, dict]:
+        ids = [k % vocab for k in range(800_000)] if i % 2 else list(range(vocab))
+        return ("/v1/completions", {"prompt": "x", "max_tokens": 16, "n": 16, "ignore_eos": True,
+                                    "allowed_token_ids": ids})
+
+    def past(answer: httpx.Response) -> bool:
+        if len(sent(answer)["allowed_token_ids"]) > vocab:
+            refused(answer, "allowed_token_ids", f"{vocab:,}")
+            return True
+        answered(answer)
+        return False
+
+    both(assert_no_stall(http, PROBE, allowed), past)
+
+
+@HOLDS_THE_INTERPRETER
+def test_detokenize_of_the_longest_token_stalls_no_one(http, tiny_batch_model):
+    tokenizer = tiny_batch_model.tokenizer
+    longest = max(range(tiny_batch_model.config.vocab_size), key=lambda i: tokenizer.decoded_size([i]))
+    counts = [BODY_BYTES // len(f"{longest}, "), DEFAULT_MAX_TOKENIZATION_IDS, DEFAULT_MAX_TOKENIZATION_IDS + 1]
+
+    def detokenize(i: int) -> tuple[str, dict]:
+        return ("/detokenize", {"tokens": [longest] * counts[i % 3]})
+
+    def past(answer: httpx.Response) -> bool:
+        if len(sent(answer)["tokens"]) > DEFAULT_MAX_TOKENIZATION_IDS:
+            refused(answer, "tokens", f"{DEFAULT_MAX_TOKENIZATION_IDS:,}")
+            return True
+        answered(answer)
+        assert len(answer.json()["prompt"].encode()) == DEFAULT_MAX_TOKENIZATION_IDS * tokenizer.decoded_size([longest])
+        return False
+
+    both(assert_no_stall(http, PROBE, detokenize), past)
+
+
+def stops(count: int, chars: int) -> list[str]:
+    """`count` stop strings of `chars` characters in all, sharing no prefix (the matcher's worst case), of
+    characters the model never writes (so each request runs to its `max_tokens`)."""
+    lengths = [chars // count + (k < chars % count) for k in range(count)]
+    return ["".join(chr(0x4E00 + 64 * k + j % 64) for j in range(length)) for k, length in enumerate(lengths)]
+
+
+@AT_THE_BOUND
+def test_the_worst_stop_lists_stall_no_one(http):
+    lists = [stops(MAX_STOPS, DEFAULT_MAX_STOP_CHARS), stops(MAX_STOPS + 1, MAX_STOPS + 1),
+             stops(MAX_STOPS, DEFAULT_MAX_STOP_CHARS + 1), [f"stop{i}" for i in range(100_000)]]
+
+    def stop(i: int) -> tuple[str, dict]:
+        return ("/v1/completions", {"prompt": "count to ten", "max_tokens": 32, "n": 16, "ignore_eos": True,
+                                    "stop": lists[i % len(lists)]})
+
+    def past(answer: httpx.Response) -> bool:
+        strings = sent(answer)["stop"]
+        if sum(map(len, strings)) > DEFAULT_MAX_STOP_CHARS:  # checked first: its total is known unread
+            refused(answer, "stop", f"{DEFAULT_MAX_STOP_CHARS:,}")
+        elif len(strings) > MAX_STOPS:
+            refused(answer, "stop", f"{MAX_STOPS}")
+        else:
+            answered(answer)
+            return False
+        return True
+
+    both(assert_no_stall(http, PROBE, stop), past)
+
+
+def test_the_most_prompt_logprobs_stall_no_one(http):
+    prompt = [20 + k % 300 for k in range(CONTEXT - 1)]  # a full context with one token to generate
+
+    def scored(i: int) -> tuple[str, dict]:
+        return ("/v1/completions", {"prompt": prompt, "n": 1 + i % 2, "max_tokens": 1, "prompt_logprobs": 20})
+
+    def past(answer: httpx.Response) -> bool:
+        if sent(answer)["n"] > 1:
+            refused(answer, "prompt_logprobs", f"{MAX_PROMPT_LOGPROBS:,}")
+            return True
+        answered(answer)
+        entries = answer.json()["choices"][0]["prompt_logprobs"]
+        assert len(entries) == len(prompt) and all(len(e) >= 20 for e in entries[1:])
+        return False
+
+    both(assert_no_stall(http, PROBE, scored), past)
+
+
+@HOLDS_THE_INTERPRETER
+def test_a_4_mib_prompt_stalls_no_one(http):
+    for answer in assert_no_stall(http, PROBE, ("/v1/completions", {"prompt": WORDS, "max_tokens": 1})):
+        refused(answer, "prompt", "")
+
+
+@AT_THE_BOUND
+def test_a_deeply_nested_body_stalls_no_one(http):
+    deep = ('{"prompt": "x", "max_tokens": 1, "nested": ' + "[" * 5000 + "]" * 5000 + "}").encode()
+    for answer in assert_no_stall(http, PROBE, ("/v1/completions", deep)):
+        assert answer.status_code == 400, answer.text
+
+
+@AT_THE_BOUND
+def test_n_16_with_20_alternatives_per_token_stalls_no_one(http):
+    body = {"prompt": "tell me", "max_tokens": 200, "n": 16, "logprobs": 20, "ignore_eos": True}
+    for answer in assert_no_stall(http, PROBE, ("/v1/completions", body)):
+        answered(answer)
+        assert [len(c["logprobs"]["top_logprobs"]) for c in answer.json()["choices"]] == [200] * 16
+
+
+@HOLDS_THE_INTERPRETER
+def test_a_flood_of_tokenize_calls_stalls_no_one(http):
+    for answer in assert_no_stall(http, PROBE, ("/tokenize", {"prompt": WORDS[:1_000_000]}), copies=4):
+        if answer.status_code != 503:  # past the open tokenizations: busy
+            refused(answer, "prompt", f"{DEFAULT_MAX_TOKENIZATION_IDS:,}")
