@@ -6,8 +6,9 @@ always in flight while the probe runs): at least `SAMPLES` times, and until `2 *
 came while it was sent, so that one attacker's requests ran whole beside it twice (each phase of a hostile
 request, from its parsing to its answer's writing, is measured, however long it takes). Beside it, the
 probe's median and its mean must stay within `FACTOR` times its median and mean alone, and no more of its
-samples may pass `FACTOR` times its slowest alone than a sample alone passes its slowest (one in `SAMPLES`,
-at least one); no fixed seconds, so the bound follows the machine the test runs on.
+samples may pass `FACTOR` times its slowest alone than a sample alone passes its slowest (one in as many
+as were sent alone, at least one); no fixed seconds, so the bound follows the machine the test runs on. It is sent `SAMPLES` times alone again after,
+and both alone runs count: a machine whose other work comes or goes during the test moves both sides alike.
 
 Why `FACTOR` is 4: what a hostile request may fairly take from the probe is its share of the machine, not
 the machine. It may be one more row in each of the probe's forwards (a decode step with two rows instead
@@ -98,6 +99,7 @@ def _measure(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], 
                     sent[0] += 1
                     call = make(sent[0])
                 answer = _post(own, call)
+                answer.read()
                 with lock:
                     answers.append(answer)
                 if answer.status_code == 503 and "retry-after" in answer.headers:
@@ -119,6 +121,8 @@ def _measure(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], 
         stop.set()
         for thread in threads:
             thread.join(120)
+    _assert_settled(client)
+    alone += _latencies(client, probe, SAMPLES)
     assert not failures, f"a hostile request got no answer: {failures[0]!r}"
     report = (f"probe alone: median {statistics.median(alone) * 1e3:.0f} ms, max {max(alone) * 1e3:.0f} ms; "
               f"beside ({len(beside)} samples): median {statistics.median(beside) * 1e3:.0f} ms, max {max(beside) * 1e3:.0f} ms; "
@@ -129,13 +133,12 @@ def _measure(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], 
     # The time the probe waited in all: a stall that holds it for most of a hostile request's life, however
     # rare in samples (one long sample), takes the probe's throughput below its fair share.
     assert statistics.fmean(beside) <= FACTOR * statistics.fmean(alone), report
-    # A fresh sample of the probe alone exceeds the slowest of `SAMPLES` with probability 1 / (SAMPLES + 1):
-    # the machine's own slow samples (its other work) come about once per `SAMPLES`; past `FACTOR` times that
-    # slowest, no more than that many may come (a stall that delays a sample each time the hostile work runs,
-    # and it ran whole at least twice, comes as often when that work is short).
+    # A fresh sample of the probe alone exceeds the slowest of m alone with probability 1 / (m + 1): the
+    # machine's own slow samples (its other work) come about once per m; past `FACTOR` times that slowest, no
+    # more than that many may come (a stall that delays a sample each time the hostile work runs, and it ran
+    # whole at least twice, comes as often when that work is short).
     slow = sum(t > FACTOR * max(alone) for t in beside)
-    assert slow <= max(1, len(beside) // SAMPLES), report
-    _assert_settled(client)
+    assert slow <= max(1, len(beside) // len(alone)), report
     return answers
 
 

@@ -33,14 +33,18 @@ from ferrox_batch.server.request_caps import (
 )
 from ferrox_batch.stop_limits import MAX_STOPS
 
-#: Measured past the bound on a loaded two-core machine (probe median alone -> beside, two runs each): each
-#: request is refused or answered within its caps, but its body's parse, or the answer's building, holds the
-#: interpreter long enough that a 16-token probe (15-45 ms on the tiny model, nearly all Python) waits 4.5-17x.
+#: Measured far past the bound (probe median beside / alone, several runs on a loaded two-core machine):
+#: `/detokenize` 6-10x (parsing a 4 MiB list of ids holds the interpreter about 70 ms, in one C call); the
+#: 4 MiB prompt 5-8x and four 1 MB `/tokenize` texts 20-40x (the tiny tokenizer has no length bound, so each
+#: text is tokenized whole, on every core, before it is refused, and the forward's threads wait for cores).
 #: Strict: once the cause is fixed the test passes and this mark must go.
-HOLDS_THE_INTERPRETER = pytest.mark.xfail(strict=True, reason="the probe waits past the bound beside it")
-#: Measured at the bound (3.4-5.3x, past it in about half the runs on a loaded two-core machine): not yet a
-#: verdict either way; the bound's derivation or the cause is to be settled before the mark goes.
-AT_THE_BOUND = pytest.mark.xfail(strict=False, reason="at the bound on a loaded machine: passes about half the runs")
+HOLDS_THE_MACHINE = pytest.mark.xfail(strict=True, reason="the probe waits far past the bound beside it")
+#: Measured around the bound (3-7x, past it in about half the runs): requests of `n: 16` rows (a plain
+#: `n: 16` completion alone takes the probe from 16 ms to 45-65 ms here) or a 730 KB answer of prompt
+#: log-probabilities, whose rows share every forward the probe runs in, beyond the one extra row that
+#: `stall_probe.FACTOR` is derived for. Not yet a verdict either way: the bound for a request of `n` rows
+#: is to be derived (or the cost cut) before this mark goes.
+AT_THE_BOUND = pytest.mark.xfail(strict=False, reason="around the bound: its derivation for many rows is open")
 
 PROBE = ("/v1/completions", {"prompt": "hello", "max_tokens": 16, "temperature": 0, "ignore_eos": True})
 #: A body just inside the server's 4 MiB limit.
@@ -59,6 +63,11 @@ def http(tiny_batch_model):
     with served(tiny_batcher(tiny_batch_model), max_prompt_logprobs=MAX_PROMPT_LOGPROBS) as (base_url, _app):
         with httpx.Client(base_url=base_url, timeout=120) as client:
             yield client
+
+
+def encoded(route: str, body: dict) -> tuple[str, bytes]:
+    """A hostile call encoded once (`stall_probe`: a big body is not encoded on every send)."""
+    return route, json.dumps(body, separators=(",", ":")).encode()
 
 
 def sent(answer: httpx.Response) -> dict:
@@ -84,14 +93,13 @@ def both(answers: list[httpx.Response], past: Callable[[httpx.Response], bool]) 
     assert kinds == {True, False}, "the attack sent only one kind of request"
 
 
-@HOLDS_THE_INTERPRETER
+@AT_THE_BOUND
 def test_allowed_token_ids_with_n_16_stall_no_one(http, tiny_batch_model):
     vocab = tiny_batch_model.config.vocab_size
 
-    def allowed(i: int) -> tuple[str, dict]:
-        ids = [k % vocab for k in range(800_000)] if i % 2 else list(range(vocab))
-        return ("/v1/completions", {"prompt": "x", "max_tokens": 16, "n": 16, "ignore_eos": True,
-                                    "allowed_token_ids": ids})
+    forms = [encoded("/v1/completions", {"prompt": "x", "max_tokens": 16, "n": 16, "ignore_eos": True,
+                                         "allowed_token_ids": ids})
+             for ids in (list(range(vocab)), [k % vocab for k in range(800_000)])]
 
     def past(answer: httpx.Response) -> bool:
         if len(sent(answer)["allowed_token_ids"]) > vocab:
@@ -100,17 +108,16 @@ def test_allowed_token_ids_with_n_16_stall_no_one(http, tiny_batch_model):
         answered(answer)
         return False
 
-    both(assert_no_stall(http, PROBE, allowed), past)
+    both(assert_no_stall(http, PROBE, lambda i: forms[i % 2]), past)
 
 
-@HOLDS_THE_INTERPRETER
+@HOLDS_THE_MACHINE
 def test_detokenize_of_the_longest_token_stalls_no_one(http, tiny_batch_model):
     tokenizer = tiny_batch_model.tokenizer
     longest = max(range(tiny_batch_model.config.vocab_size), key=lambda i: tokenizer.decoded_size([i]))
     counts = [BODY_BYTES // len(f"{longest}, "), DEFAULT_MAX_TOKENIZATION_IDS, DEFAULT_MAX_TOKENIZATION_IDS + 1]
 
-    def detokenize(i: int) -> tuple[str, dict]:
-        return ("/detokenize", {"tokens": [longest] * counts[i % 3]})
+    forms = [encoded("/detokenize", {"tokens": [longest] * count}) for count in counts]
 
     def past(answer: httpx.Response) -> bool:
         if len(sent(answer)["tokens"]) > DEFAULT_MAX_TOKENIZATION_IDS:
@@ -120,7 +127,7 @@ def test_detokenize_of_the_longest_token_stalls_no_one(http, tiny_batch_model):
         assert len(answer.json()["prompt"].encode()) == DEFAULT_MAX_TOKENIZATION_IDS * tokenizer.decoded_size([longest])
         return False
 
-    both(assert_no_stall(http, PROBE, detokenize), past)
+    both(assert_no_stall(http, PROBE, lambda i: forms[i % 3]), past)
 
 
 def stops(count: int, chars: int) -> list[str]:
@@ -135,9 +142,8 @@ def test_the_worst_stop_lists_stall_no_one(http):
     lists = [stops(MAX_STOPS, DEFAULT_MAX_STOP_CHARS), stops(MAX_STOPS + 1, MAX_STOPS + 1),
              stops(MAX_STOPS, DEFAULT_MAX_STOP_CHARS + 1), [f"stop{i}" for i in range(100_000)]]
 
-    def stop(i: int) -> tuple[str, dict]:
-        return ("/v1/completions", {"prompt": "count to ten", "max_tokens": 32, "n": 16, "ignore_eos": True,
-                                    "stop": lists[i % len(lists)]})
+    forms = [encoded("/v1/completions", {"prompt": "count to ten", "max_tokens": 32, "n": 16, "ignore_eos": True,
+                                         "stop": strings}) for strings in lists]
 
     def past(answer: httpx.Response) -> bool:
         strings = sent(answer)["stop"]
@@ -150,14 +156,15 @@ def test_the_worst_stop_lists_stall_no_one(http):
             return False
         return True
 
-    both(assert_no_stall(http, PROBE, stop), past)
+    both(assert_no_stall(http, PROBE, lambda i: forms[i % len(forms)]), past)
 
 
+@AT_THE_BOUND
 def test_the_most_prompt_logprobs_stall_no_one(http):
     prompt = [20 + k % 300 for k in range(CONTEXT - 1)]  # a full context with one token to generate
 
-    def scored(i: int) -> tuple[str, dict]:
-        return ("/v1/completions", {"prompt": prompt, "n": 1 + i % 2, "max_tokens": 1, "prompt_logprobs": 20})
+    forms = [encoded("/v1/completions", {"prompt": prompt, "n": n, "max_tokens": 1, "prompt_logprobs": 20})
+             for n in (1, 2)]
 
     def past(answer: httpx.Response) -> bool:
         if sent(answer)["n"] > 1:
@@ -168,16 +175,15 @@ def test_the_most_prompt_logprobs_stall_no_one(http):
         assert len(entries) == len(prompt) and all(len(e) >= 20 for e in entries[1:])
         return False
 
-    both(assert_no_stall(http, PROBE, scored), past)
+    both(assert_no_stall(http, PROBE, lambda i: forms[i % 2]), past)
 
 
-@HOLDS_THE_INTERPRETER
+@HOLDS_THE_MACHINE
 def test_a_4_mib_prompt_stalls_no_one(http):
-    for answer in assert_no_stall(http, PROBE, ("/v1/completions", {"prompt": WORDS, "max_tokens": 1})):
+    for answer in assert_no_stall(http, PROBE, encoded("/v1/completions", {"prompt": WORDS, "max_tokens": 1})):
         refused(answer, "prompt", "")
 
 
-@AT_THE_BOUND
 def test_a_deeply_nested_body_stalls_no_one(http):
     deep = ('{"prompt": "x", "max_tokens": 1, "nested": ' + "[" * 5000 + "]" * 5000 + "}").encode()
     for answer in assert_no_stall(http, PROBE, ("/v1/completions", deep)):
@@ -187,13 +193,13 @@ def test_a_deeply_nested_body_stalls_no_one(http):
 @AT_THE_BOUND
 def test_n_16_with_20_alternatives_per_token_stalls_no_one(http):
     body = {"prompt": "tell me", "max_tokens": 200, "n": 16, "logprobs": 20, "ignore_eos": True}
-    for answer in assert_no_stall(http, PROBE, ("/v1/completions", body)):
+    for answer in assert_no_stall(http, PROBE, encoded("/v1/completions", body)):
         answered(answer)
         assert [len(c["logprobs"]["top_logprobs"]) for c in answer.json()["choices"]] == [200] * 16
 
 
-@HOLDS_THE_INTERPRETER
+@HOLDS_THE_MACHINE
 def test_a_flood_of_tokenize_calls_stalls_no_one(http):
-    for answer in assert_no_stall(http, PROBE, ("/tokenize", {"prompt": WORDS[:1_000_000]}), copies=4):
+    for answer in assert_no_stall(http, PROBE, encoded("/tokenize", {"prompt": WORDS[:1_000_000]}), copies=4):
         if answer.status_code != 503:  # past the open tokenizations: busy
             refused(answer, "prompt", f"{DEFAULT_MAX_TOKENIZATION_IDS:,}")
