@@ -5,8 +5,9 @@ pricing what requests hold. One pool for everyone let a few long requests of one
 make every other client's schema a 503; so each client (`StructuredOutput.client`: an API key's tenant,
 else the client's address) is priced against a share of its own. A client's bytes are the sizes of the
 distinct specs its requests hold (the `n` choices of one request, or two requests with one schema, hold
-it once), counted from the first `HeldGrammar` of a spec to the last one's release (its request answered,
-and the handle dropped). `GrammarsBusy` (503, retry) refuses a spec past either bound.
+it once), counted from the start of the first request's compile of a spec (so a client's builds in flight
+are its share's too, not the pool's alone) to the last `HeldGrammar`'s release (its request answered, and
+the handle dropped). `GrammarsBusy` (503, retry) refuses a spec past either bound.
 """
 
 from __future__ import annotations

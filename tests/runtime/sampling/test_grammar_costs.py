@@ -5,7 +5,7 @@ naming the field it came from, and a repeat is refused without compiling again; 
 not; the worker's masks come within a deadline, a late row (a fake slow matcher, or the real hostile
 regex) is reported alone while the others' masks arrive, and the wait is bounded by the deadline, not by
 the slow row; a late row's thread never delays a later step's masks; each client's grammars are priced
-against its own share; a GBNF grammar past its conversion limit is a 400 naming the field, and a
+against its own share, its builds in flight too; a GBNF grammar past its conversion limit is a 400 naming the field, and a
 conversion stops as soon as its request is cancelled.
 """
 
@@ -152,6 +152,36 @@ def test_each_client_is_priced_against_its_own_share(tiny_batch_model):
     gc.collect()
     assert grammars.held("a") == 0
     grammars.compile(spec(3, "a"))
+
+
+def test_a_clients_builds_in_flight_count_against_its_share(tiny_batch_model, monkeypatch):
+    grammars = engine(tiny_batch_model, live_bytes=10_000, client_live_bytes=2_000)
+    schemas = [StructuredOutput.json_schema({"type": "object", "properties": {f"p{k}{i}": {"type": "string"}
+                                                                           for i in range(40)}})
+               for k in range(2)]
+    building, release = threading.Event(), threading.Event()
+    build = grammars._build
+
+    def held_build(*args, **kwargs):  # the first build waits, so the test sees it in flight
+        building.set()
+        release.wait(30)
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(grammars, "_build", held_build)
+    first = threading.Thread(target=grammars.compile, args=(dataclasses.replace(schemas[0], client="a"),))
+    first.start()
+    try:
+        assert building.wait(30)
+        assert grammars.held("a") == schemas[0].size  # priced before it is built
+        monkeypatch.setattr(grammars, "_build", build)
+        with pytest.raises(GrammarsBusy, match="this client"):  # refused by its share, before building
+            grammars.compile(dataclasses.replace(schemas[1], client="a"))
+        assert grammars.live() == schemas[0].size
+    finally:
+        release.set()
+        first.join(30)
+    gc.collect()
+    assert grammars.held("a") == 0
 
 
 def test_a_gbnf_grammar_past_its_conversion_limit_is_refused_naming_its_field(tiny_batch_model):
