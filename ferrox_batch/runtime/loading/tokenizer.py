@@ -207,26 +207,28 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> bytes:
         """Raw bytes of `ids` (special tokens render as nothing); ids outside the vocabulary raise."""
-        table = self._bytes
-        size = len(table)
-        out = []
-        for i in ids:
-            if not 0 <= i < size:
-                raise ValueError(f"token id {i} is outside the tokenizer's {size} ids")
-            out.append(table[i])
-        return b"".join(out)
+        return b"".join(map(self._bytes.__getitem__, self._checked(ids)))
+
+    def _checked(self, ids: Iterable[int]) -> list[int]:
+        """`ids` as a list, each in the table (ValueError naming the first that is not). Walked by C loops
+        (`min`, `max`, `map`), not bytecode: a long list (a `/detokenize` of 262,144 ids) then costs a few
+        milliseconds instead of tens, and the worker waits for the interpreter that much less."""
+        ids = ids if isinstance(ids, list) else list(ids)
+        size = len(self._bytes)
+        if ids and not (0 <= min(ids) and max(ids) < size):
+            bad = next(i for i in ids if not 0 <= i < size)
+            raise ValueError(f"token id {bad} is outside the tokenizer's {size} ids")
+        return ids
+
+    @property
+    def decodable_ids(self) -> int:
+        """How many ids `decode` takes: 0 up to this, the vocabulary and any padding past it (`pad_to`)."""
+        return len(self._bytes)
 
     def decoded_size(self, ids: Iterable[int]) -> int:
         """How many bytes `decode(ids)` returns (the UTF-8 text's, where they are valid), without building
         them; ids outside the vocabulary raise."""
-        table = self._bytes
-        size = len(table)
-        total = 0
-        for i in ids:
-            if not 0 <= i < size:
-                raise ValueError(f"token id {i} is outside the tokenizer's {size} ids")
-            total += len(table[i])
-        return total
+        return sum(map(len, map(self._bytes.__getitem__, self._checked(ids))))
 
     def decode_text(self, ids: Iterable[int]) -> str:
         return self.decode(ids).decode("utf-8", errors="replace")
