@@ -32,10 +32,12 @@ requests' statuses are returned for the caller to check (each must be an answer,
 from __future__ import annotations
 
 import gc
+import multiprocessing
 import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping
+from multiprocessing.connection import Connection
 
 import httpx
 
@@ -111,13 +113,17 @@ def _measure(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], 
             raise
 
     def attack() -> None:
-        with httpx.Client(base_url=client.base_url, timeout=client.timeout, headers=headers) as own:
+        ends, far = _CONTEXT.Pipe()
+        process = _CONTEXT.Process(target=_send_in_turn, args=(far, str(client.base_url), client.timeout.read,
+                                                               dict(headers)), daemon=True)
+        process.start()
+        try:
             while not stop.is_set():
                 with lock:
                     sent[0] += 1
                     call = make(sent[0])
-                answer = _post(own, call)
-                answer.read()
+                ends.send(call)
+                answer = _answer(client, call, ends.recv())
                 with lock:
                     answers.append(answer)
                 if answer.status_code == 503 and "retry-after" in answer.headers:
@@ -125,6 +131,10 @@ def _measure(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], 
                     # not this request's cost, so the attacker waits as told (a fraction of it: it still
                     # comes back while the first one's work may be running).
                     stop.wait(float(answer.headers["retry-after"]) / 4)
+        finally:
+            ends.send(None)
+            process.join(120)
+            ends.close()
 
     threads = [threading.Thread(target=attacker, daemon=True) for _ in range(copies)]
     for thread in threads:
@@ -158,6 +168,35 @@ def _measure(client: httpx.Client, probe: Call, hostile: Call | Callable[[int], 
     slow = sum(t > factor * max(alone) for t in beside)
     assert slow <= max(1, len(beside) // len(alone)), report
     return answers
+
+
+#: Attackers run in processes of their own: a client's own work (building requests, reading answers) is
+#: not the server's, and in the server's interpreter it would take the interpreter from the server's threads.
+_CONTEXT = multiprocessing.get_context("spawn")
+
+
+def _send_in_turn(calls: Connection, base_url: str, timeout: float | None, headers: dict[str, str]) -> None:
+    """An attacker's process: each call received is posted, and its answer (status, headers, body) or the
+    failure that stopped it sent back, until None comes."""
+    with httpx.Client(base_url=base_url, timeout=timeout, headers=headers) as own:
+        while (call := calls.recv()) is not None:
+            try:
+                answer = _post(own, call)
+                calls.send((answer.status_code, answer.headers.multi_items(), answer.read()))
+            except Exception as failed:  # no answer: reported by the caller
+                calls.send(RuntimeError(f"{call[0]}: {failed!r}"))
+
+
+def _answer(client: httpx.Client, call: Call, reply: tuple[int, list[tuple[str, str]], bytes] | Exception) -> httpx.Response:
+    """An attacker process's answer to `call`, as the response it was (its `request` holds what was sent)."""
+    if isinstance(reply, Exception):
+        raise reply
+    route, body = call
+    url = client.base_url.join(route)
+    request = (httpx.Request("POST", url, content=body) if isinstance(body, bytes)
+               else httpx.Request("POST", url, json=body))
+    status, headers, content = reply
+    return httpx.Response(status, headers=headers, content=content, request=request)
 
 
 def _assert_settled(client: httpx.Client) -> None:
