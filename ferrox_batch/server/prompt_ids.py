@@ -62,7 +62,7 @@ def prefix_refusal(tokenizer: Tokenizer, text: str, limit: int) -> tuple[int, st
     `limit` (half of its ids may differ from the whole text's near the cut, module docstring)."""
     chars = PREFIX_CHARS_PER_POSITION * (limit + 1)
     while chars < len(text):
-        count = len(tokenizer.encode(text[:chars], add_special_tokens=False))
+        count = tokenizer.encode_within(text[:chars], 2 * limit, add_special_tokens=False)[0]
         if count > 2 * limit:
             return count // 2, f"its first {chars} characters are {count} tokens, half of which is"
         chars *= PREFIX_GROWTH

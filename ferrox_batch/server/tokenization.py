@@ -26,7 +26,7 @@ from ferrox_batch.errors import DecodeError, InvalidRequest
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.errors import ServerBusy
 from ferrox_batch.server.fields import Fields
-from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
+from ferrox_batch.server.prompt_ids import encode_chat_prompt
 from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.requests import read_messages
 from ferrox_batch.server.chat_rendering import read_rendering
@@ -97,8 +97,12 @@ def tokenize(body: Mapping[str, Any], tokenizer: Tokenizer, ceiling: ContextCeil
         if not isinstance(prompt, str):
             raise InvalidRequest("prompt", prompt, "must be a string")
         caps.check_token_count(tokenizer.least_tokens(prompt), "prompt")  # refused untokenized when it must be
-        ids = encode_prompt(tokenizer, prompt, None, add_special_tokens=fields.boolean("add_special_tokens", True))
-        caps.check_token_count(len(ids), "prompt")
+        # Counted before the ids are built: a text past the cap is refused without its list of ids.
+        count, maybe = tokenizer.encode_within(prompt, caps.max_tokenization_ids,
+                                               add_special_tokens=fields.boolean("add_special_tokens", True))
+        caps.check_token_count(count, "prompt")
+        assert maybe is not None
+        ids = maybe
     strs = [tokenizer.decode_text([i]) for i in ids] if return_strs else None
     return {"count": len(ids), "max_model_len": ceiling.limit(), "tokens": ids, "token_strs": strs}
 

@@ -184,17 +184,31 @@ class Tokenizer:
             self._bytes.extend([b""] * (vocab_size - len(self._bytes)))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        ids = self.encode_within(text, None, add_special_tokens=add_special_tokens)[1]
+        assert ids is not None
+        return ids
+
+    def encode_within(self, text: str, most: int | None, *,
+                      add_special_tokens: bool = True) -> tuple[int, list[int] | None]:
+        """`encode(text)`'s length, and its ids unless there are more than `most`: those are not built (a list
+        of a million ids takes the interpreter tens of milliseconds in one call), and the length is then the
+        text's own, less the BOS that `encode` may put in front."""
         if not isinstance(text, str):
             raise TypeError(f"text must be a string, got {type(text).__name__}")
         # The batch call releases the GIL while it works; `encode_batch_fast` (tokenizers >= 0.21) also
         # skips the character offsets nobody here reads, most of the work. Same ids as `inner.encode`.
         encode_batch = getattr(self.inner, "encode_batch_fast", None) or self.inner.encode_batch
-        ids = encode_batch([text], add_special_tokens=False)[0].ids
+        encoding = encode_batch([text], add_special_tokens=False)[0]
+        bos_id = None
         if add_special_tokens and self.add_bos and self.bos_token is not None:
             bos_id = self.inner.token_to_id(self.bos_token)
-            if bos_id is not None and (not ids or ids[0] != bos_id):
-                ids = [bos_id, *ids]
-        return ids
+        count = len(encoding)
+        if most is not None and count > most:  # a BOS in front would make it longer still
+            return count, None
+        ids = encoding.ids
+        if bos_id is not None and (not ids or ids[0] != bos_id):
+            ids = [bos_id, *ids]
+        return len(ids), None if most is not None and len(ids) > most else ids
 
     @property
     def max_token_chars(self) -> int | None:
