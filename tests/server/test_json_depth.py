@@ -12,7 +12,7 @@ import json
 
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_helpers import DEADLINE, served, tiny_batcher
 
@@ -84,3 +84,12 @@ def test_a_deep_body_is_a_400_over_http(tiny_batch_model):
                                   timeout=DEADLINE)
             assert response.status_code == 400, (path, response.text)
             assert response.json()["error"]["param"] == "body" and "deeper than" in response.json()["error"]["message"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet='[{]}"ab\\', max_size=80), most=st.integers(0, 12), as_bytes=st.booleans())
+def test_more_brackets_is_the_count_of_opening_brackets_past_most(text, most, as_bytes):
+    from ferrox_batch.bounded_json import _more_brackets
+
+    raw = text.encode() if as_bytes else text
+    assert _more_brackets(raw, most) == (text.count("[") + text.count("{") > most)
