@@ -64,7 +64,14 @@ from ferrox_batch.server.preparation import CHAT, COMPLETIONS, EMBEDDINGS, RESPO
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
-from ferrox_batch.server.tokenization import TokenizationsBusy, detokenize, tokenize
+from ferrox_batch.server.tokenization import (
+    LARGE_TOKENIZATION_BYTES,
+    MAX_LARGE_TOKENIZATIONS,
+    TokenizationsBusy,
+    check_detokenize_body,
+    detokenize,
+    tokenize,
+)
 
 log = logging.getLogger("ferrox_batch.server")
 
@@ -207,6 +214,8 @@ class ServerState:
         self.created = int(time.time())
         #: `/tokenize` and `/detokenize` requests reading their body or being answered (loop thread only).
         self.tokenizations_open = 0
+        #: Those of them whose body is past `LARGE_TOKENIZATION_BYTES`, parsed or being answered (loop thread only).
+        self.large_tokenizations_open = 0
 
     async def completions(self, request: Request) -> Response:
         return await self.generations.serve(request, endpoint=COMPLETIONS)
@@ -247,12 +256,15 @@ class ServerState:
 
     async def detokenize(self, request: Request) -> Response:
         tokenizer, caps = self.generations.tokenizer, self.generations.caps
-        return await self._off_loop(request, lambda body: detokenize(body, tokenizer, caps))
+        return await self._off_loop(request, lambda body: detokenize(body, tokenizer, caps),
+                                    lambda size: check_detokenize_body(size, tokenizer, caps))
 
-    async def _off_loop(self, request: Request, answer: Callable[[dict[str, Any]], dict[str, Any]]) -> Response:
-        """Read the body under the generation endpoints' limits, parse and answer it on the prepare pool, and
-        encode the answer on the answer pool (`json_body`). At most `max_concurrent_tokenizations` are open,
-        counted before the body is read (503 `server_busy` past it)."""
+    async def _off_loop(self, request: Request, answer: Callable[[dict[str, Any]], dict[str, Any]],
+                        check_size: Callable[[int], None] = lambda _size: None) -> Response:
+        """Read the body under the generation endpoints' limits, check its size (`check_size`, before it is
+        parsed), parse and answer it on the prepare pool, and encode the answer on the answer pool
+        (`json_body`). At most `max_concurrent_tokenizations` are open, counted before the body is read, and
+        `MAX_LARGE_TOKENIZATIONS` of a body past `LARGE_TOKENIZATION_BYTES` (503 `server_busy` past either)."""
         generations = self.generations
         limits = generations.limits
         try:
@@ -261,8 +273,18 @@ class ServerState:
             self.tokenizations_open += 1
             try:
                 raw = await read_body(request, limits.max_body_bytes, limits.body_read_timeout)
-                loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(generations.prepare_pool, lambda: answer(parse_json_object(raw)))
+                check_size(len(raw))
+                large = len(raw) > LARGE_TOKENIZATION_BYTES
+                if large and self.large_tokenizations_open >= MAX_LARGE_TOKENIZATIONS:
+                    raise TokenizationsBusy(self.large_tokenizations_open, MAX_LARGE_TOKENIZATIONS,
+                                            f"tokenizations of a body over {LARGE_TOKENIZATION_BYTES:,} bytes")
+                self.large_tokenizations_open += int(large)
+                try:
+                    loop = asyncio.get_running_loop()
+                    result = await loop.run_in_executor(generations.prepare_pool,
+                                                        lambda: answer(parse_json_object(raw)))
+                finally:
+                    self.large_tokenizations_open -= int(large)
             finally:
                 self.tokenizations_open -= 1
         except DecodeError as refusal:

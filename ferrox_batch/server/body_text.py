@@ -23,7 +23,8 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 def refuse_lone_surrogates(raw: bytes, body: Any) -> None:
     """Raise `InvalidRequest` naming the first key or string of `body` (parsed from `raw`) that holds a
     lone surrogate."""
-    if not _SURROGATE_ESCAPE.search(raw):
+    # `in` is a fast byte search; the pattern's scan walks every byte (milliseconds for a 4 MiB body).
+    if b"\\u" not in raw or not _SURROGATE_ESCAPE.search(raw):
         return
     stack: list[tuple[str, Any]] = [("body", body)]
     while stack:

@@ -15,7 +15,7 @@ import json
 
 import httpx
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from server_helpers import DEADLINE, served, tiny_batcher
 
@@ -129,3 +129,12 @@ def test_a_schema_sent_as_deep_json_text_is_a_400_naming_it(server, field, param
         assert response.status_code == 400, (path, response.text[:300])
         error = response.json()["error"]
         assert error["param"] == param and "deeper than" in error["message"], error
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(alphabet='[{]}"ab\\', max_size=80), most=st.integers(0, 12), as_bytes=st.booleans())
+def test_more_brackets_is_the_count_of_opening_brackets_past_most(text, most, as_bytes):
+    from ferrox_batch.bounded_json import _more_brackets
+
+    raw = text.encode() if as_bytes else text
+    assert _more_brackets(raw, most) == (text.count("[") + text.count("{") > most)
