@@ -205,9 +205,10 @@ def compact_bias(params: SamplingParams, vocab_size: int) -> PreparedBias:
     of -inf; without, the biased and banned ids over a fill of 0. At most one entry per id the lists name.
     Its cost grows with the lists, so `ContinuousBatcher.submit` calls it on the caller's thread
     (`BatchSampler.prepare_bias`), once for a request's choices."""
-    banned = torch.tensor([word[0] for word in params.bad_words_ids if len(word) == 1], dtype=torch.int64)
-    if not params.logit_bias and params.allowed_token_ids is None and not banned.numel():
-        return PreparedBias(vocab_size)
+    one_token_words = [word[0] for word in params.bad_words_ids if len(word) == 1]
+    if not params.logit_bias and params.allowed_token_ids is None and not one_token_words:
+        return PreparedBias(vocab_size)  # most requests: nothing to build, not even an empty tensor
+    banned = torch.tensor(one_token_words, dtype=torch.int64)
     pairs = tuple(zip(*params.logit_bias)) or ((), ())
     biased = torch.tensor(pairs[0], dtype=torch.int64)
     weights = torch.tensor(pairs[1], dtype=torch.float32)
