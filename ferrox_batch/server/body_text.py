@@ -23,8 +23,10 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 def refuse_lone_surrogates(raw: bytes, body: Any) -> None:
     """Raise `InvalidRequest` naming the first key or string of `body` (parsed from `raw`) that holds a
     lone surrogate."""
-    # `in` is a fast byte search; the pattern's scan walks every byte (milliseconds for a 4 MiB body).
-    if b"\\u" not in raw or not _SURROGATE_ESCAPE.search(raw):
+    # A one-byte `in` is a `memchr` (0.05 ms over 4 MiB); a two-byte one (`b"\\u"`) and the pattern's scan
+    # each walk every byte in one call holding the interpreter (3 ms over 4 MiB), so they run only on a
+    # body that holds a backslash at all.
+    if b"\\" not in raw or not _SURROGATE_ESCAPE.search(raw):
         return
     stack: list[tuple[str, Any]] = [("body", body)]
     while stack:

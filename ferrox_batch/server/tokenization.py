@@ -117,7 +117,10 @@ def detokenize(body: Mapping[str, Any], tokenizer: Tokenizer, caps: RequestCaps 
     if not isinstance(tokens, list) or not set(map(type, tokens)) <= {int}:
         raise InvalidRequest("tokens", tokens, "must be a list of token ids")
     try:
-        check_text_bytes(caps, tokenizer.decoded_size(tokens))
+        # Counted only where the longest token could take the text past the cap: the count is a pass over
+        # the ids as long as the decoding itself, holding the interpreter as long.
+        if len(tokens) * tokenizer.longest_token_bytes > caps.max_detokenize_bytes:
+            check_text_bytes(caps, tokenizer.decoded_size(tokens))
         return {"prompt": tokenizer.decode_text(tokens)}
     except ValueError as bad:
         if isinstance(bad, InvalidRequest):

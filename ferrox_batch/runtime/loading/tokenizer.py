@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, TypeVar
 
 from tokenizers import Tokenizer as HfTokenizer
 
@@ -43,6 +43,8 @@ from ferrox_batch.runtime.loading.chat_template import (  # noqa: F401 - ChatMes
 from ferrox_batch.runtime.loading.control_text import ControlText, control_texts
 from ferrox_batch.runtime.loading.length_bound import LengthBound, length_bound
 from ferrox_batch.stop_tokens import StopTokens
+
+_T = TypeVar("_T")
 
 
 def byte_level_alphabet() -> dict[str, int]:
@@ -77,6 +79,8 @@ class Tokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
         spec = json.loads(tokenizer.to_str())
         self._bytes = self._byte_table(spec)
+        #: The most bytes one id decodes to (padding past the table decodes to none).
+        self.longest_token_bytes = max(map(len, self._bytes), default=0)
         #: Each special token's own text, which `decode` leaves out (a request that keeps special tokens
         #: gets these instead).
         self.special_texts: dict[int, bytes] = {
@@ -214,18 +218,23 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int]) -> bytes:
         """Raw bytes of `ids` (special tokens render as nothing); ids outside the vocabulary raise."""
-        return b"".join(map(self._bytes.__getitem__, self._checked(ids)))
+        return self._looked_up(ids, lambda parts: b"".join(parts))
 
-    def _checked(self, ids: Iterable[int]) -> list[int]:
-        """`ids` as a list, each in the table (ValueError naming the first that is not). Walked by C loops
-        (`min`, `max`, `map`), not bytecode: a long list (a `/detokenize` of 262,144 ids) then costs a few
-        milliseconds instead of tens, and the worker waits for the interpreter that much less."""
+    def _looked_up(self, ids: Iterable[int], reduce: Callable[[Iterator[bytes]], _T]) -> _T:
+        """`reduce` of the table's entries for `ids`, each id in the table (ValueError naming the first that
+        is not). Walked by C loops (`min`, `map`), not bytecode, and once: a long list (a `/detokenize` of
+        262,144 ids) then costs a few milliseconds instead of tens, and the worker waits for the interpreter
+        that much less. Only the negative ids need a pass of their own (the list would index them from its
+        end); one past the table raises `IndexError` in the lookup itself."""
         ids = ids if isinstance(ids, list) else list(ids)
         size = len(self._bytes)
-        if ids and not (0 <= min(ids) and max(ids) < size):
+        try:
+            if ids and min(ids) < 0:
+                raise IndexError
+            return reduce(map(self._bytes.__getitem__, ids))
+        except IndexError:
             bad = next(i for i in ids if not 0 <= i < size)
-            raise ValueError(f"token id {bad} is outside the tokenizer's {size} ids")
-        return ids
+            raise ValueError(f"token id {bad} is outside the tokenizer's {size} ids") from None
 
     @property
     def decodable_ids(self) -> int:
@@ -235,7 +244,7 @@ class Tokenizer:
     def decoded_size(self, ids: Iterable[int]) -> int:
         """How many bytes `decode(ids)` returns (the UTF-8 text's, where they are valid), without building
         them; ids outside the vocabulary raise."""
-        return sum(map(len, map(self._bytes.__getitem__, self._checked(ids))))
+        return self._looked_up(ids, lambda parts: sum(map(len, parts)))
 
     def decode_text(self, ids: Iterable[int]) -> str:
         return self.decode(ids).decode("utf-8", errors="replace")
