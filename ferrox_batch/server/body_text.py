@@ -16,8 +16,11 @@ from typing import Any
 from ferrox_batch.checks import encodable
 from ferrox_batch.errors import InvalidRequest
 
-#: A `\u` escape of a surrogate code point (U+D800 to U+DFFF), the only way one can be written in JSON.
+#: A `\u` escape of a surrogate code point (U+D800 to U+DFFF).
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+#: A surrogate written as raw bytes (UTF-8's encoding of U+D800-U+DFFF: not valid UTF-8, but `json.loads`
+#: reads bytes with `surrogatepass`, so it parses into a lone surrogate all the same).
+_SURROGATE_BYTES = re.compile(rb"\xed[\xa0-\xbf]")
 
 
 def refuse_lone_surrogates(raw: bytes, body: Any) -> None:
@@ -26,7 +29,8 @@ def refuse_lone_surrogates(raw: bytes, body: Any) -> None:
     # A one-byte `in` is a `memchr` (0.05 ms over 4 MiB); a two-byte one (`b"\\u"`) and the pattern's scan
     # each walk every byte in one call holding the interpreter (3 ms over 4 MiB), so they run only on a
     # body that holds a backslash at all.
-    if b"\\" not in raw or not _SURROGATE_ESCAPE.search(raw):
+    escaped = b"\\" in raw and _SURROGATE_ESCAPE.search(raw)
+    if not escaped and not (b"\xed" in raw and _SURROGATE_BYTES.search(raw)):
         return
     stack: list[tuple[str, Any]] = [("body", body)]
     while stack:

@@ -53,6 +53,9 @@ def test_a_body_that_stopped_the_worker_is_a_400_and_the_server_serves_on(cached
      "messages[0].content[0].text"),
     ("/v1/completions", b'{"prompt": "hi", "\\ud800": 1}', "body"),
     ("/tokenize", b'{"prompt": "\\ud800"}', "prompt"),
+    # A surrogate written as raw UTF-8 bytes (not valid UTF-8, which `json.loads` still reads as one).
+    ("/v1/completions", b'{"prompt": "hi \xed\xa0\x80 there", "max_tokens": 1}', "prompt"),
+    ("/tokenize", b'{"prompt": "\xed\xb0\x80"}', "prompt"),
 ])
 def test_a_lone_surrogate_anywhere_in_a_body_is_a_400_naming_where(cached_server, route, body, where):
     with httpx.Client(base_url=cached_server, timeout=DEADLINE) as http:
