@@ -18,10 +18,12 @@ request's, the server reads it. No torch here.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
-from typing import overload
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TypeVar, overload
 
 from ferrox_batch.logprobs import TokenLogprob
+
+T = TypeVar("T")
 
 #: The arrays' element types: 32-bit ids and ranks (a vocabulary is far below 2**31), float32 values.
 ID_CODE = "i"
@@ -116,12 +118,7 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
 
     def __getitem__(self, index: int | slice) -> TokenLogprob | None | list[TokenLogprob | None]:
         """An entry made on demand; a slice is a list of the entries it names (only those are made)."""
-        if isinstance(index, slice):
-            return [self._entry(i) for i in range(*index.indices(len(self)))]
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"entry {index} of {n}")
-        return self._entry(index % n)
+        return entry_at(index, len(self), self._entry)
 
     def __iter__(self) -> Iterator[TokenLogprob | None]:
         return (self._entry(i) for i in range(len(self)))
@@ -133,3 +130,13 @@ class PromptLogprobs(Sequence[TokenLogprob | None]):
 
     def __repr__(self) -> str:
         return f"PromptLogprobs({len(self)} entries, top={self.top}, {self.nbytes} bytes)"
+
+
+def entry_at(index: int | slice, length: int, entry: Callable[[int], T]) -> T | list[T]:
+    """A lazy sequence's `__getitem__` over `entry(i)` for 0 <= i < `length`: a slice makes only the
+    entries it names, a negative index counts from the end, one past either end is an `IndexError`."""
+    if isinstance(index, slice):
+        return [entry(i) for i in range(*index.indices(length))]
+    if not -length <= index < length:
+        raise IndexError(f"entry {index} of {length}")
+    return entry(index % length)

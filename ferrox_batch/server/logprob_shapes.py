@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.prompt_logprobs import entry_at
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.json_body import SLICE_CONTAINERS, Slices
 
@@ -131,12 +132,7 @@ class EchoEntries(Sequence[TokenLogprob | int]):
         return self._generated[i - len(self._prompt)]
 
     def __getitem__(self, index: int | slice) -> Any:
-        if isinstance(index, slice):
-            return [self._entry(i) for i in range(*index.indices(len(self)))]
-        n = len(self)
-        if not -n <= index < n:
-            raise IndexError(f"entry {index} of {n}")
-        return self._entry(index % n)
+        return entry_at(index, len(self), self._entry)
 
 
 def echo_entries(first: int, prompt: Sequence[TokenLogprob | None], top: int,
