@@ -22,6 +22,19 @@ def greedy_params(max_tokens: int, seed: int | None = None, **kw) -> GenerationP
     return GenerationParams(max_tokens=max_tokens, sampling=SamplingParams(), seed=seed, **kw)
 
 
+def greedy_ids(model, ids: list[int], n: int, *, block_size: int = 4) -> list[int]:
+    """`n` greedy ids after `ids`, straight on the model's decoder (no batcher, no sampler): one forward
+    for the prompt, then one per token."""
+    store = model.decoder.new_store(block_size, num_blocks=256)
+    store.add_sequence(0, len(ids) + n)
+    logits = model.decoder.forward([SeqChunk(0, ids)], store)
+    out: list[int] = []
+    for _ in range(n):
+        out.append(int(logits[0].argmax()))
+        logits = model.decoder.forward([SeqChunk(0, [out[-1]])], store)
+    return out
+
+
 def identity_decode(ids: Sequence[int]) -> bytes:
     """Upstream's test detokenizer: id -> one letter `'A' + id % 26`."""
     return bytes(ord("A") + i % 26 for i in ids)

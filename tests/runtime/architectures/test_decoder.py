@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from batch_helpers import greedy_ids as greedy
 from numerics import assert_decisive, assert_logits_close
 
 from ferrox_batch.errors import TokenOutOfVocab
@@ -37,16 +38,6 @@ def prefill_logits(model, ids, *, chunk=None, block_size=4, seq="s"):
     return logits[0], store
 
 
-def greedy(model, ids, n, *, block_size=4):
-    store = model.decoder.new_store(block_size, num_blocks=256)
-    store.add_sequence(0, len(ids) + n)
-    logits = model.decoder.forward([SeqChunk(0, ids)], store)
-    out = []
-    for _ in range(n):
-        token = int(logits[0].argmax())
-        out.append(token)
-        logits = model.decoder.forward([SeqChunk(0, [token])], store)
-    return out
 
 
 #: Every tiny checkpoint: one per family and per switch a family has.

@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+from batch_helpers import greedy_ids as greedy
 from numerics import assert_decisive
 from safetensors.torch import load_file, save_file
 from tiny_checkpoint import write_tiny_checkpoint
 
-from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.loading.loader import load_model
 
 transformers = pytest.importorskip("transformers")
@@ -116,15 +116,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str
     return out
 
 
-def greedy(model: Any, ids: list[int], n: int) -> list[int]:
-    store = model.decoder.new_store(4, num_blocks=64)
-    store.add_sequence(0, len(ids) + n)
-    logits = model.decoder.forward([SeqChunk(0, ids)], store)
-    out = []
-    for _ in range(n):
-        out.append(int(logits[0].argmax()))
-        logits = model.decoder.forward([SeqChunk(0, [out[-1]])], store)
-    return out
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from batch_helpers import greedy_ids as greedy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tiny_checkpoint import write_tiny_checkpoint
@@ -22,7 +23,6 @@ from tiny_checkpoint import write_tiny_checkpoint
 from ferrox_batch.runtime.architectures.rope import RopeTables, rope_tables
 from ferrox_batch.runtime.config import MAX_POSITIONS, ModelConfig
 from ferrox_batch.runtime.errors import ModelLoadError
-from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.loading.loader import load_model
 
 
@@ -131,12 +131,3 @@ def test_a_layer_count_the_tensors_do_not_hold_is_refused_before_any_layer_is_bu
             load_model(folder, device="cpu", dtype="float32")
 
 
-def greedy(model: Any, ids: list[int], n: int) -> list[int]:
-    store = model.decoder.new_store(4, num_blocks=64)
-    store.add_sequence(0, len(ids) + n)
-    logits = model.decoder.forward([SeqChunk(0, ids)], store)
-    out = []
-    for _ in range(n):
-        out.append(int(logits[0].argmax()))
-        logits = model.decoder.forward([SeqChunk(0, [out[-1]])], store)
-    return out
