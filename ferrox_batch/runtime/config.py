@@ -1,12 +1,9 @@
 """`ModelConfig`: the shape of a decoder, read from a Hugging Face `config.json`.
 
-The families the runtime runs share one shape (GQA, RMSNorm, a gated MLP, RoPE) and differ in switches,
-each a field here: Llama (RoPE with optional scaling, tied or separate embeddings), Qwen2 (biases on the
-Q/K/V projections), Mistral (a sliding window), Qwen3 (an RMSNorm on each head's queries and keys before
-RoPE, and a head size of its own), SmolLM3 (RoPE skipped on some layers), Phi-3 (RoPE on part of each
-head, longrope scaling) and Gemma 3 (local layers with their own window and RoPE base, a GELU MLP, scaled
-embeddings, its own attention scale). How each family's weights become a layer is its own module
-(`architectures`). Anything else is refused here, by name, before any weight is read.
+The fields are what the shared blocks read: sizes, RoPE, windows, norms, scales. Which of them a checkpoint
+sets, and how, is its family's business (`runtime.families`: one module per family, and the registry that
+lists them): `from_dict` asks the registry for the config's family and builds from the fields it reads.
+An architecture no family claims is refused here, by name, before any weight is read.
 """
 
 from __future__ import annotations
@@ -19,20 +16,15 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from ferrox_batch.runtime.errors import ModelLoadError, UnsupportedArchitecture
-from ferrox_batch.runtime.rope_layout import rope_settings
-from ferrox_batch.runtime.rope_scaling import RopeScaling
+from ferrox_batch.runtime.families.config_reading import model_config_fields
+from ferrox_batch.runtime.families.errors import ModelLoadError
+from ferrox_batch.runtime.families.family import Family
+from ferrox_batch.runtime.families.registry import BY_ARCHITECTURE, family_of_architecture
+from ferrox_batch.runtime.families.rope_scaling import RopeScaling
 
 #: Hugging Face architecture -> family (the `model_type` a config of it carries).
-SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType({
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "SmolLM3ForCausalLM": "smollm3",
-    "Phi3ForCausalLM": "phi3",
-    "Gemma3ForCausalLM": "gemma3_text",
-})
+SUPPORTED_ARCHITECTURES: Mapping[str, str] = MappingProxyType(
+    {name: family.model_type for name, family in BY_ARCHITECTURE.items()})
 
 #: The most positions a model may be served at: float32 holds every integer up to 2**24 exactly, and the RoPE
 #: angles (here as in the reference) are float32 positions times frequencies; past it positions would round
@@ -79,6 +71,10 @@ class ModelConfig:
     embed_scale: float = 1.0
     #: Attention scores are scaled by `query_pre_attn_scalar ** -0.5` (Gemma 3); None: `head_dim ** -0.5`.
     query_pre_attn_scalar: float | None = None
+    #: What the output head's logits are divided by (Granite's `logits_scaling`).
+    logits_scaling: float = 1.0
+    #: The family's own settings, read by its module alone (its small config); None where it has none.
+    options: object | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -99,7 +95,13 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        return SUPPORTED_ARCHITECTURES[self.architecture]
+        """The `model_type` of the family the architecture belongs to."""
+        return self.family_spec.model_type
+
+    @property
+    def family_spec(self) -> Family:
+        """The family module's `Family` (`runtime.families.registry`)."""
+        return family_of_architecture(self.architecture)
 
     def window(self, layer: int) -> int | None:
         """The sliding window `layer` attends over (its last positions, itself included); None: global."""
@@ -153,6 +155,8 @@ class ModelConfig:
         if self.hidden_act not in ACTIVATIONS:
             raise ModelLoadError(f"hidden activation {self.hidden_act!r} is not supported "
                                  f"(supported: {', '.join(ACTIVATIONS)})")
+        if not (math.isfinite(self.logits_scaling) and self.logits_scaling > 0):
+            raise ModelLoadError(f"logits_scaling must be a positive number, got {self.logits_scaling}")
         if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
             raise ModelLoadError(f"query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}")
         if self.rope_layers is not None and len(self.rope_layers) < self.num_layers:
@@ -166,67 +170,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, checkpoint_layers: int | None = None) -> "ModelConfig":
-        """The config `raw` describes. `checkpoint_layers`, where known, is how many layers the checkpoint's
-        tensors hold: `num_hidden_layers` must name as many, checked before anything is built per layer (a
-        config's word alone never sizes an allocation)."""
-        archs = raw.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch is None:
-            model_type = raw.get("model_type")
-            arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}.get(model_type, model_type)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise UnsupportedArchitecture(str(arch), sorted(SUPPORTED_ARCHITECTURES))
-        family = SUPPORTED_ARCHITECTURES[arch]
-        try:
-            hidden = int(raw["hidden_size"])
-            heads = int(raw["num_attention_heads"])
-            layers = int(raw["num_hidden_layers"])
-            if checkpoint_layers is not None and layers != checkpoint_layers:
-                raise ModelLoadError(f"num_hidden_layers is {layers} but the checkpoint's tensors hold "
-                                     f"{checkpoint_layers} layers")
-            head_dim = raw.get("head_dim") or hidden // heads
-            trained = int(raw.get("max_position_embeddings", 2048))
-            window = raw.get("sliding_window")
-            if family in ("qwen2", "qwen3", "smollm3") and not raw.get("use_sliding_window", False):
-                window = None
-            eos = raw.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-            fields: dict[str, Any] = {}
-            if family == "gemma3_text":
-                fields = _gemma3_fields(raw, hidden, layers)
-            rope = rope_settings(raw, family, trained)
-            if family == "smollm3":
-                fields["rope_layers"] = _rope_layers(raw, layers)
-            return cls(
-                architecture=arch,
-                vocab_size=int(raw["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(raw["intermediate_size"]),
-                num_layers=layers,
-                num_heads=heads,
-                num_kv_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(head_dim),
-                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-                rope_theta=rope.theta,
-                rope_scaling=rope.scaling,
-                partial_rotary_factor=rope.partial_rotary_factor,
-                local_rope_theta=rope.local_theta,
-                # Gemma 3's `max_position_embeddings` already counts its linear scaling.
-                max_position_embeddings=trained if family == "gemma3_text" else _servable_positions(trained,
-                                                                                                  rope.scaling),
-                tie_word_embeddings=bool(raw.get("tie_word_embeddings", family == "gemma3_text")),
-                attention_bias=bool(raw.get("attention_bias", family == "qwen2")),
-                sliding_window=int(window) if window else None,
-                bos_token_id=raw.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-                qk_norm=family in ("qwen3", "gemma3_text"),
-                hidden_act=str(raw.get("hidden_activation") or raw.get("hidden_act") or "silu"),
-                **fields,
-            )
-        except KeyError as missing:
-            raise ModelLoadError(f"config.json is missing the field {missing.args[0]!r}") from None
-        except (TypeError, ValueError, AttributeError, ArithmeticError) as bad:
-            raise ModelLoadError(f"config.json has a malformed field: {bad}") from None
+        """The config `raw` describes, read by its family (`runtime.families`). `checkpoint_layers`, where
+        known, is how many layers the checkpoint's tensors hold: `num_hidden_layers` must name as many."""
+        return cls(**model_config_fields(raw, checkpoint_layers=checkpoint_layers))
 
     @classmethod
     def from_file(cls, path: str | Path, *, checkpoint_layers: int | None = None) -> "ModelConfig":
@@ -240,50 +186,3 @@ class ModelConfig:
         if not isinstance(raw, dict):
             raise ModelLoadError(f"{path} must hold a JSON object")
         return cls.from_dict(raw, checkpoint_layers=checkpoint_layers)
-
-
-def _rope_layers(raw: dict[str, Any], layers: int) -> tuple[bool, ...]:
-    """SmolLM3's `no_rope_layers` (1: the layer uses RoPE, 0: it does not), or every `no_rope_layer_interval`-th
-    layer without RoPE when the list is absent (its default: 4)."""
-    listed = raw.get("no_rope_layers")
-    if listed is None:
-        interval = int(raw.get("no_rope_layer_interval") or 4)
-        return tuple((i + 1) % interval != 0 for i in range(layers))
-    return tuple(bool(int(flag)) for flag in listed)
-
-
-def _servable_positions(trained: int, scaling: RopeScaling | None) -> int:
-    """The positions a model can be served at: its `max_position_embeddings`, stretched by the RoPE
-    scaling where the config names the pretrained context instead of the stretched one (as vLLM reads
-    them: linear and dynamic scale `max_position_embeddings`, yarn the original context)."""
-    if scaling is None:
-        return trained
-    if scaling.kind in ("linear", "dynamic"):
-        return int(trained * scaling.factor)
-    if scaling.kind == "yarn":
-        assert scaling.original_max_position_embeddings is not None
-        return max(trained, int(scaling.original_max_position_embeddings * scaling.factor))
-    return trained
-
-
-def _gemma3_fields(raw: dict[str, Any], hidden: int, layers: int) -> dict[str, Any]:
-    """Gemma 3's own switches: which layers are local (`layer_types`, or one global layer in every
-    `sliding_window_pattern`), the GELU MLP, the scaled embeddings and the attention scale (each layer
-    kind's RoPE is `rope_layout`'s)."""
-    for name in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if raw.get(name) is not None:
-            raise ModelLoadError(f"{name} is not supported (Gemma 3 checkpoints leave it unset)")
-    if raw.get("use_bidirectional_attention"):
-        raise ModelLoadError("bidirectional attention is not supported: this runtime generates causally")
-    types = raw.get("layer_types")
-    if types is None:
-        pattern = int(raw.get("sliding_window_pattern") or 6)
-        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
-    unknown = set(types) - {"sliding_attention", "full_attention"}
-    if unknown:
-        raise ModelLoadError(f"layer_types names kinds this runtime does not run: {sorted(unknown)}")
-    return {
-        "window_layers": tuple(kind == "sliding_attention" for kind in types),
-        "embed_scale": math.sqrt(hidden),
-        "query_pre_attn_scalar": float(raw.get("query_pre_attn_scalar") or 256),
-    }

@@ -2,24 +2,15 @@
 
 These are about the checkpoint on disk (missing, corrupt, an architecture we
 do not run), not about a request; request-time errors are the `DecodeError`
-family in `ferrox_batch.errors`.
+family in `ferrox_batch.errors`. The two about a checkpoint's description are
+the families' (`runtime.families.errors`), re-exported here.
 """
 
 from __future__ import annotations
 
+from ferrox_batch.runtime.families.errors import ModelLoadError, UnsupportedArchitecture
 
-class ModelLoadError(Exception):
-    """A checkpoint could not be read: missing file, corrupt data, malformed config."""
-
-
-class UnsupportedArchitecture(ModelLoadError):
-    def __init__(self, architecture: str, supported: list[str]) -> None:
-        self.architecture = architecture
-        self.supported = list(supported)
-        super().__init__(
-            f"architecture {architecture!r} is not supported; "
-            f"supported: {', '.join(self.supported)}"
-        )
+__all__ = ["FetchError", "ModelLoadError", "UnsupportedArchitecture"]
 
 
 class FetchError(Exception):

@@ -25,7 +25,7 @@ RANKS = {
     "": 0.0, "policy": 0.5,
     "admission": 1.0,
     "scheduler": 2.0,
-    "runtime": 3.0, "runtime.quant": 3.05, "runtime.kv": 3.1, "runtime.kernels": 3.2, "runtime.architectures": 3.3,
+    "runtime.families": 2.9, "runtime": 3.0, "runtime.quant": 3.05, "runtime.kv": 3.1, "runtime.kernels": 3.2, "runtime.architectures": 3.3,
     "runtime.sampling": 3.4, "runtime.loading": 3.5, "runtime.runner": 3.6,
     "engine": 4.0,
     "server": 5.0,

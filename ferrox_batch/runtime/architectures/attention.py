@@ -18,16 +18,32 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ferrox_batch.runtime.config import ModelConfig
+from dataclasses import dataclass
+
 from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
 from ferrox_batch.runtime.kv.batch_inputs import DecodeGroup, PrefillChunk
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 
 
-def attend_decode(q: torch.Tensor, pool: torch.Tensor, group: DecodeGroup, block_size: int, config: ModelConfig,
+@dataclass(frozen=True, slots=True)
+class HeadShape:
+    """One attention layer's heads: how many query and KV heads, their size, and the scores' scale."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_scale: float
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+
+def attend_decode(q: torch.Tensor, pool: torch.Tensor, group: DecodeGroup, block_size: int, shape: HeadShape,
                   kernels: CpuKernels | None) -> torch.Tensor:
     """The decode group's queries `[N, heads, head_dim]` over their contexts."""
-    c = config
+    c = shape
     n = group.count
     qd = q.reshape(n, c.num_kv_heads, c.group_size, c.head_dim)
     if kernels is not None:  # the ranges were checked once per forward; build_inputs skipped the gather
@@ -42,14 +58,14 @@ def attend_decode(q: torch.Tensor, pool: torch.Tensor, group: DecodeGroup, block
     return out.reshape(n, c.num_heads * c.head_dim)
 
 
-def attend_prefill(q: torch.Tensor, pool: torch.Tensor, chunks: list[PrefillChunk], config: ModelConfig,
+def attend_prefill(q: torch.Tensor, pool: torch.Tensor, chunks: list[PrefillChunk], shape: HeadShape,
                    kernels: CpuKernels | None = None, plan: PrefillPlan | None = None,
                    window: int | None = None) -> torch.Tensor:
     """The prefill chunks' queries `[rows, heads, head_dim]` (their rows in order) over their contexts: on
     the CPU one kernel call for every chunk (`plan`, its slots checked once per forward), elsewhere one
     SDPA call per chunk under the chunks' masks. `window` is the layer's (the kernel's key range; the
     chunks' masks already hold it)."""
-    c = config
+    c = shape
     if kernels is not None and plan is not None:
         return kernels.prefill_attention(q, pool, plan, c.attention_scale, window, plan_checked=True)
     outs = []

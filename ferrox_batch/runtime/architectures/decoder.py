@@ -39,19 +39,20 @@ from collections.abc import Sequence
 
 import torch
 
-from ferrox_batch.runtime.architectures.attention import attend_decode, attend_prefill
 from ferrox_batch.runtime.architectures.embedding import Embedding
-from ferrox_batch.runtime.architectures.families import LAYERS, NORM_OFFSETS
+from ferrox_batch.runtime.architectures.forward_context import ForwardContext
 from ferrox_batch.runtime.architectures.gate_up import GateUp
+from ferrox_batch.runtime.architectures.layer import Layer
+from ferrox_batch.runtime.architectures.layer_builder import build_layer
 from ferrox_batch.runtime.architectures.layer_stack import LayerStack
-from ferrox_batch.runtime.architectures.layer_weights import LayerWeights
 from ferrox_batch.runtime.architectures.linear import BATCH_INVARIANT_KINDS, Linear
+from ferrox_batch.runtime.architectures.norms import add_norm
 from ferrox_batch.runtime.architectures.quantized_linear import (
     QuantizedLinear,
     formats_that_run,
     is_quantized_kind,
 )
-from ferrox_batch.runtime.architectures.rope import RopeTables, apply_rope
+from ferrox_batch.runtime.architectures.rope import RopeTables
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
 from ferrox_batch.runtime.errors import ModelLoadError
@@ -126,25 +127,28 @@ class Decoder:
             self.lm_head = self._linear(self.embed.weight, keep_weight=True, narrow=False)
         else:
             self.lm_head = self._linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)), narrow=False)
-        self.final_norm = take("model.norm.weight", (config.hidden_size,)) + NORM_OFFSETS.get(config.family, 0.0)
-        build = LAYERS[config.family]
-        gate_up = lambda weight: GateUp(weight, weights=self.weights_format, kernels=self.kernels,
-                                        activation=config.hidden_act, int8_activations=int8_activations,
-                                        batch_invariant=batch_invariant, narrow_panels=narrow_panels)
-        self.layers = [build(take, config, i, self._linear, gate_up) for i in range(config.num_layers)]
+        family = config.family_spec
+        self.final_norm = take("model.norm.weight", (config.hidden_size,)) + family.norm_offset
+        linears = _Linears(self, batch_invariant, narrow_panels)
+        self.layers: list[Layer] = [build_layer(spec, i, take, linears, family.norm_offset)
+                                    for i, spec in enumerate(family.layers(config))]
         unused = set(weights) - {"lm_head.weight"}
         unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
         if unused:
             raise ModelLoadError(f"checkpoint has tensors this architecture does not use: {sorted(unused)[:5]}")
         # One pair of tables per RoPE kind the layers use. A layer without RoPE writes its K/V through the same
         # kernel with tables that rotate by nothing: cos 1 and sin 0 leave every value exactly as it was.
-        self.rope_tables = RopeTables(config, {layer.rope for layer in self.layers} | {"global"}, self.device, dtype)
+        kinds = {kind for kind in (getattr(layer.mixer, "rope", None) for layer in self.layers) if kind is not None}
+        self.rope_tables = RopeTables(config, kinds | {"global"}, self.device, dtype)
         self.rope = self.rope_tables.tables
         self.cos, self.sin = self.rope["global"]
         # The embeddings' scale as the reference applies it: rounded to the compute dtype first.
         self.embed_scale = None if config.embed_scale == 1.0 else torch.tensor(config.embed_scale, dtype=dtype)
         # The layers in one C call where every projection runs one of our kernels (`runtime.architectures.layer_stack`).
-        self.layer_stack = LayerStack.bind(self.layers, config, dtype) if self.kernels is not None else None
+        #: Why the layers run in the Python loop rather than the C stack (None where the stack runs them).
+        self.layer_stack_declined: str | None = "no C kernels here" if self.kernels is None else \
+            LayerStack.declines(self.layers, config, dtype)
+        self.layer_stack = None if self.layer_stack_declined else LayerStack.bind(self.layers, config, dtype)
         if self.layer_stack is None or not self.layer_stack.narrow_only:
             # Copies no stack runs (a model the stack does not take: biases, per-head norms, GELU, quantized
             # layers beside dense ones) would only double the layers' memory.
@@ -168,8 +172,7 @@ class Decoder:
                       batch_invariant=self._prefer_invariant, narrow_panels=narrow and self._narrow_panels)
 
     def _linears(self) -> list[Linear | QuantizedLinear | GateUp]:
-        names = ("qkv", "o", "gate_up", "down")
-        return [self.lm_head, *(getattr(layer, name) for layer in self.layers for name in names)]
+        return [self.lm_head, *(linear for layer in self.layers for linear in layer.linears())]
 
     @property
     def weight_formats(self) -> dict[str, int]:
@@ -190,11 +193,8 @@ class Decoder:
             if linear is self.lm_head and self.lm_head_tied and (linear.kind == "plain" or is_quantized_kind(linear.kind)):
                 continue  # it multiplies by the embedding's own memory
             total += linear.nbytes
-        norms = [self.final_norm]
-        for layer in self.layers:
-            norms += [t for t in (layer.input_norm, layer.post_norm, layer.q_norm, layer.k_norm, layer.attn_out_norm,
-                                  layer.mlp_out_norm) if t is not None]
-        return total + sum(t.numel() * t.element_size() for t in norms)
+        norms = sum(t.numel() * t.element_size() for layer in self.layers for t in layer.norms())
+        return total + self.final_norm.numel() * self.final_norm.element_size() + norms
 
     @property
     def linear_kinds(self) -> dict[str, int]:
@@ -262,7 +262,6 @@ class Decoder:
         # tokens, positions and last rows shared: a model of one kind of layer has one group.
         groups = build_group_inputs(chunks, store, c.vocab_size, decode_gather=kernel is None)
         inputs = groups[0]
-        where = store.groups.slots  # (group, index within it) of each layer
         n_tok = inputs.tokens.numel()
         # From the host-side lengths, not `positions.max()`: no device sync on CUDA.
         top = max(length for _, length in inputs.new_lengths) - 1
@@ -283,55 +282,30 @@ class Decoder:
                 if seen.prefill:
                     plans[group] = PrefillPlan.of(seen.prefill)
                     plans[group].check(store.kv.shape[1])
-        else:
-            rows = {kind: (cos[inputs.positions][:, None, :], sin[inputs.positions][:, None, :])
-                    for kind, (cos, sin) in self.rope.items()}
-        heads, kv_heads = c.num_heads, c.num_kv_heads
-        q_width, kv_width = heads * c.head_dim, kv_heads * c.head_dim
+        ctx = ForwardContext(kernel, store, groups, plans, self.rope, None, n_tok, c.rms_norm_eps)
+        if kernel is None:
+            ctx.rope_rows = {kind: (cos[inputs.positions][:, None, :], sin[inputs.positions][:, None, :])
+                             for kind, (cos, sin) in self.rope.items()}
 
         h = self.embed(inputs.tokens)
         if self.embed_scale is not None:
             h = h * self.embed_scale
-        pending: torch.Tensor | None = None  # the MLP output still to be added to h
+        pending: torch.Tensor | None = None  # the feed-forward output still to be added to h
         if kernel is not None and self.layer_stack is not None and self.layer_stack.takes(n_tok):
             # the loop below in one C call (bit for bit where the stack runs the layers' own weights)
             # Bound only where every layer is of one kind: one group, its slots the layers.
             pending = self.layer_stack.run(kernel, h, inputs, plans[0], store.kv, store.block_size, self.cos,
                                            self.sin)
-        for index, layer in enumerate(self.layers if pending is None else ()):
-            h, x = self._add_norm(h, pending, layer.input_norm, kernel)
-            qkv = layer.qkv(x)
-            if layer.q_norm is not None:
-                self._norm_heads(qkv, layer, n_tok)
-            group, slot = where[index]
-            seen, plan = groups[group], plans[group]
-            pool = store.kv[slot]  # the layer's K/V in every block, written and read through its group's tables
-            if kernel is not None:  # RoPE in place and the K/V write, in one call
-                cos, sin = self.rope[layer.rope]
-                kernel.rope_store(qkv, cos, sin, seen.positions, seen.slots, pool, heads, checked=True)
-                q = qkv[:, :q_width].view(n_tok, heads, c.head_dim)
-            else:
-                # RoPE on q and k in one pass: their heads are adjacent in the fused projection.
-                qk = qkv[:, : q_width + kv_width].view(n_tok, heads + kv_heads, c.head_dim)
-                if layer.rope != "none":
-                    qk = apply_rope(qk, *rows[layer.rope])
-                q = qk[:, :heads]
-                v = qkv[:, q_width + kv_width:].view(n_tok, kv_heads, c.head_dim)
-                pool.index_copy_(0, seen.slots, torch.stack((qk[:, heads:], v), dim=1).to(pool.dtype))
-            parts = []
-            n_dec = 0
-            if seen.decode is not None:
-                n_dec = seen.decode.count
-                parts.append(attend_decode(q[:n_dec], pool, seen.decode, store.block_size, c, kernel))
-            if seen.prefill:
-                parts.append(attend_prefill(q[n_dec:], pool, seen.prefill, c, kernel, plan, layer.window))
-            attn = layer.o(parts[0] if len(parts) == 1 else torch.cat(parts))
-            if layer.attn_out_norm is not None:
-                attn = self._norm(attn, layer.attn_out_norm, kernel)
-            h, x = self._add_norm(h, attn, layer.post_norm, kernel)
-            pending = layer.down(layer.gate_up(x))
-            if layer.mlp_out_norm is not None:
-                pending = self._norm(pending, layer.mlp_out_norm, kernel)
+        eps = c.rms_norm_eps
+        for layer in self.layers if pending is None else ():
+            h, x = add_norm(h, pending, layer.input_norm, eps, kernel)
+            out = layer.mixer.forward(x, ctx)
+            if layer.residual_scale is not None:
+                out = out * layer.residual_scale
+            h, x = add_norm(h, out, layer.post_norm, eps, kernel)
+            pending = layer.ffn.forward(x, ctx)
+            if layer.residual_scale is not None:
+                pending = pending * layer.residual_scale
 
         rows = inputs.last_rows
         if every:  # the last rows, then every row of the chunks asked for, through one norm and lm_head
@@ -344,11 +318,13 @@ class Decoder:
         for index, mode in pooling:
             span = (torch.arange(ends[index] - len(chunks[index].tokens) + 1, ends[index] + 1, device=h.device)
                     if mode == "mean" else inputs.last_rows[index:index + 1])
-            _, hidden = self._add_norm(h[span], None if pending is None else pending[span], self.final_norm,
-                                       kernel)
+            _, hidden = add_norm(h[span], None if pending is None else pending[span], self.final_norm, eps, kernel)
             pooled.append(hidden.float().sum(dim=0))
-        _, h = self._add_norm(h[rows], None if pending is None else pending[rows], self.final_norm, kernel)
-        logits = self.lm_head(h).float()
+        _, h = add_norm(h[rows], None if pending is None else pending[rows], self.final_norm, eps, kernel)
+        logits = self.lm_head(h)
+        if c.logits_scaling != 1.0:
+            logits = logits / c.logits_scaling
+        logits = logits.float()
         for seq_id, length in inputs.new_lengths:
             store.seq(seq_id).length = length
         if not every:
@@ -356,39 +332,22 @@ class Decoder:
         sizes = [len(chunks[i].tokens) for i in every]
         return logits[: len(chunks)], list(logits[len(chunks):].split(sizes)), pooled
 
-    def _norm_heads(self, qkv: torch.Tensor, layer: LayerWeights, n_tok: int) -> None:
-        """RMSNorm each query head and each key head of the fused projection in place, over its `head_dim`
-        (the reference's float32 formula, as for every norm off the C kernel)."""
-        c = self.config
-        assert layer.q_norm is not None and layer.k_norm is not None
-        q_width, kv_width = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        for start, width, weight in ((0, q_width, layer.q_norm), (q_width, kv_width, layer.k_norm)):
-            part = qkv[:, start:start + width].reshape(n_tok, width // c.head_dim, c.head_dim)
-            qkv[:, start:start + width] = _rms_norm(part, weight, c.rms_norm_eps).reshape(n_tok, width)
+class _Linears:
+    """The decoder's linear layers for the layer builder, in its weight format."""
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor, kernels: CpuKernels | None) -> torch.Tensor:
-        """`rms_norm(x)`, on a layer's output before it joins the residual (Gemma 3)."""
-        if kernels is not None:
-            return kernels.rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)
-        return _rms_norm(x, weight, self.config.rms_norm_eps)
+    __slots__ = ("_batch_invariant", "_decoder", "_narrow_panels")
 
-    def _add_norm(
-        self, h: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, kernels: CpuKernels | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(h + residual, rms_norm(h + residual))`; the CPU kernel adds into `h` in place."""
-        eps = self.config.rms_norm_eps
-        if kernels is not None:
-            return h, kernels.rms_norm(h, weight, eps, residual)
-        if residual is not None:
-            h = h + residual
-        return h, _rms_norm(h, weight, eps)
+    def __init__(self, decoder: Decoder, batch_invariant: bool, narrow_panels: bool) -> None:
+        self._decoder, self._batch_invariant, self._narrow_panels = decoder, batch_invariant, narrow_panels
 
+    def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> Linear | QuantizedLinear:
+        return self._decoder._linear(weight, bias)
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Accumulate in float32 as the reference does; cast back before the weight.
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    def gate_up(self, weight: Weight, activation: str) -> GateUp:
+        d = self._decoder
+        return GateUp(weight, weights=d.weights_format, kernels=d.kernels, activation=activation,
+                      int8_activations=d.int8_activations, batch_invariant=self._batch_invariant,
+                      narrow_panels=self._narrow_panels)
 
 
 class _Taker:

@@ -27,7 +27,9 @@ from collections.abc import Sequence
 
 import torch
 
-from ferrox_batch.runtime.architectures.layer_weights import LayerWeights
+from ferrox_batch.runtime.architectures.attention_mixer import AttentionMixer
+from ferrox_batch.runtime.architectures.gated_mlp import GatedMlp
+from ferrox_batch.runtime.architectures.layer import Layer
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.kernels.cpu_kernels import POOL_KINDS, CpuKernels
@@ -47,16 +49,17 @@ NARROW_STEP_ROWS = 16
 class LayerStack:
     """The addresses of every layer's norms and packed weights, in `csrc/layer_stack.c`'s order."""
 
-    __slots__ = ("_config", "_dtype", "_kind", "_narrow_only", "_owners", "_weights")
+    __slots__ = ("_config", "_dtype", "_kind", "_narrow_only", "_owners", "_weights", "_window")
 
     def __init__(self, weights: torch.Tensor, owners: list[object], config: ModelConfig, kind: str,
-                 dtype: torch.dtype, narrow_only: bool = False) -> None:
+                 dtype: torch.dtype, narrow_only: bool = False, window: int | None = None) -> None:
         self._weights = weights  # int64 [layers, 10]
         self._owners = owners  # what keeps those addresses valid
         self._config = config
         self._kind = kind
         self._dtype = dtype
         self._narrow_only = narrow_only
+        self._window = window
 
     @property
     def narrow_only(self) -> bool:
@@ -72,17 +75,43 @@ class LayerStack:
         """The weights it runs: one of `STACK_KINDS`."""
         return self._kind
 
+    @staticmethod
+    def declines(layers: Sequence[Layer], config: ModelConfig, dtype: torch.dtype) -> str | None:
+        """Why the stack cannot run these layers as they are (a layer kind or a setting its C loop does not
+        have), or None where it may: `bind` then checks each projection's kernel."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            return f"the stack runs float32 or bf16 activations, not {dtype}"
+        if not layers:
+            return "no layers"
+        if config.embed_scale != 1.0:
+            return "scaled embeddings"
+        windows = set()
+        for index, layer in enumerate(layers):
+            mixer, ffn = layer.mixer, layer.ffn
+            if not isinstance(mixer, AttentionMixer):
+                return f"layer {index}'s mixer is {type(mixer).__name__}; the stack runs attention"
+            if not isinstance(ffn, GatedMlp):
+                return f"layer {index}'s feed-forward block is {type(ffn).__name__}; the stack runs the gated MLP"
+            if not mixer.plain:
+                return f"layer {index}'s attention has norms of its own, another RoPE kind or another scale"
+            if not ffn.plain:
+                return f"layer {index}'s MLP normalises its output"
+            if layer.input_norm is None or layer.post_norm is None or layer.residual_scale is not None:
+                return f"layer {index} has no norm before a block, or scales what joins the residual stream"
+            windows.add(mixer.window)
+        if len(windows) > 1:  # one window for every layer, or none
+            return "its layers attend over different windows"
+        return None
+
     @classmethod
-    def bind(cls, layers: Sequence[LayerWeights], config: ModelConfig, dtype: torch.dtype) -> LayerStack | None:
+    def bind(cls, layers: Sequence[Layer], config: ModelConfig, dtype: torch.dtype) -> LayerStack | None:
         """The stack for these layers, or None where some layer does not run as the C loop does."""
         c = config
-        if dtype not in (torch.float32, torch.bfloat16) or not layers or c.query_pre_attn_scalar is not None \
-                or c.embed_scale != 1.0:
-            return None
-        if c.sliding_window is not None and c.uniform_window is None:  # one window for every layer, or none
+        if cls.declines(layers, config, dtype) is not None:
             return None
         hidden, q_width = c.hidden_size, c.num_heads * c.head_dim
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+        window = layers[0].mixer.window  # type: ignore[attr-defined]  # one for every layer (`declines`)
         if isinstance(layers[0].qkv, QuantizedLinear):
             kind = "quantized"
         else:
@@ -91,8 +120,6 @@ class LayerStack:
         owners: list[object] = []
         narrow = False
         for layer in layers:
-            if not layer.plain:  # per-head norms and layers without RoPE are the Python loop's
-                return None
             if kind == "quantized":
                 gemms = [getattr(getattr(layer, name), "packed_gemm", None) for name in ("qkv", "o", "gate_up", "down")]
             elif kind == "bf16_panels":
@@ -119,7 +146,7 @@ class LayerStack:
             rows.append([layer.input_norm.data_ptr(), qkv.address, o.address, layer.post_norm.data_ptr(),
                          gate_up.address, down.address, *counts])
             owners.extend([layer.input_norm, qkv, o, layer.post_norm, gate_up, down])
-        return cls(torch.tensor(rows, dtype=torch.int64), owners, c, kind, dtype, narrow)
+        return cls(torch.tensor(rows, dtype=torch.int64), owners, c, kind, dtype, narrow, window)
 
     def run(self, kernels: CpuKernels, h: torch.Tensor, inputs: BatchInputs, plan: PrefillPlan | None,
             pool: torch.Tensor, block_size: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -166,7 +193,7 @@ class LayerStack:
             0 if decode is None else decode.tables.shape[1], nothing if decode is None else decode.lo.data_ptr(),
             nothing if decode is None else decode.hi.data_ptr(), block_size,
             nothing if plan is None else plan.slots.data_ptr(), nothing if plan is None else plan.chunks.data_ptr(),
-            0 if plan is None else plan.chunks.shape[0], c.sliding_window or 0, torch.get_num_threads())
+            0 if plan is None else plan.chunks.shape[0], self._window or 0, torch.get_num_threads())
         if status != 0:
             raise MemoryError("the layer stack's kernels could not allocate their scratch memory")
         return pending

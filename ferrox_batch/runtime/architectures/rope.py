@@ -27,7 +27,7 @@ from collections.abc import Iterable
 import torch
 
 from ferrox_batch.runtime.config import ModelConfig
-from ferrox_batch.runtime.rope_scaling import RopeScaling
+from ferrox_batch.runtime.families.rope_scaling import RopeScaling
 
 
 def inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:

@@ -6,7 +6,7 @@ dequantizes every tensor to fp32 (any type `gguf.quants.dequantize` reads, K-qua
 to its HF name, undoes what llama.cpp did to its values (the Q/K row permutation of the Llama-style
 families, the one added to Gemma's norms), and derives `config.json`, `tokenizer.json`,
 `tokenizer_config.json` and `generation_config.json`. What each architecture stores where is
-`gguf_families`'; the tokenizer is `gguf_tokenizer`'s.
+`runtime.families`'; the tokenizer is `gguf_tokenizer`'s.
 
 Promises: `read_gguf` returns fp32 arrays under HF names with HF shapes, or raises `ModelLoadError`
 (`UnsupportedArchitecture` for an architecture outside `SUPPORTED_GGUF_ARCHITECTURES`) with a message
@@ -24,13 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.errors import ModelLoadError, UnsupportedArchitecture
-from ferrox_batch.runtime.loading.gguf_families import FAMILIES, GgufFamily
+from ferrox_batch.runtime.families.gguf_metadata import GgufFamily
+from ferrox_batch.runtime.families.registry import BY_GGUF_ARCHITECTURE, family_of_model_type
 from ferrox_batch.runtime.loading.gguf_tokenizer import eog_ids, tokenizer_from_metadata
 from ferrox_batch.runtime.quant.formats import BY_GGML_TYPE
 from ferrox_batch.runtime.quant.weight import QuantizedWeight
 
-SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(FAMILIES)
+SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(BY_GGUF_ARCHITECTURE)
 
 # (done, total, tensor or file name): called after each slow step.
 Progress = Callable[[int, int, str], None]
@@ -68,9 +70,9 @@ def read_gguf(path: str | Path, *, progress: Progress | None = None, keep_quanti
     except (IndexError, UnicodeDecodeError, ValueError) as err:
         raise ModelLoadError(f"{path}: unreadable metadata ({err})") from None
     arch = meta.get("general.architecture")
-    if arch not in FAMILIES:
+    if arch not in BY_GGUF_ARCHITECTURE:
         raise UnsupportedArchitecture(str(arch), list(SUPPORTED_GGUF_ARCHITECTURES))
-    family = FAMILIES[arch]
+    family = BY_GGUF_ARCHITECTURE[arch]
     try:
         by_name = {t.name: t for t in reader.tensors}
         config_tensors = {name[:-len(".weight")]: _dequantized(by_name[name]) for name in by_name
@@ -193,7 +195,8 @@ def _tensors(gguf_tensors: list[Any], family: GgufFamily, config: dict[str, Any]
             out[name] = weight
         if progress:
             progress(done, len(weights), name)
-    _check_shapes(out, family.expected_shapes(config))
+    # The tensors the family's layers read at this config (the same specs the decoder builds from).
+    _check_shapes(out, family_of_model_type(family.model_type).tensors(ModelConfig.from_dict(config)))
     return out
 
 

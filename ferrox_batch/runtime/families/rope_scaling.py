@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from ferrox_batch.runtime.errors import ModelLoadError
+from ferrox_batch.runtime.families.errors import ModelLoadError
 
 #: The `rope_type`s this runtime computes (besides plain RoPE: `default`, or no scaling at all).
+__all__ = ["COMMON_KEYS", "ROPE_TYPES", "RopeScaling", "VARIANT_KEYS", "rope_variant", "scaling_of"]
+
 ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
 
 

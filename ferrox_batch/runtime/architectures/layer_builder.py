@@ -1,0 +1,128 @@
+"""A family's `LayerSpec` made into a `Layer`: the one place specs become blocks holding weights.
+
+Each spec kind has its builder (`BUILDERS`); a new kind of mixer or feed-forward block adds its spec (in
+`runtime.families.layer_spec`) and its builder here. Builders take the tensors the spec names from the
+checkpoint (`Take`, which checks shapes and consumes them), ask the linear factory for their linears,
+and make the weights the shape the kernels want: Q/K/V and gate/up fused, each head's dimensions
+reordered where RoPE rotates only part of it, the family's norm offset added to its norms.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, Protocol
+
+import torch
+
+from ferrox_batch.runtime.architectures.attention import HeadShape
+from ferrox_batch.runtime.architectures.attention_mixer import AttentionMixer
+from ferrox_batch.runtime.architectures.gate_up import GateUp
+from ferrox_batch.runtime.architectures.gated_mlp import GatedMlp
+from ferrox_batch.runtime.architectures.layer import Block, Layer
+from ferrox_batch.runtime.architectures.linear import Linear
+from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
+from ferrox_batch.runtime.architectures.rope import reorder_heads, rotary_permutation
+from ferrox_batch.runtime.families.layer_spec import AttentionSpec, GatedMlpSpec, LayerSpec
+from ferrox_batch.runtime.quant.weight import Weight, cat_rows, reorder_rows, split_rows
+
+#: Takes one named tensor of the checkpoint, checking its shape: a 2-D weight may come quantized.
+Take = Callable[[str, tuple[int, ...]], Weight]
+
+
+class LinearMaker(Protocol):
+    """What builds a block's linears in the decoder's weight format (the linear factory)."""
+
+    def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> Linear | QuantizedLinear:
+        """A linear layer of `weight` (and `bias`)."""
+        ...
+
+    def gate_up(self, weight: Weight, activation: str) -> GateUp:
+        """The fused gate/up projection of `weight` (gate rows, then up rows), gated by `activation`."""
+        ...
+
+
+class _Parts:
+    """What a block builder reads with: the checkpoint, the linear maker, the layer's prefix and index, and
+    its norms (the family's offset added)."""
+
+    __slots__ = ("index", "make", "offset", "prefix", "take")
+
+    def __init__(self, take: Take, make: LinearMaker, prefix: str, index: int, offset: float) -> None:
+        self.take, self.make, self.prefix, self.index, self.offset = take, make, prefix, index, offset
+
+    def tensor(self, name: str, shape: tuple[int, ...]) -> Weight:
+        return self.take(self.prefix + name, shape)
+
+    def norm(self, name: str | None, size: int) -> torch.Tensor | None:
+        if name is None:
+            return None
+        weight = self.take(f"{self.prefix}{name}.weight", (size,))
+        assert isinstance(weight, torch.Tensor)
+        return weight + self.offset if self.offset else weight
+
+
+def _attention(spec: AttentionSpec, parts: _Parts) -> AttentionMixer:
+    s = spec
+    q, kv, h, d = s.q_width, s.kv_width, s.hidden, s.head_dim
+    widths = (q, kv, kv) if len(s.projections) == 3 else (q + 2 * kv,)
+    qkv = cat_rows([parts.tensor(f"{name}.weight", (width, h)) for name, width in zip(s.projections, widths)]) \
+        if len(widths) == 3 else parts.tensor(f"{s.projections[0]}.weight", (widths[0], h))
+    bias = None
+    if s.bias:
+        bias = torch.cat([parts.tensor(f"{name}.bias", (width,)) for name, width in zip(s.projections, widths)])
+    rotary = s.rotary_dim or d
+    if rotary < d:
+        # Each query and key head's rotated pairs moved where a full rotation puts them; the RoPE tables
+        # pass the rest through (`rope`).
+        order = rotary_permutation(d, rotary)
+        qs, ks, vs = split_rows(qkv, (q, kv, kv))
+        qkv = cat_rows([reorder_rows(qs, lambda rows: reorder_heads(rows, s.heads, d, order)),
+                        reorder_rows(ks, lambda rows: reorder_heads(rows, s.kv_heads, d, order)), vs])
+        if bias is not None:
+            bias = torch.cat([reorder_heads(bias[:q], s.heads, d, order),
+                              reorder_heads(bias[q:q + kv], s.kv_heads, d, order), bias[q + kv:]])
+    span = d if s.qk_norm_span == "head" else None
+    return AttentionMixer(
+        layer=parts.index,
+        shape=HeadShape(s.heads, s.kv_heads, d, s.scale),
+        qkv=parts.make.linear(qkv, bias),
+        o=parts.make.linear(parts.tensor(f"{s.output}.weight", (h, q)), None),
+        rope=s.rope,
+        window=s.window,
+        q_norm=parts.norm(s.q_norm, span or q),
+        k_norm=parts.norm(s.k_norm, span or kv),
+        qk_norm_span=s.qk_norm_span,
+        out_norm=parts.norm(s.out_norm, h),
+    )
+
+
+def _gated_mlp(spec: GatedMlpSpec, parts: _Parts) -> GatedMlp:
+    s = spec
+    h, ff = s.hidden, s.intermediate
+    if len(s.projections) == 2:
+        weight = cat_rows([parts.tensor(f"{name}.weight", (ff, h)) for name in s.projections])
+    else:
+        weight = parts.tensor(f"{s.projections[0]}.weight", (2 * ff, h))
+    return GatedMlp(gate_up=parts.make.gate_up(weight, s.activation),
+                    down=parts.make.linear(parts.tensor(f"{s.down}.weight", (h, ff)), None),
+                    out_norm=parts.norm(s.out_norm, h))
+
+
+#: Each spec kind's builder.
+BUILDERS: Mapping[type, Callable[[Any, _Parts], Block]] = MappingProxyType({
+    AttentionSpec: _attention,
+    GatedMlpSpec: _gated_mlp,
+})
+
+
+def build_layer(spec: LayerSpec, index: int, take: Take, make: LinearMaker, norm_offset: float = 0.0) -> Layer:
+    """Layer `index` from its spec (`norm_offset`: the family's, added to every norm it reads)."""
+    parts = _Parts(take, make, spec.prefix, index, norm_offset)
+    return Layer(
+        mixer=BUILDERS[type(spec.mixer)](spec.mixer, parts),
+        ffn=BUILDERS[type(spec.ffn)](spec.ffn, parts),
+        input_norm=parts.norm(spec.input_norm, spec.hidden),
+        post_norm=parts.norm(spec.post_norm, spec.hidden),
+        residual_scale=spec.residual_scale,
+    )

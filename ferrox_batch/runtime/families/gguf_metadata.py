@@ -1,0 +1,182 @@
+"""How llama.cpp writes a family as GGUF, and the metadata reading every family shares.
+
+llama.cpp's converter gives every family its metadata under its own prefix (`qwen3.embedding_length`),
+its tensors llama.cpp's names (`blk.0.attn_q_norm`), and a few value changes: some families have their Q/K
+rows permuted, Gemma's RMSNorm weights are stored with the one its norm adds already added, longrope
+factors are tensors of their own, and what llama.cpp hardcodes rather than stores is not in the file at all.
+A family module states its own facts as one `GgufFamily` (its architecture name, its layer tensors' names,
+its extra config fields from the metadata); this module holds the type and what every family shares:
+`Meta` (typed reads under the prefix), `common_config` (the shared fields under llama.cpp's keys) and the
+RoPE scaling keys.
+
+Promises: `GgufFamily.config` returns an HF config dict or raises `ModelLoadError` naming the missing or
+unsupported metadata; `hf_name` maps every tensor name the family writes, and refuses any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from ferrox_batch.runtime.families.errors import ModelLoadError
+
+_REQUIRED = object()
+
+#: Tensors outside the layers, llama.cpp's name -> the HF one.
+GLOBAL_TENSORS: Mapping[str, str] = MappingProxyType({
+    "token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"})
+
+#: The Llama layer's tensors, llama.cpp's name -> the HF module name after `model.layers.{i}.`.
+LLAMA_LAYER: Mapping[str, str] = MappingProxyType({
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+})
+#: The norms on queries and keys, where a family has them.
+QK_NORMS: Mapping[str, str] = MappingProxyType({"attn_q_norm": "self_attn.q_norm",
+                                                 "attn_k_norm": "self_attn.k_norm"})
+
+
+@dataclass(frozen=True, slots=True)
+class Meta:
+    """A file's metadata, read under its architecture's prefix (`key("embedding_length")`)."""
+
+    values: Mapping[str, Any]
+    arch: str
+
+    def key(self, name: str, default: Any = _REQUIRED) -> Any:
+        value = self.values.get(f"{self.arch}.{name}")
+        if value is None:
+            if default is _REQUIRED:
+                raise ModelLoadError(f"metadata key {self.arch}.{name} is missing")
+            return default
+        return value
+
+    def integer(self, name: str, default: Any = _REQUIRED) -> int:
+        value = self.key(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise ModelLoadError(f"metadata key {self.arch}.{name} must be an integer, got {value!r}")
+        return int(value)
+
+    def number(self, name: str, default: Any = _REQUIRED) -> float:
+        value = self.key(name, default)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ModelLoadError(f"metadata key {self.arch}.{name} must be a number, got {value!r}")
+        return float(str(np.float32(value)))  # the shortest decimal of a float32 (1e-05, not 9.99e-06)
+
+
+#: Global tensors a family turns into config fields (Phi-3's longrope factors), by name, dequantized.
+ConfigTensors = Mapping[str, np.ndarray]
+
+
+@dataclass(frozen=True, slots=True)
+class GgufFamily:
+    """One `general.architecture` llama.cpp writes, and the HF checkpoint it came from."""
+
+    arch: str
+    hf_architecture: str
+    model_type: str
+    #: llama.cpp's per-layer tensor name -> the HF module name after `model.layers.{i}.`.
+    layer_tensors: Mapping[str, str]
+    #: Extra config fields for this family, from the metadata (and any `config_tensors`).
+    extra: Callable[[Meta, dict[str, Any], ConfigTensors], dict[str, Any]]
+    #: Q/K rows were reordered by llama.cpp's Llama permutation (each head's rotary halves interleaved).
+    permuted_qk: bool = False
+    #: What llama.cpp added to every RMSNorm weight (Gemma stores `1 + weight`); subtracted back here.
+    norm_offset: float = 0.0
+    #: Layer tensors that may carry a `.bias` (Qwen2's Q/K/V).
+    biased: frozenset[str] = frozenset()
+    #: Global tensors that hold config, not weights.
+    config_tensors: frozenset[str] = frozenset()
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        """The HF name of a weight tensor (None for a config tensor); ModelLoadError for an unknown one."""
+        parts = gguf_name.split(".")
+        if len(parts) == 2 and parts[1] == "weight" and parts[0] in self.config_tensors:
+            return None
+        if len(parts) == 2 and parts[1] == "weight" and parts[0] in GLOBAL_TENSORS:
+            return f"{GLOBAL_TENSORS[parts[0]]}.weight"
+        if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in self.layer_tensors
+                and (parts[3] == "weight" or (parts[3] == "bias" and parts[2] in self.biased))):
+            return f"model.layers.{int(parts[1])}.{self.layer_tensors[parts[2]]}.{parts[3]}"
+        raise ModelLoadError(f"unexpected tensor {gguf_name!r} for a {self.arch} model")
+
+    def is_norm(self, gguf_name: str) -> bool:
+        return gguf_name.split(".")[-2].endswith("norm")
+
+    def config(self, values: Mapping[str, Any], tensor_names: set[str], tensors: ConfigTensors) -> dict[str, Any]:
+        """The HF `config.json` of the checkpoint this file was converted from."""
+        meta = Meta(values, self.arch)
+        config = common_config(meta, self, tensor_names)
+        held = max((int(name.split(".")[1]) for name in tensor_names
+                    if name.startswith("blk.") and name.split(".")[1].isdigit()), default=-1) + 1
+        if config["num_hidden_layers"] != held:  # checked before anything is built per layer
+            raise ModelLoadError(f"metadata key {self.arch}.block_count is {config['num_hidden_layers']} but the "
+                                 f"file's tensors hold {held} layers")
+        if self.biased:  # Qwen2's biases: present on every layer or none (the shape check holds them to it)
+            config["attention_bias"] = any(f"blk.0.{short}.bias" in tensor_names for short in self.biased)
+        config.update(self.extra(meta, config, tensors))
+        return config
+
+
+def common_config(meta: Meta, family: GgufFamily, tensor_names: set[str]) -> dict[str, Any]:
+    """The fields every family shares, under llama.cpp's keys."""
+    hidden, heads = meta.integer("embedding_length"), meta.integer("attention.head_count")
+    if heads <= 0 or hidden <= 0:
+        raise ModelLoadError(f"{meta.arch}.embedding_length and attention.head_count must be positive")
+    head_dim = meta.integer("attention.key_length", hidden // heads)
+    if meta.integer("attention.value_length", head_dim) != head_dim:
+        raise ModelLoadError("attention.value_length differs from key_length: not a model this runtime runs")
+    if "rope_freqs.weight" in tensor_names:
+        raise ModelLoadError("rope_freqs (llama3-style frequency factors) is not supported by the converter")
+    return {
+        "architectures": [family.hf_architecture],
+        "model_type": family.model_type,
+        "hidden_size": hidden,
+        "intermediate_size": meta.integer("feed_forward_length"),
+        "num_hidden_layers": meta.integer("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": meta.integer("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": meta.integer("context_length"),
+        "rms_norm_eps": meta.number("attention.layer_norm_rms_epsilon", 1e-5),
+        "rope_theta": meta.number("rope.freq_base", 10000.0),
+        "rope_scaling": rope_scaling(meta),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        # llama.cpp writes no output.weight when the head reuses the embedding.
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "torch_dtype": "float32",
+    }
+
+
+def rope_scaling(meta: Meta) -> dict[str, Any] | None:
+    """`{arch}.rope.scaling.*` as HF's `rope_scaling` (linear and yarn; none is plain RoPE)."""
+    kind = meta.key("rope.scaling.type", "none")
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": meta.number("rope.scaling.factor")}
+    if kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": meta.number("rope.scaling.factor"),
+                   "original_max_position_embeddings": meta.integer("rope.scaling.original_context_length")}
+        for name in ("beta_fast", "beta_slow"):
+            if meta.key(f"rope.scaling.yarn_{name}", None) is not None:
+                scaling[name] = meta.number(f"rope.scaling.yarn_{name}")
+        return scaling
+    raise ModelLoadError(f"rope scaling {kind!r} is not supported by the converter (supported: linear, yarn)")
+
+
+def full_rotary(meta: Meta, config: dict[str, Any]) -> None:
+    rotary = meta.integer("rope.dimension_count", config["head_dim"])
+    if rotary != config["head_dim"]:
+        raise ModelLoadError(f"partial rotary embeddings ({rotary} of {config['head_dim']}) are only "
+                             f"supported for phi3")

@@ -1,0 +1,143 @@
+"""What one decoder layer is made of, as data: which shared blocks, over which of the checkpoint's tensors.
+
+A family module says how its layer `i` is built by returning a `LayerSpec`: a mixer (today attention, with
+its projections fused or not, biases, per-head or whole-projection norms on its queries and keys, its RoPE
+kind, window and scale, a norm on its output) and a feed-forward block (today the gated MLP), the norms
+before each, and a multiplier on what each adds to the residual stream. The runtime turns a spec into the
+blocks that hold and run the weights (`runtime.architectures.layer_builder`); the GGUF reader and the test
+fixtures read the same spec for the tensors a checkpoint must hold (`tensors`), so no family's tensor names
+or shapes are written down twice.
+
+A new kind of mixer or feed-forward block is a new spec class here and a builder for it there. These are
+torch-free values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+#: Where a norm on the queries and keys reaches: each head over its `head_dim` (Qwen3, Gemma 3), or the
+#: whole projection at once (OLMo 2).
+QkNormSpan = Literal["head", "projection"]
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionSpec:
+    """Attention over the paged KV cache. Tensor names follow the layer's prefix (`self_attn.q_proj`)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    #: The Q, K and V projections' names, in that order, or one name holding the three stacked (Phi-3).
+    projections: tuple[str, ...]
+    output: str
+    #: Scores are multiplied by this before the softmax.
+    scale: float
+    #: Which RoPE tables the layer rotates by: "global", "local" (the windowed layers' own base) or "none".
+    rope: str = "global"
+    #: How many of each head's dimensions RoPE rotates (the rest pass through); None: all of them.
+    rotary_dim: int | None = None
+    #: The last positions the layer attends over, itself included; None: every position.
+    window: int | None = None
+    #: The projections carry biases (`<name>.bias`).
+    bias: bool = False
+    #: RMSNorm weights on the queries and keys before RoPE, and how far each reaches.
+    q_norm: str | None = None
+    k_norm: str | None = None
+    qk_norm_span: QkNormSpan = "head"
+    #: An RMSNorm on the attention's output, before it joins the residual stream (Gemma 3, OLMo 2).
+    out_norm: str | None = None
+
+    @property
+    def q_width(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_width(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        q, kv, h = self.q_width, self.kv_width, self.hidden
+        out: dict[str, tuple[int, ...]] = {}
+        widths = (q, kv, kv) if len(self.projections) == 3 else (q + 2 * kv,)
+        for name, width in zip(self.projections, widths, strict=True):
+            out[f"{name}.weight"] = (width, h)
+            if self.bias:
+                out[f"{name}.bias"] = (width,)
+        out[f"{self.output}.weight"] = (h, q)
+        span = self.head_dim if self.qk_norm_span == "head" else None
+        if self.q_norm is not None:
+            out[f"{self.q_norm}.weight"] = (span or q,)
+        if self.k_norm is not None:
+            out[f"{self.k_norm}.weight"] = (span or kv,)
+        if self.out_norm is not None:
+            out[f"{self.out_norm}.weight"] = (h,)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class GatedMlpSpec:
+    """The gated MLP: `down(act(gate(x)) * up(x))`."""
+
+    hidden: int
+    intermediate: int
+    #: The gate and up projections' names, in that order, or one name holding both stacked (Phi-3).
+    projections: tuple[str, ...]
+    down: str
+    #: The gate's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU).
+    activation: str = "silu"
+    #: An RMSNorm on the MLP's output, before it joins the residual stream (Gemma 3, OLMo 2).
+    out_norm: str | None = None
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        h, ff = self.hidden, self.intermediate
+        rows = (ff, ff) if len(self.projections) == 2 else (2 * ff,)
+        out: dict[str, tuple[int, ...]] = {f"{name}.weight": (width, h)
+                                           for name, width in zip(self.projections, rows, strict=True)}
+        out[f"{self.down}.weight"] = (h, ff)
+        if self.out_norm is not None:
+            out[f"{self.out_norm}.weight"] = (h,)
+        return out
+
+
+class BlockSpec(Protocol):
+    """A mixer's or a feed-forward block's spec: the tensors it reads, after the layer's prefix."""
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        """Each tensor's name and shape."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One decoder layer: `h += scale * mixer(norm(h))`, then `h += scale * ffn(norm(h))`."""
+
+    #: What every tensor name of the layer starts with (`model.layers.3.`).
+    prefix: str
+    hidden: int
+    mixer: AttentionSpec
+    ffn: GatedMlpSpec
+    #: The RMSNorm before the mixer; None where the mixer reads the residual stream itself (OLMo 2).
+    input_norm: str | None = "input_layernorm"
+    #: The RMSNorm before the feed-forward block; None where it reads the residual stream itself.
+    post_norm: str | None = "post_attention_layernorm"
+    #: What each block's output is multiplied by before it joins the residual stream (Granite); None: 1.
+    residual_scale: float | None = None
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the layer, by its full name, at its shape in the checkpoint."""
+        out: dict[str, tuple[int, ...]] = {}
+        for norm in (self.input_norm, self.post_norm):
+            if norm is not None:
+                out[f"{norm}.weight"] = (self.hidden,)
+        out.update(self.mixer.tensors())
+        out.update(self.ffn.tensors())
+        return {self.prefix + name: shape for name, shape in out.items()}
+
+    def norm_names(self) -> tuple[str, ...]:
+        """The full names of the layer's RMSNorm weights (what a family's norm offset applies to)."""
+        names = [self.input_norm, self.post_norm, self.mixer.q_norm, self.mixer.k_norm, self.mixer.out_norm,
+                 self.ffn.out_norm]
+        return tuple(f"{self.prefix}{name}.weight" for name in names if name is not None)

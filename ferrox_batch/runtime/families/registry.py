@@ -1,0 +1,61 @@
+"""The families the runtime runs: the one list a new family is added to.
+
+Everything that must know a checkpoint's family asks here, by what it has in hand: a config's
+`architectures` or `model_type`, or a GGUF file's `general.architecture`. Anything no family claims is an
+`UnsupportedArchitecture` that lists the ones supported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from ferrox_batch.runtime.families import gemma3, llama, mistral, phi3, qwen2, qwen3, smollm3
+from ferrox_batch.runtime.families.errors import UnsupportedArchitecture
+from ferrox_batch.runtime.families.family import Family
+from ferrox_batch.runtime.families.gguf_metadata import GgufFamily
+
+FAMILIES: tuple[Family, ...] = (
+    llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY, gemma3.FAMILY,
+)
+
+#: Hugging Face architecture -> its family.
+BY_ARCHITECTURE: Mapping[str, Family] = MappingProxyType(
+    {name: family for family in FAMILIES for name in family.architectures})
+#: `model_type` -> its family.
+BY_MODEL_TYPE: Mapping[str, Family] = MappingProxyType({family.model_type: family for family in FAMILIES})
+#: llama.cpp's `general.architecture` -> how it writes that family.
+BY_GGUF_ARCHITECTURE: Mapping[str, GgufFamily] = MappingProxyType(
+    {family.gguf.arch: family.gguf for family in FAMILIES if family.gguf is not None})
+
+
+def supported_architectures() -> list[str]:
+    return sorted(BY_ARCHITECTURE)
+
+
+def family_of_architecture(architecture: str) -> Family:
+    """The family of a Hugging Face architecture name (`LlamaForCausalLM`)."""
+    family = BY_ARCHITECTURE.get(architecture)
+    if family is None:
+        raise UnsupportedArchitecture(architecture, supported_architectures())
+    return family
+
+
+def family_of_config(raw: Mapping[str, Any]) -> Family:
+    """The family a `config.json` names: its first `architectures` entry, else its `model_type`."""
+    archs = raw.get("architectures") or []
+    if archs:
+        return family_of_architecture(str(archs[0]))
+    model_type = raw.get("model_type")
+    family = BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
+    if family is None:
+        raise UnsupportedArchitecture(str(model_type), supported_architectures())
+    return family
+
+
+def family_of_model_type(model_type: str) -> Family:
+    family = BY_MODEL_TYPE.get(model_type)
+    if family is None:
+        raise UnsupportedArchitecture(model_type, sorted(BY_MODEL_TYPE))
+    return family
