@@ -1,10 +1,12 @@
-"""Tiny random-weight Llama-family checkpoints, written in the Hugging Face folder layout.
+"""Tiny random-weight checkpoints of any family the runtime runs, written in the Hugging Face folder layout.
 
 Used by the model tests: small enough that a forward is milliseconds, shaped
 like the real thing (GQA, tied or separate embeddings, biases for Qwen2, a
 sliding window for Mistral, llama3 RoPE scaling), with a real byte-level BPE
 tokenizer trained on a few sentences so decode/stop/UTF-8 paths see real
-multi-byte tokens.
+multi-byte tokens. The tensors are what the family's own module reads (the
+package's registry); the config fields each family's tests set are its entry
+in `tiny_families`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,12 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from tiny_families import CONFIGS, FixtureArgs
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from ferrox_batch.runtime.config import ModelConfig
+from ferrox_batch.runtime.families.family import EMBEDDING, FINAL_NORM, LM_HEAD
+from ferrox_batch.runtime.families.registry import family_of_model_type
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML_TEMPLATE = (
@@ -64,6 +71,26 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
+#: The order the fixtures have always drawn a layer's weights in (then anything not named here, in the
+#: family's own order): the embedding, each layer's, the final norm, the output head.
+_DRAW_ORDER = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+               "post_feedforward_layernorm", "self_attn.q_proj.weight", "self_attn.qkv_proj.weight",
+               "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj", "self_attn.q_norm",
+               "self_attn.k_norm", "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+               "mlp.gate_proj", "mlp.gate_up_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def _draw_key(item: tuple[str, tuple[int, ...]]) -> tuple[int, int, int]:
+    name = item[0]
+    if name == EMBEDDING:
+        return (0, 0, 0)
+    if not name.startswith("model.layers."):
+        return (2, int(name == LM_HEAD), 0)
+    layer, rest = name[len("model.layers."):].split(".", 1)
+    rank = next((i for i, part in enumerate(_DRAW_ORDER) if rest.startswith(part)), len(_DRAW_ORDER))
+    return (1, int(layer), rank)
+
+
 def write_tiny_checkpoint(
     folder: Path,
     *,
@@ -88,57 +115,17 @@ def write_tiny_checkpoint(
     query_pre_attn_scalar: float | None = None,
     extra_config: dict[str, Any] | None = None,
 ) -> Path:
-    """`arch` is a `model_type`: llama, qwen2, mistral, qwen3, smollm3, phi3 or gemma3_text. Gemma 3's norms are
-    stored as offsets from one, as its checkpoints store them; Phi-3's projections fused, as its are."""
+    """`arch` is a `model_type` the runtime's family registry knows; its tensors (names, shapes, which are
+    norms, what its norms are offsets from) are that family's, and its config fields beyond the shared ones its
+    entry in `tiny_families.CONFIGS`. Weights are drawn in `_DRAW_ORDER`, so every seed keeps its weights."""
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(vocab_size)
     real_vocab = tok.get_vocab_size()
     head_dim = head_dim or hidden // heads
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * std
-
-    gemma = arch == "gemma3_text"
-    one = 0.0 if gemma else 1.0  # where a norm's weights are centred
-    tensors: dict[str, torch.Tensor] = {"model.embed_tokens.weight": rand(vocab_size, hidden) * 5}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors[p + "input_layernorm.weight"] = one + rand(hidden)
-        tensors[p + "post_attention_layernorm.weight"] = one + rand(hidden)
-        if gemma:
-            tensors[p + "pre_feedforward_layernorm.weight"] = rand(hidden)
-            tensors[p + "post_feedforward_layernorm.weight"] = rand(hidden)
-        tensors[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
-        tensors[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
-        tensors[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
-        tensors[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim)
-        if arch in ("qwen3", "gemma3_text"):
-            tensors[p + "self_attn.q_norm.weight"] = one + rand(head_dim)
-            tensors[p + "self_attn.k_norm.weight"] = one + rand(head_dim)
-        if arch == "qwen2":
-            tensors[p + "self_attn.q_proj.bias"] = rand(heads * head_dim)
-            tensors[p + "self_attn.k_proj.bias"] = rand(kv_heads * head_dim)
-            tensors[p + "self_attn.v_proj.bias"] = rand(kv_heads * head_dim)
-        tensors[p + "mlp.gate_proj.weight"] = rand(intermediate, hidden)
-        tensors[p + "mlp.up_proj.weight"] = rand(intermediate, hidden)
-        tensors[p + "mlp.down_proj.weight"] = rand(hidden, intermediate)
-        if arch == "phi3":
-            tensors[p + "self_attn.qkv_proj.weight"] = torch.cat([tensors.pop(p + f"self_attn.{n}_proj.weight")
-                                                                  for n in "qkv"])
-            tensors[p + "mlp.gate_up_proj.weight"] = torch.cat([tensors.pop(p + f"mlp.{n}_proj.weight")
-                                                                for n in ("gate", "up")])
-    tensors["model.norm.weight"] = one + rand(hidden)
-    if not tie:
-        tensors["lm_head.weight"] = rand(vocab_size, hidden) * 5
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
-
-    architectures = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                     "qwen3": "Qwen3ForCausalLM", "smollm3": "SmolLM3ForCausalLM", "phi3": "Phi3ForCausalLM",
-                     "gemma3_text": "Gemma3ForCausalLM"}
+    family = family_of_model_type(arch)
     eos_id = tok.token_to_id("<|im_end|>")
     config: dict[str, Any] = {
-        "architectures": [architectures[arch]],
+        "architectures": [family.architectures[0]],
         "model_type": arch,
         "vocab_size": vocab_size,
         "hidden_size": hidden,
@@ -158,38 +145,29 @@ def write_tiny_checkpoint(
     }
     if rope_scaling is not None:
         config["rope_scaling"] = rope_scaling
-    if arch == "mistral":
-        config["sliding_window"] = sliding_window
-    if arch in ("qwen2", "qwen3", "smollm3"):
-        config["use_sliding_window"] = False
-        config["sliding_window"] = None
-    if arch in ("qwen3", "smollm3"):
-        config["attention_bias"] = False
-    if arch == "smollm3":
-        config["no_rope_layers"] = no_rope_layers if no_rope_layers is not None else [1] * layers
-        config["pad_token_id"] = tok.token_to_id("<|endoftext|>")  # its default names an id past this vocabulary
-    if arch == "phi3":
-        config["pad_token_id"] = tok.token_to_id("<|endoftext|>")
-        config["sliding_window"] = sliding_window
-        if partial_rotary_factor is not None:
-            config["partial_rotary_factor"] = partial_rotary_factor
-        if rope_scaling is not None and rope_scaling.get("rope_type") == "longrope":
-            config["original_max_position_embeddings"] = rope_scaling["original_max_position_embeddings"]
-    if gemma:
-        config.pop("hidden_act")
-        config.update({
-            "hidden_activation": "gelu_pytorch_tanh",
-            "pad_token_id": tok.token_to_id("<|endoftext|>"),
-            "sliding_window": sliding_window or 8,
-            "layer_types": layer_types or ["sliding_attention"] * (layers - 1) + ["full_attention"],
-            "rope_theta": 1_000_000.0,
-            "rope_local_base_freq": 10_000.0,
-            "query_pre_attn_scalar": query_pre_attn_scalar or head_dim,
-            "rms_norm_eps": 1e-6,
-            "final_logit_softcapping": None,
-            "attn_logit_softcapping": None,
-        })
+    args = FixtureArgs(layers, head_dim, sliding_window, rope_scaling, no_rope_layers, partial_rotary_factor,
+                       layer_types, query_pre_attn_scalar, tok.token_to_id("<|endoftext|>"))
+    for key, value in CONFIGS[arch](args).items():
+        if value is None and key in ("hidden_act",):
+            config.pop(key, None)
+        else:
+            config[key] = value
     config.update(extra_config or {})
+
+    shape = ModelConfig.from_dict(config)
+    specs = family.layers(shape)
+    norms = {name for spec in specs for name in spec.norm_names()} | {FINAL_NORM}
+    centre = 1.0 - family.norm_offset  # where a norm's weights are centred
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, size in sorted(family.tensors(shape).items(), key=_draw_key):
+        value = torch.randn(*size, generator=gen) * std
+        if name in (EMBEDDING, LM_HEAD):
+            value = value * 5
+        elif name in norms and centre:
+            value = centre + value
+        tensors[name] = value
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({

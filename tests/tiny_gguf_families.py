@@ -22,10 +22,13 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file, save_file
+from tiny_families import GGUF_METADATA
 from tiny_gguf import Vocabulary, llama_cpp_permute, stored
 
-ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-         "smollm3": gguf.MODEL_ARCH.SMOLLM3, "phi3": gguf.MODEL_ARCH.PHI3, "gemma3": gguf.MODEL_ARCH.GEMMA3}
+from ferrox_batch.runtime.families.registry import BY_GGUF_ARCHITECTURE
+
+#: gguf-py's architecture enum by llama.cpp's name for it.
+ARCHS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 #: What a Q4_K_M file stores each kind of matrix in; a K-quant falls back to the second type where a row
 #: is not whole 256-value blocks.
 QUANT = {"token_embd": (Q.Q8_0, Q.Q8_0), "output": (Q.Q6_K, Q.BF16), "attn_q": (Q.Q5_0, Q.Q5_0),
@@ -49,7 +52,7 @@ def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, 
     config = json.loads((source / "config.json").read_text())
     hf = load_file(str(source / "model.safetensors"))
     layers, heads, kv_heads = config["num_hidden_layers"], config["num_attention_heads"], config["num_key_value_heads"]
-    hidden, head_dim = config["hidden_size"], config["head_dim"]
+    hidden = config["hidden_size"]
     assert len(vocab.tokens) == hf["model.embed_tokens.weight"].shape[0], "the vocabulary must fill the embedding"
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{arch}.gguf"
@@ -63,12 +66,6 @@ def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, 
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    if arch != "phi3":
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    if arch in ("llama", "smollm3"):
-        writer.add_rope_dimension_count(head_dim)
-        writer.add_vocab_size(config["vocab_size"])
     scaling = config.get("rope_scaling") or {}
     if scaling.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
@@ -77,19 +74,10 @@ def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, 
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
-    if arch == "phi3":
-        rope_dims = int(config.get("partial_rotary_factor", 1.0) * hidden) // heads
-        writer.add_rope_scaling_orig_ctx_len(config.get("original_max_position_embeddings")
-                                             or config["max_position_embeddings"])
-        writer.add_rope_dimension_count(rope_dims)
-        writer.add_sliding_window(config.get("sliding_window") or 0)
-        if scaling.get("rope_type") == "longrope":
-            writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
-            writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
-    if arch == "gemma3":
-        writer.add_sliding_window(config["sliding_window"])
+    GGUF_METADATA[arch](writer, config)
     vocab.write(writer)
 
+    family = BY_GGUF_ARCHITECTURE[arch]
     names = gguf.get_tensor_name_map(ARCHS[arch], layers)
     weights: dict[str, np.ndarray] = {}
     for hf_name in sorted(hf):
@@ -102,12 +90,13 @@ def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, 
         if quantized and value.ndim == 2:
             k_quant, other = QUANT[kind]
             qtype = k_quant if value.shape[1] % 256 == 0 else other
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
-            value = value + np.float32(1)  # what llama.cpp's converter adds to every Gemma norm
+        offset = family.norm_offset and hf_name.endswith("norm.weight")
+        if offset:
+            value = value + np.float32(family.norm_offset)  # what llama.cpp's converter adds to such norms
         data, truth = stored(value, qtype, rng)  # row-wise blocks: the Q/K permutation below commutes with them
-        if arch == "gemma3" and hf_name.endswith("norm.weight"):
-            truth = truth - np.float32(1)
-        if arch in ("llama", "smollm3") and kind in ("attn_q", "attn_k"):
+        if offset:
+            truth = truth - np.float32(family.norm_offset)
+        if family.permuted_qk and kind in ("attn_q", "attn_k"):
             data = llama_cpp_permute(data, heads if kind == "attn_q" else kv_heads)
         weights[hf_name] = truth
         # Float arrays carry their type; quantized ones (BF16 included) are bytes of the type named.

@@ -1,0 +1,119 @@
+"""Each family's test entries: what a tiny checkpoint of it sets in its `config.json`, and what llama.cpp's
+converter writes into a GGUF of it beyond the shared keys.
+
+The fixtures (`tiny_checkpoint`, `tiny_gguf_families`) are otherwise generic: the tensors, their names and
+shapes, the norms' offsets and the Q/K permutation come from the package's family registry. A new family
+adds one entry to each table here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import gguf
+
+
+@dataclass(frozen=True, slots=True)
+class FixtureArgs:
+    """The fixture's arguments a family's config entry may read."""
+
+    layers: int
+    head_dim: int
+    sliding_window: int | None
+    rope_scaling: dict[str, Any] | None
+    no_rope_layers: list[int] | None
+    partial_rotary_factor: float | None
+    layer_types: list[str] | None
+    query_pre_attn_scalar: float | None
+    pad_token_id: int | None
+
+
+def _no_window(args: FixtureArgs) -> dict[str, Any]:
+    return {"use_sliding_window": False, "sliding_window": None}
+
+
+def _smollm3(args: FixtureArgs) -> dict[str, Any]:
+    return {**_no_window(args), "attention_bias": False,
+            "no_rope_layers": args.no_rope_layers if args.no_rope_layers is not None else [1] * args.layers,
+            "pad_token_id": args.pad_token_id}  # its default names an id past this vocabulary
+
+
+def _phi3(args: FixtureArgs) -> dict[str, Any]:
+    out: dict[str, Any] = {"pad_token_id": args.pad_token_id, "sliding_window": args.sliding_window}
+    if args.partial_rotary_factor is not None:
+        out["partial_rotary_factor"] = args.partial_rotary_factor
+    if args.rope_scaling is not None and args.rope_scaling.get("rope_type") == "longrope":
+        out["original_max_position_embeddings"] = args.rope_scaling["original_max_position_embeddings"]
+    return out
+
+
+def _gemma3(args: FixtureArgs) -> dict[str, Any]:
+    return {
+        "hidden_act": None,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "pad_token_id": args.pad_token_id,
+        "sliding_window": args.sliding_window or 8,
+        "layer_types": args.layer_types or ["sliding_attention"] * (args.layers - 1) + ["full_attention"],
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "query_pre_attn_scalar": args.query_pre_attn_scalar or args.head_dim,
+        "rms_norm_eps": 1e-6,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+    }
+
+
+#: model_type -> the config fields its tiny checkpoints set beyond the shared ones (None: drop the field).
+CONFIGS: dict[str, Callable[[FixtureArgs], dict[str, Any]]] = {
+    "llama": lambda args: {},
+    "mistral": lambda args: {"sliding_window": args.sliding_window},
+    "qwen2": _no_window,
+    "qwen3": lambda args: {**_no_window(args), "attention_bias": False},
+    "smollm3": _smollm3,
+    "phi3": _phi3,
+    "gemma3_text": _gemma3,
+}
+
+
+def _rope_dims_and_vocab(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_vocab_size(config["vocab_size"])
+
+
+def _heads(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+
+
+def _phi3_gguf(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    import numpy as np
+
+    scaling = config.get("rope_scaling") or {}
+    rope_dims = int(config.get("partial_rotary_factor", 1.0) * config["hidden_size"]) // config["num_attention_heads"]
+    writer.add_rope_scaling_orig_ctx_len(config.get("original_max_position_embeddings")
+                                         or config["max_position_embeddings"])
+    writer.add_rope_dimension_count(rope_dims)
+    writer.add_sliding_window(config.get("sliding_window") or 0)
+    if scaling.get("rope_type") == "longrope":
+        writer.add_tensor("rope_factors_long.weight", np.array(scaling["long_factor"], dtype=np.float32))
+        writer.add_tensor("rope_factors_short.weight", np.array(scaling["short_factor"], dtype=np.float32))
+
+
+def _gemma3_gguf(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    _heads(writer, config)
+    writer.add_sliding_window(config["sliding_window"])
+
+
+#: llama.cpp's architecture name -> what its converter writes beyond the keys every family gets.
+GGUF_METADATA: dict[str, Callable[[gguf.GGUFWriter, dict[str, Any]], None]] = {
+    "llama": _rope_dims_and_vocab,
+    "qwen2": _heads,
+    "qwen3": _heads,
+    "smollm3": _rope_dims_and_vocab,
+    "phi3": _phi3_gguf,
+    "gemma3": _gemma3_gguf,
+}
