@@ -6,8 +6,9 @@ sequence is admitted (`add_sequence`) and takes them back when it is freed,
 so the ledger and the memory it stands for can never disagree: the ledger's
 arithmetic (`blocks_for`) is the store's arithmetic.
 
-Layout: the layers are split into KV groups of one kind each (`admission.kv_groups`: a model without
-local layers, or whose every layer slides by one window, is one group of all its layers), and one pool
+Layout: the layers are split into KV groups of one cache kind each (`admission.kv_groups`, the kinds from
+each layer's window, `admission.cache_kinds`: a model whose layers are all of one kind, full attention or
+one sliding window, is one group of all its layers), and one pool
 `[group_size, num_blocks * block_size, 2, num_kv_heads, head_dim]` of uniform blocks serves every group:
 a block holds `group_size` layers' K (`[..., 0, ...]`) and V for `block_size` positions, and layer `i`
 reads and writes `kv[index]` (its index within its group) through its group's tables. K and V side by
@@ -24,13 +25,14 @@ With `prefix_cache=True` a sequence adopts the cached blocks of its prompt's
 longest cached prefix instead of computing them, and publishes its own full
 blocks when it is freed (`runtime.kv.block_pool` keeps which block holds what).
 
-A sequence leased with a `WindowPolicy` slides its local groups (`runtime.kv.sliding`): each leases
-the blocks of what it holds at once, gives the pages behind its window back to its own spares before
-each write (its table marks them `RELEASED`) and writes its new positions into them, so it may write far
-more positions than it holds; its global groups hold every position. Its pages are recycled in place, so
-it adopts and publishes nothing. Every write goes through `before_write`, which slides and installs
-pages, or refuses a write past an ordinary lease. Each group's lease takes exactly what
-`admission.kv_groups.GroupPricing` priced it at, so the ledger equals the store.
+A sequence leased with a `WindowPolicy` slides the groups whose kind slides by it (`runtime.kv.sliding`):
+each leases the blocks of what it holds at once, gives the pages behind its window back to its own spares
+before each write (its table marks them `RELEASED`) and writes its new positions into them, so it may write
+far more positions than it holds; its full-attention groups hold every position. Its pages are recycled in
+place, so it adopts and publishes nothing. Every write goes through `before_write`, which slides and
+installs pages, or refuses a write past an ordinary lease. Each group's lease takes exactly what
+`admission.kv_groups.GroupPricing` priced it at (`cache_kinds.lease_blocks`, the one rule both use), so
+the ledger equals the store.
 
 The store is not thread-safe: only the worker thread (or a single test
 thread) drives it.
@@ -43,8 +45,9 @@ from typing import Hashable, Sequence
 
 import torch
 
+from ferrox_batch.admission.cache_kinds import FULL_ATTENTION, SLIDING_WINDOW, layer_kind, lease_blocks
 from ferrox_batch.admission.kv import KvElem, KvShape
-from ferrox_batch.admission.kv_groups import KvGroups, group_blocks
+from ferrox_batch.admission.kv_groups import KvGroups
 from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.kv.block_pool import BlockAllocator, BlockPool, BlockPoolExhausted, block_keys
@@ -55,8 +58,8 @@ __all__ = ["BlockAllocator", "BlockPoolExhausted", "PagedKvConfig", "PagedKvStor
 
 
 def model_groups(config: ModelConfig) -> KvGroups:
-    """The KV groups of `config`'s layers: local where the layer attends over a window."""
-    return KvGroups.of([config.window(layer) is not None for layer in range(config.num_layers)])
+    """The KV groups of `config`'s layers, each of the kind its window makes it (`cache_kinds.layer_kind`)."""
+    return KvGroups.of([layer_kind(config.window(layer)) for layer in range(config.num_layers)])
 
 
 class PagedKvStore:
@@ -86,9 +89,13 @@ class PagedKvStore:
         # 6.5 ms per admitted 1,088-position request (SmolLM2 bf16), 42 ms at 8,192.
         self.kv = torch.empty(shape, device=self.device, dtype=dtype)
         self._seqs: dict[Hashable, SeqKv] = {}
-        # Blocks the live sequences' global and local groups reference, each counted once: plain ints, so
-        # another thread may read them (`blocks_by_kind`) while the worker drives the store.
-        self._held = [0, 0]
+        # Blocks the live sequences' groups reference, each counted once, per kind label (`_label[k]` is
+        # group k's index in `_labels`): plain ints in a list that never changes size, so another thread
+        # may read them (`blocks_by_label`, `blocks_by_kind`) while the worker drives the store.
+        self._labels = tuple(dict.fromkeys((FULL_ATTENTION, SLIDING_WINDOW,
+                                            *(kind.label for kind in self.groups.kinds))))
+        self._label = tuple(self._labels.index(kind.label) for kind in self.groups.kinds)
+        self._held = [0] * len(self._labels)
 
     @staticmethod
     def kv_shape(config: ModelConfig, dtype: torch.dtype) -> KvShape:
@@ -144,8 +151,13 @@ class PagedKvStore:
         return self.pool.num_free
 
     def blocks_by_kind(self) -> tuple[int, int]:
-        """`(blocks the global groups reference, blocks the local groups reference)`, each once."""
+        """`(blocks the global groups reference, blocks the local groups reference)`, each once: the
+        full-attention and the sliding-window groups' (`blocks_by_label`)."""
         return self._held[0], self._held[1]
+
+    def blocks_by_label(self) -> dict[str, int]:
+        """Blocks each cache kind's groups reference (by its label, 0 where none), each once."""
+        return dict(zip(self._labels, self._held))
 
     def _keys(self, tokens: Sequence[int], salt: str | None, group: int, limit: int) -> list[bytes]:
         # Each group caches in its own namespace (the same tokens are other layers' K/V there); a store of
@@ -181,7 +193,8 @@ class PagedKvStore:
         `max_positions`). Without a `window` so does every other group; with the prefix cache, the leading
         blocks of `prefix` cached in every group (in the namespace `salt`) are adopted instead of leased
         fresh: the sequence starts with them written (`length`). With a `window` (pages of this store's
-        block size) the local groups slide and lease `blocks_for(max_positions)`, what each holds at once;
+        block size) the groups whose kind slides by it (the local groups) slide and lease
+        `blocks_for(max_positions)`, what each holds at once;
         such a sequence adopts nothing (a `prefix` is an error). The blocks are what
         `GroupPricing.blocks` prices; all of them are returned, in group order.
         """
@@ -196,14 +209,15 @@ class PagedKvStore:
         held = max_positions if window is not None else positions
         adopted = self._matches(prefix, salt)
         groups: list[GroupTable] = []
-        counts = [0, 0]
+        counts = [0] * len(self._held)
         try:
-            for group, local in enumerate(self.groups.local):
-                needed = group_blocks(local, positions, held, self.block_size)
+            for group, kind in enumerate(self.groups.kinds):
+                needed = lease_blocks(kind, window, positions, held, self.block_size)
                 new_refs = self.pool.unreferenced(adopted[group]) + max(0, needed - len(adopted[group]))
                 blocks = self.pool.acquire(adopted[group], max(0, needed - len(adopted[group])))
-                counts[int(local)] += new_refs
-                sliding = SlidingPages(window, spare=blocks[::-1]) if local and window is not None else None
+                counts[self._label[group]] += new_refs
+                slides = window is not None and kind.slides_by(window)
+                sliding = SlidingPages(window, spare=blocks[::-1]) if slides else None
                 groups.append(GroupTable(blocks, torch.empty(0, dtype=torch.long), sliding))
                 groups[-1].table = torch.tensor(blocks if sliding is None else [], dtype=torch.long,
                                                 device=self.device)
@@ -214,15 +228,16 @@ class PagedKvStore:
         capacity = len(groups[0].blocks) * self.block_size if groups[0].sliding is None else positions
         run = len(adopted[0])
         self._seqs[seq_id] = SeqKv(groups, capacity, run * self.block_size, salt)
-        self._held[0] += counts[0]
-        self._held[1] += counts[1]
+        for index, count in enumerate(counts):
+            self._held[index] += count
         return list(self._seqs[seq_id].blocks)
 
     def _check_window(self, window: WindowPolicy, prefix: Sequence[int]) -> None:
         if window.page_size != self.block_size:
             raise ValueError(f"a sliding lease's pages ({window.page_size} positions) must be this store's "
                              f"blocks ({self.block_size})")
-        if not self.groups.local_groups or window.sliding_window != self.config.sliding_window:
+        slides = any(kind.slides_by(window) for kind in self.groups.kinds)
+        if not slides or window.sliding_window != self.config.sliding_window:
             # A layer that looked further back would read the pages it gives back.
             raise ValueError(f"a lease slides only by the window its local layers slide by "
                              f"({self.config.sliding_window if self.groups.local_groups else None}), "
@@ -255,9 +270,9 @@ class PagedKvStore:
         if seq is None:
             raise KeyError(f"sequence {seq_id!r} holds no KV blocks")
         returned = 0
-        for group, local in zip(seq.groups, self.groups.local):
+        for group, label in zip(seq.groups, self._label):
             back = self.pool.release(group.blocks)
-            self._held[int(local)] -= back
+            self._held[label] -= back
             returned += back
         return returned
 
