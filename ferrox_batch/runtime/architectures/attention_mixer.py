@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ferrox_batch.admission.cache_kinds import CacheKind, layer_kind
 from ferrox_batch.runtime.architectures.attention import HeadShape, attend_decode, attend_prefill
 from ferrox_batch.runtime.architectures.forward_context import ForwardContext
 from ferrox_batch.runtime.architectures.gate_up import GateUp
@@ -43,6 +44,12 @@ class AttentionMixer:
         its head size): what the C layer stack runs."""
         return (self.q_norm is None and self.k_norm is None and self.out_norm is None and self.rope == "global"
                 and self.shape.attention_scale == self.shape.head_dim ** -0.5)
+
+    @property
+    def cache_kind(self) -> CacheKind:
+        """What its KV cache keeps per sequence: every position, or its window's (`store.groups` are built
+        from the same rule)."""
+        return layer_kind(self.window)
 
     def linears(self) -> list[Linear | QuantizedLinear | GateUp]:
         return [self.qkv, self.o]
