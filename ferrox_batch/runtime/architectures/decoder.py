@@ -39,19 +39,16 @@ from collections.abc import Sequence
 
 import torch
 
-from ferrox_batch.runtime.architectures.embedding import Embedding
+from ferrox_batch.runtime.architectures.checkpoint_taker import CheckpointTaker
 from ferrox_batch.runtime.architectures.forward_context import ForwardContext
 from ferrox_batch.runtime.architectures.gate_up import GateUp
 from ferrox_batch.runtime.architectures.layer import Layer
 from ferrox_batch.runtime.architectures.layer_builder import build_layer
 from ferrox_batch.runtime.architectures.layer_stack import LayerStack
-from ferrox_batch.runtime.architectures.linear import BATCH_INVARIANT_KINDS, Linear
+from ferrox_batch.runtime.architectures.linear import Linear
+from ferrox_batch.runtime.architectures.linear_factory import LinearFactory
 from ferrox_batch.runtime.architectures.norms import add_norm
-from ferrox_batch.runtime.architectures.quantized_linear import (
-    QuantizedLinear,
-    formats_that_run,
-    is_quantized_kind,
-)
+from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear, is_quantized_kind
 from ferrox_batch.runtime.architectures.rope import RopeTables
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
@@ -62,8 +59,7 @@ from ferrox_batch.runtime.kv.batch_inputs import SeqChunk, build_group_inputs
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
 from ferrox_batch.runtime.quant.formats import QuantFormat
-from ferrox_batch.runtime.quant.quantize import quantizable, quantize
-from ferrox_batch.runtime.quant.weight import QuantizedWeight, Weight
+from ferrox_batch.runtime.quant.weight import Weight
 
 
 class Decoder:
@@ -110,16 +106,14 @@ class Decoder:
         self.weights_format = weights_format
         self.kernels = self.kernels_for(self.device, dtype)
         self.int8_activations = int8_activations
-        self._prefer_invariant = batch_invariant
-        self._narrow_panels = narrow_panels
-        runs = formats_that_run(self.kernels, dtype, int8_activations) if keep_quantized or quantize_to is not None else frozenset()
-        if quantize_to is not None and quantize_to.name not in runs:
-            raise ModelLoadError(f"weights cannot be served in {quantize_to.name} here: the quantized kernels run on "
-                                 f"the CPU with float32 or bf16 activations, and "
-                                 f"{'did not build' if self.kernels is None else 'did not pass their check'}")
-        take = _Taker(weights, self.device, dtype, runs if keep_quantized else frozenset(), quantize_to)
-        self.embed = Embedding(take("model.embed_tokens.weight", (config.vocab_size, config.hidden_size)), dtype,
-                               self.kernels, int8_activations)
+        #: Every linear layer's (and the embedding's) kernel and weight format: the one place they are chosen.
+        self.linear_factory = LinearFactory.build(
+            device=self.device, dtype=dtype, kernels=self.kernels, weights_format=weights_format,
+            keep_quantized=keep_quantized, quantize_to=quantize_to, int8_activations=int8_activations,
+            batch_invariant=batch_invariant, narrow_panels=narrow_panels)
+        take = CheckpointTaker(weights, self.linear_factory.prepare)
+        self.embed = self.linear_factory.embedding(take("model.embed_tokens.weight",
+                                                        (config.vocab_size, config.hidden_size)))
         #: Whether the output head multiplies by the embedding's own weight (a packed head still owns its packing).
         self.lm_head_tied = config.tie_word_embeddings and "lm_head.weight" not in weights
         # The head is one call from Python whatever the step: it keeps one copy of its weight.
@@ -129,8 +123,7 @@ class Decoder:
             self.lm_head = self._linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)), narrow=False)
         family = config.family_spec
         self.final_norm = take("model.norm.weight", (config.hidden_size,)) + family.norm_offset
-        linears = _Linears(self, batch_invariant, narrow_panels)
-        self.layers: list[Layer] = [build_layer(spec, i, take, linears, family.norm_offset)
+        self.layers: list[Layer] = [build_layer(spec, i, take, self.linear_factory, family.norm_offset)
                                     for i, spec in enumerate(family.layers(config))]
         unused = set(weights) - {"lm_head.weight"}
         unused = {n for n in unused if not n.endswith("rotary_emb.inv_freq")}
@@ -165,11 +158,7 @@ class Decoder:
 
     def _linear(self, weight: Weight | PackedQuant, bias: torch.Tensor | None = None, *,
                 keep_weight: bool = False, narrow: bool = True) -> Linear | QuantizedLinear:
-        if isinstance(weight, (QuantizedWeight, PackedQuant)):
-            assert self.kernels is not None  # `_Taker` keeps weights quantized only where they run
-            return QuantizedLinear(weight, bias, self.kernels, self.int8_activations)
-        return Linear(weight, bias, keep_weight=keep_weight, weights=self.weights_format, kernels=self.kernels,
-                      batch_invariant=self._prefer_invariant, narrow_panels=narrow and self._narrow_panels)
+        return self.linear_factory.linear(weight, bias, keep_weight=keep_weight, narrow=narrow)
 
     def _linears(self) -> list[Linear | QuantizedLinear | GateUp]:
         return [self.lm_head, *(linear for layer in self.layers for linear in layer.linears())]
@@ -211,10 +200,7 @@ class Decoder:
         input row alone: ours for fp16 or bf16 weights, or the int8 quantized kernel. The decoder's other
         kernels are row-wise already (norms, RoPE, attention over each sequence's own keys), so each request's
         logits are then the same alone or batched."""
-        if self.device.type != "cpu" or self.kernels is None:
-            return False
-        return all(linear.kind in BATCH_INVARIANT_KINDS or (is_quantized_kind(linear.kind) and self.int8_activations)
-                   for linear in self._linears())
+        return self.linear_factory.batch_invariant_over(linear.kind for linear in self._linears())
 
     @property
     def vocab_size(self) -> int:
@@ -331,51 +317,3 @@ class Decoder:
             return logits, [], pooled
         sizes = [len(chunks[i].tokens) for i in every]
         return logits[: len(chunks)], list(logits[len(chunks):].split(sizes)), pooled
-
-class _Linears:
-    """The decoder's linear layers for the layer builder, in its weight format."""
-
-    __slots__ = ("_batch_invariant", "_decoder", "_narrow_panels")
-
-    def __init__(self, decoder: Decoder, batch_invariant: bool, narrow_panels: bool) -> None:
-        self._decoder, self._batch_invariant, self._narrow_panels = decoder, batch_invariant, narrow_panels
-
-    def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> Linear | QuantizedLinear:
-        return self._decoder._linear(weight, bias)
-
-    def gate_up(self, weight: Weight, activation: str) -> GateUp:
-        d = self._decoder
-        return GateUp(weight, weights=d.weights_format, kernels=d.kernels, activation=activation,
-                      int8_activations=d.int8_activations, batch_invariant=self._batch_invariant,
-                      narrow_panels=self._narrow_panels)
-
-
-class _Taker:
-    """Takes named tensors out of a checkpoint (consuming the dict), checking their shapes.
-
-    A quantized weight whose formats are all in `keep` is handed on as stored; any other is widened to the
-    decoder's dtype. With `quantize_to`, every 2-D weight not kept as stored (the linears and the embedding;
-    norms and biases are 1-D) is quantized to that format from its float32 values."""
-
-    def __init__(self, weights: dict[str, Weight], device: torch.device, dtype: torch.dtype,
-                 keep: frozenset[str] = frozenset(), quantize_to: QuantFormat | None = None) -> None:
-        self.weights = weights
-        self.device = device
-        self.dtype = dtype
-        self.keep = keep
-        self.quantize_to = quantize_to
-
-    def __call__(self, name: str, shape: tuple[int, ...]) -> Weight:
-        # Popped, so the checkpoint's copy can be freed as soon as ours exists (peak memory at load).
-        tensor = self.weights.pop(name, None)
-        if tensor is None:
-            raise ModelLoadError(f"checkpoint is missing the tensor {name!r}")
-        if tuple(tensor.shape) != shape:
-            raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-        if isinstance(tensor, QuantizedWeight):
-            if set(tensor.format_names) <= self.keep:
-                return tensor
-            tensor = tensor.dequantize()
-        if self.quantize_to is not None and len(shape) == 2 and quantizable(tensor, self.quantize_to):
-            return quantize(tensor, self.quantize_to)
-        return tensor.to(device=self.device, dtype=self.dtype).contiguous()

@@ -41,6 +41,9 @@ class QuantizedLinear:
 
     def __init__(self, weight: QuantizedWeight | PackedQuant, bias: torch.Tensor | None, kernels: CpuKernels,
                  int8_activations: bool = True) -> None:
+        if isinstance(weight, QuantizedWeight) and weight.experts is not None:
+            raise ValueError(f"a quantized linear takes one expert's weight (`QuantizedWeight.expert`); got "
+                             f"{weight.shape} stacked")
         #: What the layer holds: the packing, or the file's blocks.
         self.stored: PackedQuant | QuantizedWeight
         if int8_activations:
@@ -82,8 +85,19 @@ class QuantizedLinear:
 
 
 def pack(weight: QuantizedWeight, kernels: CpuKernels) -> PackedQuant:
-    """`weight`'s segments repacked for the int8 kernel (the caller drops `weight`: one copy is held)."""
+    """`weight`'s segments repacked for the int8 kernel (the caller drops `weight`: one copy is held). A
+    stacked weight is packed expert by expert (`pack_experts`)."""
+    if weight.experts is not None:
+        raise ValueError(f"the int8 kernel packs one expert's weight at a time; got {weight.shape} stacked")
     return kernels.pack_quant([(s.format, s.data) for s in weight.segments], weight.cols)
+
+
+def pack_experts(weight: QuantizedWeight, kernels: CpuKernels) -> tuple[PackedQuant, ...]:
+    """A stacked `[experts, rows, cols]` weight repacked for the int8 kernel, one packing per expert, each
+    read straight from its slice of the stacked blocks."""
+    if weight.experts is None:
+        raise ValueError(f"a {weight.shape} weight stacks no experts; pack it with `pack`")
+    return tuple(pack(weight.expert(e), kernels) for e in range(weight.experts))
 
 
 def is_quantized_kind(kind: str) -> bool:

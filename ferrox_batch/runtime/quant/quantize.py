@@ -23,12 +23,14 @@ LOAD_FORMATS: tuple[str, ...] = ("q8_0", "q4_0", "q4_1", "q5_0")
 
 
 def quantizable(weight: torch.Tensor, fmt: QuantFormat) -> bool:
-    """Whether `weight` (2-D) can be stored in `fmt`: its rows a whole number of blocks."""
-    return weight.dim() == 2 and weight.shape[1] > 0 and weight.shape[1] % fmt.block_elems == 0
+    """Whether `weight` (2-D, or 3-D: stacked experts) can be stored in `fmt`: its rows a whole number of
+    blocks."""
+    return weight.dim() in (2, 3) and weight.shape[-1] > 0 and weight.shape[-1] % fmt.block_elems == 0
 
 
 def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
-    """`weight` `[rows, cols]` in `fmt`'s blocks."""
+    """`weight` `[rows, cols]` in `fmt`'s blocks; `[experts, rows, cols]` stacked, each expert's rows exactly
+    as they quantize alone (every row is quantized on its own)."""
     from gguf.quants import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
@@ -38,9 +40,12 @@ def quantize(weight: torch.Tensor, fmt: QuantFormat) -> QuantizedWeight:
     if not quantizable(weight, fmt):
         raise ValueError(f"a {tuple(weight.shape)} weight does not split into {fmt.name}'s rows of "
                          f"{fmt.block_elems}-weight blocks")
-    values = weight.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
-    blocks = gguf_quantize(values, GGMLQuantizationType(fmt.ggml_type))
-    return QuantizedWeight.of(fmt, np.ascontiguousarray(blocks).reshape(weight.shape[0], -1), weight.shape[1])
+    cols = weight.shape[-1]
+    values = weight.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1, cols).numpy()
+    blocks = np.ascontiguousarray(gguf_quantize(values, GGMLQuantizationType(fmt.ggml_type)))
+    if weight.dim() == 3:
+        return QuantizedWeight.of(fmt, blocks, cols, experts=weight.shape[0])
+    return QuantizedWeight.of(fmt, blocks.reshape(weight.shape[0], -1), cols)
 
 
 def load_format(name: str) -> QuantFormat:

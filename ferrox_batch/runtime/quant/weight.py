@@ -11,6 +11,12 @@ block never spans two rows), so no weight is ever requantized by them.
 `cat_rows`, `split_rows` and `reorder_rows` take dense tensors and quantized weights alike, so a model's
 layer builders read the same whatever the checkpoint stores. Stacking a dense part with a quantized one
 (a file that stores one projection in f16 and its neighbour quantized) widens the quantized one.
+
+A weight may also stack the experts of a mixture-of-experts layer, `[experts, rows, cols]`: each segment's
+blocks are then `[experts, rows, row_bytes]`, one slice per expert. Since every row is stored on its own,
+expert `e`'s weight (`w[e]`, `expert(e)`) is a view of its slice of the blocks, never requantized, and the
+stacked weight's bytes are exactly its experts' bytes. `cat_rows` stacks such weights along their rows
+(expert by expert); reordering or splitting rows is for 2-D weights only.
 """
 
 from __future__ import annotations
@@ -26,19 +32,22 @@ from ferrox_batch.runtime.quant.formats import QuantFormat
 
 @dataclass(frozen=True, slots=True)
 class Segment:
-    """Rows of one format: `data` is `[rows, format.row_bytes(cols)]` bytes, contiguous, on the CPU."""
+    """Rows of one format: `data` is `[rows, format.row_bytes(cols)]` bytes, or `[experts, rows,
+    format.row_bytes(cols)]` for a stacked weight, contiguous, on the CPU."""
 
     format: QuantFormat
     data: torch.Tensor
 
     @property
     def rows(self) -> int:
-        return self.data.shape[0]
+        """Rows (of each expert, in a stacked weight)."""
+        return self.data.shape[-2]
 
 
 @dataclass(frozen=True, slots=True)
 class QuantizedWeight:
-    """A `[rows, cols]` weight as quantized row segments (module docstring)."""
+    """A `[rows, cols]` weight, or `[experts, rows, cols]` stacked, as quantized row segments (module
+    docstring)."""
 
     segments: tuple[Segment, ...]
     cols: int
@@ -48,24 +57,52 @@ class QuantizedWeight:
             raise ValueError("a quantized weight has at least one segment of rows")
         for segment in self.segments:
             data = segment.data
-            if data.dtype != torch.uint8 or data.dim() != 2 or not data.is_contiguous() or data.device.type != "cpu":
-                raise ValueError(f"a quantized segment is a contiguous 2-D uint8 CPU tensor; got {data.dtype} "
-                                 f"{tuple(data.shape)} on {data.device}")
-            if data.shape[1] != segment.format.row_bytes(self.cols):
+            if data.dtype != torch.uint8 or data.dim() not in (2, 3) or not data.is_contiguous() \
+                    or data.device.type != "cpu":
+                raise ValueError(f"a quantized segment is a contiguous 2-D uint8 CPU tensor (3-D for stacked "
+                                 f"experts); got {data.dtype} {tuple(data.shape)} on {data.device}")
+            if data.shape[-1] != segment.format.row_bytes(self.cols):
                 raise ValueError(f"{segment.format.name} rows of {self.cols} weights take "
-                                 f"{segment.format.row_bytes(self.cols)} bytes; got rows of {data.shape[1]}")
+                                 f"{segment.format.row_bytes(self.cols)} bytes; got rows of {data.shape[-1]}")
+        stacks = {tuple(s.data.shape[:-2]) for s in self.segments}
+        if len(stacks) != 1:
+            raise ValueError(f"a quantized weight's segments stack the same experts; got {sorted(stacks)}")
 
     @classmethod
-    def of(cls, fmt: QuantFormat, data: torch.Tensor | np.ndarray, cols: int) -> QuantizedWeight:
-        """One segment of `fmt` rows; an array (a GGUF reader's view of its file) is copied into memory."""
+    def of(cls, fmt: QuantFormat, data: torch.Tensor | np.ndarray, cols: int,
+           experts: int | None = None) -> QuantizedWeight:
+        """One segment of `fmt` rows; an array (a GGUF reader's view of its file) is copied into memory. With
+        `experts`, the blocks are that many experts' rows, stacked (`[experts, rows, cols]`)."""
         if isinstance(data, np.ndarray):
             data = torch.from_numpy(np.array(data, dtype=np.uint8, copy=True))
+        if experts is not None:
+            return cls((Segment(fmt, data.reshape(experts, -1, fmt.row_bytes(cols)).contiguous()),), cols)
         rows = data.reshape(-1, fmt.row_bytes(cols)) if data.dim() != 2 else data
         return cls((Segment(fmt, rows.contiguous()),), cols)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return (sum(s.rows for s in self.segments), self.cols)
+    def shape(self) -> tuple[int, ...]:
+        """`(rows, cols)`, or `(experts, rows, cols)` for a stacked weight."""
+        return (*self.segments[0].data.shape[:-2], sum(s.rows for s in self.segments), self.cols)
+
+    @property
+    def experts(self) -> int | None:
+        """How many experts the weight stacks; None for a 2-D weight."""
+        data = self.segments[0].data
+        return data.shape[0] if data.dim() == 3 else None
+
+    def expert(self, index: int) -> QuantizedWeight:
+        """Expert `index`'s `[rows, cols]` weight: views of its slice of each segment's blocks (no copy)."""
+        count = self.experts
+        if count is None:
+            raise ValueError(f"a {self.shape} weight stacks no experts")
+        if not -count <= index < count:
+            raise IndexError(f"expert {index} of a weight stacking {count}")
+        return QuantizedWeight(tuple(Segment(s.format, s.data[index]) for s in self.segments), self.cols)
+
+    def __getitem__(self, index: int) -> QuantizedWeight:
+        """`expert(index)`."""
+        return self.expert(index)
 
     @property
     def nbytes(self) -> int:
@@ -77,18 +114,22 @@ class QuantizedWeight:
         return tuple(s.format.name for s in self.segments)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The weight widened, `[rows, cols]` in `dtype`: each value as llama.cpp's reference formula gives it
-        in float32 (gguf's), then cast."""
+        """The weight widened, `[rows, cols]` (`[experts, rows, cols]` stacked) in `dtype`: each value as
+        llama.cpp's reference formula gives it in float32 (gguf's), then cast."""
         from gguf.quants import GGMLQuantizationType, dequantize
 
+        lead = self.segments[0].data.shape[:-2]
         parts = [torch.from_numpy(np.asarray(dequantize(s.data.numpy(), GGMLQuantizationType(s.format.ggml_type)),
-                                             dtype=np.float32).reshape(s.rows, self.cols))
+                                             dtype=np.float32).reshape(*lead, s.rows, self.cols))
                  for s in self.segments]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts)).to(dtype)
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-2)).to(dtype)
 
     def map_rows(self, move: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedWeight:
         """The weight with `move` applied to its rows (a permutation or selection along the first axis, given
-        a tensor whose rows are this weight's rows); one segment only, as a reordering within a head is."""
+        a tensor whose rows are this weight's rows); one segment only, as a reordering within a head is, and
+        not stacked experts (`move` would move experts)."""
+        if self.experts is not None:
+            raise ValueError(f"rows are reordered in a 2-D weight; this one stacks {self.experts} experts")
         if len(self.segments) != 1:
             raise ValueError("rows are reordered within one format; this weight stacks "
                              f"{'+'.join(self.format_names)}")
@@ -101,25 +142,31 @@ Weight = torch.Tensor | QuantizedWeight
 
 
 def cat_rows(parts: Sequence[Weight]) -> Weight:
-    """The parts stacked along their rows (all have the same columns). Quantized parts stay quantized
-    (adjacent segments of one format merge); a mix of dense and quantized parts is widened to the dense
-    parts' dtype."""
+    """The parts stacked along their rows (all have the same columns; stacked experts: the same experts,
+    each expert's rows stacked). Quantized parts stay quantized (adjacent segments of one format merge); a
+    mix of dense and quantized parts is widened to the dense parts' dtype."""
     if not parts:
         raise ValueError("nothing to stack")
+    # Rows are the axis before the columns: the first of a 2-D weight, the second of stacked experts.
+    axis = max(len(parts[0].shape) - 2, 0)
     if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(list(parts))  # type: ignore[arg-type]
+        return torch.cat(list(parts), dim=axis)  # type: ignore[arg-type]
     dense = [p for p in parts if isinstance(p, torch.Tensor)]
     if dense:
         dtype, device = dense[0].dtype, dense[0].device
-        return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize(dtype).to(device) for p in parts])
+        return torch.cat([p if isinstance(p, torch.Tensor) else p.dequantize(dtype).to(device) for p in parts],
+                         dim=axis)
     cols = {p.cols for p in parts}  # type: ignore[union-attr]
     if len(cols) != 1:
         raise ValueError(f"stacked weights have the same columns; got {sorted(cols)}")
+    experts = {p.experts for p in parts}  # type: ignore[union-attr]
+    if len(experts) != 1:
+        raise ValueError(f"stacked weights stack the same experts; got {sorted(experts, key=str)}")
     merged: list[Segment] = []
     for part in parts:
         for segment in part.segments:  # type: ignore[union-attr]
             if merged and merged[-1].format == segment.format:
-                merged[-1] = Segment(segment.format, torch.cat([merged[-1].data, segment.data]))
+                merged[-1] = Segment(segment.format, torch.cat([merged[-1].data, segment.data], dim=-2))
             else:
                 merged.append(segment)
     return QuantizedWeight(tuple(merged), cols.pop())
@@ -129,8 +176,8 @@ def split_rows(weight: Weight, sizes: Sequence[int]) -> list[Weight]:
     """`weight`'s rows cut into consecutive parts of `sizes` rows (a quantized weight: of one format)."""
     if isinstance(weight, torch.Tensor):
         return list(weight.split(list(sizes)))
-    if sum(sizes) != weight.shape[0]:
-        raise ValueError(f"{weight.shape[0]} rows cannot be split as {list(sizes)}")
+    if sum(sizes) != weight.shape[-2]:
+        raise ValueError(f"{weight.shape[-2]} rows cannot be split as {list(sizes)}")
     out: list[Weight] = []
     start = 0
     for size in sizes:
