@@ -84,6 +84,10 @@ def tiny_variant_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
         "llama-dynamic-rope": write_tiny_checkpoint(tmp_path_factory.mktemp("dynamic"), seed=11,
                                                     max_positions=LONG_CONTEXT,
                                                     rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+        # Every multiplier away from 1, the attention's in place of head_dim ** -0.5 (`tiny_families`).
+        "granite": write_tiny_checkpoint(tmp_path_factory.mktemp("granite"), arch="granite", seed=13, std=0.15),
+        # Norms after each block and over the whole query and key projections, none before.
+        "olmo2": write_tiny_checkpoint(tmp_path_factory.mktemp("olmo2"), arch="olmo2", seed=14),
         "qwen3-yarn-rope": write_tiny_checkpoint(
             tmp_path_factory.mktemp("yarn"), arch="qwen3", seed=12,
             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": LONG_CONTEXT,

@@ -74,6 +74,11 @@ CONFIGS: dict[str, Callable[[FixtureArgs], dict[str, Any]]] = {
     "smollm3": _smollm3,
     "phi3": _phi3,
     "gemma3_text": _gemma3,
+    # Every multiplier away from 1 (the attention's from head_dim ** -0.5), and a base away from 10,000.
+    "granite": lambda args: {"embedding_multiplier": 2.0, "attention_multiplier": 0.5, "residual_multiplier": 1.5,
+                             "logits_scaling": 0.5, "rope_theta": 123456.0, "rms_norm_eps": 1e-6,
+                             "attention_bias": False, "mlp_bias": False},
+    "olmo2": lambda args: {"rope_theta": 123456.0, "rms_norm_eps": 1e-6, "attention_bias": False},
 }
 
 
@@ -108,6 +113,16 @@ def _gemma3_gguf(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
     writer.add_sliding_window(config["sliding_window"])
 
 
+def _granite_gguf(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    """Its converter drops `head_dim`, writes Llama's keys, then each multiplier that is not zero."""
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_attention_scale(config["attention_multiplier"])
+    writer.add_embedding_scale(config["embedding_multiplier"])
+    writer.add_residual_scale(config["residual_multiplier"])
+    writer.add_logit_scale(config["logits_scaling"])
+
+
 #: llama.cpp's architecture name -> what its converter writes beyond the keys every family gets.
 GGUF_METADATA: dict[str, Callable[[gguf.GGUFWriter, dict[str, Any]], None]] = {
     "llama": _rope_dims_and_vocab,
@@ -116,4 +131,6 @@ GGUF_METADATA: dict[str, Callable[[gguf.GGUFWriter, dict[str, Any]], None]] = {
     "smollm3": _rope_dims_and_vocab,
     "phi3": _phi3_gguf,
     "gemma3": _gemma3_gguf,
+    "granite": _granite_gguf,
+    "olmo2": _heads,
 }

@@ -42,7 +42,7 @@ def prefill_logits(model, ids, *, chunk=None, block_size=4, seq="s"):
 
 #: Every tiny checkpoint: one per family and per switch a family has.
 VARIANTS = ["llama", "llama-untied-llama3-rope", "qwen2", "mistral-window", "qwen3", "smollm3-nope", "gemma3",
-            "phi3-longrope", "llama-linear-rope", "llama-dynamic-rope", "qwen3-yarn-rope"]
+            "phi3-longrope", "llama-linear-rope", "llama-dynamic-rope", "qwen3-yarn-rope", "granite", "olmo2"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -128,7 +128,7 @@ def test_any_schedule_of_mixed_chunks_gives_each_sequence_the_logits_it_gets_alo
         assert_logits_close(final[i], alone[i], tiny_model.config, len(streams[i]), note=i)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3", "smollm3-nope", "gemma3", "phi3-longrope"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "smollm3-nope", "gemma3", "phi3-longrope", "granite", "olmo2"])
 def test_a_batch_of_different_lengths_matches_each_sequence_alone(tiny_variant_dirs, variant, device):
     tiny_model = load_model(tiny_variant_dirs[variant], device=device, dtype="float32")
     enc = [tiny_model.tokenizer.encode(p) for p in PROMPTS]
@@ -147,7 +147,8 @@ def test_a_batch_of_different_lengths_matches_each_sequence_alone(tiny_variant_d
         assert_logits_close(stepped[i], ref, tiny_model.config, len(ids) + 1, note=i)
 
 
-@pytest.mark.parametrize("variant", ["llama", "mistral-window", "qwen3", "smollm3-nope", "gemma3", "phi3-longrope"])
+@pytest.mark.parametrize("variant", ["llama", "mistral-window", "qwen3", "smollm3-nope", "gemma3", "phi3-longrope",
+                                     "granite", "olmo2"])
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("kv", ["fp32", "fp16"])
 def test_stale_pool_memory_never_reaches_the_logits(tiny_variant_dirs, device, variant, kernels, kv):

@@ -57,6 +57,8 @@ CASES: dict[str, tuple[str, dict[str, Any], str, bool]] = {
     "gemma3": ("gemma3", dict(GEMMA, seed=27), "gemma", True),
     "gemma3-linear-rope": ("gemma3", dict(GEMMA, seed=28, rope_scaling={"rope_type": "linear", "factor": 4.0}),
                            "gemma", False),
+    "granite": ("granite", dict(arch="granite", tie=False, intermediate=256, seed=30), "bpe", False),
+    "olmo2": ("olmo2", dict(arch="olmo2", tie=False, intermediate=256, seed=31), "bpe", False),
 }
 PROMPTS = ["The quick brown fox jumps over the lazy dog, and the dog sleeps on.",
            "def main():\n    return 42\n\ncafé 日本語 😀", "hello there"]
