@@ -1,6 +1,10 @@
 """Everything that touches a device, one concept per sub-package.
 
-* `architectures`: the decoder and its layers, one module per piece a model family is built from;
+* `families`: one module per model family (the config fields it reads, its RoPE reading, how llama.cpp
+  writes it, its layer as a spec over shared blocks) and the registry that lists them; torch-free, below
+  the rest;
+* `architectures`: the decoder, the blocks a layer is made of (an attention mixer, a gated MLP), the
+  builder that makes a family's layer spec into them, and the one linear factory;
 * `kernels`: the C kernels for the CPU (`csrc/`), their build and their typed bindings;
 * `kv`: the paged KV store, its block pool and prefix cache, and the memory it is sized from;
 * `sampling`: the batched sampler, its filters and logit transforms, grammars, log-probabilities;
