@@ -5,7 +5,7 @@ pre-tokenizer name become `tokenizer.json` and `tokenizer_config.json` (with the
 carries), and the end-of-generation ids the generation config lists. Two kinds of vocabulary:
 
 * byte-level BPE (`tokenizer.ggml.model` "gpt2"), split before merging as llama.cpp's
-  `tokenizer.ggml.pre` names: default/gpt2, smollm, llama-bpe (Llama 3, SmolLM3), qwen2 (Qwen2, Qwen3:
+  `tokenizer.ggml.pre` names: default/gpt2/gpt-2, smollm, llama-bpe (Llama 3, SmolLM3), qwen2 (Qwen2, Qwen3:
   Llama 3's split with single digits), gpt-4o (Phi-4-mini);
 * SentencePiece (`tokenizer.ggml.model` "llama": Gemma 3, Phi-3, Llama 2), built by
   `gguf_sentencepiece`.
@@ -47,7 +47,9 @@ _GPT4O_SPLIT = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm
 _SPLITS: Mapping[str, str] = MappingProxyType({
     **dict.fromkeys(("llama-bpe", "llama3", "llama-v3", "smaug-bpe", "dbrx"), _LLAMA3_SPLIT),
     **dict.fromkeys(("qwen2", "deepseek-r1-qwen"), _QWEN2_SPLIT), "gpt-4o": _GPT4O_SPLIT})
-SUPPORTED_PRE_TOKENIZERS = ("default", "gpt2", "smollm", *_SPLITS)
+#: The names for GPT-2's own split: "gpt-2" is llama.cpp's (its converter writes it for a GPT-2 tokenizer).
+_GPT2_NAMES = ("default", "gpt2", "gpt-2")
+SUPPORTED_PRE_TOKENIZERS = (*_GPT2_NAMES, "smollm", *_SPLITS)
 
 
 def tokenizer_from_metadata(meta: dict[str, Any], config: dict[str, Any]) -> tuple[str, dict[str, Any]]:
@@ -131,7 +133,7 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
     of whitespace precedes a digit.)
     """
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-    if pre in ("default", "gpt2"):
+    if pre in _GPT2_NAMES:
         return byte_level
     if pre == "smollm":
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
