@@ -13,10 +13,20 @@ its tree on PYTHONPATH (the base side in a detached `git worktree` of `--base`, 
 Each round runs every benchmark once per side, the sides alternated (base first in odd rounds, new first in even
 ones, so a drift of the machine falls on both). The table gives each side's median over the rounds, the ratio
 of the medians (new / base) and the median of the rounds' own ratios. On a shared 2-core machine rounds move by
-10-20%: compare the ratios, and run more rounds before reading a few percent into them.
+10-20%: compare the ratios, and run more rounds before reading a few percent into them. The load average is
+printed with each round: a round run while other processes hold the cores measures them, not the change
+(here, under a load of 4-5 on 2 CPUs, one round's shape (a) moved from 419 to 13 tok/s). `--threads 1`
+(OMP_NUM_THREADS for both sides) keeps two OpenMP threads from spinning against other processes: on the same
+shared machine two quick rounds of the unchanged tree against itself then gave ratios of 0.996-1.04 on every
+measure, where the default threads gave 0.1-30. The default stays the benchmarks' own (torch's threads), the
+configuration docs/benchmarks.md reports.
 
     python scripts/bench_before_after.py --base c14f1695647e572d92c650e2ce4166e4efb67662 --rounds 3
-    python scripts/bench_before_after.py --base HEAD~1 --rounds 1 --quick     # does it work (about 2 min)
+    python scripts/bench_before_after.py --base HEAD~1 --rounds 1 --quick     # does it work (about 1-2 min)
+    python scripts/bench_before_after.py --base HEAD~1 --rounds 3 --threads 1  # on a machine others share
+
+A round takes about 80 s on a quiet 2-core machine (shape (a) 15-30 s and the single stream about 15 s, per
+side), so `--rounds 3` about 4-5 minutes; on a loaded one, much longer (17 minutes here under a load of 4-5).
 
 `--model` defaults to the fetched SmolLM2-135M-Instruct, `--dtype` to the server's default (`auto`, resolved
 once here as `ferrox-batch serve` resolves it on this machine, and passed to both sides as that name).
@@ -37,12 +47,14 @@ from pathlib import Path
 
 from tree_sides import ROOT, Side, base_side, current_side
 
+
 def shape_a(side: Side, args: argparse.Namespace) -> dict[str, float]:
     """One run of shape (a), ours only, in `side`'s tree."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "a.json"
         command = [sys.executable, "scripts/bench.py", "--shapes", "a", "--methods", "ours", "--repeats", "1",
-                   "--model", args.model, "--dtype", args.dtype, "--json", str(out)] + (["--quick"] if args.quick else [])
+                   "--model", args.model, "--dtype", args.dtype, "--json", str(out)]
+        command += ["--quick"] if args.quick else []
         _run(side, command, args.threads)
         run = json.loads(out.read_text())["runs"][0]
     if run.get("failed") or run.get("errors"):
@@ -55,7 +67,8 @@ def single_stream(side: Side, args: argparse.Namespace) -> dict[str, float]:
     """One run of `bench_step.py` in `side`'s tree: decode tok/s and the model forward's ms per step."""
     sizes = ["--requests", "1", "--tokens", "32", "--prompt-tokens", "50"] if args.quick else \
         ["--requests", str(args.step_requests)]
-    text = _run(side, [sys.executable, "scripts/bench_step.py", "--model", args.model, "--dtype", args.dtype, *sizes], args.threads)
+    command = [sys.executable, "scripts/bench_step.py", "--model", args.model, "--dtype", args.dtype, *sizes]
+    text = _run(side, command, args.threads)
     decode = re.search(r"^decode ([\d.]+) tok/s", text, re.M)
     forward = re.search(r"^\| model forward \| ([\d.]+) \|", text, re.M)
     if decode is None or forward is None:
@@ -113,10 +126,12 @@ def main() -> int:
     with base_side(args.base) as base:
         print(f"# {args.model}, dtype {args.dtype} (asked {asked}: {why}); base {base.commit}, new {new.commit}; "
               f"{args.rounds} rounds{', quick' if args.quick else ''}"
-              f"{f', OMP_NUM_THREADS={args.threads}' if args.threads else ''}", flush=True)
+              f"{f', OMP_NUM_THREADS={args.threads}' if args.threads else ''}; load average {os.getloadavg()[0]:.1f} "
+              f"on {os.cpu_count()} CPUs", flush=True)
         for round_ in range(args.rounds):
             order = (base, new) if round_ % 2 == 0 else (new, base)
-            print(f"# round {round_ + 1}: {order[0].name} first", file=sys.stderr, flush=True)
+            print(f"# round {round_ + 1}: {order[0].name} first; load average {os.getloadavg()[0]:.1f}",
+                  file=sys.stderr, flush=True)
             for bench in (shape_a, single_stream):
                 for side in order:
                     for measure, value in bench(side, args).items():
