@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from tiny_families import CONFIGS, FixtureArgs
+from tiny_families import CONFIGS, DROP, FixtureArgs
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from ferrox_batch.runtime.config import ModelConfig
@@ -148,7 +148,7 @@ def write_tiny_checkpoint(
     args = FixtureArgs(layers, head_dim, sliding_window, rope_scaling, no_rope_layers, partial_rotary_factor,
                        layer_types, query_pre_attn_scalar, tok.token_to_id("<|endoftext|>"))
     for key, value in CONFIGS[arch](args).items():
-        if value is None and key in ("hidden_act",):
+        if value is DROP:
             config.pop(key, None)
         else:
             config[key] = value

@@ -15,6 +15,10 @@ from typing import Any
 import gguf
 
 
+#: A config entry's value that removes the shared field instead of setting it.
+DROP = object()
+
+
 @dataclass(frozen=True, slots=True)
 class FixtureArgs:
     """The fixture's arguments a family's config entry may read."""
@@ -51,7 +55,7 @@ def _phi3(args: FixtureArgs) -> dict[str, Any]:
 
 def _gemma3(args: FixtureArgs) -> dict[str, Any]:
     return {
-        "hidden_act": None,
+        "hidden_act": DROP,
         "hidden_activation": "gelu_pytorch_tanh",
         "pad_token_id": args.pad_token_id,
         "sliding_window": args.sliding_window or 8,
@@ -65,7 +69,7 @@ def _gemma3(args: FixtureArgs) -> dict[str, Any]:
     }
 
 
-#: model_type -> the config fields its tiny checkpoints set beyond the shared ones (None: drop the field).
+#: model_type -> the config fields its tiny checkpoints set beyond the shared ones (`DROP`: remove one).
 CONFIGS: dict[str, Callable[[FixtureArgs], dict[str, Any]]] = {
     "llama": lambda args: {},
     "mistral": lambda args: {"sliding_window": args.sliding_window},

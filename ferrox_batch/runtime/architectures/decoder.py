@@ -142,6 +142,9 @@ class Decoder:
         self.layer_stack_declined: str | None = "no C kernels here" if self.kernels is None else \
             LayerStack.declines(self.layers, config, dtype)
         self.layer_stack = None if self.layer_stack_declined else LayerStack.bind(self.layers, config, dtype)
+        if self.layer_stack is None and self.layer_stack_declined is None:
+            self.layer_stack_declined = ("not every projection runs one of the stack's kernels (fp16 panels, bf16 "
+                                         "panels or packed int8 quantized weights, without biases)")
         if self.layer_stack is None or not self.layer_stack.narrow_only:
             # Copies no stack runs (a model the stack does not take: biases, per-head norms, GELU, quantized
             # layers beside dense ones) would only double the layers' memory.
