@@ -13,7 +13,10 @@ for models without attention biases; and to a float32 or bf16 decoder whose ever
 quantized weight with no bias (`QuantizedLinear.packed_gemm`, `GateUp.packed_gemm`: a GGUF served as
 stored, every linear in a format the int8 kernel runs); and to a bf16 decoder whose every projection runs
 the batch-invariant bf16 kernel with no bias (`Linear.bf16_panels`, `GateUp.bf16_gemm`). Anything else keeps
-the Python loop.
+the Python loop. The layer kinds it has kernels for are an `AttentionMixer` without norms of its own, over
+global RoPE at its head size's scale, and a `GatedMlp` without an output norm, with norms before both and
+nothing scaling the residual stream; `declines` says why it does not take a model (the decoder keeps it,
+`Decoder.layer_stack_declined`).
 
 Where oneDNN runs the bf16 layers and each also holds our kernel's panels (`Linear`'s `narrow_panels`, for
 AMX CPUs), the stack takes only the steps of at most `NARROW_STEP_ROWS` rows (`takes`) and the loop the
@@ -111,25 +114,28 @@ class LayerStack:
             return None
         hidden, q_width = c.hidden_size, c.num_heads * c.head_dim
         width = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
-        window = layers[0].mixer.window  # type: ignore[attr-defined]  # one for every layer (`declines`)
-        if isinstance(layers[0].qkv, QuantizedLinear):
+        # `declines` has checked every layer is attention and the gated MLP, all over one window.
+        blocks = [(layer.mixer, layer.ffn) for layer in layers]
+        window = blocks[0][0].window  # type: ignore[attr-defined]
+        if isinstance(blocks[0][0].qkv, QuantizedLinear):  # type: ignore[attr-defined]
             kind = "quantized"
         else:
             kind = "bf16_panels" if dtype == torch.bfloat16 else "fp16_panels"
         rows: list[list[int]] = []
         owners: list[object] = []
         narrow = False
-        for layer in layers:
+        for layer, (mixer, ffn) in zip(layers, blocks):
+            assert isinstance(mixer, AttentionMixer) and isinstance(ffn, GatedMlp)
+            linears = (mixer.qkv, mixer.o, ffn.gate_up, ffn.down)
             if kind == "quantized":
-                gemms = [getattr(getattr(layer, name), "packed_gemm", None) for name in ("qkv", "o", "gate_up", "down")]
+                gemms = [getattr(linear, "packed_gemm", None) for linear in linears]
             elif kind == "bf16_panels":
-                gemms = [getattr(layer.qkv, "bf16_panels", None), getattr(layer.o, "bf16_panels", None),
-                         getattr(layer.gate_up, "bf16_gemm", None), getattr(layer.down, "bf16_panels", None)]
-                narrow = narrow or any(linear.kind != "bf16_panels"
-                                       for linear in (layer.qkv, layer.o, layer.gate_up, layer.down))
+                gemms = [getattr(mixer.qkv, "bf16_panels", None), getattr(mixer.o, "bf16_panels", None),
+                         getattr(ffn.gate_up, "bf16_gemm", None), getattr(ffn.down, "bf16_panels", None)]
+                narrow = narrow or any(linear.kind != "bf16_panels" for linear in linears)
             else:
-                gemms = [getattr(layer.qkv, "f16_panels", None), getattr(layer.o, "f16_panels", None),
-                         getattr(layer.gate_up, "fused_gemm", None), getattr(layer.down, "f16_panels", None)]
+                gemms = [getattr(mixer.qkv, "f16_panels", None), getattr(mixer.o, "f16_panels", None),
+                         getattr(ffn.gate_up, "fused_gemm", None), getattr(ffn.down, "f16_panels", None)]
             if any(g is None for g in gemms):
                 return None
             qkv, o, gate_up, down = gemms
@@ -140,9 +146,10 @@ class LayerStack:
             if shapes != ((hidden, width), (q_width, hidden), (hidden, up_width), (c.intermediate_size, hidden)):
                 return None
             norms = (layer.input_norm, layer.post_norm)
-            if any(n.dtype != dtype or not n.is_cpu or not n.is_contiguous() or n.shape != (hidden,) for n in norms):
+            if any(n is None or n.dtype != dtype or not n.is_cpu or not n.is_contiguous() or n.shape != (hidden,) for n in norms):
                 return None
             counts = [g.segment_count for g in gemms] if kind == "quantized" else [0, 0, 0, 0]
+            assert layer.input_norm is not None and layer.post_norm is not None
             rows.append([layer.input_norm.data_ptr(), qkv.address, o.address, layer.post_norm.data_ptr(),
                          gate_up.address, down.address, *counts])
             owners.extend([layer.input_norm, qkv, o, layer.post_norm, gate_up, down])
