@@ -88,6 +88,19 @@ def tiny_variant_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
         "granite": write_tiny_checkpoint(tmp_path_factory.mktemp("granite"), arch="granite", seed=13, std=0.15),
         # Norms after each block and over the whole query and key projections, none before.
         "olmo2": write_tiny_checkpoint(tmp_path_factory.mktemp("olmo2"), arch="olmo2", seed=14),
+        # Mixtures of experts: a dense layer between two sparse ones (`mlp_only_layers`), a shared expert
+        # with its gate and every other layer dense (`decoder_sparse_step`), norms over the whole projections,
+        # Granite's multipliers, a window; std 0.15 spreads the router's scores.
+        "qwen3_moe": write_tiny_checkpoint(tmp_path_factory.mktemp("qwen3_moe"), arch="qwen3_moe", seed=15, layers=3,
+                                           head_dim=24, std=0.15, extra_config={"mlp_only_layers": [1]}),
+        "qwen2_moe": write_tiny_checkpoint(tmp_path_factory.mktemp("qwen2_moe"), arch="qwen2_moe", seed=16, layers=3,
+                                           std=0.15, extra_config={"decoder_sparse_step": 2}),
+        "olmoe": write_tiny_checkpoint(tmp_path_factory.mktemp("olmoe"), arch="olmoe", seed=17, intermediate=48,
+                                       std=0.15),
+        "granitemoe": write_tiny_checkpoint(tmp_path_factory.mktemp("granitemoe"), arch="granitemoe", seed=18,
+                                            intermediate=48, std=0.15),
+        "mixtral-window": write_tiny_checkpoint(tmp_path_factory.mktemp("mixtral"), arch="mixtral", seed=19,
+                                                intermediate=48, std=0.15, sliding_window=7),
         "qwen3-yarn-rope": write_tiny_checkpoint(
             tmp_path_factory.mktemp("yarn"), arch="qwen3", seed=12,
             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": LONG_CONTEXT,

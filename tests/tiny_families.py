@@ -83,6 +83,22 @@ CONFIGS: dict[str, Callable[[FixtureArgs], dict[str, Any]]] = {
                              "logits_scaling": 0.5, "rope_theta": 123456.0, "rms_norm_eps": 1e-6,
                              "attention_bias": False, "mlp_bias": False},
     "olmo2": lambda args: {"rope_theta": 123456.0, "rms_norm_eps": 1e-6, "attention_bias": False},
+    # The mixture-of-experts families: eight experts of their own width, two or three per token, a base away
+    # from 10,000; the tests' `extra_config` makes some layers dense.
+    "qwen3_moe": lambda args: {**_no_window(args), "attention_bias": False, "num_experts": 8,
+                               "num_experts_per_tok": 2, "moe_intermediate_size": 48, "norm_topk_prob": True,
+                               "decoder_sparse_step": 1, "mlp_only_layers": [], "rope_theta": 123456.0},
+    "qwen2_moe": lambda args: {**_no_window(args), "qkv_bias": True, "num_experts": 8, "num_experts_per_tok": 3,
+                               "moe_intermediate_size": 40, "shared_expert_intermediate_size": 72,
+                               "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": [],
+                               "rope_theta": 54321.0},
+    "olmoe": lambda args: {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": False, "clip_qkv": None,
+                           "attention_bias": False, "rope_theta": 54321.0, "pad_token_id": args.pad_token_id},
+    "granitemoe": lambda args: {"num_local_experts": 6, "num_experts_per_tok": 2, "embedding_multiplier": 2.0,
+                                "attention_multiplier": 0.5, "residual_multiplier": 1.5, "logits_scaling": 0.5,
+                                "rope_theta": 123456.0, "rms_norm_eps": 1e-6, "attention_bias": False},
+    "mixtral": lambda args: {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": args.sliding_window,
+                             "rope_theta": 1_000_000.0},
 }
 
 

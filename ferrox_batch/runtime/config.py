@@ -19,6 +19,7 @@ from typing import Any
 from ferrox_batch.runtime.families.config_reading import model_config_fields
 from ferrox_batch.runtime.families.errors import ModelLoadError
 from ferrox_batch.runtime.families.family import Family
+from ferrox_batch.runtime.families.moe_config import MoeShape
 from ferrox_batch.runtime.families.registry import BY_ARCHITECTURE, family_of_architecture
 from ferrox_batch.runtime.families.rope_scaling import RopeScaling
 
@@ -75,6 +76,8 @@ class ModelConfig:
     logits_scaling: float = 1.0
     #: The family's own settings, read by its module alone (its small config); None where it has none.
     options: object | None = None
+    #: The mixture-of-experts shape, for families with sparse feed-forward layers; None: every layer dense.
+    moe: MoeShape | None = None
 
     @property
     def attention_scale(self) -> float:
@@ -159,6 +162,9 @@ class ModelConfig:
             raise ModelLoadError(f"logits_scaling must be a positive number, got {self.logits_scaling}")
         if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
             raise ModelLoadError(f"query_pre_attn_scalar must be positive, got {self.query_pre_attn_scalar}")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ModelLoadError(f"the config marks {len(self.moe.sparse_layers)} layers sparse or dense, not the "
+                                 f"{self.num_layers} the model has")
         if self.rope_layers is not None and len(self.rope_layers) < self.num_layers:
             raise ModelLoadError(f"no_rope_layers names {len(self.rope_layers)} layers, fewer than the "
                                  f"{self.num_layers} the model has")

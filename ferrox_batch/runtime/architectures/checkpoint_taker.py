@@ -13,8 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from ferrox_batch.runtime.errors import ModelLoadError
-from ferrox_batch.runtime.quant.weight import Weight
+from ferrox_batch.runtime.quant.weight import QuantizedWeight, Weight
 
 #: Puts a checkpoint's tensor, its shape checked, in the format the decoder holds it in.
 Prepare = Callable[[Weight], Weight]
@@ -30,9 +32,22 @@ class CheckpointTaker:
         self.prepare = prepare
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> Weight:
+        return self.prepare(self._pop(name, shape))
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weights
+
+    def float32(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor in float32 as stored (widened from its blocks where quantized), never requantized or
+        rounded to the decoder's dtype: for the few weights that run in float32 whatever the model's dtype
+        (a router's)."""
+        tensor = self._pop(name, shape)
+        return (tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor).float().contiguous()
+
+    def _pop(self, name: str, shape: tuple[int, ...]) -> Weight:
         tensor = self.weights.pop(name, None)
         if tensor is None:
             raise ModelLoadError(f"checkpoint is missing the tensor {name!r}")
         if tuple(tensor.shape) != shape:
             raise ModelLoadError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
-        return self.prepare(tensor)
+        return tensor

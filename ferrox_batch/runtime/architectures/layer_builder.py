@@ -21,24 +21,47 @@ from ferrox_batch.runtime.architectures.gate_up import GateUp
 from ferrox_batch.runtime.architectures.gated_mlp import GatedMlp
 from ferrox_batch.runtime.architectures.layer import Block, Layer
 from ferrox_batch.runtime.architectures.linear import Linear
+from ferrox_batch.runtime.architectures.moe import MoeBlock
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.architectures.rope import reorder_heads, rotary_permutation
 from ferrox_batch.runtime.families.layer_spec import AttentionSpec, GatedMlpSpec, LayerSpec
+from ferrox_batch.runtime.families.moe_spec import EXPERT, ExpertLayout, MoeSpec, bias_name
 from ferrox_batch.runtime.quant.weight import Weight, cat_rows, reorder_rows, split_rows
 
-#: Takes one named tensor of the checkpoint, checking its shape: a 2-D weight may come quantized.
-Take = Callable[[str, tuple[int, ...]], Weight]
+class Take(Protocol):
+    """The checkpoint, as blocks take their tensors out of it (`CheckpointTaker`)."""
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> Weight:
+        """The tensor `name`, its shape checked, in the decoder's format: a 2-D weight may come quantized."""
+        ...
+
+    def __contains__(self, name: str) -> bool:
+        """Whether the checkpoint (still) holds `name`."""
+        ...
+
+    def float32(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The tensor `name`, its shape checked, in float32 as stored."""
+        ...
 
 
 class LinearMaker(Protocol):
     """What builds a block's linears in the decoder's weight format (the linear factory)."""
 
-    def linear(self, weight: Weight, bias: torch.Tensor | None = None) -> Linear | QuantizedLinear:
-        """A linear layer of `weight` (and `bias`)."""
+    def linear(self, weight: Weight, bias: torch.Tensor | None = None, *, keep_weight: bool = False,
+               narrow: bool = True) -> Linear | QuantizedLinear:
+        """A linear layer of `weight` (and `bias`); `narrow=False`: no narrow steps' copy."""
         ...
 
-    def gate_up(self, weight: Weight, activation: str) -> GateUp:
+    def gate_up(self, weight: Weight, activation: str, *, narrow: bool = True) -> GateUp:
         """The fused gate/up projection of `weight` (gate rows, then up rows), gated by `activation`."""
+        ...
+
+    def experts(self, weight: Weight, bias: torch.Tensor | None = None) -> tuple[Linear | QuantizedLinear, ...]:
+        """One linear per expert of a stacked `[experts, out, in]` weight."""
+        ...
+
+    def gate_up_experts(self, weight: Weight, activation: str) -> tuple[GateUp, ...]:
+        """One gated projection per expert of a stacked `[experts, 2n, k]` gate/up weight."""
         ...
 
 
@@ -53,6 +76,12 @@ class _Parts:
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> Weight:
         return self.take(self.prefix + name, shape)
+
+    def float32(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return self.take.float32(self.prefix + name, shape)
+
+    def holds(self, name: str) -> bool:
+        return self.prefix + name in self.take
 
     def norm(self, name: str | None, size: int) -> torch.Tensor | None:
         if name is None:
@@ -109,10 +138,47 @@ def _gated_mlp(spec: GatedMlpSpec, parts: _Parts) -> GatedMlp:
                     out_norm=parts.norm(s.out_norm, h))
 
 
+def _layout(spec: MoeSpec, parts: _Parts) -> ExpertLayout:
+    """The first of the spec's layouts the checkpoint holds (the family's own where it holds none: its
+    missing tensor is then the error)."""
+    return next((layout for layout in spec.layouts if parts.holds(layout.marker())), spec.layouts[0])
+
+
+def _moe(spec: MoeSpec, parts: _Parts) -> MoeBlock:
+    s, r = spec, spec.router
+    h, ff, count = s.hidden, s.intermediate, r.experts
+    layout = _layout(s, parts)
+    make = parts.make
+    gate_up: tuple[GateUp, ...]
+    if layout.per_expert:
+        gate_up = tuple(make.gate_up(cat_rows([parts.tensor(name.replace(EXPERT, str(e)), (ff, h))
+                                               for name in layout.gate_up]), s.activation, narrow=False)
+                        for e in range(count))
+        down = tuple(make.linear(parts.tensor(layout.down.replace(EXPERT, str(e)), (h, ff)), None, narrow=False)
+                     for e in range(count))
+    else:
+        rows = 2 * ff if len(layout.gate_up) == 1 else ff
+        stacked = cat_rows([parts.tensor(name, (count, rows, h)) for name in layout.gate_up])
+        gate_up = make.gate_up_experts(stacked, s.activation)
+        down = make.experts(parts.tensor(layout.down, (count, h, ff)))
+    return MoeBlock(
+        router=r,
+        router_weight=parts.float32(layout.router, (count, h)),
+        router_bias=parts.float32(bias_name(layout.router), (count,)) if r.bias else None,
+        correction=None if r.correction_bias is None else parts.float32(r.correction_bias, (count,)),
+        gate_up=gate_up,
+        down=down,
+        shared=None if s.shared is None else _gated_mlp(s.shared, parts),
+        shared_gate=None if s.shared_gate is None else parts.float32(s.shared_gate, (1, h)),
+        out_norm=parts.norm(s.out_norm, h),
+    )
+
+
 #: Each spec kind's builder.
 BUILDERS: Mapping[type, Callable[[Any, _Parts], Block]] = MappingProxyType({
     AttentionSpec: _attention,
     GatedMlpSpec: _gated_mlp,
+    MoeSpec: _moe,
 })
 
 

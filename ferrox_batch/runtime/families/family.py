@@ -19,6 +19,7 @@ from typing import Any, Protocol
 
 from ferrox_batch.runtime.families.gguf_metadata import GgufFamily
 from ferrox_batch.runtime.families.layer_spec import LayerSpec
+from ferrox_batch.runtime.families.moe_config import MoeShape
 from ferrox_batch.runtime.families.rope_layout import RopeReading
 
 
@@ -51,6 +52,8 @@ class ModelShape(Protocol):
     def tie_word_embeddings(self) -> bool: ...
     @property
     def options(self) -> object | None: ...
+    @property
+    def moe(self) -> MoeShape | None: ...
     def window(self, layer: int) -> int | None: ...
     def rope_kind(self, layer: int) -> str: ...
 

@@ -2,7 +2,8 @@
 
 A family module says how its layer `i` is built by returning a `LayerSpec`: a mixer (today attention, with
 its projections fused or not, biases, per-head or whole-projection norms on its queries and keys, its RoPE
-kind, window and scale, a norm on its output) and a feed-forward block (today the gated MLP), the norms
+kind, window and scale, a norm on its output) and a feed-forward block (the gated MLP, or a mixture of
+experts: `families.moe_spec`), the norms
 before each, and a multiplier on what each adds to the residual stream. The runtime turns a spec into the
 blocks that hold and run the weights (`runtime.architectures.layer_builder`); the GGUF reader and the test
 fixtures read the same spec for the tensors a checkpoint must hold (`tensors`), so no family's tensor names
@@ -110,6 +111,15 @@ class BlockSpec(Protocol):
         ...
 
 
+class FeedForwardSpec(BlockSpec, Protocol):
+    """A feed-forward block's spec: the dense `GatedMlpSpec`, or a mixture of experts (`moe_spec.MoeSpec`)."""
+
+    @property
+    def out_norm(self) -> str | None:
+        """The RMSNorm on its output, where it has one."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
 class LayerSpec:
     """One decoder layer: `h += scale * mixer(norm(h))`, then `h += scale * ffn(norm(h))`."""
@@ -118,7 +128,8 @@ class LayerSpec:
     prefix: str
     hidden: int
     mixer: AttentionSpec
-    ffn: GatedMlpSpec
+    #: The dense gated MLP, or a mixture of experts (`families.moe_spec`).
+    ffn: FeedForwardSpec
     #: The RMSNorm before the mixer; None where the mixer reads the residual stream itself (OLMo 2).
     input_norm: str | None = "input_layernorm"
     #: The RMSNorm before the feed-forward block; None where it reads the residual stream itself.

@@ -11,14 +11,29 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from ferrox_batch.runtime.families import gemma3, granite, llama, mistral, olmo2, phi3, qwen2, qwen3, smollm3
+from ferrox_batch.runtime.families import (
+    gemma3,
+    granite,
+    granitemoe,
+    llama,
+    mistral,
+    mixtral,
+    olmo2,
+    olmoe,
+    phi3,
+    qwen2,
+    qwen2_moe,
+    qwen3,
+    qwen3_moe,
+    smollm3,
+)
 from ferrox_batch.runtime.families.errors import UnsupportedArchitecture
 from ferrox_batch.runtime.families.family import Family
 from ferrox_batch.runtime.families.gguf_metadata import GgufFamily
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY, gemma3.FAMILY,
-    granite.FAMILY, olmo2.FAMILY,
+    granite.FAMILY, olmo2.FAMILY, qwen3_moe.FAMILY, qwen2_moe.FAMILY, olmoe.FAMILY, granitemoe.FAMILY, mixtral.FAMILY,
 )
 
 #: Hugging Face architecture -> its family.

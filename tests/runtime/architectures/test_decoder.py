@@ -43,6 +43,9 @@ def prefill_logits(model, ids, *, chunk=None, block_size=4, seq="s"):
 #: Every tiny checkpoint: one per family and per switch a family has.
 VARIANTS = ["llama", "llama-untied-llama3-rope", "qwen2", "mistral-window", "qwen3", "smollm3-nope", "gemma3",
             "phi3-longrope", "llama-linear-rope", "llama-dynamic-rope", "qwen3-yarn-rope", "granite", "olmo2"]
+#: The mixture-of-experts checkpoints (their own tests: `test_moe_decoder`), against transformers here too.
+MOE_VARIANTS = ["qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "mixtral-window"]
+VARIANTS += MOE_VARIANTS
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -128,7 +131,8 @@ def test_any_schedule_of_mixed_chunks_gives_each_sequence_the_logits_it_gets_alo
         assert_logits_close(final[i], alone[i], tiny_model.config, len(streams[i]), note=i)
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen3", "smollm3-nope", "gemma3", "phi3-longrope", "granite", "olmo2"])
+@pytest.mark.parametrize("variant", ["llama", "qwen3", "smollm3-nope", "gemma3", "phi3-longrope", "granite", "olmo2",
+                                     *MOE_VARIANTS])
 def test_a_batch_of_different_lengths_matches_each_sequence_alone(tiny_variant_dirs, variant, device):
     tiny_model = load_model(tiny_variant_dirs[variant], device=device, dtype="float32")
     enc = [tiny_model.tokenizer.encode(p) for p in PROMPTS]
@@ -148,7 +152,7 @@ def test_a_batch_of_different_lengths_matches_each_sequence_alone(tiny_variant_d
 
 
 @pytest.mark.parametrize("variant", ["llama", "mistral-window", "qwen3", "smollm3-nope", "gemma3", "phi3-longrope",
-                                     "granite", "olmo2"])
+                                     "granite", "olmo2", "qwen2_moe"])
 @pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("kv", ["fp32", "fp16"])
 def test_stale_pool_memory_never_reaches_the_logits(tiny_variant_dirs, device, variant, kernels, kv):

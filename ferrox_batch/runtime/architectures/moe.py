@@ -1,0 +1,89 @@
+"""`MoeBlock`: a mixture of experts as a layer's feed-forward block.
+
+The router (float32 logits from the block's float32 copy of its weight, then `router.route`) picks each
+row's k experts. The `rows * k` (row, expert) pairs are sorted by expert, so each expert's rows are one
+contiguous slice of the gathered inputs; each expert with rows runs its gated MLP once over its slice,
+on whatever kernel its linears got (`LinearFactory.gate_up_experts`, `experts`: fp16 or bf16 panels,
+oneDNN, the int8 kernel over the file's blocks), and one weighted `index_add_` puts the results back on
+their rows. The only Python loop is over the experts with rows, one product each: a decode step of one
+row reads only its k experts' weights. A shared expert (times its sigmoid gate where there is one) is
+added for every row.
+
+The sums run in float32 whatever the compute dtype; each row's contributions are added in the order of
+its experts' ids (on the CPU), so a row's output does not depend on the rows beside it beyond what each
+expert's kernel does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+
+from ferrox_batch.runtime.architectures.forward_context import ForwardContext
+from ferrox_batch.runtime.architectures.gate_up import GateUp
+from ferrox_batch.runtime.architectures.gated_mlp import GatedMlp
+from ferrox_batch.runtime.architectures.linear import Linear
+from ferrox_batch.runtime.architectures.norms import norm
+from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
+from ferrox_batch.runtime.architectures.router import route
+from ferrox_batch.runtime.families.moe_spec import RouterSpec
+
+
+@dataclass(slots=True)
+class MoeBlock:
+    router: RouterSpec
+    #: The router's float32 `[experts, hidden]` weight, its bias and correction bias (float32) where it has them.
+    router_weight: torch.Tensor
+    gate_up: tuple[GateUp, ...]
+    down: tuple[Linear | QuantizedLinear, ...]
+    router_bias: torch.Tensor | None = None
+    correction: torch.Tensor | None = None
+    shared: GatedMlp | None = None
+    #: The shared expert's float32 `[1, hidden]` sigmoid gate.
+    shared_gate: torch.Tensor | None = None
+    out_norm: torch.Tensor | None = None
+
+    def linears(self) -> list[Linear | QuantizedLinear | GateUp]:
+        experts = [linear for pair in zip(self.gate_up, self.down) for linear in pair]
+        return experts + ([] if self.shared is None else self.shared.linears())
+
+    def norms(self) -> list[torch.Tensor]:
+        own = [] if self.out_norm is None else [self.out_norm]
+        return own + ([] if self.shared is None else self.shared.norms())
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [t for t in (self.router_weight, self.router_bias, self.correction, self.shared_gate, self.out_norm)
+                   if t is not None]
+        return (sum(linear.nbytes for linear in zip(self.gate_up, self.down) for linear in linear)
+                + sum(t.numel() * t.element_size() for t in tensors)
+                + (0 if self.shared is None else self.shared.nbytes))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        rows, k = x.shape[0], self.router.top_k
+        x32 = x.float()
+        weights, ids = route(F.linear(x32, self.router_weight, self.router_bias), self.router, self.correction)
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        source = order // k  # each sorted pair's row
+        counts = torch.bincount(flat, minlength=self.router.experts).tolist()
+        gathered = x[source]
+        results = torch.empty(rows * k, x.shape[1], dtype=torch.float32, device=x.device)
+        for expert, (end, count) in enumerate(zip(accumulate(counts), counts)):
+            if count:
+                part = slice(end - count, end)
+                results[part] = self.down[expert](self.gate_up[expert](gathered[part]))
+        results *= weights.flatten()[order, None]
+        out = torch.zeros(rows, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, source, results)
+        if self.shared is not None:
+            shared = self.shared.forward(x, ctx).float()
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(x32, self.shared_gate))
+            out += shared
+        out = out.to(x.dtype)
+        if self.out_norm is not None:
+            out = norm(out, self.out_norm, ctx.eps, ctx.kernels)
+        return out

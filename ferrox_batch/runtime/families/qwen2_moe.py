@@ -1,0 +1,39 @@
+"""Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B): the Qwen2 layer with a mixture of experts and a shared expert.
+
+Each sparse layer routes a row to `num_experts_per_tok` of `num_experts` experts by softmax scores (divided
+by their sum where `norm_topk_prob`), and adds a shared expert of `shared_expert_intermediate_size` scaled
+by the sigmoid of its own gate (`mlp.shared_expert_gate`). Layers in `mlp_only_layers`, and those off the
+`decoder_sparse_step`, are the dense MLP of `intermediate_size`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ferrox_batch.runtime.families import llama, qwen2
+from ferrox_batch.runtime.families.family import Family, ModelShape
+from ferrox_batch.runtime.families.layer_spec import LayerSpec
+from ferrox_batch.runtime.families.moe_config import positive_int, read_moe, sparse_step_layers
+from ferrox_batch.runtime.families.moe_layers import expert_layouts, feed_forward
+
+LAYOUTS = expert_layouts()
+
+
+def config_fields(raw: Mapping[str, Any], shared: Mapping[str, Any]) -> dict[str, Any]:
+    layers = positive_int(raw, "num_hidden_layers")
+    # transformers 5 names the Q/K/V biases `qkv_bias` for this family (earlier configs: always on).
+    return {**qwen2.config_fields(raw, shared), "attention_bias": bool(raw.get("qkv_bias", True)),
+            "moe": read_moe(raw, experts_key=("num_experts", "num_local_experts"),
+                            intermediate_key="moe_intermediate_size", shared_key="shared_expert_intermediate_size",
+                            sparse_layers=sparse_step_layers(raw, layers))}
+
+
+def layer(c: ModelShape, i: int) -> LayerSpec:
+    """Layer `i` of a Qwen2-MoE checkpoint."""
+    return LayerSpec(prefix=f"model.layers.{i}.", hidden=c.hidden_size, mixer=llama.attention(c, i),
+                     ffn=feed_forward(c, i, LAYOUTS, shared=True, shared_gate=True))
+
+
+ARCHITECTURE = "Qwen2MoeForCausalLM"
+FAMILY = Family(model_type="qwen2_moe", architectures=(ARCHITECTURE,), layer=layer, config_fields=config_fields)

@@ -1,0 +1,37 @@
+"""Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): the Qwen3 layer with a mixture of experts.
+
+Each sparse layer routes a row to `num_experts_per_tok` of `num_experts` experts (transformers 5 writes
+`num_local_experts`) by softmax scores, divided by their sum where `norm_topk_prob`; no shared expert.
+Layers in `mlp_only_layers`, and those off the `decoder_sparse_step`, are the dense MLP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ferrox_batch.runtime.families import llama
+from ferrox_batch.runtime.families.family import Family, ModelShape
+from ferrox_batch.runtime.families.layer_spec import LayerSpec
+from ferrox_batch.runtime.families.moe_config import positive_int, read_moe, sparse_step_layers
+from ferrox_batch.runtime.families.moe_layers import expert_layouts, feed_forward
+
+LAYOUTS = expert_layouts()
+
+
+def config_fields(raw: Mapping[str, Any], shared: Mapping[str, Any]) -> dict[str, Any]:
+    layers = positive_int(raw, "num_hidden_layers")
+    return {"qk_norm": True, **llama.no_window_unless_used(raw, shared),
+            "moe": read_moe(raw, experts_key=("num_experts", "num_local_experts"),
+                            intermediate_key="moe_intermediate_size", sparse_layers=sparse_step_layers(raw, layers))}
+
+
+def layer(c: ModelShape, i: int) -> LayerSpec:
+    """Layer `i` of a Qwen3-MoE checkpoint."""
+    mixer = llama.attention(c, i, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm")
+    return LayerSpec(prefix=f"model.layers.{i}.", hidden=c.hidden_size, mixer=mixer,
+                     ffn=feed_forward(c, i, LAYOUTS))
+
+
+ARCHITECTURE = "Qwen3MoeForCausalLM"
+FAMILY = Family(model_type="qwen3_moe", architectures=(ARCHITECTURE,), layer=layer, config_fields=config_fields)
