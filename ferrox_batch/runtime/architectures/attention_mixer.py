@@ -51,6 +51,9 @@ class AttentionMixer:
         from the same rule)."""
         return layer_kind(self.window)
 
+    #: Row by row wherever its linears are: attention reads each sequence's own keys (`Block.batch_invariant`).
+    batch_invariant = True
+
     def linears(self) -> list[Linear | QuantizedLinear | GateUp]:
         return [self.qkv, self.o]
 

@@ -42,7 +42,9 @@ class CheckpointTaker:
         rounded to the decoder's dtype: for the few weights that run in float32 whatever the model's dtype
         (a router's)."""
         tensor = self._pop(name, shape)
-        return (tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor).float().contiguous()
+        # A copy of its own: a view into the file's memory may sit at any alignment, and a float32 matmul's
+        # rounding may follow its operand's alignment.
+        return (tensor.dequantize() if isinstance(tensor, QuantizedWeight) else tensor).float().clone()
 
     def _pop(self, name: str, shape: tuple[int, ...]) -> Weight:
         tensor = self.weights.pop(name, None)

@@ -203,7 +203,8 @@ class Decoder:
         input row alone: ours for fp16 or bf16 weights, or the int8 quantized kernel. The decoder's other
         kernels are row-wise already (norms, RoPE, attention over each sequence's own keys), so each request's
         logits are then the same alone or batched."""
-        return self.linear_factory.batch_invariant_over(linear.kind for linear in self._linears())
+        return (self.linear_factory.batch_invariant_over(linear.kind for linear in self._linears())
+                and all(layer.mixer.batch_invariant and layer.ffn.batch_invariant for layer in self.layers))
 
     @property
     def vocab_size(self) -> int:

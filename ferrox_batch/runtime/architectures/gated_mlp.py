@@ -29,6 +29,9 @@ class GatedMlp:
         """Whether it is the Llama layer's MLP exactly (no norm of its own): what the C layer stack runs."""
         return self.out_norm is None
 
+    #: Row by row wherever its linears are (`Block.batch_invariant`).
+    batch_invariant = True
+
     def linears(self) -> list[Linear | QuantizedLinear | GateUp]:
         return [self.gate_up, self.down]
 

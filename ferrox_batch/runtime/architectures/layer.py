@@ -42,6 +42,11 @@ class Block(Protocol):
         """Its weights' bytes in memory."""
         ...
 
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether each output row depends on its input row alone wherever its linears' kernels do."""
+        ...
+
 
 @dataclass(slots=True)
 class Layer:

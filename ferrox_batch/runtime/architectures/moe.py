@@ -46,6 +46,10 @@ class MoeBlock:
     shared_gate: torch.Tensor | None = None
     out_norm: torch.Tensor | None = None
 
+    #: Whether each row's output depends on that row alone given batch-invariant linears: not yet, as the
+    #: router's float32 product runs torch's matmul, whose rounding may follow the batch's size.
+    batch_invariant = False
+
     def linears(self) -> list[Linear | QuantizedLinear | GateUp]:
         experts = [linear for pair in zip(self.gate_up, self.down) for linear in pair]
         return experts + ([] if self.shared is None else self.shared.linears())

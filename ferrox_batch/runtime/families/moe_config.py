@@ -79,6 +79,10 @@ def read_moe(raw: Mapping[str, Any], *, experts_key: tuple[str, ...], intermedia
     sparse unless `sparse_layers` says otherwise, and the shared expert's width under `shared_key` (absent
     or 0: none)."""
     layers = positive_int(raw, "num_hidden_layers")
+    # These families route by softmax scores; a config naming another router is one they do not describe.
+    for key, theirs in (("scoring_func", "softmax"), ("topk_method", "greedy")):
+        if raw.get(key, theirs) != theirs:
+            raise ModelLoadError(f"config field {key} is {raw[key]!r}: this family's router is {theirs!r}")
     shared = raw.get(shared_key) if shared_key is not None else None
     norm = raw.get("norm_topk_prob", False) if renormalize is None else renormalize
     if not isinstance(norm, bool):
