@@ -6,7 +6,9 @@ outside `make test` (it needs llama.cpp's source and a Python environment of its
 registry gives a GGUF architecture it writes a tiny random checkpoint (`tests/tiny_checkpoint.py`), converts
 it with the unmodified converter at `--outtype f32` and `q8_0`, loads the GGUF with `load_model`, and runs
 transformers on the source folder: the same token ids into both, 32 greedy ids per prompt and the first
-step's logits. At f32 the greedy ids must be identical; at q8_0 it reports how many agree. It prints a
+step's logits. Some families get a variant checkpoint too (`VARIANTS`: a llama3-scaled Llama, which the
+converter writes as the `rope_freqs` tensor), untied at both outtypes. At f32 the greedy ids must be
+identical; at q8_0 it reports how many agree. It prints a
 markdown table (family, outtype, ids identical, max |logit diff|, result) and exits non-zero when an f32
 case differs, or any case cannot be converted or loaded. A family without a GGUF architecture is SKIPPED.
 
@@ -100,6 +102,14 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "phi3": dict(extra_config={"rope_theta": 250000.0}),
     "gemma3_text": GEMMA,
 }
+#: model_type -> (row label, the tiny checkpoint's arguments) of a variant checked beside the plain checkpoint.
+#: Llama 3.1's scaling over a pretrained context of 64: with a head of 16 at base 500,000 its 8 frequencies
+#: reach every branch (the fastest kept, the next smoothed, the rest slowed by the whole factor).
+VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
+    "llama": [("llama3 rope", dict(extra_config={"rope_theta": 500000.0}, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}))],
+}
 
 
 @dataclass(slots=True)
@@ -160,12 +170,13 @@ def reference(model: Any, ids: list[int]) -> tuple[torch.Tensor, list[int]]:
 
 
 def check(case: str, model_type: str, tie: bool, outtypes: tuple[str, ...], work: Path, args: argparse.Namespace,
-          shim: Path) -> list[Row]:
+          shim: Path, checkpoint: dict[str, Any] | None = None) -> list[Row]:
+    """Rows for one tiny checkpoint (the family's `CHECKPOINTS` entry unless `checkpoint` is given)."""
     import transformers
 
-    folder = work / f"{model_type}-{'tied' if tie else 'untied'}"
+    folder = work / case.replace(" ", "-").replace("(", "").replace(")", "")
     source = write_tiny_checkpoint(folder / "hf", arch=model_type, seed=7, std=0.15, tie=tie,
-                                   **CHECKPOINTS.get(model_type, {}))
+                                   **(CHECKPOINTS.get(model_type, {}) if checkpoint is None else checkpoint))
     prepare(source, model_type)
     tok = Tokenizer.from_file(str(source / "tokenizer.json"))
     prompts = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]  # the same ids into both
@@ -220,7 +231,10 @@ def main() -> int:
                 continue
             rows += check(f"{name} (untied)", name, False, OUTTYPES, work, args, shim)
             rows += check(f"{name} (tied)", name, True, ("f32",), work, args, shim)
-            print(*(row.line() for row in rows[-3:]), sep="\n", file=sys.stderr, flush=True)
+            for label, checkpoint in VARIANTS.get(name, []):
+                rows += check(f"{name} ({label})", name, False, OUTTYPES, work, args, shim, checkpoint)
+            print(*(row.line() for row in rows[-3 - 2 * len(VARIANTS.get(name, [])):]), sep="\n", file=sys.stderr,
+                  flush=True)
     print("| family | outtype | ids identical | max \\|logit diff\\| (first step) | result |")
     print("|---|---|---|---|---|")
     for row in rows:

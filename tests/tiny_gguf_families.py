@@ -4,15 +4,20 @@
 convert_hf_to_gguf for its family: the metadata under the architecture's prefix (what llama.cpp writes,
 and not what it hardcodes: Gemma 3's layer pattern and local RoPE base, SmolLM3's NoPE interval), the
 tensor names of gguf-py's own map, Q/K rows permuted for llama and smollm3, one added to every Gemma
-norm, Phi-3's longrope factors as tensors. Matrices are quantized the way a Q4_K_M file mixes types
-(Q8_0, Q5_0, Q4_1, F16, BF16, and Q4_K / Q6_K where a row holds whole 256-value blocks). It returns the HF weights
-the conversion must give back (the dequantized values) and an HF folder holding exactly those, so a
-test can compare the GGUF with transformers reading it, or with our own load of the same weights.
+norm, Phi-3's longrope factors as tensors, and a llama3-scaled source's per-frequency factors as the
+`rope_freqs` tensor (computed as LlamaModel.generate_extra_tensors computes them). With `split_qkv`, Phi-3's
+fused Q/K/V projection is written as separate `attn_q`, `attn_k` and `attn_v` tensors, which llama.cpp's phi3
+architecture reads as well (its own converter writes the fused one). Matrices are quantized the way a
+Q4_K_M file mixes types (Q8_0, Q5_0, Q4_1, F16, BF16, and Q4_K / Q6_K where a row holds whole 256-value
+blocks). It returns the HF weights the conversion must give back (the dequantized values) and an HF folder
+holding exactly those, so a test can compare the GGUF with transformers reading it, or with our own load of
+the same weights.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +25,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.numpy import load_file, save_file
 from tiny_families import GGUF_METADATA
@@ -45,8 +51,31 @@ class FamilyGguf:
     config: dict[str, Any]
 
 
+def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray:
+    """What llama.cpp's converter writes as `rope_freqs` for a llama3-scaled config: its own arithmetic (float32
+    frequencies, float32 tensor arithmetic on each, the list stored as float32), step by step."""
+    rope = config["rope_scaling"]
+    base = config.get("rope_theta", 10000.0)
+    dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old_context_len = rope.get("original_max_position_embeddings", 8192)
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    rope_factors: list[Any] = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            rope_factors.append(1)
+        elif wavelen > low_freq_wavelen:
+            rope_factors.append(factor)
+        else:
+            smooth = (old_context_len / wavelen - low) / (high - low)
+            rope_factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(rope_factors, dtype=torch.float32).numpy()
+
+
 def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, quantized: bool = True,
-                      seed: int = 0) -> FamilyGguf:
+                      seed: int = 0, split_qkv: bool = False) -> FamilyGguf:
     """The checkpoint in `source` as `out/<arch>.gguf`, and its dequantized twin as `out/hf`."""
     rng = np.random.default_rng(seed)
     config = json.loads((source / "config.json").read_text())
@@ -85,23 +114,18 @@ def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, 
         gguf_name = names.get_name(module)
         assert gguf_name is not None, hf_name
         value = hf[hf_name].astype(np.float32)
-        kind = gguf_name.split(".")[-1]
-        qtype = Q.F32
-        if quantized and value.ndim == 2:
-            k_quant, other = QUANT[kind]
-            qtype = k_quant if value.shape[1] % 256 == 0 else other
-        offset = family.norm_offset and hf_name.endswith("norm.weight")
-        if offset:
-            value = value + np.float32(family.norm_offset)  # what llama.cpp's converter adds to such norms
-        data, truth = stored(value, qtype, rng)  # row-wise blocks: the Q/K permutation below commutes with them
-        if offset:
-            truth = truth - np.float32(family.norm_offset)
-        if family.permuted_qk and kind in ("attn_q", "attn_k"):
-            data = llama_cpp_permute(data, heads if kind == "attn_q" else kv_heads)
-        weights[hf_name] = truth
-        # Float arrays carry their type; quantized ones (BF16 included) are bytes of the type named.
-        raw = None if data.dtype in (np.float32, np.float16) else qtype
-        writer.add_tensor(f"{gguf_name}.{suffix}", data, raw_dtype=raw)
+        if split_qkv and gguf_name.endswith(".attn_qkv"):
+            head_dim = config["head_dim"]
+            widths = np.cumsum([heads * head_dim, kv_heads * head_dim])
+            parts = [(gguf_name[:-3] + short, part) for short, part in zip("qkv", np.split(value, widths))]
+        else:
+            parts = [(gguf_name, value)]
+        truths = []
+        for name, part in parts:
+            truths.append(_write(writer, f"{name}.{suffix}", part, family, (heads, kv_heads), quantized, rng))
+        weights[hf_name] = np.concatenate(truths) if len(truths) > 1 else truths[0]
+    if scaling.get("rope_type") == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -113,3 +137,25 @@ def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, 
         shutil.copy(source / name, twin / name)
     save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, str(twin / "model.safetensors"))
     return FamilyGguf(path, weights, twin, config)
+
+
+def _write(writer: gguf.GGUFWriter, name: str, value: np.ndarray, family: Any, heads: tuple[int, int],
+           quantized: bool, rng: np.random.Generator) -> np.ndarray:
+    """One tensor written as llama.cpp stores it; what it dequantizes to, as the HF checkpoint holds it."""
+    kind = name.split(".")[-2]
+    qtype = Q.F32
+    if quantized and value.ndim == 2:
+        k_quant, other = QUANT[kind]
+        qtype = k_quant if value.shape[1] % 256 == 0 else other
+    offset = family.norm_offset and name.endswith("norm.weight")
+    if offset:
+        value = value + np.float32(family.norm_offset)  # what llama.cpp's converter adds to such norms
+    data, truth = stored(value, qtype, rng)  # row-wise blocks: the Q/K permutation below commutes with them
+    if offset:
+        truth = truth - np.float32(family.norm_offset)
+    if family.permuted_qk and kind in ("attn_q", "attn_k"):
+        data = llama_cpp_permute(data, heads[0] if kind == "attn_q" else heads[1])
+    # Float arrays carry their type; quantized ones (BF16 included) are bytes of the type named.
+    raw = None if data.dtype in (np.float32, np.float16) else qtype
+    writer.add_tensor(name, data, raw_dtype=raw)
+    return truth

@@ -155,6 +155,9 @@ class ModelConfig:
         if s is not None and s.kind == "longrope" and len(s.short_factor) != self.rotary_dim // 2:
             raise ModelLoadError(f"longrope names {len(s.short_factor)} factors for the {self.rotary_dim // 2} "
                                  f"frequencies a head rotates")
+        if s is not None and s.kind == "frequency_factors" and len(s.frequency_factors) != self.rotary_dim // 2:
+            raise ModelLoadError(f"rope_scaling names {len(s.frequency_factors)} frequency factors for the "
+                                 f"{self.rotary_dim // 2} frequencies a head rotates")
         if self.hidden_act not in ACTIVATIONS:
             raise ModelLoadError(f"hidden activation {self.hidden_act!r} is not supported "
                                  f"(supported: {', '.join(ACTIVATIONS)})")

@@ -4,8 +4,10 @@ A table holds one row per position the model can be served at, computed once per
 the reference does) and cast to the compute dtype; a forward only indexes it by position. Every variant
 is a table, so the kernels never learn which one a model uses:
 
-* plain, `linear`, `yarn` and `llama3` rotate every position by the same frequencies (yarn and longrope
-  also scale the table by their attention factor);
+* plain, `linear`, `yarn`, `llama3` and `frequency_factors` rotate every position by the same frequencies
+  (yarn and longrope also scale the table by their attention factor). `frequency_factors` divides each
+  frequency's angle by its own factor, as llama.cpp's rope op does with a file's `rope_freqs` (no attention
+  factor: llama.cpp scales its tables only for yarn);
 * `dynamic` (NTK) and `longrope` change their frequencies with the length of the sequence. The reference
   picks them from the longest position in the forward, so its answer for one sequence depends on what
   it is batched with. Here row `p` holds what the reference uses when the sequence is `p + 1` long,
@@ -41,7 +43,16 @@ def inverse_frequencies(dim: int, theta: float, scaling: RopeScaling | None) -> 
         return _llama3(inv_freq, scaling)
     if scaling.kind == "yarn":
         return _yarn(dim, theta, scaling)
+    if scaling.kind == "frequency_factors":
+        return inv_freq / _factors(scaling.frequency_factors, dim)
     raise ValueError(f"{scaling.kind} rope frequencies depend on the position: use rope_tables")
+
+
+def _factors(factors: tuple[float, ...], dim: int) -> torch.Tensor:
+    """One factor per rotated frequency, as float32 (the type llama.cpp stores and computes them in)."""
+    if len(factors) != dim // 2:
+        raise ValueError(f"{len(factors)} frequency factors for {dim // 2} rotated frequencies")
+    return torch.tensor(factors, dtype=torch.float32)
 
 
 def _llama3(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
@@ -123,6 +134,9 @@ def angles(dim: int, theta: float, scaling: RopeScaling | None, positions: int) 
         shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         inv = 1.0 / (base[:, None] ** shape[None, :])
         return pos[:, None] * inv
+    if scaling is not None and scaling.kind == "frequency_factors":
+        # llama.cpp divides the angle, not the frequency: position times frequency, then over the factor.
+        return torch.outer(pos, inverse_frequencies(dim, theta, None)) / _factors(scaling.frequency_factors, dim)
     return torch.outer(pos, inverse_frequencies(dim, theta, scaling))
 
 

@@ -3,7 +3,8 @@
 llama.cpp's converter gives every family its metadata under its own prefix (`qwen3.embedding_length`),
 its tensors llama.cpp's names (`blk.0.attn_q_norm`), and a few value changes: some families have their Q/K
 rows permuted, Gemma's RMSNorm weights are stored with the one its norm adds already added, longrope
-factors are tensors of their own, and what llama.cpp hardcodes rather than stores is not in the file at all.
+factors and Llama 3.1's frequency factors are tensors of their own, a fused tensor may be stored as its
+parts (Phi-3's Q/K/V), and what llama.cpp hardcodes rather than stores is not in the file at all.
 A family module states its own facts as one `GgufFamily` (its architecture name, its layer tensors' names,
 its extra config fields from the metadata); this module holds the type and what every family shares:
 `Meta` (typed reads under the prefix), `common_config` (the shared fields under llama.cpp's keys) and the
@@ -16,7 +17,7 @@ unsupported metadata; `hf_name` maps every tensor name the family writes, and re
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
@@ -92,6 +93,9 @@ class GgufFamily:
     biased: frozenset[str] = frozenset()
     #: Global tensors that hold config, not weights.
     config_tensors: frozenset[str] = frozenset()
+    #: Fused layer tensors llama.cpp also reads as separate parts, stacked by rows in the order named (Phi-3's
+    #: `attn_qkv` as `attn_q`, `attn_k`, `attn_v`): each part maps to the fused tensor's HF name (`part`).
+    parts: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The HF name of a weight tensor (None for a config tensor); ModelLoadError for an unknown one."""
@@ -100,10 +104,39 @@ class GgufFamily:
             return None
         if len(parts) == 2 and parts[1] == "weight" and parts[0] in GLOBAL_TENSORS:
             return f"{GLOBAL_TENSORS[parts[0]]}.weight"
-        if (len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in self.layer_tensors
-                and (parts[3] == "weight" or (parts[3] == "bias" and parts[2] in self.biased))):
-            return f"model.layers.{int(parts[1])}.{self.layer_tensors[parts[2]]}.{parts[3]}"
+        if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
+            short = self._fused.get(parts[2], (parts[2], 0))[0]
+            if short in self.layer_tensors and (parts[3] == "weight" or (parts[3] == "bias" and short in self.biased)):
+                return f"model.layers.{int(parts[1])}.{self.layer_tensors[short]}.{parts[3]}"
         raise ModelLoadError(f"unexpected tensor {gguf_name!r} for a {self.arch} model")
+
+    @property
+    def _fused(self) -> dict[str, tuple[str, int]]:
+        """Each part's fused tensor and its place among the parts."""
+        return {name: (fused, i) for fused, names in self.parts.items() for i, name in enumerate(names)}
+
+    def part(self, gguf_name: str) -> tuple[int, int] | None:
+        """(its place, how many parts) for a part of a fused tensor (`blk.0.attn_k.weight`: (1, 3)); None
+        for any other tensor."""
+        pieces = gguf_name.split(".")
+        found = self._fused.get(pieces[2]) if len(pieces) == 4 and pieces[0] == "blk" else None
+        return None if found is None else (found[1], len(self.parts[found[0]]))
+
+    def check_parts(self, tensor_names: set[str]) -> None:
+        """Each layer holds a fused tensor whole or as every one of its parts: never both, never only some."""
+        for name in sorted(tensor_names):
+            pieces = name.split(".")
+            if len(pieces) != 4 or pieces[0] != "blk" or pieces[2] not in self._fused:
+                continue
+            fused = self._fused[pieces[2]][0]
+            whole = f"blk.{pieces[1]}.{fused}.{pieces[3]}"
+            if whole in tensor_names:
+                raise ModelLoadError(f"{name} beside {whole}: a file holds the fused tensor or its parts, not both")
+            missing = [f"blk.{pieces[1]}.{part}.{pieces[3]}" for part in self.parts[fused]
+                       if f"blk.{pieces[1]}.{part}.{pieces[3]}" not in tensor_names]
+            if missing:
+                raise ModelLoadError(f"{missing[0]} is missing beside {name}: {', '.join(self.parts[fused])} "
+                                     f"stand for {fused} only all together")
 
     def is_norm(self, gguf_name: str) -> bool:
         return gguf_name.split(".")[-2].endswith("norm")
@@ -117,6 +150,7 @@ class GgufFamily:
         if config["num_hidden_layers"] != held:  # checked before anything is built per layer
             raise ModelLoadError(f"metadata key {self.arch}.block_count is {config['num_hidden_layers']} but the "
                                  f"file's tensors hold {held} layers")
+        self.check_parts(tensor_names)
         if self.biased:  # Qwen2's biases: present on every layer or none (the shape check holds them to it)
             config["attention_bias"] = any(f"blk.0.{short}.bias" in tensor_names for short in self.biased)
         config.update(self.extra(meta, config, tensors))
@@ -131,8 +165,8 @@ def common_config(meta: Meta, family: GgufFamily, tensor_names: set[str]) -> dic
     head_dim = meta.integer("attention.key_length", hidden // heads)
     if meta.integer("attention.value_length", head_dim) != head_dim:
         raise ModelLoadError("attention.value_length differs from key_length: not a model this runtime runs")
-    if "rope_freqs.weight" in tensor_names:
-        raise ModelLoadError("rope_freqs (llama3-style frequency factors) is not supported by the converter")
+    if "rope_freqs.weight" in tensor_names and "rope_freqs" not in family.config_tensors:
+        raise ModelLoadError(f"rope_freqs (per-frequency RoPE factors) is not read for a {meta.arch} model")
     return {
         "architectures": [family.hf_architecture],
         "model_type": family.model_type,
@@ -173,6 +207,28 @@ def rope_scaling(meta: Meta) -> dict[str, Any] | None:
                 scaling[name] = meta.number(f"rope.scaling.yarn_{name}")
         return scaling
     raise ModelLoadError(f"rope scaling {kind!r} is not supported by the converter (supported: linear, yarn)")
+
+
+def frequency_factors(meta: Meta, config: dict[str, Any], tensors: ConfigTensors) -> dict[str, Any] | None:
+    """The `rope_freqs` tensor (llama.cpp's Llama 3.1 scaling, one factor per rotated frequency that its
+    rope op divides that frequency's angle by) as a `frequency_factors` RoPE dict; None where the file has
+    none. `ModelLoadError` naming the tensor unless it holds exactly one finite, positive factor per rotated
+    frequency."""
+    if "rope_freqs" not in tensors:
+        return None
+    values, half = tensors["rope_freqs"], meta.integer("rope.dimension_count", config["head_dim"]) // 2
+    if values.ndim != 1 or values.shape[0] != half:
+        raise ModelLoadError(f"rope_freqs.weight has shape {values.shape}, expected ({half},): one factor for each "
+                             f"of the {half} rotated frequencies")
+    if not bool(np.all(np.isfinite(values) & (values > 0))):
+        raise ModelLoadError(f"rope_freqs.weight holds factors that are not finite and positive: "
+                             f"{values[~(np.isfinite(values) & (values > 0))][:4].tolist()}")
+    if config.get("rope_scaling") is not None:
+        # llama.cpp would apply both; no checkpoint it converts carries both, so none is read here.
+        raise ModelLoadError(f"rope_freqs.weight beside {meta.arch}.rope.scaling.type "
+                             f"{config['rope_scaling']['rope_type']!r}: the two together are not supported")
+    # The shortest decimal of each float32 factor, which reads back as that float32 exactly.
+    return {"rope_type": "frequency_factors", "factors": [float(str(f)) for f in values.astype(np.float32)]}
 
 
 def full_rotary(meta: Meta, config: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
 A layer is an RMSNorm, attention with separate Q, K and V projections (biases where the config has
 `attention_bias`), the output projection, a second RMSNorm and the gated MLP (SwiGLU). RoPE may be scaled
-(linear, dynamic, yarn, llama3). llama.cpp permutes the Q/K rows of the files it writes for it.
+(linear, dynamic, yarn, llama3). llama.cpp permutes the Q/K rows of the files it writes for it, and writes
+llama3 scaling as its precomputed per-frequency factors (the `rope_freqs` tensor).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferrox_batch.runtime.families.family import Family, ModelShape
-from ferrox_batch.runtime.families.gguf_metadata import LLAMA_LAYER, ConfigTensors, GgufFamily, Meta, full_rotary
+from ferrox_batch.runtime.families.gguf_metadata import (LLAMA_LAYER, ConfigTensors, GgufFamily, Meta,
+                                                         frequency_factors, full_rotary)
 from ferrox_batch.runtime.families.layer_spec import AttentionSpec, GatedMlpSpec, LayerSpec
 
 #: The Q, K and V projections, as Llama-style checkpoints name them.
@@ -45,7 +47,12 @@ def layer(c: ModelShape, i: int) -> LayerSpec:
 
 def gguf_fields(meta: Meta, config: dict[str, Any], tensors: ConfigTensors) -> dict[str, Any]:
     full_rotary(meta, config)
-    return {"pretraining_tp": 1}
+    extra: dict[str, Any] = {"pretraining_tp": 1}
+    # Llama 3.1's scaling: llama.cpp writes no metadata for it, only the factors it computed, as a tensor.
+    scaling = frequency_factors(meta, config, tensors)
+    if scaling is not None:
+        extra["rope_scaling"] = scaling
+    return extra
 
 
 def no_window_unless_used(raw: Mapping[str, Any], shared: Mapping[str, Any]) -> dict[str, Any]:
@@ -57,5 +64,6 @@ def no_window_unless_used(raw: Mapping[str, Any], shared: Mapping[str, Any]) -> 
 ARCHITECTURE = "LlamaForCausalLM"
 FAMILY = Family(
     model_type="llama", architectures=(ARCHITECTURE,), layer=layer,
-    gguf=GgufFamily("llama", ARCHITECTURE, "llama", LLAMA_LAYER, gguf_fields, permuted_qk=True),
+    gguf=GgufFamily("llama", ARCHITECTURE, "llama", LLAMA_LAYER, gguf_fields, permuted_qk=True,
+                    config_tensors=frozenset({"rope_freqs"})),
 )

@@ -3,7 +3,8 @@
 Phi-3 checkpoints store the attention's Q, K and V as one `qkv_proj` and the MLP's gate and up as one
 `gate_up_proj`. Phi-4-mini rotates only the first three quarters of each head (`partial_rotary_factor`);
 its `longrope` scaling (or the older names "su" and "yarn" for it) stretches the context, from 4096
-positions where the config names no original context. llama.cpp stores the longrope factors as tensors.
+positions where the config names no original context. llama.cpp stores the longrope factors as tensors, and
+reads Q/K/V fused or as three tensors.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ferrox_batch.runtime.families.rope_layout import RopeReading
 ORIGINAL_CONTEXT = 4096
 
 # Phi-3 keeps its projections fused in GGUF too, as its HF checkpoints do: `ffn_up` holds gate and up stacked.
+# llama.cpp also reads Q, K and V as separate tensors (unpermuted: Phi-3 rotates halves, as HF does), stacked here.
 GGUF_LAYER = MappingProxyType({
     "attn_norm": "input_layernorm", "attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm", "ffn_up": "mlp.gate_up_proj", "ffn_down": "mlp.down_proj",
@@ -66,5 +68,6 @@ FAMILY = Family(
     model_type="phi3", architectures=(ARCHITECTURE,), layer=layer,
     rope=RopeReading(partial_rotation=True, longrope_aliases=("su", "yarn"), default_original=ORIGINAL_CONTEXT),
     gguf=GgufFamily("phi3", ARCHITECTURE, "phi3", GGUF_LAYER, gguf_fields,
-                    config_tensors=frozenset({"rope_factors_long", "rope_factors_short"})),
+                    config_tensors=frozenset({"rope_factors_long", "rope_factors_short"}),
+                    parts=MappingProxyType({"attn_qkv": ("attn_q", "attn_k", "attn_v")})),
 )

@@ -4,13 +4,17 @@ Hugging Face configs name the variant in `rope_scaling` (or `rope_parameters`) b
 (positions slowed by a factor), `dynamic` (NTK: the base grows with the sequence), `yarn` (a per-frequency
 blend of the two, and a scale on the tables), `longrope` (Phi-3: per-frequency factors, a short set within
 the original context and a long set past it) and `llama3` (Llama 3.1: long wavelengths slowed, short ones
-kept, a smooth band between). This module only reads and checks the parameters; the tables they make are
-`architectures.rope`'s, and where a config keeps the dict is `rope_layout`'s. Any other variant, and any key
-a variant does not read, is refused by name at load.
+kept, a smooth band between). One more is this runtime's own, never written by transformers:
+`frequency_factors`, each frequency's angle divided by a factor of its own, which is how llama.cpp's files
+carry Llama 3.1's scaling (the `rope_freqs` tensor, its factors precomputed); the GGUF reader writes it.
+This module only reads and checks the parameters; the tables they make are `architectures.rope`'s, and
+where a config keeps the dict is `rope_layout`'s. Any other variant, and any key a variant does not read, is
+refused by name at load.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -21,7 +25,7 @@ from ferrox_batch.runtime.families.errors import ModelLoadError
 #: The `rope_type`s this runtime computes (besides plain RoPE: `default`, or no scaling at all).
 __all__ = ["COMMON_KEYS", "ROPE_TYPES", "RopeScaling", "VARIANT_KEYS", "rope_variant", "scaling_of"]
 
-ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3")
+ROPE_TYPES = ("linear", "dynamic", "yarn", "longrope", "llama3", "frequency_factors")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +49,9 @@ class RopeScaling:
     # longrope: one factor per rotated frequency
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
+    #: frequency_factors: what each rotated frequency's angle is divided by (the count is the config's to check,
+    #: which knows how many frequencies a head rotates)
+    frequency_factors: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in ROPE_TYPES:
@@ -58,6 +65,11 @@ class RopeScaling:
             raise ModelLoadError("llama3 rope scaling needs high_freq_factor > low_freq_factor")
         if self.kind == "longrope" and (not self.short_factor or len(self.short_factor) != len(self.long_factor)):
             raise ModelLoadError("longrope scaling needs short_factor and long_factor lists of one length")
+        if self.kind == "frequency_factors":
+            bad = [f for f in self.frequency_factors if not (math.isfinite(f) and f > 0)]
+            if not self.frequency_factors or bad:
+                raise ModelLoadError(f"frequency_factors rope scaling needs a list of finite positive factors, got "
+                                     f"{list(self.frequency_factors[:4]) if not bad else bad[:4]}")
 
 
 #: The keys every RoPE dict may hold, whatever its variant: what names it and what `rope_layout` reads itself.
@@ -74,6 +86,8 @@ VARIANT_KEYS: Mapping[str, frozenset[str]] = MappingProxyType({
     "longrope": frozenset({"short_factor", "long_factor", "original_max_position_embeddings", "attention_factor",
                            "factor"}),
     "llama3": frozenset({"factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"}),
+    # Not transformers': what the GGUF reader writes for llama.cpp's `rope_freqs` (module docstring).
+    "frequency_factors": frozenset({"factors"}),
 })
 
 
@@ -107,7 +121,7 @@ def scaling_of(params: dict[str, Any], where: str, max_positions: int, original:
     factor = params.get("factor")
     if factor is None and kind in ("yarn", "longrope") and original:
         factor = max_positions / int(original)
-    if factor is None and kind != "longrope":
+    if factor is None and kind not in ("longrope", "frequency_factors"):
         raise ModelLoadError(f"{where}: {kind} rope scaling needs a factor")
     if kind == "llama3":
         missing = [name for name in ("low_freq_factor", "high_freq_factor") if params.get(name) is None]
@@ -132,4 +146,5 @@ def scaling_of(params: dict[str, Any], where: str, max_positions: int, original:
         attention_factor=optional("attention_factor"),
         short_factor=tuple(float(f) for f in params.get("short_factor") or ()),
         long_factor=tuple(float(f) for f in params.get("long_factor") or ()),
+        frequency_factors=tuple(float(f) for f in params.get("factors") or ()),
     )

@@ -4,9 +4,9 @@ Checkpoints reach us as quantized GGUFs (the default model, Gemma 3 270M), while
 transformers, which the tests compare against) read HF folders. This module runs the conversion: it
 dequantizes every tensor to fp32 (any type `gguf.quants.dequantize` reads, K-quants included), renames it
 to its HF name, undoes what llama.cpp did to its values (the Q/K row permutation of the Llama-style
-families, the one added to Gemma's norms), and derives `config.json`, `tokenizer.json`,
-`tokenizer_config.json` and `generation_config.json`. What each architecture stores where is
-`runtime.families`'; the tokenizer is `gguf_tokenizer`'s.
+families, the one added to Gemma's norms), stacks a fused tensor the file stores as its parts (Phi-3's
+Q/K/V), and derives `config.json`, `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
+What each architecture stores where is `runtime.families`'; the tokenizer is `gguf_tokenizer`'s.
 
 Promises: `read_gguf` returns fp32 arrays under HF names with HF shapes, or raises `ModelLoadError`
 (`UnsupportedArchitecture` for an architecture outside `SUPPORTED_GGUF_ARCHITECTURES`) with a message
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.errors import ModelLoadError, UnsupportedArchitecture
@@ -30,7 +31,7 @@ from ferrox_batch.runtime.families.gguf_metadata import GgufFamily
 from ferrox_batch.runtime.families.registry import BY_GGUF_ARCHITECTURE, family_of_model_type
 from ferrox_batch.runtime.loading.gguf_tokenizer import eog_ids, tokenizer_from_metadata
 from ferrox_batch.runtime.quant.formats import BY_GGML_TYPE
-from ferrox_batch.runtime.quant.weight import QuantizedWeight
+from ferrox_batch.runtime.quant.weight import QuantizedWeight, cat_rows
 
 SUPPORTED_GGUF_ARCHITECTURES: tuple[str, ...] = tuple(BY_GGUF_ARCHITECTURE)
 
@@ -171,6 +172,7 @@ def _tensors(gguf_tensors: list[Any], family: GgufFamily, config: dict[str, Any]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     weights = [t for t in gguf_tensors if family.hf_name(t.name) is not None]
     out: dict[str, np.ndarray | QuantizedWeight] = {}
+    parts: dict[str, dict[int, np.ndarray | QuantizedWeight]] = {}  # a fused tensor's parts, by place
     for done, t in enumerate(weights, 1):
         name = family.hf_name(t.name)
         assert name is not None
@@ -186,18 +188,32 @@ def _tensors(gguf_tensors: list[Any], family: GgufFamily, config: dict[str, Any]
         if family.norm_offset and family.is_norm(t.name):
             # Back to the offset from one that HF checkpoints store (the layer adds it again at load).
             weight = weight - np.float32(family.norm_offset)
-        if name in out:
-            raise ModelLoadError(f"tensor {t.name} appears twice")
         if weight.dtype == np.uint8:
             cols = int(t.shape.tolist()[0])
-            out[name] = QuantizedWeight.of(fmt, weight.reshape(-1, fmt.row_bytes(cols)), cols)
-        else:
+            weight = QuantizedWeight.of(fmt, weight.reshape(-1, fmt.row_bytes(cols)), cols)
+        part = family.part(t.name)
+        if part is not None:
+            parts.setdefault(name, {})[part[0]] = weight
+            if len(parts[name]) == part[1]:
+                weight = _stacked([parts[name][i] for i in range(part[1])])
+        if name in out:
+            raise ModelLoadError(f"tensor {t.name} appears twice")
+        if part is None or len(parts[name]) == part[1]:
             out[name] = weight
         if progress:
             progress(done, len(weights), name)
     # The tensors the family's layers read at this config (the same specs the decoder builds from).
     _check_shapes(out, family_of_model_type(family.model_type).tensors(ModelConfig.from_dict(config)))
     return out
+
+
+def _stacked(parts: list[np.ndarray | QuantizedWeight]) -> np.ndarray | QuantizedWeight:
+    """A fused tensor from its parts, stacked by rows: quantized parts stay as stored (`cat_rows`), and a part
+    the file keeps in floats widens the rest to fp32."""
+    if all(isinstance(p, np.ndarray) for p in parts):
+        return np.concatenate(parts)
+    joined = cat_rows([torch.from_numpy(p) if isinstance(p, np.ndarray) else p for p in parts])
+    return joined.numpy() if isinstance(joined, torch.Tensor) else joined
 
 
 def _check_shapes(tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]]) -> None:
