@@ -101,6 +101,9 @@ def tiny_variant_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Pat
                                             intermediate=48, std=0.15),
         "mixtral-window": write_tiny_checkpoint(tmp_path_factory.mktemp("mixtral"), arch="mixtral", seed=19,
                                                 intermediate=48, std=0.15, sliding_window=7),
+        # Sinks, biases, alternating windows of 5, YaRN, the clamped SwiGLU.
+        "gpt_oss": write_tiny_checkpoint(tmp_path_factory.mktemp("gpt_oss"), arch="gpt_oss", seed=20, layers=3,
+                                         head_dim=16, intermediate=48, std=0.15, max_positions=256),
         "qwen3-yarn-rope": write_tiny_checkpoint(
             tmp_path_factory.mktemp("yarn"), arch="qwen3", seed=12,
             rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": LONG_CONTEXT,

@@ -97,6 +97,17 @@ CONFIGS: dict[str, Callable[[FixtureArgs], dict[str, Any]]] = {
     "granitemoe": lambda args: {"num_local_experts": 6, "num_experts_per_tok": 2, "embedding_multiplier": 2.0,
                                 "attention_multiplier": 0.5, "residual_multiplier": 1.5, "logits_scaling": 0.5,
                                 "rope_theta": 123456.0, "rms_norm_eps": 1e-6, "attention_bias": False},
+    # Alternating windows, YaRN with `truncate: false` over a short pretrained context, a SwiGLU limit the tiny
+    # activations reach (gpt-oss's own is 7).
+    "gpt_oss": lambda args: {"num_local_experts": 8, "num_experts_per_tok": 2, "attention_bias": True,
+                             "sliding_window": args.sliding_window or 5,
+                             "layer_types": args.layer_types or [("sliding_attention", "full_attention")[i % 2]
+                                                                 for i in range(args.layers)],
+                             "rope_theta": 150000.0, "swiglu_alpha": 1.702, "swiglu_limit": 0.8,
+                             "rope_scaling": args.rope_scaling or {
+                                 "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                 "original_max_position_embeddings": 64, "truncate": False},
+                             "pad_token_id": args.pad_token_id},
     "mixtral": lambda args: {"num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": args.sliding_window,
                              "rope_theta": 1_000_000.0},
 }

@@ -2,7 +2,7 @@
 
 It holds the fused Q/K/V projection (with biases where the checkpoint has them), the output projection,
 the optional RMSNorms on queries and keys (each head over its size, or the whole projection), its RoPE
-kind, window and scale, and the optional norm on its output. `forward` rotates q and k, writes K/V to its
+kind, window and scale, its attention sinks where it has them, and the optional norm on its output. `forward` rotates q and k, writes K/V to its
 KV group's pages, attends the decode group and the prefill chunks (`attention`), projects and returns the
 output, `[rows, hidden]`. On the CPU the C kernels rotate and store in one pass and attend in place.
 """
@@ -37,13 +37,15 @@ class AttentionMixer:
     k_norm: torch.Tensor | None = None
     qk_norm_span: QkNormSpan = "head"
     out_norm: torch.Tensor | None = None
+    #: Each query head's attention sink, float32 `[heads]` (`attention`), where the layer has them.
+    sinks: torch.Tensor | None = None
 
     @property
     def plain(self) -> bool:
         """Whether it is the Llama layer's attention exactly (no norms of its own, global RoPE, the scale of
         its head size): what the C layer stack runs."""
         return (self.q_norm is None and self.k_norm is None and self.out_norm is None and self.rope == "global"
-                and self.shape.attention_scale == self.shape.head_dim ** -0.5)
+                and self.sinks is None and self.shape.attention_scale == self.shape.head_dim ** -0.5)
 
     @property
     def cache_kind(self) -> CacheKind:
@@ -63,8 +65,8 @@ class AttentionMixer:
     @property
     def nbytes(self) -> int:
         """Its weights' bytes: the projections as they store them, and its norms."""
-        return (sum(linear.nbytes for linear in self.linears())
-                + sum(t.numel() * t.element_size() for t in self.norms()))
+        own = self.norms() + ([] if self.sinks is None else [self.sinks])
+        return sum(linear.nbytes for linear in self.linears()) + sum(t.numel() * t.element_size() for t in own)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         s, kernel, n = self.shape, ctx.kernels, ctx.rows
@@ -95,9 +97,9 @@ class AttentionMixer:
         n_dec = 0
         if seen.decode is not None:
             n_dec = seen.decode.count
-            parts.append(attend_decode(q[:n_dec], pool, seen.decode, ctx.store.block_size, s, kernel))
+            parts.append(attend_decode(q[:n_dec], pool, seen.decode, ctx.store.block_size, s, kernel, self.sinks))
         if seen.prefill:
-            parts.append(attend_prefill(q[n_dec:], pool, seen.prefill, s, kernel, plan, self.window))
+            parts.append(attend_prefill(q[n_dec:], pool, seen.prefill, s, kernel, plan, self.window, self.sinks))
         out = self.o(parts[0] if len(parts) == 1 else torch.cat(parts))
         if self.out_norm is not None:
             out = norm(out, self.out_norm, ctx.eps, kernel)

@@ -22,6 +22,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 
+from ferrox_batch.runtime.architectures.clamped_swiglu import ClampedSwiGlu
 from ferrox_batch.runtime.architectures.forward_context import ForwardContext
 from ferrox_batch.runtime.architectures.gate_up import GateUp
 from ferrox_batch.runtime.architectures.gated_mlp import GatedMlp
@@ -37,7 +38,8 @@ class MoeBlock:
     router: RouterSpec
     #: The router's float32 `[experts, hidden]` weight, its bias and correction bias (float32) where it has them.
     router_weight: torch.Tensor
-    gate_up: tuple[GateUp, ...]
+    #: Each expert's gated projection: `act(gate(x)) * up(x)`, `[rows, intermediate]`.
+    gate_up: tuple[GateUp | ClampedSwiGlu, ...]
     down: tuple[Linear | QuantizedLinear, ...]
     router_bias: torch.Tensor | None = None
     correction: torch.Tensor | None = None
@@ -51,7 +53,8 @@ class MoeBlock:
     batch_invariant = False
 
     def linears(self) -> list[Linear | QuantizedLinear | GateUp]:
-        experts = [linear for pair in zip(self.gate_up, self.down) for linear in pair]
+        experts = [linear.linear if isinstance(linear, ClampedSwiGlu) else linear
+                   for pair in zip(self.gate_up, self.down) for linear in pair]
         return experts + ([] if self.shared is None else self.shared.linears())
 
     def norms(self) -> list[torch.Tensor]:

@@ -50,6 +50,10 @@ class AttentionSpec:
     qk_norm_span: QkNormSpan = "head"
     #: An RMSNorm on the attention's output, before it joins the residual stream (Gemma 3, OLMo 2).
     out_norm: str | None = None
+    #: The output projection carries a bias (gpt-oss).
+    output_bias: bool = False
+    #: A `[heads]` tensor of attention sinks: a logit per query head in each softmax's denominator (gpt-oss).
+    sinks: str | None = None
 
     @property
     def q_width(self) -> int:
@@ -68,6 +72,10 @@ class AttentionSpec:
             if self.bias:
                 out[f"{name}.bias"] = (width,)
         out[f"{self.output}.weight"] = (h, q)
+        if self.output_bias:
+            out[f"{self.output}.bias"] = (h,)
+        if self.sinks is not None:
+            out[self.sinks] = (self.heads,)
         span = self.head_dim if self.qk_norm_span == "head" else None
         if self.q_norm is not None:
             out[f"{self.q_norm}.weight"] = (span or q,)

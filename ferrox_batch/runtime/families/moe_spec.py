@@ -29,6 +29,18 @@ EXPERT = "{e}"
 
 
 @dataclass(frozen=True, slots=True)
+class SwiGluClamp:
+    """gpt-oss's SwiGLU settings (`swiglu_alpha`, `swiglu_limit`)."""
+
+    alpha: float
+    limit: float
+
+    def __post_init__(self) -> None:
+        if not (self.alpha > 0 and self.limit > 0):
+            raise ModelLoadError(f"swiglu_alpha and swiglu_limit must be positive, got {self.alpha}, {self.limit}")
+
+
+@dataclass(frozen=True, slots=True)
 class RouterSpec:
     """Which experts each row goes to, and with what weights (its weight's name is the layout's)."""
 
@@ -92,12 +104,18 @@ class ExpertLayout:
     router: str
     gate_up: tuple[str, ...]
     down: str
+    #: The stacked tensors are stored `[experts, in, out]` (gpt-oss), not `[experts, out, in]`.
+    transposed: bool = False
+    #: One gate/up tensor's rows alternate gate, up, gate, up (gpt-oss), rather than every gate row first.
+    interleaved: bool = False
 
     def __post_init__(self) -> None:
         per_expert = {EXPERT in name for name in (*self.gate_up, self.down)}
         if len(per_expert) != 1 or len(self.gate_up) not in (1, 2) or (per_expert == {True} and len(self.gate_up) != 2):
             raise ValueError(f"an expert layout names its tensors all per expert (gate and up apart) or all "
                              f"stacked; got {self.gate_up}, {self.down}")
+        if (self.transposed or self.interleaved) and self.per_expert or self.interleaved and len(self.gate_up) != 1:
+            raise ValueError("only stacked experts are stored transposed, and only one gate/up tensor interleaved")
 
     @property
     def per_expert(self) -> bool:
@@ -107,18 +125,35 @@ class ExpertLayout:
         """The name whose presence says a checkpoint holds this layout (the first expert's gate)."""
         return self.gate_up[0].replace(EXPERT, "0")
 
-    def tensors(self, experts: int, hidden: int, intermediate: int) -> dict[str, tuple[int, ...]]:
-        """The experts' tensors (the router's are `RouterSpec.tensors`)."""
+    def tensors(self, experts: int, hidden: int, intermediate: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
+        """The experts' tensors (the router's are `RouterSpec.tensors`), with their biases where `bias`."""
         h, ff = hidden, intermediate
+        out: dict[str, tuple[int, ...]] = {}
         if self.per_expert:
-            out: dict[str, tuple[int, ...]] = {}
             for e in range(experts):
                 for name in self.gate_up:
                     out[name.replace(EXPERT, str(e))] = (ff, h)
+                    if bias:
+                        out[expert_bias_name(name.replace(EXPERT, str(e)))] = (ff,)
                 out[self.down.replace(EXPERT, str(e))] = (h, ff)
+                if bias:
+                    out[expert_bias_name(self.down.replace(EXPERT, str(e)))] = (h,)
             return out
         rows = 2 * ff if len(self.gate_up) == 1 else ff
-        return {**{name: (experts, rows, h) for name in self.gate_up}, self.down: (experts, h, ff)}
+        for name in self.gate_up:
+            out[name] = (experts, h, rows) if self.transposed else (experts, rows, h)
+            if bias:
+                out[expert_bias_name(name)] = (experts, rows)
+        out[self.down] = (experts, ff, h) if self.transposed else (experts, h, ff)
+        if bias:
+            out[expert_bias_name(self.down)] = (experts, h)
+        return out
+
+
+def expert_bias_name(weight: str) -> str:
+    """An expert weight's bias: `.weight` becomes `.bias`; a name without the suffix gains `_bias`
+    (transformers' `gate_up_proj_bias`)."""
+    return weight.removesuffix(".weight") + ".bias" if weight.endswith(".weight") else weight + "_bias"
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,8 +174,15 @@ class MoeSpec:
     shared_gate: str | None = None
     #: An RMSNorm on the block's output (as `GatedMlpSpec.out_norm`).
     out_norm: str | None = None
+    #: The experts' projections carry biases (gpt-oss).
+    bias: bool = False
+    #: gpt-oss's clamped SwiGLU (the activation "swiglu_clamped"): `(clamp(up, -limit, limit) + 1) * g *
+    #: sigmoid(alpha * g)`, g the gate clamped above at `limit`.
+    clamp: SwiGluClamp | None = None
 
     def __post_init__(self) -> None:
+        if (self.activation == "swiglu_clamped") != (self.clamp is not None):
+            raise ValueError("the clamped SwiGLU and its clamp come together")
         if not self.layouts:
             raise ValueError("a mixture-of-experts spec names at least one layout")
         if self.intermediate <= 0:
@@ -152,7 +194,7 @@ class MoeSpec:
         """Every tensor of the block in `layout` (the family's own when None)."""
         layout = layout or self.layouts[0]
         out = self.router.tensors(layout.router, self.hidden)
-        out.update(layout.tensors(self.router.experts, self.hidden, self.intermediate))
+        out.update(layout.tensors(self.router.experts, self.hidden, self.intermediate, self.bias))
         if self.shared is not None:
             out.update(self.shared.tensors())
         if self.shared_gate is not None:
