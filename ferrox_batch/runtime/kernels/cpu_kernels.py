@@ -115,7 +115,7 @@ class CpuKernels:
     def __init__(self, library: ctypes.CDLL) -> None:
         ptr, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
         self._decode = library.ferrox_paged_decode
-        self._decode.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, i32, i32, i32]
+        self._decode.argtypes = [ptr, ptr, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, f32, ptr, i32, i32, i32]
         self._decode.restype = i32
         self._norm = library.ferrox_rms_norm
         self._norm.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f32, i32, i32]
@@ -124,7 +124,7 @@ class CpuKernels:
         self._rope_store.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32, i32, i32]
         self._rope_store.restype = i32
         self._prefill = library.ferrox_prefill_attention
-        self._prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, f32, i32, i32, i32]
+        self._prefill.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, i64, i64, i64, i64, f32, ptr, i32, i32, i32]
         self._prefill.restype = i32
         self._layer_stack = library.ferrox_layer_stack
         self._layer_stack.argtypes = [ptr] * 8 + [i64] * 4 + [ptr, i32, i32, ptr, i64, i32] + [ptr] * 4 + [i64] * 3 \
@@ -178,6 +178,7 @@ class CpuKernels:
         scale: float,
         *,
         ranges_checked: bool = False,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Attention of one new token per sequence over its paged context.
 
@@ -187,9 +188,15 @@ class CpuKernels:
         table. The kernel reads the pool unchecked, so the ranges and block ids are checked
         here (`check_decode_ranges`) unless the caller already did (`ranges_checked`: the
         decoder checks once per forward, not once per layer).
+
+        `sinks` `[kv * g]` (float32, contiguous, CPU; query head `h * g + j` of q's `[kv, g]`): each head's
+        learned sink logit (gpt-oss), which joins its softmax's max and denominator with no value, so
+        out = sum_t exp(s_t - m) v_t / (exp(sink - m) + sum_t exp(s_t - m)). None: no sink, the same bits as
+        without the argument. A sequence with no keys still gets zeros.
         """
         n, kv, g, d = q.shape
         _check_dtypes("paged decode", q)
+        sinks_at = _sinks_address("paged decode", sinks, kv * g)
         if pool.dtype not in POOL_KINDS:
             raise ValueError(f"paged decode needs a pool in one of {list(POOL_KINDS)}; got {pool.dtype}")
         if pool.dim() != 4 or pool.shape[1:] != (2, kv, d):
@@ -208,23 +215,26 @@ class CpuKernels:
         _check_cpu_contiguous(q, pool)
         out = torch.empty_like(q)
         status = self._decode(q.data_ptr(), pool.data_ptr(), tables.data_ptr(), tables.shape[1], lo.data_ptr(),
-                              hi.data_ptr(), out.data_ptr(), n, kv, g, d, block_size, scale, _DTYPES[q.dtype],
-                              POOL_KINDS[pool.dtype], torch.get_num_threads())
+                              hi.data_ptr(), out.data_ptr(), n, kv, g, d, block_size, scale, sinks_at,
+                              _DTYPES[q.dtype], POOL_KINDS[pool.dtype], torch.get_num_threads())
         if status != 0:
             raise MemoryError("paged decode attention could not allocate its scratch memory")
         return out
 
     def prefill_attention(self, q: torch.Tensor, pool: torch.Tensor, plan: PrefillPlan, scale: float,
-                          window: int | None, *, plan_checked: bool = False) -> torch.Tensor:
+                          window: int | None, *, plan_checked: bool = False,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Causal attention of a forward's prompt chunks over their paged contexts, `[rows, heads * d]`.
 
         q `[rows, heads, d]` (float32 or bfloat16; rows may be strided, as in the fused projection), the
         chunks' rows in plan order; pool as `paged_decode`'s. Row i of a chunk that starts at position s
         attends to positions up to s + i, and with a `window` only the last `window` of them. The plan's
-        slots are checked against the pool here unless the caller already did (`plan_checked`).
+        slots are checked against the pool here unless the caller already did (`plan_checked`). `sinks`
+        `[heads]`: each query head's sink logit, as `paged_decode`'s.
         """
         rows, heads, d = q.shape
         _check_dtypes("prefill attention", q)
+        sinks_at = _sinks_address("prefill attention", sinks, heads)
         if pool.dtype not in POOL_KINDS:
             raise ValueError(f"prefill attention needs a pool in one of {list(POOL_KINDS)}; got {pool.dtype}")
         if pool.dim() != 4 or pool.shape[1] != 2 or pool.shape[3] != d or heads % pool.shape[2]:
@@ -244,7 +254,7 @@ class CpuKernels:
         out = torch.empty(rows, heads * d, dtype=q.dtype)
         status = self._prefill(q.data_ptr(), q.stride(0), pool.data_ptr(), plan.slots.data_ptr(),
                                plan.chunks.data_ptr(), plan.chunks.shape[0], out.data_ptr(), kv, heads // kv, d,
-                               window or 0, scale, _DTYPES[q.dtype], POOL_KINDS[pool.dtype],
+                               window or 0, scale, sinks_at, _DTYPES[q.dtype], POOL_KINDS[pool.dtype],
                                torch.get_num_threads())
         if status != 0:
             raise MemoryError("prefill attention could not allocate its scratch memory")
@@ -421,6 +431,19 @@ def _check_dtypes(what: str, *tensors: torch.Tensor) -> None:
         return
     dtypes = {t.dtype for t in tensors}
     raise ValueError(f"{what} needs tensors of one dtype in {list(_DTYPES)}; got {sorted(map(str, dtypes))}")
+
+
+def _sinks_address(what: str, sinks: torch.Tensor | None, heads: int) -> int | None:
+    """The address of an attention's sink logits (None: no sinks, NULL to the kernel), checked: the kernel
+    reads `heads` float32s there, one per query head."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32 or sinks.shape != (heads,) \
+            or not sinks.is_cpu or not sinks.is_contiguous():
+        got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"{what}'s sinks are a contiguous float32 CPU tensor [{heads}] (one per query head); "
+                         f"got {got}")
+    return sinks.data_ptr()
 
 
 def _check_cpu_contiguous(*tensors: torch.Tensor) -> None:

@@ -8,10 +8,12 @@
 
 int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, int64_t max_blocks,
                         const int64_t *lo, const int64_t *hi, void *out, int64_t n, int64_t kv, int64_t g,
-                        int64_t d, int64_t block_size, float scale, int is_bf16, int pool_kind, int threads);
+                        int64_t d, int64_t block_size, float scale, const float *sinks, int is_bf16, int pool_kind,
+                        int threads);
 int ferrox_prefill_attention(const void *q, int64_t q_stride, const void *pool, const int64_t *slots,
                              const int64_t *chunks, int64_t n_chunks, void *out, int64_t kv, int64_t g, int64_t d,
-                             int64_t window, float scale, int is_bf16, int pool_kind, int threads);
+                             int64_t window, float scale, const float *sinks, int is_bf16, int pool_kind,
+                             int threads);
 int ferrox_rms_norm(void *h, const void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
                     float eps, int is_bf16, int threads);
 int ferrox_rope_store(void *qkv, const void *cos, const void *sin, const int64_t *positions, const int64_t *slots,

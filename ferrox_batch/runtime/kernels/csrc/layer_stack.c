@@ -15,6 +15,7 @@
  *   h += pending (from layer 1 on); x = norm(h)          rms_norm.c
  *   qkv = x . Wqkv; RoPE on q and k, K and V to the pool   f16_gemm.c, quant_int8.c or bf16_gemm.c; rope_store.c
  *   attn = decode rows (paged_decode.c, their q copied to `qdec`) | prefill rows (prefill_attention.c)
+ *          (without attention sinks: no model whose layers have them runs through the stack)
  *   pending = attn . Wo; h += pending; x = norm(h)
  *   mlp = silu(x . Wgate) * (x . Wup); pending = mlp . Wdown
  * `kind` = 0: fp16 panels as f16_gemm.c lays them out, float32 activations, the gated kernel fused.
@@ -68,12 +69,12 @@ int ferrox_layer_stack(void *h, void *pending, void *x, void *qkv, void *attn, v
             for (int64_t r = 0; r < n_dec; ++r)
                 memcpy((char *)qdec + r * q_width * act, qkv_bytes + r * width * act, (size_t)(act * q_width));
             status |= ferrox_paged_decode(qdec, layer_pool, tables, max_blocks, lo, hi, attn, n_dec, kv, g, d,
-                                          block_size, scale, is_bf16, pool_kind, threads);
+                                          block_size, scale, NULL, is_bf16, pool_kind, threads);
         }
         if (n_chunks > 0)
             status |= ferrox_prefill_attention(qkv_bytes + n_dec * width * act, width, layer_pool, plan_slots,
                                                plan_chunks, n_chunks, attn_bytes + n_dec * q_width * act, kv, g, d,
-                                               window, scale, is_bf16, pool_kind, threads);
+                                               window, scale, NULL, is_bf16, pool_kind, threads);
         status |= project(kind, w, W_O, N_O, attn, is_bf16, rows, q_width, hidden, pending, threads);
         status |= ferrox_rms_norm(h, pending, (const void *)(intptr_t)w[W_POST_NORM], x, rows, hidden, eps, is_bf16,
                                   threads);

@@ -17,6 +17,9 @@
  *                               tables[i][p / block_size] * block_size + p % block_size
  *   lo, hi [n]                  int64: sequence i attends to positions lo[i] .. hi[i] - 1
  *   out    [n, kv, g, d]        like q
+ *   sinks  [kv * g] or NULL     float32: query head h's sink logit (gpt-oss), indexed kv_head * g + j like
+ *                               one sequence's heads of q; it joins the softmax's max and denominator
+ *                               (sum += exp(sink - max)) with no value. NULL: no sink, the arithmetic as without.
  * Pool elements are widened exactly and all arithmetic is float32; bfloat16 output is
  * rounded to nearest even, as torch does. A sequence with no key to attend (lo == hi) gets
  * zeros (SDPA would give NaN); the decoder never asks for one. `threads` is the team size
@@ -53,31 +56,37 @@ static inline int64_t slot_of(const int64_t *table, int64_t p, int64_t block_siz
     return table[p / block_size] * block_size + p % block_size;
 }
 
-static void softmax_rows(float *scores, int64_t heads, int64_t longest, int64_t len, float *inv_sum) {
+/* Each of `heads` score rows (`longest` apart, len scores each) to exp(score - max), and 1 / their sum into
+ * inv_sum; `sinks` (NULL: none) holds those heads' sink logits, which join the max and the sum. */
+static void softmax_rows(float *scores, int64_t heads, int64_t longest, int64_t len, const float *sinks,
+                         float *inv_sum) {
     for (int64_t j = 0; j < heads; ++j) {
         float *sj = scores + j * longest;
         float m = -3.4028235e38f;
         for (int64_t t = 0; t < len; ++t) m = sj[t] > m ? sj[t] : m;
+        if (sinks != NULL && sinks[j] > m) m = sinks[j];
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < len; ++t) {
             sj[t] = expf(sj[t] - m);
             sum += sj[t];
         }
-        inv_sum[j] = len > 0 ? 1.0f / sum : 0.0f; /* applied at the end */
+        if (sinks != NULL) sum += expf(sinks[j] - m);
+        inv_sum[j] = len > 0 ? 1.0f / sum : 0.0f; /* applied at the end; no keys: zeros, sink or not */
     }
 }
 
 /* KV heads h0 .. h1 - 1 of one sequence, one slot at a time: any head size, any element type. `qf`, scores,
- * acc and inv_sum as `heads_tiled`'s; rows [(h1 - h0) d] (the slot's widened keys or values). */
+ * acc, sinks and inv_sum as `heads_tiled`'s; rows [(h1 - h0) d] (the slot's widened keys or values). */
 static void heads_generic(const float *qf, const void *pool, int kind, const int64_t *table, int64_t first,
                           int64_t len, int64_t block_size, int64_t kv, int64_t h0, int64_t h1, int64_t g, int64_t d,
-                          float scale, int64_t longest, float *scores, float *acc, float *rows, float *inv_sum) {
+                          float scale, int64_t longest, float *scores, float *acc, float *rows, const float *sinks,
+                          float *inv_sum) {
     const int64_t heads = (h1 - h0) * g, slot_stride = 2 * kv * d, span = (h1 - h0) * d;
     const int64_t elem = kind == ELEM_F32 ? 4 : 2;
     for (int64_t part = 0; part < 2; ++part) { /* 0: scores from K, 1: values from V */
         if (part == 1) {
-            softmax_rows(scores, heads, longest, len, inv_sum);
+            softmax_rows(scores, heads, longest, len, sinks, inv_sum);
             memset(acc, 0, sizeof(float) * (size_t)(heads * d));
         }
         for (int64_t t = 0; t < len; ++t) {
@@ -113,7 +122,8 @@ static void heads_generic(const float *qf, const void *pool, int kind, const int
 
 int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, int64_t max_blocks,
                         const int64_t *lo, const int64_t *hi, void *out, int64_t n, int64_t kv, int64_t g,
-                        int64_t d, int64_t block_size, float scale, int is_bf16, int pool_kind, int threads) {
+                        int64_t d, int64_t block_size, float scale, const float *sinks, int is_bf16, int pool_kind,
+                        int threads) {
     int failed = 0;
     const int64_t heads = kv * g; /* query heads of one sequence */
     int tiled = FERROX_TILE_PATH && d % 8 == 0;
@@ -154,16 +164,17 @@ int ferrox_paged_decode(const void *q, const void *pool, const int64_t *tables, 
             const int64_t first = lo[i], len = hi[i] - lo[i];
             const int64_t *table = tables + i * max_blocks;
             row_f32(q, (i * heads + h0 * g) * d, (h1 - h0) * g * d, is_bf16, qf);
+            const float *task_sinks = sinks != NULL ? sinks + h0 * g : NULL; /* this task's query heads' */
 #if FERROX_TILE_PATH
             if (tiled) {
                 for (int64_t t = 0; t < len; ++t) slots[t] = slot_of(table, first + t, block_size);
                 for (int64_t t = len; t < len + AHEAD; ++t) slots[t] = -1;
                 heads_tiled(qf, pool, pool_kind, slots, len, kv, h0, h1, g, d, scale, longest, scores, acc,
-                            slots + longest + AHEAD, inv_sum);
+                            slots + longest + AHEAD, task_sinks, inv_sum);
             } else
 #endif
                 heads_generic(qf, pool, pool_kind, table, first, len, block_size, kv, h0, h1, g, d, scale, longest,
-                              scores, acc, rows, inv_sum);
+                              scores, acc, rows, task_sinks, inv_sum);
             for (int64_t j = 0; j < (h1 - h0) * g; ++j) {
                 const float *aj = acc + j * d;
                 const int64_t at = (i * heads + h0 * g + j) * d;

@@ -103,11 +103,12 @@ static void key_blocks(const float *q, const void *pool, int kind, const int64_t
  * holds the sequence's len slot ids followed by AHEAD of -1, `offsets` room for len element offsets. Pass 1
  * walks the slots 4 at a time, scoring every query head against each slot's keys while they are in cache;
  * pass 2 walks every slot once per (KV head, block of query heads, 32 values of the head dimension), its
- * accumulators in registers throughout. scores [(h1 - h0) g, longest], acc [(h1 - h0) g, d], inv_sum
- * [(h1 - h0) g]. Each head's sums are the same whatever range it is computed in. */
+ * accumulators in registers throughout. scores [(h1 - h0) g, longest], acc [(h1 - h0) g, d], sinks (NULL or
+ * these query heads' sink logits) and inv_sum [(h1 - h0) g]. Each head's sums are the same whatever range it
+ * is computed in. */
 static void heads_tiled(const float *qf, const void *pool, int kind, const int64_t *slots, int64_t len, int64_t kv,
                         int64_t h0, int64_t h1, int64_t g, int64_t d, float scale, int64_t longest, float *scores,
-                        float *acc, int64_t *offsets, float *inv_sum) {
+                        float *acc, int64_t *offsets, const float *sinks, float *inv_sum) {
     const int64_t width = kv * d, slot_stride = 2 * width;
     const int64_t elem = kind == ELEM_F32 ? 4 : 2, span = (h1 - h0) * d * elem;
     for (int64_t t0 = 0; t0 < len; t0 += 4) {
@@ -133,7 +134,7 @@ static void heads_tiled(const float *qf, const void *pool, int kind, const int64
             }
         }
     }
-    softmax_rows(scores, (h1 - h0) * g, longest, len, inv_sum);
+    softmax_rows(scores, (h1 - h0) * g, longest, len, sinks, inv_sum);
     for (int64_t h = h0; h < h1; ++h) {
         for (int64_t e = 0; e < d;) {
             const int vecs = d - e >= 32 ? 4 : 1;

@@ -18,6 +18,9 @@
  *   chunks  [n_chunks, 4] int64:  first query row, rows, start (positions before the chunk),
  *                                 offset of the chunk's start + rows slots in `slots`
  *   out     [rows, kv * g * d]    contiguous
+ *   sinks   [kv * g] or NULL      float32: query head h's sink logit (gpt-oss), indexed kv_head * g + j like a
+ *                                 row's heads; it joins each softmax's max and denominator (sum +=
+ *                                 exp(sink - max)) with no value. NULL: no sink, the arithmetic as without.
  * Row i of a chunk is position start + i and attends to positions lo .. start + i, where lo is 0,
  * or start + i + 1 - window with a window (`window` > 0). Arithmetic is float32 in the same steps
  * as paged_decode.c (score = (q . k) * scale, w = exp(score - max), out = sum w v / sum w); bf16
@@ -58,8 +61,8 @@ static inline int64_t row_lo(int64_t start, int64_t i, int64_t window) {
  * (`[d][ld]`) and values (`[ld][d]`); qf, scores, acc, inv_sum: the thread's scratch. */
 static void task(const void *q, int64_t q_stride, int is_bf16, int64_t row0, int64_t start, int64_t i0, int64_t nr,
                  int64_t h, int64_t g, int64_t d, int64_t heads, int64_t window, float scale, const float *kt,
-                 const float *vh, int64_t ld, int tiled, float *qf, float *scores, float *acc, float *inv_sum,
-                 void *out) {
+                 const float *vh, int64_t ld, int tiled, const float *sinks, float *qf, float *scores, float *acc,
+                 float *inv_sum, void *out) {
     const int64_t nq = nr * g;
     for (int64_t r = 0; r < nr; ++r)
         row_f32(q, (row0 + i0 + r) * q_stride + h * g * d, g * d, is_bf16, qf + r * g * d);
@@ -86,12 +89,16 @@ static void task(const void *q, int64_t q_stride, int is_bf16, int64_t row0, int
     for (int64_t v = 0; v < nq; ++v) { /* softmax over each row's own keys; 1 / sum applied at the end */
         const int64_t i = i0 + v / g, lo = row_lo(start, i, window), hi = start + i + 1;
         float *sv = scores + v * ld, m = -3.4028235e38f, sum = 0.0f;
+        /* Query vector v is head h * g + v % g of its row (the task's vectors are its rows' g heads in turn). */
+        const float *sink = sinks != NULL ? sinks + h * g + v % g : NULL;
         for (int64_t j = lo; j < hi; ++j) m = sv[j] > m ? sv[j] : m;
+        if (sink != NULL && *sink > m) m = *sink;
 #pragma omp simd reduction(+ : sum)
         for (int64_t j = lo; j < hi; ++j) {
             sv[j] = expf(sv[j] - m);
             sum += sv[j];
         }
+        if (sink != NULL) sum += expf(*sink - m);
         inv_sum[v] = 1.0f / sum;
     }
     for (int64_t r = 0; r < nr; ++r) {
@@ -173,7 +180,8 @@ static void widen_keys(const void *pool, int kind, const int64_t *slots, int64_t
 
 int ferrox_prefill_attention(const void *q, int64_t q_stride, const void *pool, const int64_t *slots,
                              const int64_t *chunks, int64_t n_chunks, void *out, int64_t kv, int64_t g, int64_t d,
-                             int64_t window, float scale, int is_bf16, int pool_kind, int threads) {
+                             int64_t window, float scale, const float *sinks, int is_bf16, int pool_kind,
+                             int threads) {
     const int64_t heads = kv * g, width = kv * d;
     int tiled = PREFILL_TILE_PATH && d % 8 == 0;
     int64_t longest = 0; /* the most keys a chunk holds, in whole KEY_BLOCKs */
@@ -213,7 +221,7 @@ int ferrox_prefill_attention(const void *q, int64_t q_stride, const void *pool, 
                 const int64_t b = t / kv, h = t % kv, i0 = b * QUERY_ROWS;
                 const int64_t nr = rows - i0 < QUERY_ROWS ? rows - i0 : QUERY_ROWS;
                 task(q, q_stride, is_bf16, row0, start, i0, nr, h, g, d, heads, window, scale, kt + h * d * ld,
-                     vals + h * ld * d, ld, tiled, qf, scores, acc, inv_sum, out);
+                     vals + h * ld * d, ld, tiled, sinks, qf, scores, acc, inv_sum, out);
             }
         }
         free(scratch);
