@@ -21,7 +21,13 @@ def route(logits: torch.Tensor, spec: RouterSpec,
           correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weights, ids)` for `[rows, experts]` float32 `logits` (module docstring); `correction` is the
     `[experts]` bias the spec's `correction_bias` names."""
-    scores = logits.softmax(dim=-1) if spec.scoring == "softmax" else logits.sigmoid()
+    if spec.scoring == "softmax":
+        scores = logits.softmax(dim=-1)
+    else:
+        # sigmoid(l) as the softmax of (l, 0): torch's elementwise sigmoid runs a flat tensor's elements in
+        # vectors and its tail apart, which round differently, so a row's scores would move with the rows
+        # before it; the softmax runs each row (here each pair) alike.
+        scores = torch.stack((logits, torch.zeros_like(logits)), dim=-1).softmax(dim=-1)[..., 0]
     choice = scores if correction is None else scores + correction
     if spec.groups > 1:
         rows = choice.shape[0]

@@ -53,7 +53,9 @@ def positive_int(raw: Mapping[str, Any], key: str, default: int | None = None) -
     value = raw.get(key, default)
     if value is None:
         raise ModelLoadError(f"config.json is missing the field {key!r}")
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value <= 0:
+    # `is_integer` before `int`: a NaN or an infinity is refused here, by name, rather than by `int`'s error.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()) or value <= 0:
         raise ModelLoadError(f"config field {key} must be a positive integer, got {value!r}")
     return int(value)
 
