@@ -10,8 +10,9 @@ row reads only its k experts' weights. A shared expert (times its sigmoid gate w
 added for every row.
 
 The sums run in float32 whatever the compute dtype; each row's contributions are added in the order of
-its experts' ids (on the CPU), so a row's output does not depend on the rows beside it beyond what each
-expert's kernel does.
+its experts' ids (on the CPU). The router's product is torch's float32 matmul, whose rounding may follow
+the batch's size, so a row's output may differ by a rounding (and, at a near tie, its experts) alone and
+batched: the block does not claim batch invariance (`batch_invariant`).
 """
 
 from __future__ import annotations

@@ -44,7 +44,7 @@ def prefill_logits(model, ids, *, chunk=None, block_size=4, seq="s"):
 VARIANTS = ["llama", "llama-untied-llama3-rope", "qwen2", "mistral-window", "qwen3", "smollm3-nope", "gemma3",
             "phi3-longrope", "llama-linear-rope", "llama-dynamic-rope", "qwen3-yarn-rope", "granite", "olmo2"]
 #: The mixture-of-experts checkpoints (their own tests: `test_moe_decoder`), against transformers here too.
-MOE_VARIANTS = ["qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "mixtral-window"]
+MOE_VARIANTS = ["qwen3_moe", "qwen2_moe", "olmoe", "granitemoe", "mixtral-window", "gpt_oss"]
 VARIANTS += MOE_VARIANTS
 
 
