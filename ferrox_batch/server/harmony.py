@@ -18,7 +18,8 @@ passed on. `HarmonyStream` reads the text in pieces of any size and says, in ord
   valid JSON there is no call, and goes out as content, as the other tool formats keep such text;
 
 Messages of one kind are joined by a newline, as vLLM joins them. A header that never reaches its
-`<|message|>` says nothing. A stream and a whole text read the same way: text streams as it comes,
+`<|message|>` says nothing; `<|message|>` or `<|constrain|>` inside a body begins another body under the
+same header. A stream and a whole text read the same way: text streams as it comes,
 holding back only a tail that could begin a marker, and a call waits for its message's end.
 """
 
@@ -94,10 +95,11 @@ class Header:
 
 
 def marker_tail(text: str) -> int:
-    """How many characters at the end of `text` could begin a marker."""
+    """How many characters at the end of `text` could begin a marker (a whole one is no beginning)."""
     # A marker holds one "<", its first character: only a tail from the last "<" can begin one.
     at = text.rfind("<", max(0, len(text) - LONGEST + 1))
-    return len(text) - at if at >= 0 and any(m.startswith(text[at:]) for m in MARKERS) else 0
+    tail = text[at:] if at >= 0 else ""
+    return len(tail) if any(m.startswith(tail) and m != tail for m in MARKERS) and tail else 0
 
 
 class HarmonyStream:
@@ -166,7 +168,11 @@ class HarmonyStream:
     def _marker(self, marker: str, out: list[Piece]) -> None:
         if self._mode == "body":
             if marker in (MESSAGE, CONSTRAIN):
-                return  # out of place in a body: dropped, the body goes on
+                # Out of place in a body: another message with the same header begins (the texts on either
+                # side are joined by a newline, so no marker can be spelt across the cut).
+                self._end(out)
+                self._fresh, self._body = True, []
+                return
             self._end(out)
             self._new_header(marked=marker in (START, CHANNEL))
             if marker == CHANNEL:  # a new header without <|end|><|start|>
