@@ -12,7 +12,8 @@ passed on. `HarmonyStream` reads the text in pieces of any size and says, in ord
   function (a built-in tool the client cannot run);
 * `Text("content", ...)`: a `final` message's body, a `commentary` one with no recipient (a preamble
   the user sees), one on an unknown channel or with none, and text written with no header at all (a model
-  that does not speak harmony: what it wrote is its answer);
+  that does not speak harmony, or an answer a grammar shaped: what it wrote is its answer, held until it
+  is longer than any header, `MAX_HEADER`, then streamed);
 * `Call(name, arguments)`: a message to `functions.NAME`, once it ends, with its body as arguments: JSON
   (re-written compactly, as vLLM does) where the header says JSON or no content type; a body that is not
   valid JSON there is no call, and goes out as content, as the other tool formats keep such text;
@@ -36,6 +37,9 @@ START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL = (
 MARKERS = (START, END, MESSAGE, CHANNEL, CONSTRAIN, RETURN, CALL)
 ENDS = (END, RETURN, CALL)
 LONGEST = max(map(len, MARKERS))
+#: The most characters of text, with no marker, a header may hold: past it, the text is the answer itself
+#: (a real header is a recipient and a content type: `to=functions.NAME json`, NAME at most 64 characters).
+MAX_HEADER = 128
 FUNCTIONS = "functions."
 
 
@@ -105,7 +109,8 @@ def marker_tail(text: str) -> int:
 class HarmonyStream:
     """One answer's harmony text, read as it comes (`feed`, then `finish`) into `Piece`s."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_header: int = MAX_HEADER) -> None:
+        self._max_header = max_header
         self._held = ""  # a tail that could begin a marker
         self._mode = "header"  # "header": reading a header; "body": a message's body
         self._parts: list[tuple[str | None, str]] = [(None, "")]  # the header read so far
@@ -160,6 +165,10 @@ class HarmonyStream:
         if self._mode == "header":
             marker, part = self._parts[-1]
             self._parts[-1] = (marker, part + text)
+            if not self._marked and len(part) + len(text) > self._max_header and (part + text).strip():
+                # No header is this long: the text is the answer itself, and streams from here on.
+                self._mode, self._header, self._fresh = "body", Header(), True
+                self._say("content", part + text, out)
         elif self._header.function is not None:
             self._body.append(text)
         else:

@@ -88,6 +88,13 @@ def test_the_header_is_read_wherever_its_parts_are():
     assert Header("commentary", "python").kind == "reasoning" and Header("analysis").kind == "reasoning"
 
 
+def test_text_longer_than_any_header_streams_as_content():
+    stream = HarmonyStream(max_header=10)
+    assert stream.feed("short") == [] and stream.feed(" and then more") == [Text("content", "short and then more")]
+    assert stream.feed("!<|channel|>final<|message|>x") == [Text("content", "!\nx")] and stream.finish() == []
+    assert harmony_reply('{"answer": "' + "y" * 200 + '"}', tools=True).content == '{"answer": "' + "y" * 200 + '"}'
+
+
 def test_only_a_tail_that_could_begin_a_marker_is_held():
     assert marker_tail("abc<|ch") == 4 and marker_tail("abc<") == 1 and marker_tail("abc<|x") == 0
     assert marker_tail("a<|channel") == 9 and marker_tail("<|end|>") == 0 and marker_tail("") == 0
@@ -100,8 +107,8 @@ FRAGMENTS = st.sampled_from([
 ])
 
 
-def streamed(text: str, cuts: list[int]) -> tuple[str, str, list[Call]]:
-    stream = HarmonyStream()
+def streamed(text: str, cuts: list[int], max_header: int = 128) -> tuple[str, str, list[Call]]:
+    stream = HarmonyStream(max_header)
     bounds = sorted({min(c, len(text)) for c in cuts} | {0, len(text)})
     pieces = [p for a, b in zip(bounds, bounds[1:]) for p in stream.feed(text[a:b])] + stream.finish()
     said = {kind: "".join(p.text for p in pieces if isinstance(p, Text) and p.kind == kind)
@@ -110,9 +117,11 @@ def streamed(text: str, cuts: list[int]) -> tuple[str, str, list[Call]]:
 
 
 @settings(max_examples=600, deadline=None)
-@given(fragments=st.lists(FRAGMENTS, max_size=16), cuts=st.lists(st.integers(0, 120), max_size=8))
-def test_a_stream_reads_as_the_whole_text_and_no_marker_gets_through(fragments, cuts):
+@given(fragments=st.lists(FRAGMENTS, max_size=16), cuts=st.lists(st.integers(0, 120), max_size=8),
+       max_header=st.integers(1, 12))
+def test_a_stream_reads_as_the_whole_text_and_no_marker_gets_through(fragments, cuts, max_header):
     text = "".join(fragments)
+    assert streamed(text, cuts, max_header) == streamed(text, [], max_header)  # headers cut short too
     reasoning, content, calls = streamed(text, cuts)
     assert (reasoning, content, calls) == streamed(text, [])
     for said in (reasoning, content, *(c.name for c in calls)):
