@@ -133,8 +133,8 @@ def create_app(
     `reasoning_parser`: how chat answers' thinking is told from the answer (`reasoning`: `deepseek_r1`,
     `qwen3`, or `openai_gptoss`: the harmony format, `harmony_choice`); None: it is not. `tool_call_parser`:
     `openai` reads answers in the harmony format, calls included (either harmony name turns it on: its
-    markers must never reach a client); None: the chat template decides (`requests.TOOL_FORMATS`). `pooling`: how `/v1/embeddings` pools a prompt unless the request says
-    (`last` or `mean`). `ui`: serve the chat page on `GET /` (`chat_page`). `escape_control_tokens`:
+    markers must never reach a client); None: the chat template decides (`requests.TOOL_FORMATS`).
+    `pooling`: how `/v1/embeddings` pools a prompt unless the request says (`last` or `mean`). `ui`: serve the chat page on `GET /` (`chat_page`). `escape_control_tokens`:
     control-token text in messages' content is read as text, on chat and `/tokenize` alike
     (`runtime.loading.control_text`).
     `request_caps`: what one request may cost (`ferrox_batch.request_caps`; each a 400 naming the field past

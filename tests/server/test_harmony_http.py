@@ -177,7 +177,8 @@ def serving(model) -> Iterator[str]:
 def test_serve_reads_harmony_for_a_gpt_oss_checkpoint(harmony_model, monkeypatch):
     monkeypatch.setattr(type(harmony_model.config), "family", property(lambda _config: "gpt_oss"))
     with serving(harmony_model) as url, openai_client(url, timeout=60) as c:
-        choice = c.chat.completions.create(model=harmony_model.source.name, messages=MESSAGES, **said(ANSWER)).choices[0]
+        answer = c.chat.completions.create(model=harmony_model.source.name, messages=MESSAGES, **said(ANSWER))
+    choice = answer.choices[0]
     assert choice.message.model_extra["reasoning_content"] == "Hi there" and choice.message.content == "Yes"
 
 
