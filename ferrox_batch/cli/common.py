@@ -43,7 +43,9 @@ BATCH_INVARIANT_CHOICES = ("auto", "on", "off", "narrow")
 #: `--pooling`: `generation_types.POOLING` (a test keeps them equal).
 POOLING_CHOICES = ("last", "mean")
 #: `--reasoning-parser`: `server.reasoning.REASONING_PARSERS` (a test keeps them equal).
-REASONING_PARSER_CHOICES = ("deepseek_r1", "qwen3")
+REASONING_PARSER_CHOICES = ("deepseek_r1", "qwen3", "openai_gptoss")
+#: `--tool-call-parser`: `server.harmony_choice.TOOL_CALL_PARSERS` (a test keeps them equal).
+TOOL_CALL_PARSER_CHOICES = ("openai",)
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 #: `create_app`'s defaults, repeated so that building the parser imports no server (nor torch); a test
 #: keeps them equal to `server.requests` and `server.app`.

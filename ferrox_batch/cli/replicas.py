@@ -62,6 +62,7 @@ def replica_app_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> dic
             "allowed_origins": args.allowed_origins, "shared_prefix_cache": args.shared_prefix_cache,
             "allowed_hosts": default_allowed_hosts(args.host) if args.allowed_hosts is None else args.allowed_hosts,
             "client_priorities": args.client_priorities, "reasoning_parser": args.reasoning_parser,
+            "tool_call_parser": args.tool_call_parser,
             "pooling": args.pooling, "ui": args.ui, "escape_control_tokens": args.escape_control_tokens}
 
 

@@ -35,6 +35,7 @@ from ferrox_batch.cli.common import (
     LOG_LEVELS,
     POOLING_CHOICES,
     REASONING_PARSER_CHOICES,
+    TOOL_CALL_PARSER_CHOICES,
     CliError,
     _add_model_flags,
     _port,
@@ -108,7 +109,15 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
     http.add_argument("--reasoning-parser", choices=REASONING_PARSER_CHOICES, default=None,
                       help="send a thinking model's thinking (between <think> and </think>) apart from its answer, "
                            "as message.reasoning_content: deepseek_r1 (the answer begins inside the thinking), "
-                           "qwen3 (it thinks when it opens with <think>; Qwen3, SmolLM3) (default: none)")
+                           "qwen3 (it thinks when it opens with <think>; Qwen3, SmolLM3), openai_gptoss (the harmony "
+                           "format's analysis channel; gpt-oss) (default: openai_gptoss for a gpt_oss checkpoint, "
+                           "else none)")
+    http.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSER_CHOICES, default=None,
+                      help="read tool calls in this format: openai (the harmony format's calls to functions.NAME; "
+                           "gpt-oss) (default: openai for a gpt_oss checkpoint, else the chat template's: Hermes "
+                           "<tool_call> blocks where it renders tools, a JSON object where it does not)")
+    http.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="accepted for vLLM's command lines: tool_choice auto is always on")
     http.add_argument("--escape-control-tokens", action="store_true",
                       help="read control-token text in a message's content (<|im_start|>, <|eot_id|>, <think>: "
                            "the tokenizer's added tokens) as text, so no user, retrieved document or tool output "
@@ -245,8 +254,8 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
           max_concurrent_requests=args.max_concurrent_requests, log_level=args.log_level, api_key=keys,
           allowed_origins=args.allowed_origins, allowed_hosts=args.allowed_hosts,
           shared_prefix_cache=args.shared_prefix_cache, client_priorities=args.client_priorities,
-          reasoning_parser=args.reasoning_parser, pooling=args.pooling, ui=args.ui,
-          grammar_limits=grammar_limits(args),
+          reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser, pooling=args.pooling,
+          ui=args.ui, grammar_limits=grammar_limits(args),
           escape_control_tokens=args.escape_control_tokens, request_caps=request_caps(args),
           drain_timeout=DEFAULT_DRAIN_TIMEOUT_SECS if args.drain_timeout is None else args.drain_timeout)
 

@@ -59,6 +59,7 @@ from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
 from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.errors import error_response
 from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST
+from ferrox_batch.server.harmony_choice import parsers_for_family
 
 log = logging.getLogger("ferrox_batch.deploy")
 
@@ -79,7 +80,7 @@ COUNT_APP_KEYWORDS = ("default_max_tokens", "default_chat_max_tokens", "max_conc
 #: Those the ingress checks too (`server.access_policy`), before it reads a body.
 ACCESS_APP_KEYWORDS = ("api_key", "allowed_hosts", "shared_prefix_cache")
 APP_KEYWORDS = (*COUNT_APP_KEYWORDS, *ACCESS_APP_KEYWORDS, "allowed_origins", "client_priorities",
-                "reasoning_parser", "pooling", "ui", "escape_control_tokens")
+                "reasoning_parser", "tool_call_parser", "pooling", "ui", "escape_control_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,8 +167,11 @@ class FerroxReplica:
         config = with_kv_budget(spec.batcher, spec.kv_memory, loaded.decoder, share=spec.kv_share)
         self.batcher = ContinuousBatcher.from_model(loaded, config, spec.grammar)
         self.replica = serve.get_replica_context().replica_id.unique_id
+        settings = dict(spec.app)
+        settings["reasoning_parser"], settings["tool_call_parser"] = parsers_for_family(
+            loaded.config.family, settings.get("reasoning_parser"), settings.get("tool_call_parser"))
         self.app = create_app(self.batcher, model_name=spec.model_name or default_model_name(loaded.source),
-                              request_caps=spec.caps, **dict(spec.app))
+                              request_caps=spec.caps, **settings)
         self.relay = InProcessApp(self.app, self.replica)
         log.info("replica %s serves %s with %d KV blocks", self.replica, loaded.source, config.kv_blocks)
 

@@ -73,7 +73,7 @@ def app_builder(args: dict[str, Any]) -> Application:
         app["shared_prefix_cache"] = _flag("shared_prefix_cache", args["shared_prefix_cache"])
     if "client_priorities" in args:
         app["client_priorities"] = _priorities(args["client_priorities"])
-    for key in ("reasoning_parser", "pooling"):
+    for key in ("reasoning_parser", "tool_call_parser", "pooling"):
         if key in args:
             app[key] = str(args[key])
     for key in ("ui", "escape_control_tokens"):

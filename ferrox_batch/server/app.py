@@ -51,6 +51,7 @@ from ferrox_batch.server.chat_page import PAGE_PATH, ChatPage
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES, ClientPolicy
 from ferrox_batch.server.errors import error_body, error_response
 from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST, Generations
+from ferrox_batch.server.harmony_choice import HARMONY_REASONING, TOOL_CALL_PARSERS, uses_harmony
 from ferrox_batch.server.generation_limits import (
     DEFAULT_MAX_BUFFERED_REPLY_BYTES,
     DEFAULT_MAX_CONCURRENT_TOKENIZATIONS,
@@ -104,6 +105,7 @@ def create_app(
     shared_prefix_cache: bool = False,
     client_priorities: tuple[int, int] = DEFAULT_CLIENT_PRIORITIES,
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
     pooling: str = DEFAULT_POOLING,
     ui: bool = True,
     escape_control_tokens: bool = False,
@@ -129,8 +131,10 @@ def create_app(
     defaults it from its address, see `host_check`). Every POST needs a JSON body (`access_policy`).
     `client_priorities`: the inclusive range of `priority` requests may use (`client_policy`).
     `reasoning_parser`: how chat answers' thinking is told from the answer (`reasoning`: `deepseek_r1`,
-    `qwen3`); None: it is not. `pooling`: how `/v1/embeddings` pools a prompt unless the request says
-    (`last` or `mean`). `ui`: serve the chat page on `GET /` (`chat_page`). `escape_control_tokens`:
+    `qwen3`, or `openai_gptoss`: the harmony format, `harmony_choice`); None: it is not. `tool_call_parser`:
+    `openai` reads answers in the harmony format, calls included (either harmony name turns it on: its
+    markers must never reach a client); None: the chat template decides (`requests.TOOL_FORMATS`).
+    `pooling`: how `/v1/embeddings` pools a prompt unless the request says (`last` or `mean`). `ui`: serve the chat page on `GET /` (`chat_page`). `escape_control_tokens`:
     control-token text in messages' content is read as text, on chat and `/tokenize` alike
     (`runtime.loading.control_text`).
     `request_caps`: what one request may cost (`ferrox_batch.request_caps`; each a 400 naming the field past
@@ -158,7 +162,10 @@ def create_app(
     policy = ClientPolicy(tuple(client_priorities) if isinstance(client_priorities, (tuple, list))
                           else client_priorities)
     access = AccessPolicy(api_key=api_key, allowed_hosts=allowed_hosts, shared_prefix_cache=shared_prefix_cache)
-    reasoning = None if reasoning_parser is None else ReasoningParser(reasoning_parser)
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"unknown tool call parser {tool_call_parser!r}; use one of {', '.join(TOOL_CALL_PARSERS)}")
+    harmony = uses_harmony(reasoning_parser, tool_call_parser)
+    reasoning = None if reasoning_parser in (None, HARMONY_REASONING) else ReasoningParser(reasoning_parser)
     if pooling not in POOLING:
         raise ValueError(f"pooling must be one of {', '.join(POOLING)}, got {pooling!r}")
     if not isinstance(escape_control_tokens, bool):
@@ -167,7 +174,7 @@ def create_app(
         raise ValueError(f"request_caps must be RequestCaps, got {request_caps!r}")
     state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling,
                                              request_caps,
-                                             escape_control_tokens=escape_control_tokens), names)
+                                             escape_control_tokens=escape_control_tokens, harmony=harmony), names)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:

@@ -8,7 +8,8 @@ the answer's content as `delta.content`, its calls as `delta.tool_calls` deltas,
 splitters are sure of it; what they held back goes out at the choice's end. A forced call (`tool_choice`
 `required` or a named function) is always calls, never content: one cut short (`max_tokens`) is the calls
 it began, with their arguments as far as they were written, and the finish reason that cut it
-(`tools.cut`).
+(`tools.cut`). A model that writes the harmony format (`harmony`) has its answers read by
+`harmony_choice` instead, into the same fields.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
+from ferrox_batch.server.harmony_choice import HarmonyChoice, harmony_reply
 from ferrox_batch.server.logprob_shapes import LogprobShapes
 from ferrox_batch.server.reasoning import ReasoningParser, ReasoningSplit
 from ferrox_batch.server.responses import WireFormat, finish_reason
@@ -37,16 +39,21 @@ class ChatFormat(WireFormat):
     forced_functions: tuple[str, ...] | None = None
     #: What splits the model's thinking from its answer (`--reasoning-parser`); None: no thinking is read.
     reasoning: ReasoningParser | None = None
+    #: Whether answers are in the harmony format (thinking, content and calls read by `harmony_choice`).
+    harmony = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._streams: dict[int, ToolStream] = {}  # per streamed choice, with tools
         self._splits: dict[int, ReasoningSplit] = {}  # per streamed choice, with a reasoning parser
+        self._harmony: dict[int, HarmonyChoice] = {}  # per streamed choice, in the harmony format
 
     # ------------------------------------------------------------------ streams
 
     def stream_chunks(self, index: int, text: str, logprobs: Sequence[TokenLogprob] = (),
                       token_ids: Sequence[int] = ()) -> list[dict[str, Any]]:
+        if self.harmony:
+            return self._harmony_chunks(index, self._harmony_choice(index).feed(text), logprobs, token_ids)
         chunks: list[dict[str, Any]] = []
         if self.reasoning is not None:
             split = self._splits.setdefault(index, ReasoningSplit(self.reasoning.implicit))
@@ -78,7 +85,28 @@ class ChatFormat(WireFormat):
                   "finish_reason": None}
         return self._streamed(index, choice, token_ids)
 
+    def _harmony_choice(self, index: int) -> HarmonyChoice:
+        if index not in self._harmony:
+            self._harmony[index] = HarmonyChoice(self.tool_parser is not None, self.parallel_tool_calls)
+        return self._harmony[index]
+
+    def _harmony_chunks(self, index: int, said: list[tuple[str, Any]], logprobs: Sequence[TokenLogprob] = (),
+                        token_ids: Sequence[int] = ()) -> list[dict[str, Any]]:
+        """A chunk per piece a harmony choice said (`reasoning_content`, `content`, `tool_calls`), in order."""
+        chunks = []
+        for kind, piece in said:
+            if kind == "content":
+                chunks.append(self.text_chunk(index, piece, logprobs, token_ids))
+            else:
+                key = "reasoning_content" if kind == "reasoning" else kind
+                chunks.append(self._delta_chunk(index, {key: piece}, logprobs, token_ids))
+            logprobs, token_ids = (), ()
+        return chunks
+
     def closing_chunks(self, index: int, reason: FinishReason) -> tuple[list[dict[str, Any]], str | None]:
+        if self.harmony:
+            choice = self._harmony_choice(index)
+            return self._harmony_chunks(index, choice.finish()), "tool_calls" if choice.calls else None
         chunks: list[dict[str, Any]] = []
         split = self._splits.get(index)
         if split is not None:
@@ -113,6 +141,8 @@ class ChatFormat(WireFormat):
     # ------------------------------------------------------------------ whole answers
 
     def _full_choice(self, result: GenerationResult) -> dict[str, Any]:
+        if self.harmony:
+            return self._harmony_full(result)
         thinking, content = None, result.text
         if self.reasoning is not None:
             thinking, content = self.reasoning.split(result.text)
@@ -133,6 +163,15 @@ class ChatFormat(WireFormat):
                 message["content"] = None
                 if calls:
                     message["tool_calls"] = [call.to_openai() for call in calls]
+        return {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
+
+    def _harmony_full(self, result: GenerationResult) -> dict[str, Any]:
+        reply = harmony_reply(result.text, self.tool_parser is not None, self.parallel_tool_calls)
+        message: dict[str, Any] = {"role": "assistant", "content": reply.content, "reasoning_content": reply.reasoning}
+        reason = finish_reason(result.finish_reason)
+        if reply.calls:
+            message["tool_calls"] = [call.to_openai() for call in reply.calls]
+            reason = "tool_calls"
         return {"index": 0, "message": message, "logprobs": None, "finish_reason": reason}
 
     def _shape(self, shapes: LogprobShapes, entries: Sequence[TokenLogprob | int], lazy: bool) -> dict[str, Any]:

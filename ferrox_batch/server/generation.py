@@ -99,7 +99,7 @@ class Generations:
                  limits: Limits,
                  policy: ClientPolicy = ClientPolicy(), reasoning: ReasoningParser | None = None,
                  pooling: str = DEFAULT_POOLING, caps: RequestCaps = RequestCaps(), *,
-                 escape_control_tokens: bool = False) -> None:
+                 escape_control_tokens: bool = False, harmony: bool = False) -> None:
         self.batcher = batcher
         #: Whether control-token text in messages' content is read as text (`--escape-control-tokens`).
         self.escape_control_tokens = escape_control_tokens
@@ -115,7 +115,7 @@ class Generations:
                                   limits.default_chat_max_tokens, policy,
                                   max_buffered_reply_bytes=limits.max_buffered_reply_bytes, reasoning=reasoning,
                                   pooling=pooling, aliases=names[1:], caps=self.caps,
-                                  escape_control_tokens=escape_control_tokens)
+                                  escape_control_tokens=escape_control_tokens, harmony=harmony)
         self.metrics = ServerMetrics(batcher.stats, lambda: len(self.in_flight), names[0])
         #: Names of this app's pool threads start with this (unique per app: leaks can be checked).
         self.thread_prefix = f"ferrox-http-{id(self):x}"

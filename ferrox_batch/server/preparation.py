@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.cancel import CancelToken
+from ferrox_batch.generation_types import GenerationParams
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.choices import candidate_params
@@ -46,6 +47,7 @@ from ferrox_batch.server.requests import (
     parse_json_object,
 )
 from ferrox_batch.server.chat_format import ChatFormat
+from ferrox_batch.server.harmony_choice import STOP_TEXTS
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps, check_body, check_prompt_logprobs
 from ferrox_batch.server.responses import CompletionFormat, WireFormat
@@ -92,6 +94,8 @@ class Preparer:
     escape_control_tokens: bool = False
     #: What one request may cost (`request_caps`), resolved against the model's vocabulary.
     caps: RequestCaps = RequestCaps()
+    #: Whether chat answers are read in the harmony format (gpt-oss: `harmony_choice`).
+    harmony: bool = False
 
     def prepare(self, raw: bytes, endpoint: str, loop: asyncio.AbstractEventLoop,
                 on_final: Callable[[ReplyBridge, Final], None], namespace: str | None = None,
@@ -111,7 +115,8 @@ class Preparer:
         if chat:
             request = parse_chat_request(body, default_max_tokens=self.default_chat_max_tokens,
                                          renders_tools=self.tokenizer.supports_tools,
-                                         escape_control_text=self.escape_control_tokens)
+                                         escape_control_text=self.escape_control_tokens,
+                                         tool_format="harmony" if self.harmony else None)
         elif endpoint == EMBEDDINGS:
             request = parse_embedding_request(body, default_pooling=self.pooling,
                                               hidden_size=self.batcher.hidden_size)
@@ -120,7 +125,7 @@ class Preparer:
         if request.model is not None and request.model != self.model_name and request.model not in self.aliases:
             raise ModelNotFound(request.model, ", ".join((self.model_name, *self.aliases)))
         options = self.policy.apply(request.options, namespace)
-        if chat and self.reasoning is not None and options.structured is not None:
+        if chat and self.reasoning is not None and options.structured is not None and not self.harmony:
             # The output's form (a schema, a forced tool call) applies to the answer after the thinking.
             how = "implicit" if self.reasoning.implicit else "tagged"
             options = dataclasses.replace(options, structured=dataclasses.replace(options.structured, reasoning=how))
@@ -130,6 +135,8 @@ class Preparer:
         params = options.generation_params(self.tokenizer, request.max_tokens, self.caps.max_stop_chars)
         if cancel is not None:
             params = dataclasses.replace(params, cancel=cancel)
+        if chat and self.harmony:
+            params = self._harmony_params(params)
         prompts = [self._prompt_ids(request, prompt) for prompt in request.prompts]
         # Each row that scores its prompt holds its entries until its answer is written: priced before any runs.
         check_prompt_logprobs(self.caps, prompts, request.best_of, params.prompt_logprobs,
@@ -152,6 +159,15 @@ class Preparer:
                 bridge.abandon()
             raise
         return Prepared(request, bridges, prompts, original)
+
+    def _harmony_params(self, params: GenerationParams) -> GenerationParams:
+        """A harmony answer's settings: its markers (special tokens) kept in the text for its reader, which
+        never passes them on, and its stop tokens (`<|return|>`, `<|call|>`) stopping it even where the
+        checkpoint's generation config does not list them, as vLLM adds them."""
+        known = set(params.stop_token_ids) | set(self.tokenizer.stop_tokens.ids)
+        ids = [i for i in map(self.tokenizer.token_to_id, STOP_TEXTS) if i is not None and i not in known]
+        return dataclasses.replace(params, skip_special_tokens=False,
+                                   stop_token_ids=params.stop_token_ids + tuple(ids))
 
     def _prompt_ids(self, request: CompletionRequest | ChatRequest | EmbeddingRequest, prompt: object) -> list[int]:
         """One prompt's ids: templated (chat), tokenized (text) or as sent (ids), then truncated to its last
@@ -182,7 +198,7 @@ class Preparer:
             assert isinstance(request, ChatRequest) and prepared.body is not None
             parser = TOOL_FORMATS[request.tool_format] if request.parses_tool_calls else None
             return ResponsesFormat(name, rid, prepared.body, self.tokenizer, self.reasoning, parser,
-                                   request.parallel_tool_calls, request.forced_functions)
+                                   request.parallel_tool_calls, request.forced_functions, harmony=self.harmony)
         asked = request.options.logprobs is not None or request.prompt_logprobs is not None
         fmt: WireFormat = (ChatFormat if endpoint == CHAT else CompletionFormat)(name, rid,
                                                                                   self.tokenizer if asked else None)
@@ -193,6 +209,7 @@ class Preparer:
             fmt.prompt_ids = prepared.prompts
         if isinstance(fmt, ChatFormat):
             fmt.reasoning = self.reasoning
+            fmt.harmony = self.harmony
         if isinstance(request, ChatRequest) and request.parses_tool_calls:
             fmt.tool_parser = TOOL_FORMATS[request.tool_format]  # type: ignore[attr-defined]
             fmt.parallel_tool_calls = request.parallel_tool_calls  # type: ignore[attr-defined]

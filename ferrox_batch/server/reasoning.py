@@ -21,8 +21,10 @@ from dataclasses import dataclass
 from ferrox_batch.server.tools.hermes import held_tail
 
 START, END = "<think>", "</think>"
-#: `--reasoning-parser`'s names -> whether the answer begins inside the thinking.
-REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False}
+#: `--reasoning-parser`'s names -> whether the answer begins inside the thinking. `openai_gptoss` is the
+#: harmony format (gpt-oss), whose thinking is a channel, not a tag: read by `harmony_choice`, not here.
+REASONING_PARSERS = {"deepseek_r1": True, "qwen3": False, "openai_gptoss": False}
+HARMONY = "openai_gptoss"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,8 @@ class ReasoningParser:
     def __post_init__(self) -> None:
         if self.name not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {self.name!r}; use one of {', '.join(REASONING_PARSERS)}")
+        if self.name == HARMONY:
+            raise ValueError(f"{HARMONY} reads the harmony format: `harmony_choice`, not a ReasoningParser")
 
     @property
     def implicit(self) -> bool:

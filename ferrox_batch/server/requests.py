@@ -62,6 +62,7 @@ from ferrox_batch.server.tools.definitions import (
     read_tool_choice,
     read_tools,
 )
+from ferrox_batch.server.harmony_choice import HarmonyToolCalls
 from ferrox_batch.server.tools.generic import GenericToolCalls
 from ferrox_batch.server.tools.hermes import HermesToolCalls
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS, refuse_not_honoured
@@ -73,8 +74,10 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 #: whole context. The batcher still clamps it to the context ceiling.
 DEFAULT_CHAT_MAX_TOKENS = 1024
 #: The tool-call formats: the Hermes/Qwen `<tool_call>` blocks where the chat template renders tools, the
-#: generic JSON object (tools described in a system message) where it does not.
-TOOL_FORMATS: dict[str, ToolCallParser] = {"hermes": HermesToolCalls(), "generic": GenericToolCalls()}
+#: generic JSON object (tools described in a system message) where it does not, and the harmony format's
+#: calls for a model that writes harmony (gpt-oss: `harmony_choice`), whose template renders the tools.
+TOOL_FORMATS: dict[str, ToolCallParser] = {"hermes": HermesToolCalls(), "generic": GenericToolCalls(),
+                                           "harmony": HarmonyToolCalls()}
 
 
 def _reject_constant(name: str) -> Any:
@@ -184,9 +187,11 @@ def parse_completion_request(body: Mapping[str, Any], *, default_max_tokens: int
 
 
 def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int, renders_tools: bool = True,
-                       escape_control_text: bool = False) -> ChatRequest:
+                       escape_control_text: bool = False, tool_format: str | None = None) -> ChatRequest:
     """`renders_tools`: whether the chat template renders tools (the Hermes format), else the generic one;
-    `escape_control_text`: the server reads control-token text in messages' content as text (`ChatRendering`)."""
+    `escape_control_text`: the server reads control-token text in messages' content as text (`ChatRendering`);
+    `tool_format`: the format the server reads calls in whatever the template (`TOOL_FORMATS`' key; None:
+    by `renders_tools`)."""
     refuse_not_honoured(body, CHAT)
     fields = Fields(body)
     common = _common(fields, default_max_tokens, chat_logprobs(fields))
@@ -195,7 +200,8 @@ def parse_chat_request(body: Mapping[str, Any], *, default_max_tokens: int, rend
     tools = read_tools(body.get("tools"))
     choice = read_tool_choice(body.get("tool_choice"), tools)
     parallel = read_parallel(body.get("parallel_tool_calls"))
-    tool_format = "hermes" if renders_tools else "generic"
+    if tool_format is None:
+        tool_format = "hermes" if renders_tools else "generic"
     forced = forced_grammar(TOOL_FORMATS[tool_format], tools, choice, parallel)
     if forced is not None:
         if said is not None:

@@ -8,6 +8,7 @@ items. A stream's events are OpenAI's: `response.created`, `response.in_progress
 `response.output_item.added`, its deltas (`response.output_text.delta`, `response.reasoning_text.delta`,
 `response.function_call_arguments.delta`), its closing events, `response.output_item.done`, and at the
 end `response.completed`, each numbered (`sequence_number`) and sent as `event: <type>` with its JSON.
+A model that writes the harmony format has its text read by `harmony_choice` into the same items.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.replies import Chunk
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.errors import error_body
+from ferrox_batch.server.harmony_choice import HarmonyChoice
 from ferrox_batch.server.json_body import json_pieces
 from ferrox_batch.server.reasoning import ReasoningParser, ReasoningSplit
 from ferrox_batch.server.streaming import Event
@@ -42,10 +44,12 @@ class ResponseBuilder:
     """One answer's output items, made from its text as it comes (`feed`, then `finish`)."""
 
     def __init__(self, reasoning: ReasoningParser | None, tool_parser: ToolCallParser | None, parallel: bool,
-                 forced: Sequence[str] | None = None) -> None:
-        """`forced`: the functions a forced `tool_choice` may call (None: not forced; `tools.cut`)."""
-        self._split = None if reasoning is None else ReasoningSplit(reasoning.implicit)
-        self._tools = None if tool_parser is None else ToolStream(tool_parser, parallel, forced)
+                 forced: Sequence[str] | None = None, harmony: bool = False) -> None:
+        """`forced`: the functions a forced `tool_choice` may call (None: not forced; `tools.cut`); `harmony`:
+        the text is in the harmony format (`harmony_choice`), and `reasoning` is not used."""
+        self._harmony = HarmonyChoice(tool_parser is not None, parallel) if harmony else None
+        self._split = None if reasoning is None or harmony else ReasoningSplit(reasoning.implicit)
+        self._tools = None if tool_parser is None or harmony else ToolStream(tool_parser, parallel, forced)
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, int] = {}  # "reasoning" / "message" -> the open item's output index
         self._calls: dict[int, int] = {}  # tool-call index -> its item's output index
@@ -53,6 +57,9 @@ class ResponseBuilder:
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         events: list[dict[str, Any]] = []
+        if self._harmony is not None:
+            self._harmony_said(self._harmony.feed(text), events)
+            return events
         if self._split is not None:
             thinking, text = self._split.feed(text)
             self._think(thinking, events)
@@ -63,6 +70,8 @@ class ResponseBuilder:
         """What the splitters held back, then every open item closed; `ended`: the answer ran to its natural
         end (else its calls are `incomplete`, a forced one's as far as it was written)."""
         events: list[dict[str, Any]] = []
+        if self._harmony is not None:
+            self._harmony_said(self._harmony.finish(), events)
         if self._split is not None:
             thinking, text = self._split.finish()
             self._think(thinking, events)
@@ -83,6 +92,16 @@ class ResponseBuilder:
         return events
 
     # ------------------------------------------------------------------ pieces
+
+    def _harmony_said(self, said: list[tuple[str, Any]], events: list[dict[str, Any]]) -> None:
+        for kind, piece in said:
+            if kind == "reasoning":
+                self._close("message", events)  # thinking after a message: an item of its own, after it
+                self._think(piece, events)
+            elif kind == "content":
+                self._content(piece, events)
+            else:
+                self._call_deltas(piece, events)
 
     def _think(self, thinking: str, events: list[dict[str, Any]]) -> None:
         if not thinking:
@@ -171,13 +190,13 @@ class ResponsesFormat:
 
     def __init__(self, model: str, rid: str, body: Mapping[str, Any], tokenizer: Tokenizer,
                  reasoning: ReasoningParser | None, tool_parser: ToolCallParser | None, parallel: bool,
-                 forced: Sequence[str] | None = None) -> None:
+                 forced: Sequence[str] | None = None, *, harmony: bool = False) -> None:
         self.id = f"resp_{rid}"
         self.created = int(time.time())
         self.model = model
         self._body = body
         self._tokenizer = tokenizer
-        self._builder = ResponseBuilder(reasoning, tool_parser, parallel, forced)
+        self._builder = ResponseBuilder(reasoning, tool_parser, parallel, forced, harmony)
         self._sequence = 0
 
     def response(self, status: str, result: GenerationResult | None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from ferrox_batch.server.app import (
     create_app,
 )
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES
+from ferrox_batch.server.harmony_choice import parsers_for_family
 from ferrox_batch.server.host_check import default_allowed_hosts
 from ferrox_batch.server.listener import DEFAULT_DRAIN_TIMEOUT_SECS, DrainingServer, server_config
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS
@@ -73,6 +74,7 @@ def serve(
     shared_prefix_cache: bool = False,
     client_priorities: tuple[int, int] = DEFAULT_CLIENT_PRIORITIES,
     reasoning_parser: str | None = None,
+    tool_call_parser: str | None = None,
     pooling: str = "last",
     ui: bool = True,
     grammar_limits: GrammarLimits = GrammarLimits(),
@@ -88,7 +90,9 @@ def serve(
     checkpoint's folder
     (or file) name; `chat_template` (Jinja text) replaces the checkpoint's; `grammar_limits` bound what
     one request's structured output may cost (`ferrox_batch.grammar_limits`), `request_caps` what one
-    request may cost beyond it (`ferrox_batch.request_caps`); the other keywords are `create_app`'s.
+    request may cost beyond it (`ferrox_batch.request_caps`); a checkpoint of a harmony family (gpt-oss)
+    gets the harmony `reasoning_parser` and `tool_call_parser` where they are None (`harmony_choice`); the
+    other keywords are `create_app`'s.
     """
     loaded = model if isinstance(model, LoadedModel) else load_model(model, device=device, dtype=dtype,
                                                                                 kv_cache_dtype=kv_cache_dtype,
@@ -96,6 +100,7 @@ def serve(
                                                                                 batch_invariant=batch_invariant,
                                                                                 chat_template=chat_template)
     name = model_name or default_model_name(loaded.source)
+    reasoning_parser, tool_call_parser = parsers_for_family(loaded.config.family, reasoning_parser, tool_call_parser)
     batcher = ContinuousBatcher.from_model(loaded, batcher_config if batcher_config is not None
                                            else BatcherConfig.serving(), grammar_limits)
     try:
@@ -104,7 +109,8 @@ def serve(
                          max_concurrent_requests=max_concurrent_requests, api_key=api_key,
                          allowed_origins=allowed_origins, shared_prefix_cache=shared_prefix_cache,
                          allowed_hosts=default_allowed_hosts(host) if allowed_hosts is None else allowed_hosts,
-                         client_priorities=client_priorities, reasoning_parser=reasoning_parser, pooling=pooling,
+                         client_priorities=client_priorities, reasoning_parser=reasoning_parser,
+                         tool_call_parser=tool_call_parser, pooling=pooling,
                          ui=ui, escape_control_tokens=escape_control_tokens, request_caps=request_caps)
         config = server_config(app, host=host, port=port, log_level=log_level, drain_timeout=drain_timeout,
                                max_concurrent_requests=max_concurrent_requests)
