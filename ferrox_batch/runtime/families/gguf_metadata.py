@@ -96,6 +96,9 @@ class GgufFamily:
     #: Fused layer tensors llama.cpp also reads as separate parts, stacked by rows in the order named (Phi-3's
     #: `attn_qkv` as `attn_q`, `attn_k`, `attn_v`): each part maps to the fused tensor's HF name (`part`).
     parts: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    #: Claims the files of `arch` whose `{arch}.expert_count` is positive (Mixtral, written as `llama`); the
+    #: family of that architecture without it claims the rest.
+    experts_variant: bool = False
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The HF name of a weight tensor (None for a config tensor); ModelLoadError for an unknown one."""

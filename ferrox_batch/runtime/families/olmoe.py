@@ -15,6 +15,8 @@ from typing import Any
 from ferrox_batch.runtime.families import llama
 from ferrox_batch.runtime.families.errors import ModelLoadError
 from ferrox_batch.runtime.families.family import Family, ModelShape
+from ferrox_batch.runtime.families.gguf_metadata import QK_NORMS, ConfigTensors, GgufFamily, Meta, full_rotary
+from ferrox_batch.runtime.families.gguf_moe import ATTENTION_LAYER, expert_fields, moe_layer
 from ferrox_batch.runtime.families.layer_spec import LayerSpec
 from ferrox_batch.runtime.families.moe_config import read_moe
 from ferrox_batch.runtime.families.moe_layers import expert_layouts, feed_forward
@@ -35,5 +37,13 @@ def layer(c: ModelShape, i: int) -> LayerSpec:
                      ffn=feed_forward(c, i, LAYOUTS))
 
 
+def gguf_fields(meta: Meta, config: dict[str, Any], tensors: ConfigTensors) -> dict[str, Any]:
+    """llama.cpp's olmoe: the experts as wide as `feed_forward_length`, the k weights never renormalised
+    (`gguf_moe`)."""
+    full_rotary(meta, config)
+    return {"clip_qkv": None, **expert_fields(meta, config, experts_key="num_experts", renormalize=False)}
+
+
 ARCHITECTURE = "OlmoeForCausalLM"
-FAMILY = Family(model_type="olmoe", architectures=(ARCHITECTURE,), layer=layer, config_fields=config_fields)
+FAMILY = Family(model_type="olmoe", architectures=(ARCHITECTURE,), layer=layer, config_fields=config_fields,
+                gguf=GgufFamily("olmoe", ARCHITECTURE, "olmoe", moe_layer(ATTENTION_LAYER, QK_NORMS), gguf_fields))

@@ -13,6 +13,8 @@ from typing import Any
 
 from ferrox_batch.runtime.families import llama, qwen2
 from ferrox_batch.runtime.families.family import Family, ModelShape
+from ferrox_batch.runtime.families.gguf_metadata import ConfigTensors, GgufFamily, Meta
+from ferrox_batch.runtime.families.gguf_moe import ATTENTION_LAYER, SHARED_EXPERT_TENSORS, expert_fields, moe_layer
 from ferrox_batch.runtime.families.layer_spec import LayerSpec
 from ferrox_batch.runtime.families.moe_config import positive_int, read_moe, sparse_step_layers
 from ferrox_batch.runtime.families.moe_layers import expert_layouts, feed_forward
@@ -35,5 +37,16 @@ def layer(c: ModelShape, i: int) -> LayerSpec:
                      ffn=feed_forward(c, i, LAYOUTS, shared=True, shared_gate=True))
 
 
+def gguf_fields(meta: Meta, config: dict[str, Any], tensors: ConfigTensors) -> dict[str, Any]:
+    """llama.cpp's qwen2moe: every layer sparse with the shared expert, the k weights never renormalised
+    (`gguf_moe`), the Q/K/V biases where the file has them."""
+    return {**qwen2.gguf_fields(meta, config, tensors), "qkv_bias": config["attention_bias"],
+            "decoder_sparse_step": 1, "mlp_only_layers": [],
+            **expert_fields(meta, config, experts_key="num_experts", renormalize=False,
+                            width_key="moe_intermediate_size", shared_key="shared_expert_intermediate_size")}
+
+
 ARCHITECTURE = "Qwen2MoeForCausalLM"
-FAMILY = Family(model_type="qwen2_moe", architectures=(ARCHITECTURE,), layer=layer, config_fields=config_fields)
+FAMILY = Family(model_type="qwen2_moe", architectures=(ARCHITECTURE,), layer=layer, config_fields=config_fields,
+                gguf=GgufFamily("qwen2moe", ARCHITECTURE, "qwen2_moe", moe_layer(ATTENTION_LAYER, SHARED_EXPERT_TENSORS),
+                                gguf_fields, biased=frozenset({"attn_q", "attn_k", "attn_v"})))
