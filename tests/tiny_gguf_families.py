@@ -13,8 +13,8 @@ converter writes it (`converter_experts`): each layer's experts stacked into one
 `expert_used_count` from the config, and what each architecture adds (`tiny_families.GGUF_METADATA`); the
 weights it returns are then under the reader's STACKED names. Matrices are quantized the way a
 Q4_K_M file mixes types (Q8_0, Q5_0, Q4_1, F16, BF16, and Q4_K / Q6_K where a row holds whole 256-value
-blocks; stacked experts in Q8_0, or F16 where a row is not whole 32-value blocks). It returns the HF weights the conversion must give back (the dequantized values) and an HF folder
-holding exactly those, so a test can compare the GGUF with transformers reading it, or with our own load of
+blocks; stacked experts in Q8_0, or F16 where a row is not whole 32-value blocks). It returns the HF
+weights the conversion must give back (the dequantized values) and an HF folder holding exactly those, so a test can compare the GGUF with transformers reading it, or with our own load of
 the same weights.
 """
 

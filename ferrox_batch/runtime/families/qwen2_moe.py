@@ -48,5 +48,6 @@ def gguf_fields(meta: Meta, config: dict[str, Any], tensors: ConfigTensors) -> d
 
 ARCHITECTURE = "Qwen2MoeForCausalLM"
 FAMILY = Family(model_type="qwen2_moe", architectures=(ARCHITECTURE,), layer=layer, config_fields=config_fields,
-                gguf=GgufFamily("qwen2moe", ARCHITECTURE, "qwen2_moe", moe_layer(ATTENTION_LAYER, SHARED_EXPERT_TENSORS),
-                                gguf_fields, biased=frozenset({"attn_q", "attn_k", "attn_v"})))
+                gguf=GgufFamily("qwen2moe", ARCHITECTURE, "qwen2_moe",
+                                moe_layer(ATTENTION_LAYER, SHARED_EXPERT_TENSORS), gguf_fields,
+                                biased=frozenset({"attn_q", "attn_k", "attn_v"})))

@@ -44,10 +44,12 @@ BY_ARCHITECTURE: Mapping[str, Family] = MappingProxyType(
 BY_MODEL_TYPE: Mapping[str, Family] = MappingProxyType({family.model_type: family for family in FAMILIES})
 #: llama.cpp's `general.architecture` -> how it writes that family (for `llama`, without experts).
 BY_GGUF_ARCHITECTURE: Mapping[str, GgufFamily] = MappingProxyType(
-    {family.gguf.arch: family.gguf for family in FAMILIES if family.gguf is not None and not family.gguf.experts_variant})
+    {family.gguf.arch: family.gguf for family in FAMILIES
+     if family.gguf is not None and not family.gguf.experts_variant})
 #: llama.cpp's `general.architecture` -> the family its files with `{arch}.expert_count` > 0 are (Mixtral).
 BY_GGUF_EXPERTS_VARIANT: Mapping[str, GgufFamily] = MappingProxyType(
-    {family.gguf.arch: family.gguf for family in FAMILIES if family.gguf is not None and family.gguf.experts_variant})
+    {family.gguf.arch: family.gguf for family in FAMILIES
+     if family.gguf is not None and family.gguf.experts_variant})
 
 
 def gguf_family(metadata: Mapping[str, Any]) -> GgufFamily:

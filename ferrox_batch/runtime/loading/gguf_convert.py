@@ -5,7 +5,8 @@ transformers, which the tests compare against) read HF folders. This module runs
 dequantizes every tensor to fp32 (any type `gguf.quants.dequantize` reads, K-quants included), renames it
 to its HF name, undoes what llama.cpp did to its values (the Q/K row permutation of the Llama-style
 families, the one added to Gemma's norms), stacks a fused tensor the file stores as its parts (Phi-3's
-Q/K/V), gives a mixture of experts' stacked 3-D tensors under the STACKED layout's names, and derives `config.json`, `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
+Q/K/V), gives a mixture of experts' stacked 3-D tensors under the STACKED layout's names, and derives
+`config.json`, `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
 What each architecture stores where is `runtime.families`'; the tokenizer is `gguf_tokenizer`'s.
 
 Promises: `read_gguf` returns fp32 arrays under HF names with HF shapes, or raises `ModelLoadError`

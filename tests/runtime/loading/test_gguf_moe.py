@@ -211,7 +211,8 @@ def test_a_shared_expert_gate_written_1d_is_read_as_hf_s_row(files: dict[str, Fa
 
 
 @pytest.mark.parametrize("case,change,message", [
-    ("qwen3_moe", {"skip_tensors": {"blk.1.ffn_up_exps.weight"}}, r"missing \['model\.layers\.1\.mlp\.experts\.up_proj"),
+    ("qwen3_moe", {"skip_tensors": {"blk.1.ffn_up_exps.weight"}},
+     r"missing \['model\.layers\.1\.mlp\.experts\.up_proj"),
     ("olmoe", {"skip_tensors": {"blk.0.ffn_gate_inp.weight"}}, r"missing \['model\.layers\.0\.mlp\.gate\.weight"),
     ("granitemoe", {"tensors": {"blk.0.ffn_down_exps.weight": np.zeros((5, 64, 48), np.float32)}},
      r"model\.layers\.0\.mlp\.experts\.down_proj\.weight has shape \(5, 64, 48\), expected \(6, 64, 48\)"),
