@@ -6,6 +6,10 @@ intermediate, hidden]`, gate rows then up rows) and `output_linear`, the router 
 `block_sparse_moe.router.layer`; transformers holds them as `block_sparse_moe.experts.gate_up_proj` and
 `down_proj`, the router at `block_sparse_moe.router`. Its router takes the top k logits and a softmax over
 those, which is the softmax scores divided by their sum.
+
+llama.cpp's `granitemoe` files (`gguf_moe`): Granite's multipliers, Q/K rows permuted, the fused gate/up split
+into `ffn_gate_exps` and `ffn_up_exps`; renormalised as transformers does. A shared expert (GraniteMoeShared,
+`expert_shared_feed_forward_length`) is refused.
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ The norms sit before each block, as Llama's; the queries and keys are normalised
 (as OLMo 2's) before RoPE. Every layer routes a row to `num_experts_per_tok` of `num_experts` experts of
 `intermediate_size` by softmax scores, divided by their sum where `norm_topk_prob`. `clip_qkv` (clamping the
 projections) is refused: no published OLMoE sets it.
+
+llama.cpp's `olmoe` files (`gguf_moe`): the k weights never renormalised (OLMoE's `norm_topk_prob: false`;
+a source with `true` is read as llama.cpp computes it), and the converter writes an RMSNorm epsilon of 1e-5
+whatever the config says (OLMoE-1B-7B's is 1e-5): the file is read as it says, as llama.cpp reads it.
 """
 
 from __future__ import annotations

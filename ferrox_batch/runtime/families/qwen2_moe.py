@@ -4,6 +4,11 @@ Each sparse layer routes a row to `num_experts_per_tok` of `num_experts` experts
 by their sum where `norm_topk_prob`), and adds a shared expert of `shared_expert_intermediate_size` scaled
 by the sigmoid of its own gate (`mlp.shared_expert_gate`). Layers in `mlp_only_layers`, and those off the
 `decoder_sparse_step`, are the dense MLP of `intermediate_size`.
+
+llama.cpp's `qwen2moe` files (`gguf_moe`): every layer sparse, the shared expert as `ffn_*_shexp` and its gate
+as `ffn_gate_inp_shexp` (HF's `[1, hidden]`, or 1-D), and the k weights never renormalised, as
+`norm_topk_prob: false` (Qwen1.5-MoE, Qwen2-57B) has it; a source with `true` would differ in transformers,
+and its file no longer says so, so it is read as llama.cpp computes it.
 """
 
 from __future__ import annotations

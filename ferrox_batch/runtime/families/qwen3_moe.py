@@ -3,6 +3,10 @@
 Each sparse layer routes a row to `num_experts_per_tok` of `num_experts` experts (transformers 5 writes
 `num_local_experts`) by softmax scores, divided by their sum where `norm_topk_prob`; no shared expert.
 Layers in `mlp_only_layers`, and those off the `decoder_sparse_step`, are the dense MLP.
+
+llama.cpp's `qwen3moe` files (`gguf_moe`): every layer sparse, and the k weights always renormalised, as
+`norm_topk_prob: true` (every published Qwen3-MoE) has it; a source with `false` would differ in transformers,
+and its file no longer says so, so it is read as llama.cpp computes it.
 """
 
 from __future__ import annotations
