@@ -113,6 +113,18 @@ class GgufFamily:
                 return f"model.layers.{int(parts[1])}.{self.layer_tensors[short]}.{parts[3]}"
         raise ModelLoadError(f"unexpected tensor {gguf_name!r} for a {self.arch} model")
 
+    def gguf_name(self, hf_name: str) -> str | None:
+        """The name this family's files give a weight (`hf_name`'s inverse); None for one they do not hold."""
+        module, _, suffix = hf_name.rpartition(".")
+        by_hf = {hf: name for name, hf in GLOBAL_TENSORS.items()}
+        if module in by_hf:
+            return f"{by_hf[module]}.{suffix}"
+        pieces = module.split(".", 3)
+        if len(pieces) == 4 and pieces[:2] == ["model", "layers"] and pieces[2].isdigit():
+            short = next((name for name, hf in self.layer_tensors.items() if hf == pieces[3]), None)
+            return None if short is None else f"blk.{pieces[2]}.{short}.{suffix}"
+        return None
+
     @property
     def _fused(self) -> dict[str, tuple[str, int]]:
         """Each part's fused tensor and its place among the parts."""

@@ -213,7 +213,7 @@ def _tensors(gguf_tensors: list[Any], family: GgufFamily, config: dict[str, Any]
         held = out.get(name)
         if isinstance(held, np.ndarray) and len(shape) == 2 and shape[0] == 1 and held.shape == shape[1:]:
             out[name] = held.reshape(shape)  # a [1, n] gate llama.cpp reads as {n}, written 1-D
-    _check_shapes(out, expected)
+    _check_shapes(out, expected, family)
     return out
 
 
@@ -238,15 +238,20 @@ def _stacked(parts: list[np.ndarray | QuantizedWeight]) -> np.ndarray | Quantize
     return joined.numpy() if isinstance(joined, torch.Tensor) else joined
 
 
-def _check_shapes(tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]]) -> None:
+def _check_shapes(tensors: dict[str, np.ndarray | QuantizedWeight], expected: dict[str, tuple[int, ...]],
+                  family: GgufFamily) -> None:
+    """Every tensor the config needs, at its shape, and no other; a refusal names the HF tensor and, after it,
+    the file's."""
     missing = sorted(expected.keys() - tensors.keys())
     extra = sorted(tensors.keys() - expected.keys())
     if missing or extra:
+        in_file = [family.gguf_name(name) or "?" for name in missing[:5]]
         raise ModelLoadError(f"tensor set does not match the config: missing {missing[:5]}, "
-                             f"unexpected {extra[:5]}")
+                             f"unexpected {extra[:5]} (the file's missing: {in_file})")
     for name, shape in expected.items():
         if tensors[name].shape != shape:
-            raise ModelLoadError(f"tensor {name} has shape {tensors[name].shape}, expected {shape}")
+            raise ModelLoadError(f"tensor {name} has shape {tensors[name].shape}, expected {shape} (the file's "
+                                 f"{family.gguf_name(name) or name})")
 
 
 def _field_value(field: Any) -> Any:
