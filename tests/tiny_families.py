@@ -154,6 +154,20 @@ def _granite_gguf(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
     writer.add_logit_scale(config["logits_scaling"])
 
 
+def _qwen_moe_gguf(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    """Qwen2MoeModel (and Qwen3MoeModel, its subclass): the experts' width, and the shared expert's where set."""
+    _heads(writer, config)
+    writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size") is not None:
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
+
+
+def _olmoe_gguf(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    """OlmoeModel writes an epsilon of 1e-5 over the config's (the tiny one's is 1e-5 already)."""
+    _heads(writer, config)
+    writer.add_layer_norm_rms_eps(1e-5)
+
+
 #: llama.cpp's architecture name -> what its converter writes beyond the keys every family gets.
 GGUF_METADATA: dict[str, Callable[[gguf.GGUFWriter, dict[str, Any]], None]] = {
     "llama": _rope_dims_and_vocab,
@@ -164,4 +178,8 @@ GGUF_METADATA: dict[str, Callable[[gguf.GGUFWriter, dict[str, Any]], None]] = {
     "gemma3": _gemma3_gguf,
     "granite": _granite_gguf,
     "olmo2": _heads,
+    "qwen3moe": _qwen_moe_gguf,
+    "qwen2moe": _qwen_moe_gguf,
+    "olmoe": _olmoe_gguf,
+    "granitemoe": _granite_gguf,  # GraniteMoeModel adds only a shared expert's width, which this one lacks
 }

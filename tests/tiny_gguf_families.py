@@ -7,10 +7,14 @@ tensor names of gguf-py's own map, Q/K rows permuted for llama and smollm3, one 
 norm, Phi-3's longrope factors as tensors, and a llama3-scaled source's per-frequency factors as the
 `rope_freqs` tensor (computed as LlamaModel.generate_extra_tensors computes them). With `split_qkv`, Phi-3's
 fused Q/K/V projection is written as separate `attn_q`, `attn_k` and `attn_v` tensors, which llama.cpp's phi3
-architecture reads as well (its own converter writes the fused one). Matrices are quantized the way a
+architecture reads as well (its own converter writes the fused one). A mixture of experts is written as its
+converter writes it (`converter_experts`): each layer's experts stacked into one 3-D tensor per projection
+(Granite MoE's fused gate/up split in two), the router as `ffn_gate_inp`, `expert_count` and
+`expert_used_count` from the config, and what each architecture adds (`tiny_families.GGUF_METADATA`); the
+weights it returns are then under the reader's STACKED names. Matrices are quantized the way a
 Q4_K_M file mixes types (Q8_0, Q5_0, Q4_1, F16, BF16, and Q4_K / Q6_K where a row holds whole 256-value
-blocks). It returns the HF weights the conversion must give back (the dequantized values) and an HF folder
-holding exactly those, so a test can compare the GGUF with transformers reading it, or with our own load of
+blocks; stacked experts in Q8_0, or F16 where a row is not whole 32-value blocks). It returns the HF
+weights the conversion must give back (the dequantized values) and an HF folder holding exactly those, so a test can compare the GGUF with transformers reading it, or with our own load of
 the same weights.
 """
 
@@ -40,7 +44,10 @@ ARCHS = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 QUANT = {"token_embd": (Q.Q8_0, Q.Q8_0), "output": (Q.Q6_K, Q.BF16), "attn_q": (Q.Q5_0, Q.Q5_0),
          "attn_k": (Q.Q5_0, Q.Q5_0), "attn_v": (Q.Q8_0, Q.F16), "attn_qkv": (Q.Q5_0, Q.Q5_0),
          "attn_output": (Q.Q4_K, Q.Q4_1), "ffn_gate": (Q.Q5_0, Q.Q5_0), "ffn_up": (Q.Q4_1, Q.Q4_1),
-         "ffn_down": (Q.Q6_K, Q.Q8_0)}
+         "ffn_down": (Q.Q6_K, Q.Q8_0), "ffn_gate_shexp": (Q.Q5_0, Q.Q5_0), "ffn_up_shexp": (Q.Q4_1, Q.Q4_1),
+         "ffn_down_shexp": (Q.Q6_K, Q.F16)}
+#: Tensors llama.cpp's converter always writes in F32 (the routers).
+F32_ALWAYS = ("ffn_gate_inp", "ffn_gate_inp_shexp")
 
 
 @dataclass(slots=True)
@@ -103,8 +110,14 @@ def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, 
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(scaling["factor"])
         writer.add_rope_scaling_orig_ctx_len(scaling["original_max_position_embeddings"])
+    # TextModel.set_gguf_parameters: the expert counts under their first key the config has
+    experts = config.get("num_local_experts", config.get("num_experts"))
+    if experts is not None:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(config["num_experts_per_tok"])
     GGUF_METADATA[arch](writer, config)
     vocab.write(writer)
+    hf = converter_experts(hf, config)
 
     family = BY_GGUF_ARCHITECTURE[arch]
     names = gguf.get_tensor_name_map(ARCHS[arch], layers)
@@ -139,12 +152,43 @@ def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, 
     return FamilyGguf(path, weights, twin, config)
 
 
+def converter_experts(hf: dict[str, np.ndarray], config: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The source's tensors with each mixture-of-experts layer as the converters stack it: the per-expert
+    projections (Qwen's and OLMoE's `mlp.experts.{e}.*_proj`, Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`)
+    stacked along a new first axis, Granite MoE's `input_linear` split into its gate and up rows, under the
+    STACKED layout's names (`mlp.experts.gate_proj.weight`, ..., the router `mlp.gate.weight`), which gguf-py's
+    map turns into `ffn_{gate,up,down}_exps` and `ffn_gate_inp` for every one of these architectures."""
+    out, stacks = {}, {}
+    mixtral = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    for name, value in hf.items():
+        pieces = name.split(".")
+        if ".experts." in name and pieces[-3].isdigit():  # model.layers.{i}.<block>.experts.{e}.<proj>.weight
+            proj = mixtral.get(pieces[-2], pieces[-2])
+            stacks.setdefault(f"{'.'.join(pieces[:3])}.mlp.experts.{proj}.weight", {})[int(pieces[-3])] = value
+        elif name.endswith(("block_sparse_moe.gate.weight", "block_sparse_moe.router.layer.weight")):
+            out[f"{'.'.join(pieces[:3])}.mlp.gate.weight"] = value
+        elif name.endswith("block_sparse_moe.input_linear.weight"):
+            gate, up = np.split(value, 2, axis=-2)
+            out[f"{'.'.join(pieces[:3])}.mlp.experts.gate_proj.weight"] = np.ascontiguousarray(gate)
+            out[f"{'.'.join(pieces[:3])}.mlp.experts.up_proj.weight"] = np.ascontiguousarray(up)
+        elif name.endswith("block_sparse_moe.output_linear.weight"):
+            out[f"{'.'.join(pieces[:3])}.mlp.experts.down_proj.weight"] = value
+        else:
+            out[name] = value
+    for name, by_expert in stacks.items():
+        assert sorted(by_expert) == list(range(len(by_expert))), name
+        out[name] = np.stack([by_expert[e] for e in range(len(by_expert))])
+    return out
+
+
 def _write(writer: gguf.GGUFWriter, name: str, value: np.ndarray, family: Any, heads: tuple[int, int],
            quantized: bool, rng: np.random.Generator) -> np.ndarray:
     """One tensor written as llama.cpp stores it; what it dequantizes to, as the HF checkpoint holds it."""
     kind = name.split(".")[-2]
     qtype = Q.F32
-    if quantized and value.ndim == 2:
+    if quantized and value.ndim == 3:
+        qtype = Q.Q8_0 if value.shape[-1] % 32 == 0 else Q.F16
+    elif quantized and value.ndim == 2 and kind not in F32_ALWAYS:
         k_quant, other = QUANT[kind]
         qtype = k_quant if value.shape[1] % 256 == 0 else other
     offset = family.norm_offset and name.endswith("norm.weight")

@@ -96,6 +96,9 @@ class GgufFamily:
     #: Fused layer tensors llama.cpp also reads as separate parts, stacked by rows in the order named (Phi-3's
     #: `attn_qkv` as `attn_q`, `attn_k`, `attn_v`): each part maps to the fused tensor's HF name (`part`).
     parts: Mapping[str, tuple[str, ...]] = field(default_factory=lambda: MappingProxyType({}))
+    #: Claims the files of `arch` whose `{arch}.expert_count` is positive (Mixtral, written as `llama`); the
+    #: family of that architecture without it claims the rest.
+    experts_variant: bool = False
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The HF name of a weight tensor (None for a config tensor); ModelLoadError for an unknown one."""
@@ -109,6 +112,18 @@ class GgufFamily:
             if short in self.layer_tensors and (parts[3] == "weight" or (parts[3] == "bias" and short in self.biased)):
                 return f"model.layers.{int(parts[1])}.{self.layer_tensors[short]}.{parts[3]}"
         raise ModelLoadError(f"unexpected tensor {gguf_name!r} for a {self.arch} model")
+
+    def gguf_name(self, hf_name: str) -> str | None:
+        """The name this family's files give a weight (`hf_name`'s inverse); None for one they do not hold."""
+        module, _, suffix = hf_name.rpartition(".")
+        by_hf = {hf: name for name, hf in GLOBAL_TENSORS.items()}
+        if module in by_hf:
+            return f"{by_hf[module]}.{suffix}"
+        pieces = module.split(".", 3)
+        if len(pieces) == 4 and pieces[:2] == ["model", "layers"] and pieces[2].isdigit():
+            short = next((name for name, hf in self.layer_tensors.items() if hf == pieces[3]), None)
+            return None if short is None else f"blk.{pieces[2]}.{short}.{suffix}"
+        return None
 
     @property
     def _fused(self) -> dict[str, tuple[str, int]]:

@@ -1,8 +1,9 @@
 """The families the runtime runs: the one list a new family is added to.
 
 Everything that must know a checkpoint's family asks here, by what it has in hand: a config's
-`architectures` or `model_type`, or a GGUF file's `general.architecture`. Anything no family claims is an
-`UnsupportedArchitecture` that lists the ones supported.
+`architectures` or `model_type`, or a GGUF file's metadata (its `general.architecture`, and for `llama` whether
+it holds experts: Mixtral). Anything no family claims is an `UnsupportedArchitecture` that lists the ones
+supported.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ferrox_batch.runtime.families import (
 )
 from ferrox_batch.runtime.families.errors import UnsupportedArchitecture
 from ferrox_batch.runtime.families.family import Family
-from ferrox_batch.runtime.families.gguf_metadata import GgufFamily
+from ferrox_batch.runtime.families.gguf_metadata import GgufFamily, Meta
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY, gemma3.FAMILY,
@@ -43,9 +44,27 @@ BY_ARCHITECTURE: Mapping[str, Family] = MappingProxyType(
     {name: family for family in FAMILIES for name in family.architectures})
 #: `model_type` -> its family.
 BY_MODEL_TYPE: Mapping[str, Family] = MappingProxyType({family.model_type: family for family in FAMILIES})
-#: llama.cpp's `general.architecture` -> how it writes that family.
+#: llama.cpp's `general.architecture` -> how it writes that family (for `llama`, without experts).
 BY_GGUF_ARCHITECTURE: Mapping[str, GgufFamily] = MappingProxyType(
-    {family.gguf.arch: family.gguf for family in FAMILIES if family.gguf is not None})
+    {family.gguf.arch: family.gguf for family in FAMILIES
+     if family.gguf is not None and not family.gguf.experts_variant})
+#: llama.cpp's `general.architecture` -> the family its files with `{arch}.expert_count` > 0 are (Mixtral).
+BY_GGUF_EXPERTS_VARIANT: Mapping[str, GgufFamily] = MappingProxyType(
+    {family.gguf.arch: family.gguf for family in FAMILIES
+     if family.gguf is not None and family.gguf.experts_variant})
+
+
+def gguf_family(metadata: Mapping[str, Any]) -> GgufFamily:
+    """The family a GGUF file's metadata names: its `general.architecture`, or that architecture's variant
+    with experts where `{arch}.expert_count` is positive. `ModelLoadError` for a count that is not an integer."""
+    arch = metadata.get("general.architecture")
+    family = BY_GGUF_ARCHITECTURE.get(arch) if isinstance(arch, str) else None
+    if family is None:
+        raise UnsupportedArchitecture(str(arch), list(BY_GGUF_ARCHITECTURE))
+    variant = BY_GGUF_EXPERTS_VARIANT.get(family.arch)
+    if variant is not None and Meta(metadata, family.arch).integer("expert_count", 0) > 0:
+        return variant
+    return family
 
 
 def supported_architectures() -> list[str]:

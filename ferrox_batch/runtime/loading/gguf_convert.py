@@ -5,7 +5,8 @@ transformers, which the tests compare against) read HF folders. This module runs
 dequantizes every tensor to fp32 (any type `gguf.quants.dequantize` reads, K-quants included), renames it
 to its HF name, undoes what llama.cpp did to its values (the Q/K row permutation of the Llama-style
 families, the one added to Gemma's norms), stacks a fused tensor the file stores as its parts (Phi-3's
-Q/K/V), and derives `config.json`, `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
+Q/K/V), gives a mixture of experts' stacked 3-D tensors under the STACKED layout's names, and derives
+`config.json`, `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`.
 What each architecture stores where is `runtime.families`'; the tokenizer is `gguf_tokenizer`'s.
 
 Promises: `read_gguf` returns fp32 arrays under HF names with HF shapes, or raises `ModelLoadError`
@@ -27,8 +28,11 @@ import torch
 
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.errors import ModelLoadError, UnsupportedArchitecture
+from ferrox_batch.runtime.families.family import Family
 from ferrox_batch.runtime.families.gguf_metadata import GgufFamily
-from ferrox_batch.runtime.families.registry import BY_GGUF_ARCHITECTURE, family_of_model_type
+from ferrox_batch.runtime.families.moe_layers import STACKED
+from ferrox_batch.runtime.families.moe_spec import MoeSpec
+from ferrox_batch.runtime.families.registry import BY_GGUF_ARCHITECTURE, family_of_model_type, gguf_family
 from ferrox_batch.runtime.loading.gguf_tokenizer import eog_ids, tokenizer_from_metadata
 from ferrox_batch.runtime.quant.formats import BY_GGML_TYPE
 from ferrox_batch.runtime.quant.weight import QuantizedWeight, cat_rows
@@ -53,9 +57,9 @@ class ConvertedCheckpoint:
 
 def read_gguf(path: str | Path, *, progress: Progress | None = None, keep_quantized: bool = False) -> ConvertedCheckpoint:
     """Convert the GGUF at `path`; `progress` is told about each dequantized tensor. With `keep_quantized`,
-    every 2-D weight stored in one of `runtime.quant.formats.FORMATS` stays in its blocks, copied into
-    memory as a `QuantizedWeight` (its rows reordered where llama.cpp permuted them, exactly: rows are
-    independent), and only the rest is dequantized."""
+    every 2-D weight, and every stack of experts' weights, stored in one of `runtime.quant.formats.FORMATS`
+    stays in its blocks, copied into memory as a `QuantizedWeight` (its rows reordered where llama.cpp
+    permuted them, exactly: rows are independent), and only the rest is dequantized."""
     import gguf  # deferred: only conversion needs it
 
     path = Path(path)
@@ -70,11 +74,10 @@ def read_gguf(path: str | Path, *, progress: Progress | None = None, keep_quanti
                 if not name.startswith("GGUF.")}
     except (IndexError, UnicodeDecodeError, ValueError) as err:
         raise ModelLoadError(f"{path}: unreadable metadata ({err})") from None
-    arch = meta.get("general.architecture")
-    if arch not in BY_GGUF_ARCHITECTURE:
-        raise UnsupportedArchitecture(str(arch), list(SUPPORTED_GGUF_ARCHITECTURES))
-    family = BY_GGUF_ARCHITECTURE[arch]
+    if meta.get("general.architecture") not in BY_GGUF_ARCHITECTURE:
+        raise UnsupportedArchitecture(str(meta.get("general.architecture")), list(SUPPORTED_GGUF_ARCHITECTURES))
     try:
+        family = gguf_family(meta)
         by_name = {t.name: t for t in reader.tensors}
         config_tensors = {name[:-len(".weight")]: _dequantized(by_name[name]) for name in by_name
                           if family.hf_name(name) is None}
@@ -177,8 +180,9 @@ def _tensors(gguf_tensors: list[Any], family: GgufFamily, config: dict[str, Any]
         name = family.hf_name(t.name)
         assert name is not None
         fmt = BY_GGML_TYPE.get(int(t.tensor_type))
-        if keep_quantized and fmt is not None and len(t.shape) == 2:
-            weight = np.asarray(t.data)  # [rows, row_bytes]: the file's blocks, reordered below by whole rows
+        if keep_quantized and fmt is not None and len(t.shape) in (2, 3):
+            # [rows, row_bytes] ([experts, rows, row_bytes]): the file's blocks, reordered below by whole rows
+            weight = np.asarray(t.data)
         else:
             weight = _dequantized(t)
         if family.permuted_qk and t.name.endswith(("attn_q.weight", "attn_q.bias")):
@@ -189,8 +193,9 @@ def _tensors(gguf_tensors: list[Any], family: GgufFamily, config: dict[str, Any]
             # Back to the offset from one that HF checkpoints store (the layer adds it again at load).
             weight = weight - np.float32(family.norm_offset)
         if weight.dtype == np.uint8:
-            cols = int(t.shape.tolist()[0])
-            weight = QuantizedWeight.of(fmt, weight.reshape(-1, fmt.row_bytes(cols)), cols)
+            dims = [int(d) for d in t.shape.tolist()]  # fastest first: [cols, rows] or [cols, rows, experts]
+            weight = QuantizedWeight.of(fmt, weight.reshape(-1, fmt.row_bytes(dims[0])), dims[0],
+                                        experts=dims[2] if len(dims) == 3 else None)
         part = family.part(t.name)
         if part is not None:
             parts.setdefault(name, {})[part[0]] = weight
@@ -203,7 +208,24 @@ def _tensors(gguf_tensors: list[Any], family: GgufFamily, config: dict[str, Any]
         if progress:
             progress(done, len(weights), name)
     # The tensors the family's layers read at this config (the same specs the decoder builds from).
-    _check_shapes(out, family_of_model_type(family.model_type).tensors(ModelConfig.from_dict(config)))
+    expected = _expected_tensors(family_of_model_type(family.model_type), ModelConfig.from_dict(config))
+    for name, shape in expected.items():
+        held = out.get(name)
+        if isinstance(held, np.ndarray) and len(shape) == 2 and shape[0] == 1 and held.shape == shape[1:]:
+            out[name] = held.reshape(shape)  # a [1, n] gate llama.cpp reads as {n}, written 1-D
+    _check_shapes(out, expected, family)
+    return out
+
+
+def _expected_tensors(family: Family, config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the file must give: the family's, its mixtures of experts in the STACKED layout (the one
+    llama.cpp's stacked `ffn_*_exps` tensors are)."""
+    out = family.tensors(config)
+    for spec in family.layers(config):
+        if isinstance(spec.ffn, MoeSpec):
+            for name in spec.ffn.tensors():
+                del out[spec.prefix + name]
+            out.update({spec.prefix + name: shape for name, shape in spec.ffn.tensors(STACKED).items()})
     return out
 
 
@@ -216,15 +238,20 @@ def _stacked(parts: list[np.ndarray | QuantizedWeight]) -> np.ndarray | Quantize
     return joined.numpy() if isinstance(joined, torch.Tensor) else joined
 
 
-def _check_shapes(tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]]) -> None:
+def _check_shapes(tensors: dict[str, np.ndarray | QuantizedWeight], expected: dict[str, tuple[int, ...]],
+                  family: GgufFamily) -> None:
+    """Every tensor the config needs, at its shape, and no other; a refusal names the HF tensor and, after it,
+    the file's."""
     missing = sorted(expected.keys() - tensors.keys())
     extra = sorted(tensors.keys() - expected.keys())
     if missing or extra:
+        in_file = [family.gguf_name(name) or "?" for name in missing[:5]]
         raise ModelLoadError(f"tensor set does not match the config: missing {missing[:5]}, "
-                             f"unexpected {extra[:5]}")
+                             f"unexpected {extra[:5]} (the file's missing: {in_file})")
     for name, shape in expected.items():
         if tensors[name].shape != shape:
-            raise ModelLoadError(f"tensor {name} has shape {tensors[name].shape}, expected {shape}")
+            raise ModelLoadError(f"tensor {name} has shape {tensors[name].shape}, expected {shape} (the file's "
+                                 f"{family.gguf_name(name) or name})")
 
 
 def _field_value(field: Any) -> Any:
