@@ -83,8 +83,10 @@ def layer_tensors(config: dict[str, object], layer: int, generator: object) -> d
 
 
 def write_shards(out: Path, config: dict[str, object], seed: int, force: bool) -> list[Written]:
-    """One shard per layer, then one for the embedding, final norm and head, and the index naming them."""
+    """One shard per layer, then one for the embedding, final norm and head, and the index naming them (every
+    shard drawn again, in order, when any is missing: the draws follow one generator)."""
     import torch
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     layers = int(config["num_hidden_layers"])
@@ -93,8 +95,15 @@ def write_shards(out: Path, config: dict[str, object], seed: int, force: bool) -
     index: dict[str, str] = {}
     written: list[Written] = []
     generator = torch.Generator().manual_seed(seed)
+    missing = force or not all((out / name).exists() for name in names)
     for i, name in enumerate(names):
         began = time.perf_counter()
+        path = out / name
+        if not missing:  # the index from the shard's own header: nothing is drawn again
+            with safe_open(str(path), framework="pt") as shard:
+                index.update({tensor: name for tensor in shard.keys()})
+            written.append(Written(path, False))
+            continue
         if i < layers:
             tensors = layer_tensors(config, i, generator)
         else:
@@ -103,10 +112,6 @@ def write_shards(out: Path, config: dict[str, object], seed: int, force: bool) -
                        "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
                        "lm_head.weight": (torch.randn(v, h, generator=generator) * STD).bfloat16()}
         index.update({tensor: name for tensor in tensors})
-        path = out / name
-        if path.exists() and not force:
-            written.append(Written(path, False))
-            continue
         partial = path.with_name(path.name + ".partial")
         save_file(tensors, str(partial), metadata={"format": "pt"})
         partial.chmod(0o644)

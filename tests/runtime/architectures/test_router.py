@@ -108,11 +108,14 @@ def weight_bound(logits: np.ndarray, spec: RouterSpec, ids: list[int], want: np.
         scores = torch.sigmoid(l)
         error = softmax_error(torch.stack((scores, 1 - scores), -1), exp_ulps=TORCH_SOFTMAX_EXP_ULPS)[..., 0].numpy()
     p, a = scores.numpy()[ids], error[ids]
-    if spec.renormalize:
+    if spec.renormalize and spec.top_k == 1:
+        a = np.zeros_like(a)  # x / x is exactly 1 for any finite nonzero x
+    elif spec.renormalize:
         s = p.sum()
         drift = a.sum() + gamma(spec.top_k) * (s + a.sum())
         w = p / s
-        a = (a + w * drift) / (s - drift)
+        # Scores so small that their sum's error may reach the sum itself bound nothing.
+        a = (a + w * drift) / (s - drift) if s > drift else np.full_like(a, np.inf)
         a = a + U * (w + a)
     scale = abs(spec.scale)
     return scale * a + (0.0 if spec.scale == 1.0 else U * (np.abs(want) + scale * a))
