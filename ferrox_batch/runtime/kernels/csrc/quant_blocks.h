@@ -208,8 +208,8 @@ static inline void quant_decode_row_c(int type, const uint8_t *row, int64_t k, f
  * decode to keep up with memory: written out here, each format runs at several times that.
  *
  * They compute the same float32 values, exactly, by other means that are exact too:
- * - a 4-bit quant (Q4_0, Q4_1, Q4_K; Q5_0 as two halves) indexes a 16-entry table of its block's (or
- *   sub-block's) weights, built once per block with the reference's formula: `vpermps` picks the
+ * - a 4-bit quant (Q4_0, Q4_1, Q4_K, MXFP4's codes; Q5_0 as two halves) indexes a 16-entry table of its
+ *   block's (or sub-block's) weights, built once per block with the reference's formula: `vpermps` picks the
  *   entry, using the low four bits of each lane (so a byte's low nibble needs no mask);
  * - d * (q - c) as fma(q, d, -c * d): both products are exact and so is their difference (it is the
  *   weight, which float32 holds exactly), so the one rounding of the FMA changes nothing;
@@ -356,7 +356,8 @@ static inline __m256i quant_bytes8(const uint8_t *p) {
 }
 
 /* 8 lanes have no 16-entry table in one instruction, so the quants are converted and scaled: fma(q, d, c)
- * with the exact c of each format (the comment above). */
+ * with the exact c of each format (the comment above); MXFP4's codes are first looked up as their integer
+ * values by `vpshufb`, 16 bytes at a time. */
 static inline void quant_decode_row(int type, const uint8_t *row, int64_t k, float *restrict out) {
     const __m256i m15 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1), m48 = _mm256_set1_epi32(48);
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), sixteen = _mm256_set1_epi32(16);
@@ -394,8 +395,10 @@ static inline void quant_decode_row(int type, const uint8_t *row, int64_t k, flo
             __m128i lo, hi;
             mxfp4_kv_bytes(p + 1, &lo, &hi);
             const __m128i kv[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-            for (int i = 0; i < 4; ++i)
-                _mm256_storeu_ps(out + 32 * b + 8 * i, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(kv[i]))));
+            for (int i = 0; i < 4; ++i) {
+                const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(kv[i]));
+                _mm256_storeu_ps(out + 32 * b + 8 * i, _mm256_mul_ps(d, w));
+            }
         }
         break;
     case QT_Q5_0:

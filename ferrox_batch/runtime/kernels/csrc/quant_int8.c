@@ -17,8 +17,9 @@
  * Paths (what the build targets):
  *   AVX-512 with AVX512BW and AVX512_VNNI: a weight vector is 16 rows by 4 inputs as packed, expanded in
  *     registers (nibbles masked and shifted, the fifth bit added under a byte mask, the 2-bit pairs
- *     shifted into place, MXFP4's codes looked up by `vpshufb`), and `vpdpbusd` multiplies it by 4 of x's bytes broadcast: 8 of them per row
- *     and block, into two int32 accumulators. Tiles of up to 8 x rows share each expanded block.
+ *     shifted into place, MXFP4's codes looked up by `vpshufb`), and `vpdpbusd` multiplies it by 4 of
+ *     x's bytes broadcast: 8 of them per row and block, into two int32 accumulators. Tiles of up to 8 x
+ *     rows share each expanded block.
  *   AVX2 (+ FMA, F16C): the same over 8 weight rows at a time, `vpmaddubsw` then `vpmaddwd` by ones.
  *     Q8_0's quants go signed with x taking their sign (llama.cpp's arrangement), so no 16-bit pair sum
  *     can saturate (2 * 128 * 127 < 2^15); the other formats' u are at most 63.
@@ -157,7 +158,8 @@ static inline __attribute__((always_inline)) void tile(const int type, const int
                 dv0 = _mm512_mul_ps(big, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s0)));
                 dv1 = _mm512_mul_ps(big, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s1)));
             }
-            if (type == QT_MXFP4) dv0 = dv1 = mxfp4_half16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)unit)));
+            if (type == QT_MXFP4) /* the 16 rows' exponent bytes */
+                dv0 = dv1 = mxfp4_half16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)unit)));
             __m512i w[8];
             if (f.bits == 8) {
                 for (int kd = 0; kd < 8; ++kd) w[kd] = _mm512_loadu_si512(q + 64 * kd);
@@ -167,8 +169,10 @@ static inline __attribute__((always_inline)) void tile(const int type, const int
                     w[2 * c] = _mm512_and_si512(v, nib);
                     w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
                 }
-                if (f.lut)
-                    for (int kd = 0; kd < 8; ++kd) w[kd] = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mxfp4_u8)), w[kd]);
+                if (f.lut) {
+                    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mxfp4_u8));
+                    for (int kd = 0; kd < 8; ++kd) w[kd] = _mm512_shuffle_epi8(table, w[kd]);
+                }
                 if (f.bits == 5) {
                     for (int kd = 0; kd < 8; ++kd) {
                         uint64_t bits;
@@ -270,7 +274,8 @@ static inline __attribute__((always_inline)) void tile_half(const int type, cons
                 dv0 = _mm256_mul_ps(big, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s0)));
                 dv1 = _mm256_mul_ps(big, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s1)));
             }
-            if (type == QT_MXFP4) dv0 = dv1 = mxfp4_half8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(unit + 8 * h))));
+            if (type == QT_MXFP4) /* this half's 8 exponent bytes */
+                dv0 = dv1 = mxfp4_half8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(unit + 8 * h))));
             __m256i w[8];
             if (f.bits == 8) {
                 for (int kd = 0; kd < 8; ++kd)
@@ -282,9 +287,10 @@ static inline __attribute__((always_inline)) void tile_half(const int type, cons
                     w[2 * c] = _mm256_and_si256(v, nib);
                     w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
                 }
-                if (f.lut)
-                    for (int kd = 0; kd < 8; ++kd)
-                        w[kd] = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4_u8)), w[kd]);
+                if (f.lut) {
+                    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4_u8));
+                    for (int kd = 0; kd < 8; ++kd) w[kd] = _mm256_shuffle_epi8(table, w[kd]);
+                }
                 if (f.bits == 5) {
                     for (int kd = 0; kd < 8; ++kd) {
                         uint32_t bits;
