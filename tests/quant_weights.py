@@ -16,6 +16,8 @@ from ferrox_batch.runtime.quant.formats import QuantFormat
 QUANTIZABLE = ("q8_0", "q4_0", "q4_1", "q5_0")
 #: Where each format keeps its fp16 scales (Q4_1's fp16 minimum, Q4_K's dmin too) within a block.
 SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
+#: Where a format with a power-of-two E8M0 scale (one byte) keeps it within a block.
+E8M0_OFFSETS = {"mxfp4": 0}
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -23,9 +25,13 @@ def random_blocks(fmt: QuantFormat, n: int, k: int, seed: int) -> torch.Tensor:
     """n rows of k weights of random bytes, so every bit pattern of the quants, Q5_0's fifth bits and the
     K-quants' packed sub-block scales and mins occurs, with each fp16 scale replaced by a finite one of
     either sign between 2^-20 and 2^-4 (fp16 subnormals included: they must widen exactly too). Random
-    bytes there would put infinities and NaNs in the weights."""
+    bytes there would put infinities and NaNs in the weights. MXFP4's one E8M0 byte is drawn so its
+    scale 2^(e - 128) lies between 2^-24 and 2^-8 (its weights, up to 12 times that, the same range)."""
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n, k // fmt.block_elems, fmt.block_bytes), dtype=np.uint8)
+    if fmt.name in E8M0_OFFSETS:
+        raw[:, :, E8M0_OFFSETS[fmt.name]] = rng.integers(128 - 24, 128 - 8, size=raw.shape[:2], endpoint=True)
+        return torch.from_numpy(raw.reshape(n, fmt.row_bytes(k)))
     for offset in SCALE_OFFSETS[fmt.name]:
         scales = rng.choice([-1.0, 1.0], size=raw.shape[:2]) * 2.0 ** rng.uniform(-20, -4, size=raw.shape[:2])
         raw[:, :, offset:offset + 2] = scales.astype(np.float16)[..., None].view(np.uint8)

@@ -156,6 +156,9 @@ def _sane_scales(blocks: np.ndarray, fmt: QuantFormat) -> np.ndarray:
     scale = np.array([0.01], dtype=np.float16).view(np.uint8)
     # Where each format keeps its fp16 scales within a block (and Q4_1's fp16 minimum, Q4_K's dmin).
     offsets = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
+    if fmt.name == "mxfp4":
+        out[:, :, 0] = 121  # the one E8M0 byte: 2^-7, so a weight is 2^-7 times a doubled FP4 value
+        return out.reshape(blocks.shape)
     for offset in offsets[fmt.name]:
         out[:, :, offset:offset + 2] = scale
     return out.reshape(blocks.shape)

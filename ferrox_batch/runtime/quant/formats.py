@@ -5,7 +5,9 @@ weights, each block `block_bytes` long (its scales and its packed integers). The
 users download GGUF files in: Q8_0 (8 bits, one scale per 32), Q4_0 and Q4_1 (4 bits, a scale, and
 for Q4_1 a minimum, per 32), Q5_0 (5 bits per 32), and the K-quants Q4_K and Q6_K (super-blocks of
 256 with scales per 32 or per 16 quantized in turn). A Q4_K_M file mixes the last two; Gemma 3 270M's
-uses Q5_0, Q4_K, Q6_K and Q8_0. `ggml_type` is GGML's type number, what the file and the C kernels
+uses Q5_0, Q4_K, Q6_K and Q8_0. MXFP4 (4-bit floats, E2M1, with a power-of-two E8M0 scale per 32) is
+what gpt-oss's experts are published in, and llama.cpp's files keep them so (`quant.mxfp4` converts the
+published safetensors' blocks to it). `ggml_type` is GGML's type number, what the file and the C kernels
 (`csrc/quant_gemm.c`) name a format by.
 
 Promises: `FORMATS` holds exactly the formats the kernels run; `row_bytes` is the bytes of one row.
@@ -47,6 +49,7 @@ FORMATS: Mapping[str, QuantFormat] = MappingProxyType({f.name: f for f in (
     QuantFormat("q5_0", 6, 32, 22),
     QuantFormat("q4_k", 12, 256, 144),
     QuantFormat("q6_k", 14, 256, 210),
+    QuantFormat("mxfp4", 39, 32, 17),
 )})
 
 #: The same formats by GGML type number.

@@ -31,7 +31,9 @@ def weight_in(name: str, rows: int, cols: int, seed: int) -> QuantizedWeight:
         return QuantizedWeight.of(fmt, gguf_quantize(values, GGMLQuantizationType(fmt.ggml_type)), cols)
     blocks = rng.integers(0, 256, size=(rows, cols // fmt.block_elems, fmt.block_bytes), dtype=np.uint8)
     scale = np.array([0.02], dtype=np.float16).view(np.uint8)
-    for offset in {"q4_k": (0, 2), "q6_k": (208,)}[name]:
+    if name == "mxfp4":
+        blocks[:, :, 0] = 122  # its one E8M0 byte: a power-of-two scale, 2^-6
+    for offset in {"q4_k": (0, 2), "q6_k": (208,), "mxfp4": ()}[name]:
         blocks[:, :, offset:offset + 2] = scale
     return QuantizedWeight.of(fmt, blocks.reshape(rows, -1), cols)
 

@@ -16,11 +16,14 @@
  *   Q6_K (type 14, 210 bytes): ql[128] @0 (low 4 bits), qh[64] @128 (high 2 bits), 16 int8 scales @192,
  *                              d fp16 @208; two halves of 128 weights (see `decode_q6_k`).
  *                              w = (d * scale) * (q6 - 32), a scale per 16 weights
+ *   MXFP4 (type 39, 17 bytes): e E8M0 @0; qs[16] @1, nibbles as Q4_0's.   w = KV[nibble] * 2^(e - 128)
+ *                              (quant_mxfp4.h: KV the doubled FP4 values, the scale halved to match)
  *
  * Every decode is exact in the sense that matters: it computes what gguf's numpy reference computes in
  * float32, bit for bit. The fp16 scales widen exactly (F16C where the compiler has it, else half.h's
  * bit operations, subnormals included). Every product above is of small integers and an fp16
- * significand (at most 11 + 7 + 5 = 23 significant bits, Q6_K's d * scale * q), so it is exact in
+ * significand (at most 11 + 7 + 5 = 23 significant bits, Q6_K's d * scale * q), or for MXFP4 of a
+ * small integer and a power of two (quant_mxfp4.h), so it is exact in
  * float32 in any order or fused into an FMA; the only rounding is Q4_1's and Q4_K's one addition,
  * which is the reference's too. That is why -ffast-math (reassociation, contraction) cannot change a
  * decoded weight, and why the decoders can stay plain C that GCC vectorises.
@@ -34,18 +37,19 @@
 #include <string.h>
 
 #include "half.h"
+#include "quant_mxfp4.h"
 
 #if defined(__F16C__)
 #include <immintrin.h>
 #endif
 
 /* GGML's type numbers of the formats decoded here (what a GGUF file names a tensor's format by). */
-enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q6_K = 14 };
+enum { QT_Q4_0 = 2, QT_Q4_1 = 3, QT_Q5_0 = 6, QT_Q8_0 = 8, QT_Q4_K = 12, QT_Q6_K = 14, QT_MXFP4 = 39 };
 
-/* Weights per block of `type`, or 0 when the type is not one of the six. */
+/* Weights per block of `type`, or 0 when the type is not one of the seven. */
 static inline int quant_block_elems(int type) {
     switch (type) {
-    case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q8_0: return 32;
+    case QT_Q4_0: case QT_Q4_1: case QT_Q5_0: case QT_Q8_0: case QT_MXFP4: return 32;
     case QT_Q4_K: case QT_Q6_K: return 256;
     default: return 0;
     }
@@ -60,6 +64,7 @@ static inline int quant_block_bytes(int type) {
     case QT_Q5_0: return 22;
     case QT_Q4_K: return 144;
     case QT_Q6_K: return 210;
+    case QT_MXFP4: return 17;
     default: return 0;
     }
 }
@@ -190,6 +195,9 @@ static inline void quant_decode_row_c(int type, const uint8_t *row, int64_t k, f
     case QT_Q6_K:
         for (int64_t b = 0; b < k / 256; ++b) decode_q6_k(row + 210 * b, out + 256 * b);
         break;
+    case QT_MXFP4:
+        for (int64_t b = 0; b < k / 32; ++b) decode_mxfp4(row + 17 * b, out + 32 * b);
+        break;
     default:
         break;
     }
@@ -200,8 +208,8 @@ static inline void quant_decode_row_c(int type, const uint8_t *row, int64_t k, f
  * decode to keep up with memory: written out here, each format runs at several times that.
  *
  * They compute the same float32 values, exactly, by other means that are exact too:
- * - a 4-bit quant (Q4_0, Q4_1, Q4_K; Q5_0 as two halves) indexes a 16-entry table of its block's (or
- *   sub-block's) weights, built once per block with the reference's formula: `vpermps` picks the
+ * - a 4-bit quant (Q4_0, Q4_1, Q4_K, MXFP4's codes; Q5_0 as two halves) indexes a 16-entry table of its
+ *   block's (or sub-block's) weights, built once per block with the reference's formula: `vpermps` picks the
  *   entry, using the low four bits of each lane (so a byte's low nibble needs no mask);
  * - d * (q - c) as fma(q, d, -c * d): both products are exact and so is their difference (it is the
  *   weight, which float32 holds exactly), so the one rounding of the FMA changes nothing;
@@ -250,6 +258,15 @@ static inline __attribute__((always_inline)) void quant_decode_row_512(int type,
             const __m512 table =
                 _mm512_fmadd_ps(_mm512_set1_ps(quant_half(p)), iota, _mm512_set1_ps(quant_half(p + 2)));
             const __m512i v = quant_bytes16(p + 4);
+            quant_put32(dst, 32 * b, _mm512_permutexvar_ps(v, table),
+                        _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
+        }
+        break;
+    case QT_MXFP4:
+        for (int64_t b = 0; b < k / 32; ++b) {
+            const uint8_t *p = row + 17 * b;
+            const __m512 table = _mm512_mul_ps(_mm512_set1_ps(mxfp4_half(p[0])), _mm512_loadu_ps(mxfp4_kv_f32));
+            const __m512i v = quant_bytes16(p + 1);
             quant_put32(dst, 32 * b, _mm512_permutexvar_ps(v, table),
                         _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table));
         }
@@ -339,7 +356,8 @@ static inline __m256i quant_bytes8(const uint8_t *p) {
 }
 
 /* 8 lanes have no 16-entry table in one instruction, so the quants are converted and scaled: fma(q, d, c)
- * with the exact c of each format (the comment above). */
+ * with the exact c of each format (the comment above); MXFP4's codes are first looked up as their integer
+ * values by `vpshufb`, 16 bytes at a time. */
 static inline void quant_decode_row(int type, const uint8_t *row, int64_t k, float *restrict out) {
     const __m256i m15 = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1), m48 = _mm256_set1_epi32(48);
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), sixteen = _mm256_set1_epi32(16);
@@ -367,6 +385,19 @@ static inline void quant_decode_row(int type, const uint8_t *row, int64_t k, flo
                 const __m256 hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
                 _mm256_storeu_ps(out + 32 * b + i, _mm256_fmadd_ps(lo, d, c));
                 _mm256_storeu_ps(out + 32 * b + 16 + i, _mm256_fmadd_ps(hi, d, c));
+            }
+        }
+        break;
+    case QT_MXFP4:
+        for (int64_t b = 0; b < k / 32; ++b) {
+            const uint8_t *p = row + 17 * b;
+            const __m256 d = _mm256_set1_ps(mxfp4_half(p[0]));
+            __m128i lo, hi;
+            mxfp4_kv_bytes(p + 1, &lo, &hi);
+            const __m128i kv[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            for (int i = 0; i < 4; ++i) {
+                const __m256 w = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(kv[i]));
+                _mm256_storeu_ps(out + 32 * b + 8 * i, _mm256_mul_ps(d, w));
             }
         }
         break;

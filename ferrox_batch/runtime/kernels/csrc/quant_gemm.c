@@ -41,7 +41,7 @@
  * int8 instead and multiplies weights repacked for integer dot products.
  *
  * Return values: 0; -1 when k is not a whole number of a segment's blocks (or a count is negative);
- * -2 for a type that is not one of the six; -3 when
+ * -2 for a type that is not one of the seven; -3 when
  * scratch memory could not be had. */
 #include <omp.h>
 #include <stdint.h>

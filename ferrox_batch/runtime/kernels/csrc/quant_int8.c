@@ -17,8 +17,9 @@
  * Paths (what the build targets):
  *   AVX-512 with AVX512BW and AVX512_VNNI: a weight vector is 16 rows by 4 inputs as packed, expanded in
  *     registers (nibbles masked and shifted, the fifth bit added under a byte mask, the 2-bit pairs
- *     shifted into place), and `vpdpbusd` multiplies it by 4 of x's bytes broadcast: 8 of them per row
- *     and block, into two int32 accumulators. Tiles of up to 8 x rows share each expanded block.
+ *     shifted into place, MXFP4's codes looked up by `vpshufb`), and `vpdpbusd` multiplies it by 4 of
+ *     x's bytes broadcast: 8 of them per row and block, into two int32 accumulators. Tiles of up to 8 x
+ *     rows share each expanded block.
  *   AVX2 (+ FMA, F16C): the same over 8 weight rows at a time, `vpmaddubsw` then `vpmaddwd` by ones.
  *     Q8_0's quants go signed with x taking their sign (llama.cpp's arrangement), so no 16-bit pair sum
  *     can saturate (2 * 128 * 127 < 2^15); the other formats' u are at most 63.
@@ -157,6 +158,8 @@ static inline __attribute__((always_inline)) void tile(const int type, const int
                 dv0 = _mm512_mul_ps(big, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s0)));
                 dv1 = _mm512_mul_ps(big, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s1)));
             }
+            if (type == QT_MXFP4) /* the 16 rows' exponent bytes */
+                dv0 = dv1 = mxfp4_half16(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)unit)));
             __m512i w[8];
             if (f.bits == 8) {
                 for (int kd = 0; kd < 8; ++kd) w[kd] = _mm512_loadu_si512(q + 64 * kd);
@@ -165,6 +168,10 @@ static inline __attribute__((always_inline)) void tile(const int type, const int
                     const __m512i v = _mm512_loadu_si512(q + 64 * c);
                     w[2 * c] = _mm512_and_si512(v, nib);
                     w[2 * c + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                }
+                if (f.lut) {
+                    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)mxfp4_u8));
+                    for (int kd = 0; kd < 8; ++kd) w[kd] = _mm512_shuffle_epi8(table, w[kd]);
                 }
                 if (f.bits == 5) {
                     for (int kd = 0; kd < 8; ++kd) {
@@ -267,6 +274,8 @@ static inline __attribute__((always_inline)) void tile_half(const int type, cons
                 dv0 = _mm256_mul_ps(big, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s0)));
                 dv1 = _mm256_mul_ps(big, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s1)));
             }
+            if (type == QT_MXFP4) /* this half's 8 exponent bytes */
+                dv0 = dv1 = mxfp4_half8(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(unit + 8 * h))));
             __m256i w[8];
             if (f.bits == 8) {
                 for (int kd = 0; kd < 8; ++kd)
@@ -277,6 +286,10 @@ static inline __attribute__((always_inline)) void tile_half(const int type, cons
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(q + 64 * c + 32 * h));
                     w[2 * c] = _mm256_and_si256(v, nib);
                     w[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                }
+                if (f.lut) {
+                    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)mxfp4_u8));
+                    for (int kd = 0; kd < 8; ++kd) w[kd] = _mm256_shuffle_epi8(table, w[kd]);
                 }
                 if (f.bits == 5) {
                     for (int kd = 0; kd < 8; ++kd) {
@@ -355,6 +368,7 @@ static void group_rows(const pseg_t *s, int64_t g, const acts_t *a, int64_t r0, 
     case QT_Q5_0: TILES(QT_Q5_0) break;
     case QT_Q4_K: TILES(QT_Q4_K) break;
     case QT_Q6_K: TILES(QT_Q6_K) break;
+    case QT_MXFP4: TILES(QT_MXFP4) break;
     default: break;
     }
 #undef emit

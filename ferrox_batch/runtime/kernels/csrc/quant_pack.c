@@ -9,8 +9,8 @@
 #include "kernels.h"
 #include "quant_packed.h"
 
-/* One file block (a unit) of one row: its u values, in input order, and its head entries for that row
- * written into the packed head at `head` (row r of 16). */
+/* One file block (a unit) of one row: its u values (MXFP4: its codes), in input order, and its head
+ * entries for that row written into the packed head at `head` (row r of 16). */
 static void unpack_file_unit(int type, const uint8_t *b, uint8_t *u, uint8_t *head, int r) {
     switch (type) {
     case QT_Q8_0:
@@ -55,6 +55,13 @@ static void unpack_file_unit(int type, const uint8_t *b, uint8_t *u, uint8_t *he
                     const int top = (b[128 + 32 * h + l] >> (2 * g)) & 3;
                     u[128 * h + 32 * g + l] = (uint8_t)(low | top << 4);
                 }
+        return;
+    case QT_MXFP4:
+        head[r] = b[0];
+        for (int i = 0; i < 16; ++i) {
+            u[i] = b[1 + i] & 15;
+            u[i + 16] = b[1 + i] >> 4;
+        }
         return;
     default:
         return;

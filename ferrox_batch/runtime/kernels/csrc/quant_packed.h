@@ -14,6 +14,10 @@
  *   Q5_0    5     16   32             -                   nibble | fifth bit << 4
  *   Q4_K    4     0    32: D * sc     -(Dmin * mn)        6-bit sc, mn per 32; D, Dmin per 256
  *   Q6_K    6     32   16: D * sc     -                   int8 sc per 16; D per 256
+ *   MXFP4   4*    12   32: 2^(e-128)  -                   KV[nibble] + 12 (quant_mxfp4.h), in [0, 24]
+ *
+ * (*) MXFP4 keeps its FP4 codes, 4 bits, where the others keep u: the code is looked up as u (`lut`, the
+ * MXFP4_U table; one `vpshufb` per vector), so its packing is the file's size and its u is exact.
  *
  * Layout. Rows go in groups of 16 (the last padded with zero rows); a group is `units` units back to back,
  * a unit one block of the file (32 inputs, or a K-quant's 256). A unit is its scales (`head` bytes), then
@@ -26,6 +30,7 @@
  *           vector p are bits 4-5 of vector 4 p + i.
  * Heads (16 entries each, one a row): Q8_0, Q4_0, Q5_0: d fp16[16]. Q4_1: d fp16[16], m fp16[16].
  * Q4_K: D fp16[16], Dmin fp16[16], sc uint8[8][16], mn uint8[8][16]. Q6_K: D fp16[16], sc int8[16][16].
+ * MXFP4: e uint8[16] (the file's E8M0 bytes; 2^(e - 128) formed from bits, as llama.cpp does).
  * The fp16 values and small integers are the file's own bits, so every d and m formed from them
  * (products of an fp16 and an integer below 2^8) is exact in float32 and equals gguf's dequantization,
  * and so does each w. Sizes equal the file's but for Q4_K, whose 6-bit scales are unpacked to bytes
@@ -49,17 +54,19 @@ typedef struct {
     int zero;     /* o */
     int has_min;  /* whether m is there */
     int sub;      /* inputs per scale: 32, or 16 */
+    int lut;      /* whether the 4-bit values are codes looked up as u (MXFP4) */
 } packed_fmt_t;
 
-/* The layout constants of `type`; 0 when it is not one of the six. */
+/* The layout constants of `type`; 0 when it is not one of the seven. */
 static inline int packed_fmt(int type, packed_fmt_t *f) {
     switch (type) {
-    case QT_Q8_0: *f = (packed_fmt_t){32, 32, 512, 8, 128, 0, 32}; return 1;
-    case QT_Q4_0: *f = (packed_fmt_t){32, 32, 256, 4, 8, 0, 32}; return 1;
-    case QT_Q4_1: *f = (packed_fmt_t){32, 64, 256, 4, 0, 1, 32}; return 1;
-    case QT_Q5_0: *f = (packed_fmt_t){32, 32, 320, 5, 16, 0, 32}; return 1;
-    case QT_Q4_K: *f = (packed_fmt_t){256, 320, 256, 4, 0, 1, 32}; return 1;
-    case QT_Q6_K: *f = (packed_fmt_t){256, 288, 384, 6, 32, 0, 16}; return 1;
+    case QT_Q8_0: *f = (packed_fmt_t){32, 32, 512, 8, 128, 0, 32, 0}; return 1;
+    case QT_Q4_0: *f = (packed_fmt_t){32, 32, 256, 4, 8, 0, 32, 0}; return 1;
+    case QT_Q4_1: *f = (packed_fmt_t){32, 64, 256, 4, 0, 1, 32, 0}; return 1;
+    case QT_Q5_0: *f = (packed_fmt_t){32, 32, 320, 5, 16, 0, 32, 0}; return 1;
+    case QT_Q4_K: *f = (packed_fmt_t){256, 320, 256, 4, 0, 1, 32, 0}; return 1;
+    case QT_Q6_K: *f = (packed_fmt_t){256, 288, 384, 6, 32, 0, 16, 0}; return 1;
+    case QT_MXFP4: *f = (packed_fmt_t){32, 16, 256, 4, MXFP4_ZERO, 0, 32, 1}; return 1;
     default: return 0;
     }
 }
@@ -92,6 +99,9 @@ static inline void packed_scales(int type, const uint8_t *unit, int j, int r, fl
         d[1] = dd * (float)(int8_t)unit[32 + 16 * (2 * j + 1) + r];
         return;
     }
+    case QT_MXFP4:
+        d[0] = d[1] = mxfp4_half(unit[r]);
+        return;
     default:
         d[0] = d[1] = 0.0f;
     }
@@ -115,7 +125,7 @@ static inline void packed_ints(const packed_fmt_t *f, const uint8_t *q, int r, u
                 v |= ((q[256 + 64 * (kd >> 2) + at] >> (2 * (kd & 3))) & 3) << 4;
             }
         }
-        u[i] = (uint8_t)v;
+        u[i] = (uint8_t)(f->lut ? mxfp4_u8[v] : v);
     }
 }
 
