@@ -22,7 +22,7 @@ from ferrox_batch.runtime.architectures.gate_up import GateUp
 from ferrox_batch.runtime.architectures.gated_mlp import GatedMlp
 from ferrox_batch.runtime.architectures.layer import Block, Layer
 from ferrox_batch.runtime.architectures.linear import Linear
-from ferrox_batch.runtime.architectures.moe import MoeBlock
+from ferrox_batch.runtime.architectures.moe import MoeBlock, packed_experts
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.architectures.rope import reorder_heads, rotary_permutation
 from ferrox_batch.runtime.families.layer_spec import AttentionSpec, GatedMlpSpec, LayerSpec
@@ -229,13 +229,15 @@ def _moe(spec: MoeSpec, parts: _Parts) -> MoeBlock:
         gate_up = tuple(make.gate_up(w, s.activation, narrow=False) for w in gate_up_weights)
     else:
         gate_up = make.gate_up_experts(gate_up_weights, s.activation)
+    down = _expert_linears(make, down_weights, down_bias)
     return MoeBlock(
+        packed=packed_experts(gate_up, down),
         router=r,
         router_weight=parts.float32(layout.router, (count, h)),
         router_bias=parts.float32(bias_name(layout.router), (count,)) if r.bias else None,
         correction=None if r.correction_bias is None else parts.float32(r.correction_bias, (count,)),
         gate_up=gate_up,
-        down=_expert_linears(make, down_weights, down_bias),
+        down=down,
         shared=None if s.shared is None else _gated_mlp(s.shared, parts),
         shared_gate=None if s.shared_gate is None else parts.float32(s.shared_gate, (1, h)),
         out_norm=parts.norm(s.out_norm, h),

@@ -31,6 +31,7 @@ from ferrox_batch.runtime.architectures.linear import Linear
 from ferrox_batch.runtime.architectures.norms import norm
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.architectures.router import route
+from ferrox_batch.runtime.kernels.packed_quant import PackedExperts, PackedQuant
 from ferrox_batch.runtime.families.moe_spec import RouterSpec
 
 
@@ -48,6 +49,9 @@ class MoeBlock:
     #: The shared expert's float32 `[1, hidden]` sigmoid gate.
     shared_gate: torch.Tensor | None = None
     out_norm: torch.Tensor | None = None
+    #: Every expert's gate/up and down weights run together, where all are the int8 kernel's packed weights
+    #: with the SiLU in C and no biases (`packed_experts`): one call each per layer instead of one per expert.
+    packed: tuple[PackedExperts, PackedExperts] | None = None
 
     #: Whether each row's output depends on that row alone given batch-invariant linears: not yet, as the
     #: router's float32 product runs torch's matmul, whose rounding may follow the batch's size.
@@ -77,13 +81,21 @@ class MoeBlock:
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         source = order // k  # each sorted pair's row
-        counts = torch.bincount(flat, minlength=self.router.experts).tolist()
         gathered = x[source]
-        results = torch.empty(rows * k, x.shape[1], dtype=torch.float32, device=x.device)
-        for expert, (end, count) in enumerate(zip(accumulate(counts), counts)):
-            if count:
-                part = slice(end - count, end)
-                results[part] = self.down[expert](self.gate_up[expert](gathered[part]))
+        if self.packed is not None and ctx.kernels is not None:
+            # Each expert's rows as a range of the sorted pairs; the kernel skips the experts without any.
+            counts_t = torch.bincount(flat, minlength=self.router.experts)
+            hi = counts_t.cumsum(0)
+            lo = hi - counts_t
+            gate_up, down = self.packed
+            results = down(ctx.kernels.silu_mul(gate_up(gathered, lo, hi)), lo, hi).float()
+        else:
+            counts = torch.bincount(flat, minlength=self.router.experts).tolist()
+            results = torch.empty(rows * k, x.shape[1], dtype=torch.float32, device=x.device)
+            for expert, (end, count) in enumerate(zip(accumulate(counts), counts)):
+                if count:
+                    part = slice(end - count, end)
+                    results[part] = self.down[expert](self.gate_up[expert](gathered[part]))
         results *= weights.flatten()[order, None]
         out = torch.zeros(rows, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, source, results)
         if self.shared is not None:
@@ -95,3 +107,17 @@ class MoeBlock:
         if self.out_norm is not None:
             out = norm(out, self.out_norm, ctx.eps, ctx.kernels)
         return out
+
+
+def packed_experts(gate_up: tuple[GateUp | ClampedSwiGlu, ...],
+                   down: tuple[Linear | QuantizedLinear, ...]) -> tuple[PackedExperts, PackedExperts] | None:
+    """The experts' weights as two `PackedExperts`, where every gate/up projection is the int8 kernel's packed
+    weight with its SiLU in C and every down projection one too, none with a bias, all of one shape; else
+    None (the block runs one expert at a time)."""
+    gates = [g.packed_gemm if isinstance(g, GateUp) else None for g in gate_up]
+    downs = [d.stored if isinstance(d, QuantizedLinear) and d.bias is None else None for d in down]
+    if any(g is None for g in gates) or not all(isinstance(d, PackedQuant) for d in downs):
+        return None
+    if len({g.shape for g in gates}) != 1 or len({d.shape for d in downs}) != 1:
+        return None
+    return PackedExperts(gates), PackedExperts(downs)

@@ -36,7 +36,7 @@ PACKED_PATHS = ("scalar", "avx2", "avx512-vnni")
 class PackedLibrary:
     """The packed kernel's entry points in the compiled library, typed once."""
 
-    __slots__ = ("bytes", "gemm", "pack", "path", "rows")
+    __slots__ = ("bytes", "gemm", "gemm_experts", "pack", "path", "rows")
 
     def __init__(self, library: ctypes.CDLL) -> None:
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -52,6 +52,9 @@ class PackedLibrary:
         self.gemm = library.ferrox_packed_gemm
         self.gemm.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
         self.gemm.restype = i32
+        self.gemm_experts = library.ferrox_packed_gemm_experts
+        self.gemm_experts.argtypes = [ptr, i32, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i32]
+        self.gemm_experts.restype = i32
         #: "scalar", "avx2" or "avx512-vnni": the same arithmetic, bit for bit, on each.
         self.path = PACKED_PATHS[library.ferrox_packed_path()]
 
@@ -130,4 +133,44 @@ class PackedQuant(BoundWeight):
         status = self._lib.rows(self._formats[0].ggml_type, self._packed[0].data_ptr(), self._k, index.data_ptr(), n,
                                 out.data_ptr(), DTYPES[dtype], torch.get_num_threads())
         check_status("quantized rows", status)
+        return out
+
+
+class PackedExperts:
+    """A mixture of experts' weights of one shape (each a `PackedQuant` of `n` outputs over `k` inputs), run
+    together: `__call__(x, lo, hi)` multiplies x's rows `lo[e] .. hi[e] - 1` by expert e's weight, every
+    expert in one call (`ferrox_packed_gemm_experts`), each row exactly as that weight's own call gives it."""
+
+    __slots__ = ("_addresses", "_counts", "_k", "_lib", "_n", "_weights")
+
+    def __init__(self, weights: Sequence[PackedQuant]) -> None:
+        if not weights:
+            raise ValueError("a mixture of experts has experts")
+        shapes = {w.shape for w in weights}
+        if len(shapes) != 1:
+            raise ValueError(f"the experts' weights differ in shape: {sorted(shapes)}")
+        self._weights = tuple(weights)  # own what the addresses point into
+        self._lib = weights[0]._lib
+        self._n, self._k = weights[0].shape
+        self._addresses = torch.tensor([w._address for w in weights], dtype=torch.int64)
+        self._counts = torch.tensor([w._count for w in weights], dtype=torch.int64)
+
+    @property
+    def experts(self) -> int:
+        return len(self._weights)
+
+    def __call__(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """`[m, k]` float32 or bfloat16 rows -> `[m, n]` in x's dtype; `lo`, `hi`: `[experts]` int64, each
+        expert's rows (checked in C: within `[0, m]`, `lo <= hi`). Rows no expert names are left unwritten."""
+        if lo.shape != (self.experts,) or hi.shape != (self.experts,) or lo.dtype != torch.int64 \
+                or hi.dtype != torch.int64:
+            raise ValueError(f"lo and hi are [{self.experts}] int64; got {lo.dtype} {tuple(lo.shape)}, "
+                             f"{hi.dtype} {tuple(hi.shape)}")
+        rows, flag = input_rows(x, self._k)
+        lo, hi = lo.contiguous(), hi.contiguous()
+        out = torch.empty(rows.shape[0], self._n, dtype=x.dtype)
+        status = self._lib.gemm_experts(rows.data_ptr(), flag, rows.shape[0], self._k, self._addresses.data_ptr(),
+                                        self._counts.data_ptr(), lo.data_ptr(), hi.data_ptr(), self.experts,
+                                        self._n, out.data_ptr(), torch.get_num_threads())
+        check_status("the experts' quantized linears", status)
         return out

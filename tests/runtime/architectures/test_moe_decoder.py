@@ -211,3 +211,33 @@ def test_a_config_the_router_cannot_honour_is_refused_by_field_before_any_weight
     (folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=field):
         load_model(folder, device="cpu", dtype="float32")
+
+
+def test_the_experts_in_one_kernel_call_are_the_experts_one_call_each(tmp_path):
+    """Packed int8 experts run together (`MoeBlock.packed`: one call for every gate/up, one for every down)
+    give each row exactly what one call per expert gives it, prefill and decode, alone and batched."""
+    folder = write_tiny_checkpoint(tmp_path / "moe", arch="qwen3_moe", seed=22, head_dim=32, std=0.15,
+                                   extra_config={"moe_intermediate_size": 64})
+    model = load_model(folder, device="cpu", dtype="float32", weights="q8_0")
+    blocks = [layer.ffn for layer in model.decoder.layers if isinstance(layer.ffn, MoeBlock)]
+    assert blocks and all(block.packed is not None for block in blocks)
+    enc = [model.tokenizer.encode(p) for p in PROMPTS]
+
+    def run() -> torch.Tensor:
+        store = model.decoder.new_store(4, num_blocks=128)
+        for i, ids in enumerate(enc):
+            store.add_sequence(i, len(ids) + 2)
+        out = [model.decoder.forward([SeqChunk(i, ids) for i, ids in enumerate(enc)], store)]
+        out.append(model.decoder.forward([SeqChunk(i, [9 + i]) for i in range(len(enc))], store))
+        out.append(model.decoder.forward([SeqChunk(0, [4])], store))
+        return torch.cat(out)
+
+    together = run()
+    packed = [block.packed for block in blocks]
+    for block in blocks:
+        block.packed = None
+    try:
+        assert torch.equal(together, run())
+    finally:
+        for block, pair in zip(blocks, packed):
+            block.packed = pair

@@ -36,6 +36,9 @@ int ferrox_packed_rows(int type, const void *packed, int64_t k, const int64_t *r
 int ferrox_packed_path(void);
 int ferrox_packed_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const int64_t *segments, int64_t n_segments,
                        void *y, int threads);
+int ferrox_packed_gemm_experts(const void *x, int x_bf16, int64_t m, int64_t k, const int64_t *segments,
+                               const int64_t *counts, const int64_t *lo, const int64_t *hi, int64_t experts,
+                               int64_t n, void *y, int threads);
 int ferrox_bf16_path(void);
 int64_t ferrox_bf16_packed_words(int64_t n, int64_t k);
 int ferrox_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint32_t *out, int threads);

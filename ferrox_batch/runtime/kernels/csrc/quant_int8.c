@@ -487,3 +487,105 @@ int ferrox_packed_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const in
     if (segs != few) free(segs);
     return status;
 }
+
+/* A mixture of experts' products in one call: expert e's weight (`segments[e]`: the address of its
+ * `counts[e]` (type, rows, address) triples, every weight of n outputs) multiplies x's rows lo[e] .. hi[e] - 1
+ * into the same rows of y [m][n]. The rows are quantized once, and every (expert, group of its outputs) is
+ * one task of one parallel loop, so an expert with one row costs no call of its own. Each row's result is
+ * exactly ferrox_packed_gemm's for that row and that expert's weight (the same tiles, the same sums). An
+ * expert with no rows (lo == hi) is skipped. Returns ferrox_packed_gemm's codes, or -1 for a range outside
+ * [0, m] or a weight of another width. */
+int ferrox_packed_gemm_experts(const void *x, int x_bf16, int64_t m, int64_t k, const int64_t *segments,
+                               const int64_t *counts, const int64_t *lo, const int64_t *hi, int64_t experts,
+                               int64_t n, void *y, int threads) {
+    if (k <= 0 || m < 0 || experts < 0 || n <= 0 || k % 32 != 0) return -1;
+    int64_t total_segments = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+        if (counts[e] <= 0 || lo[e] < 0 || hi[e] < lo[e] || hi[e] > m) return -1;
+        total_segments += counts[e];
+    }
+    pseg_t *segs = (pseg_t *)malloc(sizeof(pseg_t) * (size_t)(total_segments + 1));
+    /* Per expert: its first segment, and the first task (group) of the flat loop; one past the last. */
+    int64_t *first_seg = (int64_t *)malloc(sizeof(int64_t) * (size_t)(experts + 1));
+    int64_t *first_task = (int64_t *)malloc(sizeof(int64_t) * (size_t)(experts + 1));
+    int status = segs == NULL || first_seg == NULL || first_task == NULL ? -3 : 0;
+    int64_t at = 0, tasks = 0;
+    for (int64_t e = 0; e < experts && status == 0; ++e) {
+        const int64_t *triples = (const int64_t *)(intptr_t)segments[e];
+        int64_t width = 0, groups = 0;
+        first_seg[e] = at;
+        first_task[e] = tasks;
+        for (int64_t i = 0; i < counts[e] && status == 0; ++i, ++at) {
+            pseg_t *s = &segs[at];
+            s->type = (int)triples[3 * i];
+            s->rows = triples[3 * i + 1];
+            s->w = (const uint8_t *)(intptr_t)triples[3 * i + 2];
+            if ((int64_t)s->type != triples[3 * i] || !packed_fmt(s->type, &s->f)) status = -2;
+            else if (s->rows < 0 || k % s->f.unit_k != 0) status = -1;
+            else {
+                s->group_bytes = packed_group_bytes(&s->f, k);
+                s->col = width;
+                s->first_group = groups;
+                width += s->rows;
+                groups += (s->rows + PG - 1) / PG;
+            }
+        }
+        if (status == 0 && width != n) status = -1;
+        if (hi[e] > lo[e]) tasks += groups;
+    }
+    if (status == 0) {
+        first_seg[experts] = at;
+        first_task[experts] = tasks;
+    }
+    acts_t a = {k, k / 32, NULL, NULL, NULL, NULL};
+    if (status == 0 && m > 0 && tasks > 0) {
+        a.q = (int8_t *)malloc((size_t)(m * k));
+        a.dx = (float *)malloc(sizeof(float) * (size_t)(m * a.nb));
+        a.sq = (int32_t *)malloc(sizeof(int32_t) * (size_t)(m * 2 * a.nb));
+        a.s = (float *)malloc(sizeof(float) * (size_t)(m * a.nb));
+        if (a.q == NULL || a.dx == NULL || a.sq == NULL || a.s == NULL) status = -3;
+    }
+    if (status == 0 && m > 0 && tasks > 0) {
+        int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+        {
+#if PACKED_PATH == 0
+            uint8_t *scratch = (uint8_t *)malloc((size_t)(PG * k + sizeof(float) * PG * 3 * (k / 32)));
+            failed = scratch == NULL;
+#endif
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < m; ++r) quantize_row(x, x_bf16, r, &a);
+#pragma omp for schedule(dynamic, 4)
+            for (int64_t t = 0; t < tasks; ++t) {
+                /* The expert whose tasks hold t: the last whose first task is at most t (an expert with no
+                 * rows has no tasks, so the last such is never one). */
+                int64_t below = 0, above = experts;
+                while (above - below > 1) {
+                    const int64_t mid = (below + above) / 2;
+                    if (first_task[mid] <= t) below = mid; else above = mid;
+                }
+                const int64_t e = below;
+                const int64_t g = t - first_task[e];
+                int64_t i = first_seg[e];
+                while (i + 1 < first_seg[e + 1] && segs[i + 1].first_group <= g) ++i;
+#if PACKED_PATH == 0
+                if (scratch != NULL) group_rows(&segs[i], g - segs[i].first_group, &a, lo[e], hi[e], y, x_bf16, n, scratch);
+#else
+                group_rows(&segs[i], g - segs[i].first_group, &a, lo[e], hi[e], y, x_bf16, n);
+#endif
+            }
+#if PACKED_PATH == 0
+            free(scratch);
+#endif
+        }
+        if (failed) status = -3;
+    }
+    free(a.q);
+    free(a.dx);
+    free(a.sq);
+    free(a.s);
+    free(segs);
+    free(first_seg);
+    free(first_task);
+    return status;
+}
