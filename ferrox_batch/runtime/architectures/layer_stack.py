@@ -101,6 +101,8 @@ class LayerStack:
                 return f"layer {index}'s MLP normalises its output"
             if layer.input_norm is None or layer.post_norm is None or layer.residual_scale is not None:
                 return f"layer {index} has no norm before a block, or scales what joins the residual stream"
+            if layer.after is not None or layer.output_scale is not None:
+                return f"layer {index} has a block after its feed-forward block, or scales the residual stream"
             windows.add(mixer.window)
         if len(windows) > 1:  # one window for every layer, or none
             return "its layers attend over different windows"

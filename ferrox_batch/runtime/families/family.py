@@ -54,8 +54,13 @@ class ModelShape(Protocol):
     def options(self) -> object | None: ...
     @property
     def moe(self) -> MoeShape | None: ...
+    @property
+    def per_layer_input_size(self) -> int: ...
     def window(self, layer: int) -> int | None: ...
     def rope_kind(self, layer: int) -> str: ...
+    def layer_head_dim(self, layer: int) -> int: ...
+    def layer_kv_heads(self, layer: int) -> int: ...
+    def kv_of(self, layer: int) -> int: ...
 
 
 #: A family's own config fields: `ModelConfig` field values read from the raw `config.json`, given the shared
@@ -67,6 +72,18 @@ LayerOf = Callable[[ModelShape, int], LayerSpec]
 
 #: The tensors outside the layers, by their Hugging Face names.
 EMBEDDING, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+def per_layer_tensors(c: ModelShape) -> dict[str, tuple[int, ...]]:
+    """The per-layer input embedding's tensors outside the layers (`ModelConfig.per_layer_input_size`)."""
+    size = getattr(c, "per_layer_input_size", 0)
+    if not size:
+        return {}
+    width = c.num_layers * size
+    vocab = getattr(c, "per_layer_vocab_size", 0) or c.vocab_size
+    return {"model.embed_tokens_per_layer.weight": (vocab, width),
+            "model.per_layer_model_projection.weight": (width, c.hidden_size),
+            "model.per_layer_projection_norm.weight": (size,)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +114,8 @@ class Family:
         out: dict[str, tuple[int, ...]] = {EMBEDDING: (c.vocab_size, c.hidden_size)}
         for spec in self.layers(c):
             out.update(spec.tensors())
+        for name, shape in per_layer_tensors(c).items():
+            out[name] = shape
         out[FINAL_NORM] = (c.hidden_size,)
         if not c.tie_word_embeddings:
             out[LM_HEAD] = (c.vocab_size, c.hidden_size)

@@ -13,6 +13,7 @@ from typing import Any
 
 from ferrox_batch.runtime.families import (
     gemma3,
+    gemma4,
     gpt_oss,
     granite,
     granitemoe,
@@ -28,13 +29,13 @@ from ferrox_batch.runtime.families import (
     qwen3_moe,
     smollm3,
 )
-from ferrox_batch.runtime.families.errors import UnsupportedArchitecture
+from ferrox_batch.runtime.families.errors import ModelLoadError, UnsupportedArchitecture
 from ferrox_batch.runtime.families.family import Family
 from ferrox_batch.runtime.families.gguf_metadata import GgufFamily
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY, gemma3.FAMILY,
-    granite.FAMILY, olmo2.FAMILY, qwen3_moe.FAMILY, qwen2_moe.FAMILY, olmoe.FAMILY, granitemoe.FAMILY, mixtral.FAMILY,
+    gemma4.FAMILY, granite.FAMILY, olmo2.FAMILY, qwen3_moe.FAMILY, qwen2_moe.FAMILY, olmoe.FAMILY, granitemoe.FAMILY, mixtral.FAMILY,
     gpt_oss.FAMILY,
 )
 
@@ -48,6 +49,14 @@ BY_GGUF_ARCHITECTURE: Mapping[str, GgufFamily] = MappingProxyType(
     {family.gguf.arch: family.gguf for family in FAMILIES if family.gguf is not None})
 
 
+#: Architectures refused with a reason of their own rather than as unknown.
+REFUSED: Mapping[str, str] = MappingProxyType({
+    gemma4.MULTIMODAL: f"{gemma4.MULTIMODAL} is Gemma 4's multimodal checkpoint: its text model (text_config, "
+                       f"weights under model.language_model.) is not served from it; serve a "
+                       f"{gemma4.ARCHITECTURE} checkpoint",
+})
+
+
 def supported_architectures() -> list[str]:
     return sorted(BY_ARCHITECTURE)
 
@@ -55,6 +64,8 @@ def supported_architectures() -> list[str]:
 def family_of_architecture(architecture: str) -> Family:
     """The family of a Hugging Face architecture name (`LlamaForCausalLM`)."""
     family = BY_ARCHITECTURE.get(architecture)
+    if family is None and architecture in REFUSED:
+        raise ModelLoadError(REFUSED[architecture])
     if family is None:
         raise UnsupportedArchitecture(architecture, supported_architectures())
     return family

@@ -40,6 +40,7 @@ thread) drives it.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -58,8 +59,28 @@ __all__ = ["BlockAllocator", "BlockPoolExhausted", "PagedKvConfig", "PagedKvStor
 
 
 def model_groups(config: ModelConfig) -> KvGroups:
-    """The KV groups of `config`'s layers, each of the kind its window makes it (`cache_kinds.layer_kind`)."""
-    return KvGroups.of([layer_kind(config.window(layer)) for layer in range(config.num_layers)])
+    """The KV groups of `config`'s layers that write K/V (`ModelConfig.kv_layers`: a layer that reads another's
+    holds none), each of the kind its window makes it (`cache_kinds.layer_kind`); the groups number those
+    layers in order (`ModelConfig.kv_index`)."""
+    return KvGroups.of([layer_kind(config.window(layer)) for layer in config.kv_layers])
+
+
+def group_head_shapes(config: ModelConfig, groups: KvGroups) -> tuple[tuple[int, int], ...]:
+    """Each group's `(kv_heads, head_dim)`: one per group, its layers' (they are of one kind, so of one shape)."""
+    layers = config.kv_layers
+    shapes = []
+    for members in groups.layers:
+        own = {(config.layer_kv_heads(layers[i]), config.layer_head_dim(layers[i])) for i in members}
+        if len(own) != 1:
+            raise ValueError(f"a KV group's layers differ in head shape: {sorted(own)}")
+        shapes.append(own.pop())
+    return tuple(shapes)
+
+
+def block_width(shapes: Sequence[tuple[int, int]], block_size: int) -> int:
+    """Elements one layer slot of a block takes: room for the widest group's `block_size` positions, and a
+    whole number of positions of every group's (so each group's view of a block starts on one of its slots)."""
+    return math.lcm(*(block_size * 2 * heads * dim for heads, dim in shapes))
 
 
 class PagedKvStore:
@@ -81,13 +102,23 @@ class PagedKvStore:
         self.pool = BlockPool(num_blocks, caching=prefix_cache)
         self.device = torch.device(device)
         self.dtype = dtype
-        shape = (self.groups.size, num_blocks * block_size, 2, config.num_kv_heads, config.head_dim)
+        shapes = group_head_shapes(config, self.groups)
+        width = block_width(shapes, block_size)
         # Uninitialised, so a large pool costs no resident memory until blocks are used, and
         # never cleared: every reader reads only positions its own sequence has written
         # (`batch_inputs` clamps the decode gather to them), so stale or never-written memory,
         # NaN included, never reaches attention. Zeroing each lease instead cost the worker
         # 6.5 ms per admitted 1,088-position request (SmolLM2 bf16), 42 ms at 8,192.
-        self.kv = torch.empty(shape, device=self.device, dtype=dtype)
+        storage = torch.empty((self.groups.size, num_blocks * width), device=self.device, dtype=dtype)
+        #: Per group, how many of its own blocks one block spans (1 but where the groups' head shapes
+        #: differ), and its pool `[group_size, slots, 2, kv_heads, head_dim]`: a view of the one storage, block
+        #: `b` its blocks `b * scale ...`, of which it uses the first.
+        self.block_scale = tuple(width // (block_size * 2 * heads * dim) for heads, dim in shapes)
+        self.pools = tuple(storage.view(self.groups.size, num_blocks * scale * block_size, 2, heads, dim)
+                           for scale, (heads, dim) in zip(self.block_scale, shapes))
+        #: The first group's pool: every group's where the layers are of one head shape.
+        self.kv = self.pools[0]
+        self._layer_slots = tuple(self.groups.slots[config.kv_index(layer)] for layer in range(config.num_layers))
         self._seqs: dict[Hashable, SeqKv] = {}
         # Blocks the live sequences' groups reference, each counted once, per kind label (`_label[k]` is
         # group k's index in `_labels`): plain ints in a list that never changes size, so another thread
@@ -97,16 +128,33 @@ class PagedKvStore:
         self._label = tuple(self._labels.index(kind.label) for kind in self.groups.kinds)
         self._held = [0] * len(self._labels)
 
+    def layer_slot(self, layer: int) -> tuple[int, int]:
+        """`(group, index within it)` of the K/V model layer `layer` attends over (a sharing layer's source's)."""
+        return self._layer_slots[layer]
+
+    def layer_pool(self, layer: int) -> torch.Tensor:
+        """The pool `[slots, 2, kv_heads, head_dim]` of the K/V `layer` attends over."""
+        group, slot = self._layer_slots[layer]
+        return self.pools[group][slot]
+
     @staticmethod
     def kv_shape(config: ModelConfig, dtype: torch.dtype) -> KvShape:
-        """What one position costs in a store holding `dtype` (fp32, or a 16-bit type)."""
-        return KvShape.from_config(config, KvElem.F32 if dtype == torch.float32 else KvElem.F16)
+        """What one position costs in a store holding `dtype` (fp32, or a 16-bit type): over the layers that
+        write K/V, each at the widest layer's width where their head shapes differ (what a block holds)."""
+        elem = KvElem.F32 if dtype == torch.float32 else KvElem.F16
+        layers = config.kv_layers
+        widths = {2 * config.layer_kv_heads(layer) * config.layer_head_dim(layer) for layer in layers}
+        if len(layers) == config.num_layers and len(widths) == 1:
+            return KvShape.from_config(config, elem)
+        return KvShape(len(layers), max(widths), elem)
 
     @classmethod
     def bytes_per_block(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """A block holds one KV group's layers (`model_groups(config).size`) for `block_size` positions."""
+        """A block holds one KV group's layers (`model_groups(config).size`) for `block_size` positions, each
+        layer slot as wide as the widest group's (`block_width`)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * model_groups(config).size * block_size * config.num_kv_heads * config.head_dim * elem
+        groups = model_groups(config)
+        return groups.size * block_width(group_head_shapes(config, groups), block_size) * elem
 
     @classmethod
     def blocks_in_memory(cls, config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:
