@@ -165,3 +165,34 @@ def test_the_mixture_of_experts_block_is_refused(gemma4_dirs):
     raw.update(enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=32)
     with pytest.raises(ModelLoadError, match="enable_moe_block"):
         ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_the_family_names_every_tensor_transformers_writes(gemma4_dirs, variant):
+    from safetensors import safe_open
+
+    from ferrox_batch.runtime.families.gemma4 import FAMILY
+    folder = gemma4_dirs[variant]
+    config = ModelConfig.from_file(folder / "config.json")
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        written = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    assert FAMILY.tensors(config) == written
+
+
+def test_a_checkpoint_of_the_familys_own_tensors_is_what_transformers_reads(tmp_path):
+    # The generic fixture draws every tensor the family names: transformers must find each where it looks,
+    # or it would draw the missing ones itself and the logits would part.
+    from tiny_checkpoint import write_tiny_checkpoint
+    folder = write_tiny_checkpoint(
+        tmp_path / "g4", arch="gemma4_text", seed=3, layers=4, head_dim=16, std=0.2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        extra_config={"num_kv_shared_layers": 2, "use_double_wide_mlp": True, "hidden_size_per_layer_input": 4,
+                      "vocab_size_per_layer_input": 384, "attention_k_eq_v": True,
+                      "num_global_key_value_heads": 1, "final_logit_softcapping": 20.0})
+    ours, ref = load_model(folder, device="cpu", dtype="float32"), reference(folder)
+    assert ours.config.kv_source == (0, 1, 0, 1)
+    for prompt in PROMPTS:
+        ids = ours.tokenizer.encode(prompt)
+        with torch.no_grad():
+            want = ref(torch.tensor([ids])).logits[0, -1]
+        assert_logits_close(prefill(ours, ids), want, widest(ours.config), len(ids), note=prompt)
