@@ -23,10 +23,12 @@ from ferrox_batch.runtime.architectures.gated_mlp import GatedMlp
 from ferrox_batch.runtime.architectures.layer import Block, Layer
 from ferrox_batch.runtime.architectures.linear import Linear
 from ferrox_batch.runtime.architectures.moe import MoeBlock
+from ferrox_batch.runtime.architectures.parallel_ffn import ParallelFfn
 from ferrox_batch.runtime.architectures.per_layer_input import PerLayerInput
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.architectures.rope import reorder_heads, rotary_permutation
-from ferrox_batch.runtime.families.layer_spec import AttentionSpec, GatedMlpSpec, LayerSpec, PerLayerInputSpec
+from ferrox_batch.runtime.families.layer_spec import (AttentionSpec, GatedMlpSpec, LayerSpec, ParallelFfnSpec,
+                                                      PerLayerInputSpec)
 from ferrox_batch.runtime.families.moe_spec import EXPERT, ExpertLayout, MoeSpec, bias_name, expert_bias_name
 from ferrox_batch.runtime.errors import ModelLoadError
 from ferrox_batch.runtime.quant.weight import Weight, cat_rows, reorder_rows, split_rows
@@ -251,7 +253,16 @@ def _moe(spec: MoeSpec, parts: _Parts) -> MoeBlock:
         shared=None if s.shared is None else _gated_mlp(s.shared, parts),
         shared_gate=None if s.shared_gate is None else parts.float32(s.shared_gate, (1, h)),
         out_norm=parts.norm(s.out_norm, h),
+        router_input_scale=None if r.input_scale is None else parts.float32(r.input_scale, (h,)),
+        expert_scale=None if r.expert_scale is None else parts.float32(r.expert_scale, (count,)),
+        expert_norm=parts.norm(s.expert_norm, h),
     )
+
+
+def _parallel_ffn(spec: ParallelFfnSpec, parts: _Parts) -> ParallelFfn:
+    return ParallelFfn(tuple(BUILDERS[type(branch)](branch, parts) for branch in spec.branches),
+                       tuple(parts.norm(name, spec.hidden) for name in spec.in_norms),
+                       parts.norm(spec.out_norm, spec.hidden))
 
 
 def _per_layer_input(spec: PerLayerInputSpec, parts: _Parts) -> PerLayerInput:
@@ -268,6 +279,7 @@ BUILDERS: Mapping[type, Callable[[Any, _Parts], Block]] = MappingProxyType({
     GatedMlpSpec: _gated_mlp,
     MoeSpec: _moe,
     PerLayerInputSpec: _per_layer_input,
+    ParallelFfnSpec: _parallel_ffn,
 })
 
 

@@ -13,23 +13,31 @@ What differs from Gemma 3, each carried by a shared spec field or config field (
   their MLP is twice as wide;
 * every layer adds its own input after its MLP (`hidden_size_per_layer_input`; `PerLayerInputSpec`), then
   multiplies the residual stream by its `layer_scalar`; the logits are soft-capped (`final_logit_softcapping`).
-The mixture-of-experts block (`enable_moe_block`) and the multimodal checkpoint are refused by name.
+* with `enable_moe_block` every layer runs a mixture of experts beside its MLP (`ParallelFfnSpec`), routed by
+  a softmax over an unscaled RMS norm of the stream times a learned scale, its top k renormalised and each
+  times its expert's own scale (`RouterSpec.input_norm`, `input_scale`, `expert_scale`).
+The multimodal checkpoint is refused by name.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ferrox_batch.runtime.families import llama
 from ferrox_batch.runtime.families.errors import ModelLoadError
 from ferrox_batch.runtime.families.family import Family, ModelShape
-from ferrox_batch.runtime.families.layer_spec import AttentionSpec, LayerSpec, PerLayerInputSpec
+from ferrox_batch.runtime.families.layer_spec import (AttentionSpec, GatedMlpSpec, LayerSpec, ParallelFfnSpec,
+                                                      PerLayerInputSpec)
+from ferrox_batch.runtime.families.moe_config import MoeShape, positive_int
+from ferrox_batch.runtime.families.moe_spec import ExpertLayout, MoeSpec, RouterSpec
 from ferrox_batch.runtime.families.rope_layout import RopeReading
 
 ARCHITECTURE = "Gemma4ForCausalLM"
+#: Where its checkpoints keep the router and the experts: one stacked tensor per projection.
+LAYOUT = ExpertLayout(router="router.proj.weight", gate_up=("experts.gate_up_proj",), down="experts.down_proj")
 #: The multimodal checkpoint: its text model's config is `text_config` and its weights sit under
 #: `model.language_model.`, which this runtime does not read.
 MULTIMODAL = "Gemma4ForConditionalGeneration"
@@ -69,10 +77,25 @@ def layer(c: ModelShape, i: int) -> LayerSpec:
     if c.per_layer_input_size:
         after = PerLayerInputSpec(c.hidden_size, c.per_layer_input_size, "per_layer_input_gate",
                                   "per_layer_projection", "post_per_layer_input_norm")
-    return LayerSpec(prefix=f"model.layers.{i}.", hidden=c.hidden_size, mixer=mixer,
-                     ffn=llama.gated_mlp(c, intermediate=wide * c.intermediate_size,
-                                         out_norm="post_feedforward_layernorm"),
-                     post_norm="pre_feedforward_layernorm", after=after, output_scale="layer_scalar")
+    dense = llama.gated_mlp(c, intermediate=wide * c.intermediate_size, out_norm="post_feedforward_layernorm")
+    if c.moe is None:
+        return LayerSpec(prefix=f"model.layers.{i}.", hidden=c.hidden_size, mixer=mixer, ffn=dense,
+                         post_norm="pre_feedforward_layernorm", after=after, output_scale="layer_scalar")
+    return LayerSpec(prefix=f"model.layers.{i}.", hidden=c.hidden_size, mixer=mixer, ffn=_dense_and_moe(c, dense),
+                     post_norm=None, after=after, output_scale="layer_scalar")
+
+
+def _dense_and_moe(c: ModelShape, dense: GatedMlpSpec) -> ParallelFfnSpec:
+    """The dense MLP beside the mixture, both over the residual stream: the MLP behind its norm, the router
+    over the stream as it is, the experts behind their own norm; each output normed, then their sum."""
+    assert c.moe is not None
+    router = RouterSpec(c.moe.experts, c.moe.top_k, renormalize=True, input_norm=True, input_scale="router.scale",
+                        expert_scale="router.per_expert_scale")
+    moe = MoeSpec(hidden=c.hidden_size, intermediate=c.moe.intermediate, router=router, layouts=(LAYOUT,),
+                  activation=c.hidden_act, out_norm="post_feedforward_layernorm_2",
+                  expert_norm="pre_feedforward_layernorm_2")
+    return ParallelFfnSpec(c.hidden_size, (replace(dense, out_norm="post_feedforward_layernorm_1"), moe),
+                           ("pre_feedforward_layernorm", None), out_norm="post_feedforward_layernorm")
 
 
 def _global_heads(raw: Mapping[str, Any], types: list[str]) -> tuple[int | None, int | None]:
@@ -115,8 +138,6 @@ def _kv_sources(types: list[str], shared: int) -> tuple[int, ...] | None:
 
 
 def config_fields(raw: Mapping[str, Any], shared: Mapping[str, Any]) -> dict[str, Any]:
-    if raw.get("enable_moe_block"):
-        raise ModelLoadError("enable_moe_block: Gemma 4's mixture-of-experts layers are not supported yet")
     if raw.get("use_bidirectional_attention"):
         raise ModelLoadError("bidirectional attention is not supported: this runtime generates causally")
     if raw.get("attention_bias"):
@@ -151,7 +172,16 @@ def config_fields(raw: Mapping[str, Any], shared: Mapping[str, Any]) -> dict[str
         "per_layer_vocab_size": per_layer_vocab,
         "options": Options(bool(raw.get("attention_k_eq_v")), bool(raw.get("use_double_wide_mlp"))),
         "max_position_embeddings": int(raw.get("max_position_embeddings", 131_072)),
+        "moe": _moe(raw, layers),
     }
+
+
+def _moe(raw: Mapping[str, Any], layers: int) -> MoeShape | None:
+    """Every layer's mixture beside its MLP (`enable_moe_block`), its top k renormalised."""
+    if not raw.get("enable_moe_block"):
+        return None
+    return MoeShape(positive_int(raw, "num_experts"), positive_int(raw, "top_k_experts"),
+                    positive_int(raw, "moe_intermediate_size"), True, (True,) * layers)
 
 
 FAMILY = Family(

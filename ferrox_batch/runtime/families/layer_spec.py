@@ -165,6 +165,37 @@ class FeedForwardSpec(BlockSpec, Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelFfnSpec:
+    """Feed-forward blocks side by side over one input, each behind its own RMSNorm (None: the input as it
+    came), their outputs summed, then normed (Gemma 4's dense MLP beside its mixture of experts)."""
+
+    hidden: int
+    branches: tuple[FeedForwardSpec, ...]
+    in_norms: tuple[str | None, ...]
+    out_norm: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.branches) != len(self.in_norms) or not self.branches:
+            raise ValueError("parallel feed-forward blocks need one input norm (or None) per branch")
+
+    def tensors(self) -> dict[str, tuple[int, ...]]:
+        out: dict[str, tuple[int, ...]] = {}
+        for branch in self.branches:
+            out.update(branch.tensors())
+        for norm in (*self.in_norms, self.out_norm):
+            if norm is not None:
+                out[f"{norm}.weight"] = (self.hidden,)
+        return out
+
+    def norm_names(self) -> tuple[str, ...]:
+        """Every RMSNorm it and its branches hold (without the layer's prefix)."""
+        names = [*self.in_norms, self.out_norm]
+        for branch in self.branches:
+            names += [branch.out_norm, getattr(branch, "expert_norm", None)]
+        return tuple(name for name in names if name is not None)
+
+
+@dataclass(frozen=True, slots=True)
 class LayerSpec:
     """One decoder layer: `h += scale * mixer(norm(h))`, then `h += scale * ffn(norm(h))`."""
 
@@ -202,5 +233,8 @@ class LayerSpec:
     def norm_names(self) -> tuple[str, ...]:
         """The full names of the layer's RMSNorm weights (what a family's norm offset applies to)."""
         names = [self.input_norm, self.post_norm, self.mixer.q_norm, self.mixer.k_norm if self.mixer.writes_kv else None,
-                 self.mixer.out_norm, self.ffn.out_norm, None if self.after is None else self.after.out_norm]
+                 self.mixer.out_norm, self.ffn.out_norm, None if self.after is None else self.after.out_norm,
+                 getattr(self.ffn, "expert_norm", None)]
+        if isinstance(self.ffn, ParallelFfnSpec):
+            names += self.ffn.norm_names()
         return tuple(f"{self.prefix}{name}.weight" for name in names if name is not None)

@@ -28,6 +28,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # Global heads of 48 (one KV head) beside local ones of 16 (two): blocks of the two kinds' lcm.
     "gemma4": dict(global_head_dim=48, attention_k_eq_v=True, num_global_key_value_heads=1, num_kv_shared_layers=2,
                    use_double_wide_mlp=True, hidden_size_per_layer_input=8, final_logit_softcapping=30.0),
+    # The mixture of experts beside every layer's MLP, with the rest of the first variant.
+    "gemma4-moe": dict(global_head_dim=32, attention_k_eq_v=True, num_global_key_value_heads=1,
+                       num_kv_shared_layers=2, use_double_wide_mlp=True, hidden_size_per_layer_input=8,
+                       final_logit_softcapping=30.0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+                       moe_intermediate_size=32),
     # Separate K and V on every layer, no sharing, no per-layer inputs, no softcapping.
     "gemma4-plain": dict(global_head_dim=32, attention_k_eq_v=False, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
                          final_logit_softcapping=None),
