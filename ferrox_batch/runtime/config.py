@@ -222,6 +222,11 @@ class ModelConfig:
                 or self.window(source) != self.window(layer) for layer, source in enumerate(self.kv_source))):
             raise ModelLoadError("each KV-sharing layer must read an earlier layer of its own kind that writes "
                                  "its own K/V")
+        if self.global_head_dim is not None and (self.global_head_dim <= 0 or self.global_head_dim % 2):
+            raise ModelLoadError(f"global_head_dim must be positive and even for RoPE, got {self.global_head_dim}")
+        if self.global_kv_heads is not None and (self.global_kv_heads <= 0 or self.num_heads % self.global_kv_heads):
+            raise ModelLoadError(f"the global layers' {self.global_kv_heads} KV heads must divide the "
+                                 f"{self.num_heads} query heads")
         if self.logit_softcap is not None and not self.logit_softcap > 0:
             raise ModelLoadError(f"final_logit_softcapping must be positive, got {self.logit_softcap}")
         if self.rope_layers is not None and len(self.rope_layers) < self.num_layers:

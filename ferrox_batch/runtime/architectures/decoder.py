@@ -49,9 +49,6 @@ from ferrox_batch.runtime.architectures.linear import Linear
 from ferrox_batch.runtime.architectures.linear_factory import LinearFactory
 from ferrox_batch.runtime.architectures.norms import add_norm
 from ferrox_batch.runtime.architectures.per_layer_input import PerLayerEmbedding
-from ferrox_batch.runtime.architectures.per_layer_input import EMBEDDING as PER_LAYER_EMBEDDING
-from ferrox_batch.runtime.architectures.per_layer_input import PROJECTION as PER_LAYER_PROJECTION
-from ferrox_batch.runtime.architectures.per_layer_input import PROJECTION_NORM as PER_LAYER_NORM
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear, is_quantized_kind
 from ferrox_batch.runtime.architectures.rope import RopeTables
 from ferrox_batch.runtime.config import ModelConfig
@@ -126,13 +123,7 @@ class Decoder:
         else:
             self.lm_head = self._linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)), narrow=False)
         #: Every layer's own input, made once per forward, where the model has them (`per_layer_input`).
-        self.per_layer: PerLayerEmbedding | None = None
-        if config.per_layer_input_size:
-            layers, size = config.num_layers, config.per_layer_input_size
-            self.per_layer = PerLayerEmbedding(
-                self.linear_factory.embedding(take(PER_LAYER_EMBEDDING, (config.per_layer_vocab_size, layers * size))),
-                self._linear(take(PER_LAYER_PROJECTION, (layers * size, config.hidden_size)), narrow=False),
-                take(PER_LAYER_NORM, (size,)), layers, size, config.hidden_size)
+        self.per_layer = PerLayerEmbedding.build(config, take, self.linear_factory)
         family = config.family_spec
         self.final_norm = take("model.norm.weight", (config.hidden_size,)) + family.norm_offset
         self.layers: list[Layer] = [build_layer(spec, i, take, self.linear_factory, family.norm_offset)

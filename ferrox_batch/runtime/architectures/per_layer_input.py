@@ -16,11 +16,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ferrox_batch.runtime.architectures.checkpoint_taker import CheckpointTaker
+from ferrox_batch.runtime.architectures.embedding import Embedding
 from ferrox_batch.runtime.architectures.forward_context import ForwardContext
 from ferrox_batch.runtime.architectures.gate_up import GateUp
 from ferrox_batch.runtime.architectures.linear import Linear
+from ferrox_batch.runtime.architectures.linear_factory import LinearFactory
 from ferrox_batch.runtime.architectures.norms import norm, rms_norm
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
+from ferrox_batch.runtime.config import ModelConfig
 
 #: The tensors outside the layers, by their Hugging Face names.
 EMBEDDING = "model.embed_tokens_per_layer.weight"
@@ -32,17 +36,30 @@ PROJECTION_NORM = "model.per_layer_projection_norm.weight"
 class PerLayerEmbedding:
     """Every layer's input `[rows, layers, size]` from the forward's tokens and embedded rows."""
 
-    embedding: object  # `Embedding`: rows of `[layers * size]`
+    #: Each token's inputs to every layer, `[layers * size]` a row.
+    embedding: Embedding
     projection: Linear | QuantizedLinear
     projection_norm: torch.Tensor
     layers: int
     size: int
     hidden: int
 
+    @classmethod
+    def build(cls, config: ModelConfig, take: CheckpointTaker, factory: LinearFactory) -> PerLayerEmbedding | None:
+        """The model's per-layer inputs from the checkpoint (None where the config has none)."""
+        size, layers = config.per_layer_input_size, config.num_layers
+        if not size:
+            return None
+        norm_weight = take(PROJECTION_NORM, (size,))
+        assert isinstance(norm_weight, torch.Tensor)
+        return cls(factory.embedding(take(EMBEDDING, (config.per_layer_vocab_size, layers * size))),
+                   factory.linear(take(PROJECTION, (layers * size, config.hidden_size)), narrow=False),
+                   norm_weight, layers, size, config.hidden_size)
+
     def __call__(self, tokens: torch.Tensor, embedded: torch.Tensor, eps: float) -> torch.Tensor:
         rows = tokens.numel()
         # Each scale rounded to the compute dtype first, as the reference multiplies by it.
-        own = self.embedding(tokens) * torch.tensor(math.sqrt(self.size), dtype=embedded.dtype)  # type: ignore[operator]
+        own = self.embedding(tokens) * torch.tensor(math.sqrt(self.size), dtype=embedded.dtype)
         projected = self.projection(embedded) * (self.hidden ** -0.5)
         projected = rms_norm(projected.view(rows, self.layers, self.size), self.projection_norm, eps)
         return (projected + own.view(rows, self.layers, self.size)) * (2.0 ** -0.5)
@@ -50,7 +67,7 @@ class PerLayerEmbedding:
     @property
     def nbytes(self) -> int:
         """The embedding's and the norm's bytes (the projection is among the decoder's linears)."""
-        return self.embedding.nbytes + self.projection_norm.numel() * self.projection_norm.element_size()  # type: ignore[attr-defined]
+        return self.embedding.nbytes + self.projection_norm.numel() * self.projection_norm.element_size()
 
 
 @dataclass(slots=True)

@@ -154,8 +154,6 @@ def config_fields(raw: Mapping[str, Any], shared: Mapping[str, Any]) -> dict[str
     if size and per_layer_vocab < shared["vocab_size"]:
         raise ModelLoadError(f"vocab_size_per_layer_input {per_layer_vocab} is below vocab_size "
                              f"{shared['vocab_size']}: some tokens would have no per-layer input")
-    if heads is not None and shared["num_heads"] % heads:
-        raise ModelLoadError(f"the global layers' {heads} KV heads do not divide {shared['num_heads']} query heads")
     cap = raw.get("final_logit_softcapping")
     return {
         "window_layers": tuple(kind == "sliding_attention" for kind in types),

@@ -9,9 +9,11 @@ arithmetic (`blocks_for`) is the store's arithmetic.
 Layout: the layers are split into KV groups of one cache kind each (`admission.kv_groups`, the kinds from
 each layer's window, `admission.cache_kinds`: a model whose layers are all of one kind, full attention or
 one sliding window, is one group of all its layers), and one pool
-`[group_size, num_blocks * block_size, 2, num_kv_heads, head_dim]` of uniform blocks serves every group:
-a block holds `group_size` layers' K (`[..., 0, ...]`) and V for `block_size` positions, and layer `i`
-reads and writes `kv[index]` (its index within its group) through its group's tables. K and V side by
+`[group_size, num_blocks * block_size, 2, num_kv_heads, head_dim]` of uniform blocks serves every group
+(each group viewing it with its own head shape where the groups' differ: `pool_layout`): a block holds
+`group_size` layers' K (`[..., 0, ...]`) and V for `block_size` positions, and layer `i` reads and writes
+`layer_pool(i)` (its group's pool at its index within the group) through its group's tables. Only the
+layers that write K/V have a place; a layer that attends over another's reads that one's. K and V side by
 side, so that one `index_copy_` writes a layer's new keys and values and one `index_select` gathers a
 batch's whole context (measured: a flat `index_select` is about 1.5x faster than advanced indexing here,
 and one gather beats two). Position `p` of a sequence lives in slot `table[p // block_size] * block_size
@@ -40,7 +42,6 @@ thread) drives it.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -53,6 +54,7 @@ from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.kv.block_pool import BlockAllocator, BlockPool, BlockPoolExhausted, block_keys
 from ferrox_batch.runtime.kv.group_lease import GroupTable, SeqKv
+from ferrox_batch.runtime.kv.pool_layout import block_width, group_head_shapes, pool_views, position_width
 from ferrox_batch.runtime.kv.sliding import SlidingPages
 
 __all__ = ["BlockAllocator", "BlockPoolExhausted", "PagedKvConfig", "PagedKvStore", "SeqKv", "model_groups"]
@@ -63,24 +65,6 @@ def model_groups(config: ModelConfig) -> KvGroups:
     holds none), each of the kind its window makes it (`cache_kinds.layer_kind`); the groups number those
     layers in order (`ModelConfig.kv_index`)."""
     return KvGroups.of([layer_kind(config.window(layer)) for layer in config.kv_layers])
-
-
-def group_head_shapes(config: ModelConfig, groups: KvGroups) -> tuple[tuple[int, int], ...]:
-    """Each group's `(kv_heads, head_dim)`: one per group, its layers' (they are of one kind, so of one shape)."""
-    layers = config.kv_layers
-    shapes = []
-    for members in groups.layers:
-        own = {(config.layer_kv_heads(layers[i]), config.layer_head_dim(layers[i])) for i in members}
-        if len(own) != 1:
-            raise ValueError(f"a KV group's layers differ in head shape: {sorted(own)}")
-        shapes.append(own.pop())
-    return tuple(shapes)
-
-
-def block_width(shapes: Sequence[tuple[int, int]], block_size: int) -> int:
-    """Elements one layer slot of a block takes: room for the widest group's `block_size` positions, and a
-    whole number of positions of every group's (so each group's view of a block starts on one of its slots)."""
-    return math.lcm(*(block_size * 2 * heads * dim for heads, dim in shapes))
 
 
 class PagedKvStore:
@@ -102,20 +86,14 @@ class PagedKvStore:
         self.pool = BlockPool(num_blocks, caching=prefix_cache)
         self.device = torch.device(device)
         self.dtype = dtype
-        shapes = group_head_shapes(config, self.groups)
-        width = block_width(shapes, block_size)
         # Uninitialised, so a large pool costs no resident memory until blocks are used, and
         # never cleared: every reader reads only positions its own sequence has written
         # (`batch_inputs` clamps the decode gather to them), so stale or never-written memory,
         # NaN included, never reaches attention. Zeroing each lease instead cost the worker
         # 6.5 ms per admitted 1,088-position request (SmolLM2 bf16), 42 ms at 8,192.
-        storage = torch.empty((self.groups.size, num_blocks * width), device=self.device, dtype=dtype)
-        #: Per group, how many of its own blocks one block spans (1 but where the groups' head shapes
-        #: differ), and its pool `[group_size, slots, 2, kv_heads, head_dim]`: a view of the one storage, block
-        #: `b` its blocks `b * scale ...`, of which it uses the first.
-        self.block_scale = tuple(width // (block_size * 2 * heads * dim) for heads, dim in shapes)
-        self.pools = tuple(storage.view(self.groups.size, num_blocks * scale * block_size, 2, heads, dim)
-                           for scale, (heads, dim) in zip(self.block_scale, shapes))
+        #: Per group, how many of its own blocks one block spans (1 but where the groups' head shapes differ),
+        #: and its pool `[group_size, slots, 2, kv_heads, head_dim]` (`pool_layout`).
+        self.block_scale, self.pools = pool_views(config, self.groups, num_blocks, block_size, self.device, dtype)
         #: The first group's pool: every group's where the layers are of one head shape.
         self.kv = self.pools[0]
         self._layer_slots = tuple(self.groups.slots[config.kv_index(layer)] for layer in range(config.num_layers))
@@ -140,13 +118,11 @@ class PagedKvStore:
     @staticmethod
     def kv_shape(config: ModelConfig, dtype: torch.dtype) -> KvShape:
         """What one position costs in a store holding `dtype` (fp32, or a 16-bit type): over the layers that
-        write K/V, each at the widest layer's width where their head shapes differ (what a block holds)."""
+        write K/V, each as wide as a block's layer slot holds a position (`pool_layout.position_width`)."""
         elem = KvElem.F32 if dtype == torch.float32 else KvElem.F16
-        layers = config.kv_layers
-        widths = {2 * config.layer_kv_heads(layer) * config.layer_head_dim(layer) for layer in layers}
-        if len(layers) == config.num_layers and len(widths) == 1:
+        if config.kv_layers == tuple(range(config.num_layers)) and config.global_head_dim is None:
             return KvShape.from_config(config, elem)
-        return KvShape(len(layers), max(widths), elem)
+        return KvShape(len(config.kv_layers), position_width(config), elem)
 
     @classmethod
     def bytes_per_block(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
