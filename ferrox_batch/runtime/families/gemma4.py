@@ -16,7 +16,7 @@ What differs from Gemma 3, each carried by a shared spec field or config field (
 * with `enable_moe_block` every layer runs a mixture of experts beside its MLP (`ParallelFfnSpec`), routed by
   a softmax over an unscaled RMS norm of the stream times a learned scale, its top k renormalised and each
   times its expert's own scale (`RouterSpec.input_norm`, `input_scale`, `expert_scale`).
-The multimodal checkpoint is refused by name.
+The multimodal checkpoint (`Gemma4ForConditionalGeneration`) is served as its text model (`WRAPPED`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from typing import Any
 
 from ferrox_batch.runtime.families import llama
 from ferrox_batch.runtime.families.errors import ModelLoadError
-from ferrox_batch.runtime.families.family import Family, ModelShape
+from ferrox_batch.runtime.families.family import Family, ModelShape, Wrapped
 from ferrox_batch.runtime.families.layer_spec import (AttentionSpec, GatedMlpSpec, LayerSpec, ParallelFfnSpec,
                                                       PerLayerInputSpec)
 from ferrox_batch.runtime.families.moe_config import MoeShape, positive_int
@@ -38,9 +38,9 @@ from ferrox_batch.runtime.families.rope_layout import RopeReading
 ARCHITECTURE = "Gemma4ForCausalLM"
 #: Where its checkpoints keep the router and the experts: one stacked tensor per projection.
 LAYOUT = ExpertLayout(router="router.proj.weight", gate_up=("experts.gate_up_proj",), down="experts.down_proj")
-#: The multimodal checkpoint: its text model's config is `text_config` and its weights sit under
-#: `model.language_model.`, which this runtime does not read.
-MULTIMODAL = "Gemma4ForConditionalGeneration"
+#: The multimodal checkpoint: its text model's config is `text_config` and its tensors sit under
+#: `model.language_model.`; served as that text model (the vision and audio towers are not read).
+WRAPPED = Wrapped("Gemma4ForConditionalGeneration", ARCHITECTURE, "text_config", "model.language_model.")
 KINDS = ("sliding_attention", "full_attention")
 
 
@@ -138,8 +138,10 @@ def _kv_sources(types: list[str], shared: int) -> tuple[int, ...] | None:
 
 
 def config_fields(raw: Mapping[str, Any], shared: Mapping[str, Any]) -> dict[str, Any]:
-    if raw.get("use_bidirectional_attention"):
-        raise ModelLoadError("bidirectional attention is not supported: this runtime generates causally")
+    # "vision" makes only image tokens attend both ways: text alone is causal, as served here.
+    if raw.get("use_bidirectional_attention") not in (None, "vision"):
+        raise ModelLoadError(f"use_bidirectional_attention {raw['use_bidirectional_attention']!r} is not "
+                             f"supported: this runtime generates causally")
     if raw.get("attention_bias"):
         raise ModelLoadError("attention_bias is not supported on Gemma 4 (its checkpoints leave it off)")
     layers = shared["num_layers"]

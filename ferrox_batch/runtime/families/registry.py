@@ -29,8 +29,8 @@ from ferrox_batch.runtime.families import (
     qwen3_moe,
     smollm3,
 )
-from ferrox_batch.runtime.families.errors import ModelLoadError, UnsupportedArchitecture
-from ferrox_batch.runtime.families.family import Family
+from ferrox_batch.runtime.families.errors import UnsupportedArchitecture
+from ferrox_batch.runtime.families.family import Family, Wrapped
 from ferrox_batch.runtime.families.gguf_metadata import GgufFamily
 
 FAMILIES: tuple[Family, ...] = (
@@ -49,12 +49,14 @@ BY_GGUF_ARCHITECTURE: Mapping[str, GgufFamily] = MappingProxyType(
     {family.gguf.arch: family.gguf for family in FAMILIES if family.gguf is not None})
 
 
-#: Architectures refused with a reason of their own rather than as unknown.
-REFUSED: Mapping[str, str] = MappingProxyType({
-    gemma4.MULTIMODAL: f"{gemma4.MULTIMODAL} is Gemma 4's multimodal checkpoint: its text model (text_config, "
-                       f"weights under model.language_model.) is not served from it; serve a "
-                       f"{gemma4.ARCHITECTURE} checkpoint",
-})
+#: Checkpoints holding a family's model inside a larger one, by their architecture (`Wrapped`).
+WRAPPED: Mapping[str, Wrapped] = MappingProxyType({gemma4.WRAPPED.architecture: gemma4.WRAPPED})
+
+
+def wrapped_of(raw: Mapping[str, Any]) -> Wrapped | None:
+    """How the checkpoint `raw` (a `config.json`) wraps a family's model; None where it is the model itself."""
+    archs = raw.get("architectures") or []
+    return WRAPPED.get(str(archs[0])) if archs else None
 
 
 def supported_architectures() -> list[str]:
@@ -64,8 +66,6 @@ def supported_architectures() -> list[str]:
 def family_of_architecture(architecture: str) -> Family:
     """The family of a Hugging Face architecture name (`LlamaForCausalLM`)."""
     family = BY_ARCHITECTURE.get(architecture)
-    if family is None and architecture in REFUSED:
-        raise ModelLoadError(REFUSED[architecture])
     if family is None:
         raise UnsupportedArchitecture(architecture, supported_architectures())
     return family

@@ -39,9 +39,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def tiny_gemma4(folder: Path, variant: str, *, seed: int = 0) -> Path:
-    """Write the tiny checkpoint `variant` (a key of `VARIANTS`) and a tokenizer into `folder`."""
-    from transformers import Gemma4ForCausalLM, Gemma4TextConfig
+def tiny_gemma4(folder: Path, variant: str, *, seed: int = 0, multimodal: bool = False) -> Path:
+    """Write the tiny checkpoint `variant` (a key of `VARIANTS`) and a tokenizer into `folder`; `multimodal`:
+    as the text model of a `Gemma4ForConditionalGeneration` (with no vision or audio tower)."""
+    from transformers import Gemma4Config, Gemma4ForCausalLM, Gemma4ForConditionalGeneration, Gemma4TextConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     tok = build_tokenizer(320)
@@ -54,7 +55,11 @@ def tiny_gemma4(folder: Path, variant: str, *, seed: int = 0) -> Path:
         max_position_embeddings=512, pad_token_id=0, bos_token_id=None, eos_token_id=eos,
         **VARIANTS[variant])
     torch.manual_seed(seed)
-    model = Gemma4ForCausalLM(config).eval()
+    if multimodal:
+        model = Gemma4ForConditionalGeneration(Gemma4Config(text_config=config, vision_config=None,
+                                                            audio_config=None)).eval()
+    else:
+        model = Gemma4ForCausalLM(config).eval()
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() >= 2:

@@ -4,7 +4,7 @@ Checkpoints from `gemma4_checkpoints`: local and global layers with heads of dif
 KV-sharing layers, per-layer inputs, soft-capped logits, proportional RoPE. Checked: the last logits against
 transformers within `numerics`' tolerance, 32 greedy ids identical, a batch equal to each sequence alone, the
 C kernels equal to torch's ops, a store that holds only the layers writing K/V, and the multimodal checkpoint
-refused by name.
+served as its text model.
 """
 
 from __future__ import annotations
@@ -163,9 +163,22 @@ def test_the_groups_blocks_never_overlap(gemma4_dirs):
             assert block * block_bytes <= start and end <= (block + 1) * block_bytes
 
 
-def test_the_multimodal_checkpoint_is_refused_by_name():
-    raw = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4", "text_config": {}}
-    with pytest.raises(ModelLoadError, match="Gemma4ForConditionalGeneration.*Gemma4ForCausalLM"):
+def test_the_multimodal_checkpoint_is_served_as_its_text_model(tmp_path):
+    folder = tiny_gemma4(tmp_path / "mm", "gemma4", multimodal=True)
+    ours = load_model(folder, device="cpu", dtype="float32")
+    assert ours.config.architecture == "Gemma4ForCausalLM"
+    ref = transformers.Gemma4ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32,
+                                                                      attn_implementation="eager").eval()
+    for prompt in PROMPTS:
+        ids = ours.tokenizer.encode(prompt)
+        with torch.no_grad():
+            want = ref(input_ids=torch.tensor([ids])).logits[0, -1]
+        assert_logits_close(prefill(ours, ids), want, widest(ours.config), len(ids), note=prompt)
+
+
+def test_a_multimodal_config_without_a_text_model_is_refused_by_name():
+    raw = {"architectures": ["Gemma4ForConditionalGeneration"], "model_type": "gemma4"}
+    with pytest.raises(ModelLoadError, match="Gemma4ForConditionalGeneration.*text_config"):
         ModelConfig.from_dict(raw)
 
 
