@@ -232,9 +232,9 @@ class LayerSpec:
 
     def norm_names(self) -> tuple[str, ...]:
         """The full names of the layer's RMSNorm weights (what a family's norm offset applies to)."""
-        names = [self.input_norm, self.post_norm, self.mixer.q_norm, self.mixer.k_norm if self.mixer.writes_kv else None,
-                 self.mixer.out_norm, self.ffn.out_norm, None if self.after is None else self.after.out_norm,
-                 getattr(self.ffn, "expert_norm", None)]
+        k_norm = self.mixer.k_norm if self.mixer.writes_kv else None
+        names = [self.input_norm, self.post_norm, self.mixer.q_norm, k_norm, self.mixer.out_norm, self.ffn.out_norm,
+                 None if self.after is None else self.after.out_norm, getattr(self.ffn, "expert_norm", None)]
         if isinstance(self.ffn, ParallelFfnSpec):
             names += self.ffn.norm_names()
         return tuple(f"{self.prefix}{name}.weight" for name in names if name is not None)

@@ -35,8 +35,8 @@ from ferrox_batch.runtime.families.gguf_metadata import GgufFamily
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY, gemma3.FAMILY,
-    gemma4.FAMILY, granite.FAMILY, olmo2.FAMILY, qwen3_moe.FAMILY, qwen2_moe.FAMILY, olmoe.FAMILY, granitemoe.FAMILY, mixtral.FAMILY,
-    gpt_oss.FAMILY,
+    gemma4.FAMILY, granite.FAMILY, olmo2.FAMILY, qwen3_moe.FAMILY, qwen2_moe.FAMILY, olmoe.FAMILY,
+    granitemoe.FAMILY, mixtral.FAMILY, gpt_oss.FAMILY,
 )
 
 #: Hugging Face architecture -> its family.

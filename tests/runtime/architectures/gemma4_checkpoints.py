@@ -34,8 +34,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
                        final_logit_softcapping=30.0, enable_moe_block=True, num_experts=4, top_k_experts=2,
                        moe_intermediate_size=32),
     # Separate K and V on every layer, no sharing, no per-layer inputs, no softcapping.
-    "gemma4-plain": dict(global_head_dim=32, attention_k_eq_v=False, num_kv_shared_layers=0, hidden_size_per_layer_input=0,
-                         final_logit_softcapping=None),
+    "gemma4-plain": dict(global_head_dim=32, attention_k_eq_v=False, num_kv_shared_layers=0,
+                         hidden_size_per_layer_input=0, final_logit_softcapping=None),
 }
 
 
