@@ -17,6 +17,7 @@ from batch_helpers import greedy_ids as greedy
 from gemma4_checkpoints import VARIANTS, tiny_gemma4
 from numerics import assert_decisive, assert_logits_close
 
+from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.families.errors import ModelLoadError
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
@@ -146,6 +147,35 @@ def test_the_kv_store_holds_only_the_layers_that_write_kv(gemma4_dirs):
     unshared = load_model(gemma4_dirs["gemma4-plain"], device="cpu", dtype="float32").config
     assert unshared.kv_layers == tuple(range(5))
     assert PagedKvStore.kv_shape(unshared, torch.float32).n_layers == 5
+
+
+def test_admission_prices_only_the_layers_that_write_kv(gemma4_dirs):
+    model = load_model(gemma4_dirs["gemma4"], device="cpu", dtype="float32")
+    store = model.decoder.new_store(4, num_blocks=64)
+    pricing = store.groups.pricing(None)
+    # Five layers, three of them writing K/V: one global group and two local ones, not two and three.
+    assert (pricing.global_groups, pricing.local_groups) == (1, 2)
+    hold = pricing.hold(20, 30, 4)
+    assert hold.blocks == 3 * 8
+    assert len(store.add_sequence("s", 30)) == hold.blocks == store.blocks_held()
+
+
+def test_a_sliding_lease_decodes_as_a_lease_of_every_position(gemma4_dirs):
+    model = load_model(gemma4_dirs["gemma4"], device="cpu", dtype="float32")
+    ids = model.tokenizer.encode(PROMPTS[2])  # a short prompt and a long answer: sliding saves blocks
+    total = len(ids) + 120
+    runs = []
+    for sliding in (False, True):
+        store = model.decoder.new_store(4, num_blocks=256)
+        policy = WindowPolicy(model.config.sliding_window, 4, 1) if sliding else None
+        hold = store.groups.pricing(policy).hold(len(ids), total, 4)
+        store.add_sequence("s", hold.held, window=hold.window, every=total)
+        assert (store.seq("s").sliding is not None) == sliding
+        steps = [model.decoder.forward([SeqChunk("s", ids)], store)[0]]
+        for _ in range(total - len(ids) - 1):
+            steps.append(model.decoder.forward([SeqChunk("s", [int(steps[-1].argmax())])], store)[0])
+        runs.append(torch.stack(steps))
+    assert torch.equal(runs[0], runs[1])
 
 
 def test_the_groups_blocks_never_overlap(gemma4_dirs):
