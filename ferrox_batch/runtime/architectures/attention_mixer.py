@@ -1,10 +1,12 @@
 """`AttentionMixer`: attention over the paged KV store as a layer's mixer.
 
 It holds the fused Q/K/V projection (with biases where the checkpoint has them), the output projection,
-the optional RMSNorms on queries and keys (each head over its size, or the whole projection), its RoPE
-kind, window and scale, its attention sinks where it has them, and the optional norm on its output. `forward` rotates q and k, writes K/V to its
-KV group's pages, attends the decode group and the prefill chunks (`attention`), projects and returns the
-output, `[rows, hidden]`. On the CPU the C kernels rotate and store in one pass and attend in place.
+the optional RMSNorms on queries and keys (each head over its size, or the whole projection) and on values
+(each head, unscaled), its RoPE kind, window and scale, its attention sinks where it has them, and the
+optional norm on its output. `forward` rotates q and k, writes K/V to its KV group's pages, attends the
+decode group and the prefill chunks (`attention`), projects and returns the output, `[rows, hidden]`. On
+the CPU the C kernels rotate and store in one pass and attend in place. A layer that shares an earlier
+layer's K/V projects only its queries, rotates them and attends over that layer's pool, writing nothing.
 """
 
 from __future__ import annotations
@@ -79,12 +81,14 @@ class AttentionMixer:
         heads, kv_heads, d = s.num_heads, s.num_kv_heads, s.head_dim
         q_width, kv_width = heads * d, kv_heads * d
         qkv = self.qkv(x)
-        norms = [(0, q_width, self.q_norm)]
+        # (start, width, weight, span): the queries and keys over a head or their whole projection, the
+        # values over each head.
+        norms = [(0, q_width, self.q_norm, d if self.qk_norm_span == "head" else q_width)]
         if self.writes_kv:
-            norms += [(q_width, kv_width, self.k_norm), (q_width + kv_width, kv_width, self.v_norm)]
-        for start, width, weight in norms:
+            norms += [(q_width, kv_width, self.k_norm, d if self.qk_norm_span == "head" else kv_width),
+                      (q_width + kv_width, kv_width, self.v_norm, d)]
+        for start, width, weight, span in norms:
             if weight is not None:
-                span = d if self.qk_norm_span == "head" or weight is self.v_norm else width
                 norm_rows_in_place(qkv[:, start:start + width], weight, span, ctx.eps)
         group, _ = ctx.store.layer_slot(self.layer)
         seen, plan = ctx.groups[group], ctx.plans[group]

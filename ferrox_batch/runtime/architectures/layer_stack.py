@@ -88,6 +88,8 @@ class LayerStack:
             return "no layers"
         if config.embed_scale != 1.0:
             return "scaled embeddings"
+        if config.global_head_dim is not None or config.global_kv_heads is not None or config.kv_source is not None:
+            return "its layers differ in head shape or share K/V"
         windows = set()
         for index, layer in enumerate(layers):
             mixer, ffn = layer.mixer, layer.ffn
