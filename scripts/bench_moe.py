@@ -104,12 +104,18 @@ class PhaseTimer:
             counts = torch.bincount(flat, minlength=block.router.experts).tolist()
             gathered = x[source]
             t2 = time.perf_counter()
-            results = torch.empty(rows * k, x.shape[1], dtype=torch.float32)
-            end = 0
-            for expert, count in enumerate(counts):
-                if count:
-                    results[end:end + count] = block.down[expert](block.gate_up[expert](gathered[end:end + count]))
-                end += count
+            if block.packed is not None and ctx.kernels is not None:  # every expert in one call per projection
+                counts_t = torch.tensor(counts, dtype=torch.int64)
+                hi = counts_t.cumsum(0)
+                gate_up, down = block.packed
+                results = down(ctx.kernels.silu_mul(gate_up(gathered, hi - counts_t, hi)), hi - counts_t, hi).float()
+            else:
+                results = torch.empty(rows * k, x.shape[1], dtype=torch.float32)
+                end = 0
+                for expert, count in enumerate(counts):
+                    if count:
+                        results[end:end + count] = block.down[expert](block.gate_up[expert](gathered[end:end + count]))
+                    end += count
             t3 = time.perf_counter()
             results *= weights.flatten()[order, None]
             out = torch.zeros(rows, x.shape[1], dtype=torch.float32).index_add_(0, source, results)
@@ -117,7 +123,8 @@ class PhaseTimer:
             for name, seconds in (("router", t1 - t0), ("gather", t2 - t1), ("experts", t3 - t2),
                                   ("scatter", t4 - t3)):
                 timer.seconds[name] += seconds
-            assert block.shared is None and block.out_norm is None, "the phase timer covers the routed experts only"
+            assert block.shared is None and block.out_norm is None and block.expert_norm is None \
+                and block.router_input_scale is None, "the phase timer covers the routed experts only"
             return out.to(x.dtype)
 
         MoeBlock.forward = forward  # type: ignore[method-assign]

@@ -69,6 +69,27 @@ def _gemma3(args: FixtureArgs) -> dict[str, Any]:
     }
 
 
+def _gemma4(args: FixtureArgs) -> dict[str, Any]:
+    # RoPE per layer kind only (proportional on the global layers), and global heads twice the local ones.
+    return {
+        "hidden_act": DROP,
+        "rope_theta": DROP,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "pad_token_id": args.pad_token_id,
+        "sliding_window": args.sliding_window or 8,
+        "layer_types": args.layer_types or ["sliding_attention"] * (args.layers - 1) + ["full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 5_000.0},
+                            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                               "rope_theta": 200_000.0}},
+        "global_head_dim": 2 * args.head_dim,
+        "rms_norm_eps": 1e-6,
+        "hidden_size_per_layer_input": 0,
+        "num_kv_shared_layers": 0,
+        "attention_k_eq_v": False,
+        "final_logit_softcapping": None,
+    }
+
+
 #: model_type -> the config fields its tiny checkpoints set beyond the shared ones (`DROP`: remove one).
 CONFIGS: dict[str, Callable[[FixtureArgs], dict[str, Any]]] = {
     "llama": lambda args: {},
@@ -78,6 +99,7 @@ CONFIGS: dict[str, Callable[[FixtureArgs], dict[str, Any]]] = {
     "smollm3": _smollm3,
     "phi3": _phi3,
     "gemma3_text": _gemma3,
+    "gemma4_text": _gemma4,
     # Every multiplier away from 1 (the attention's from head_dim ** -0.5), and a base away from 10,000.
     "granite": lambda args: {"embedding_multiplier": 2.0, "attention_multiplier": 0.5, "residual_multiplier": 1.5,
                              "logits_scaling": 0.5, "rope_theta": 123456.0, "rms_norm_eps": 1e-6,

@@ -78,6 +78,22 @@ class ModelConfig:
     options: object | None = None
     #: The mixture-of-experts shape, for families with sparse feed-forward layers; None: every layer dense.
     moe: MoeShape | None = None
+    #: The head size and KV heads of the full-attention (unwindowed) layers where they differ from the
+    #: windowed ones' (Gemma 4); None: `head_dim` and `num_kv_heads` on every layer.
+    global_head_dim: int | None = None
+    global_kv_heads: int | None = None
+    #: Proportional RoPE on the global layers (Gemma 4): they rotate their first `partial_rotary_factor`
+    #: of each head's pairs, at frequencies spaced over the whole head; the local layers rotate every pair.
+    proportional_rope: bool = False
+    #: Per layer, the layer whose K/V it attends over: itself where it writes its own, an earlier one where
+    #: it only reads (Gemma 4's KV-shared layers, which hold no K/V of their own); None: every layer its own.
+    kv_source: tuple[int, ...] | None = None
+    #: Logits are `cap * tanh(logits / cap)` (Gemma 4's final softcapping); None: left as they are.
+    logit_softcap: float | None = None
+    #: The width of each layer's own input embedding (Gemma 4's per-layer inputs), and their vocabulary;
+    #: 0: none.
+    per_layer_input_size: int = 0
+    per_layer_vocab_size: int = 0
 
     @property
     def attention_scale(self) -> float:
@@ -95,6 +111,39 @@ class ModelConfig:
         if self.local_rope_theta is not None and self.window(layer) is not None:
             return "local"
         return "global"
+
+    def layer_head_dim(self, layer: int) -> int:
+        """The head size of `layer`'s queries, keys and values."""
+        return self.head_dim if self.global_head_dim is None or self.window(layer) is not None else \
+            self.global_head_dim
+
+    def layer_kv_heads(self, layer: int) -> int:
+        """How many KV heads `layer` has."""
+        return self.num_kv_heads if self.global_kv_heads is None or self.window(layer) is not None else \
+            self.global_kv_heads
+
+    def kv_of(self, layer: int) -> int:
+        """The layer whose K/V `layer` attends over (itself unless it shares another's)."""
+        return layer if self.kv_source is None else self.kv_source[layer]
+
+    @property
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that write K/V, in order: the KV store holds theirs alone."""
+        return tuple(layer for layer in range(self.num_layers) if self.kv_of(layer) == layer)
+
+    def kv_index(self, layer: int) -> int:
+        """Where `layer`'s K/V live among `kv_layers` (its source's place)."""
+        return self.kv_layers.index(self.kv_of(layer))
+
+    def rope_shape(self, kind: str) -> tuple[int, int]:
+        """`(head_dim, rotary_dim)` of the layers of RoPE kind `kind` (under proportional RoPE the frequencies
+        are spaced over the head, `rope.rope_tables`)."""
+        if not self.proportional_rope:
+            return self.head_dim, self.rotary_dim
+        if kind == "local":
+            return self.head_dim, self.head_dim
+        d = self.global_head_dim or self.head_dim
+        return d, int(d * self.partial_rotary_factor) // 2 * 2
 
     @property
     def family(self) -> str:
@@ -168,6 +217,18 @@ class ModelConfig:
         if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
             raise ModelLoadError(f"the config marks {len(self.moe.sparse_layers)} layers sparse or dense, not the "
                                  f"{self.num_layers} the model has")
+        if self.kv_source is not None and (len(self.kv_source) != self.num_layers or any(
+                not 0 <= source <= layer or self.kv_of(source) != source
+                or self.window(source) != self.window(layer) for layer, source in enumerate(self.kv_source))):
+            raise ModelLoadError("each KV-sharing layer must read an earlier layer of its own kind that writes "
+                                 "its own K/V")
+        if self.global_head_dim is not None and (self.global_head_dim <= 0 or self.global_head_dim % 2):
+            raise ModelLoadError(f"global_head_dim must be positive and even for RoPE, got {self.global_head_dim}")
+        if self.global_kv_heads is not None and (self.global_kv_heads <= 0 or self.num_heads % self.global_kv_heads):
+            raise ModelLoadError(f"the global layers' {self.global_kv_heads} KV heads must divide the "
+                                 f"{self.num_heads} query heads")
+        if self.logit_softcap is not None and not self.logit_softcap > 0:
+            raise ModelLoadError(f"final_logit_softcapping must be positive, got {self.logit_softcap}")
         if self.rope_layers is not None and len(self.rope_layers) < self.num_layers:
             raise ModelLoadError(f"no_rope_layers names {len(self.rope_layers)} layers, fewer than the "
                                  f"{self.num_layers} the model has")

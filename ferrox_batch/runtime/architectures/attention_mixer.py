@@ -1,10 +1,12 @@
 """`AttentionMixer`: attention over the paged KV store as a layer's mixer.
 
 It holds the fused Q/K/V projection (with biases where the checkpoint has them), the output projection,
-the optional RMSNorms on queries and keys (each head over its size, or the whole projection), its RoPE
-kind, window and scale, its attention sinks where it has them, and the optional norm on its output. `forward` rotates q and k, writes K/V to its
-KV group's pages, attends the decode group and the prefill chunks (`attention`), projects and returns the
-output, `[rows, hidden]`. On the CPU the C kernels rotate and store in one pass and attend in place.
+the optional RMSNorms on queries and keys (each head over its size, or the whole projection) and on values
+(each head, unscaled), its RoPE kind, window and scale, its attention sinks where it has them, and the
+optional norm on its output. `forward` rotates q and k, writes K/V to its KV group's pages, attends the
+decode group and the prefill chunks (`attention`), projects and returns the output, `[rows, hidden]`. On
+the CPU the C kernels rotate and store in one pass and attend in place. A layer that shares an earlier
+layer's K/V projects only its queries, rotates them and attends over that layer's pool, writing nothing.
 """
 
 from __future__ import annotations
@@ -39,13 +41,19 @@ class AttentionMixer:
     out_norm: torch.Tensor | None = None
     #: Each query head's attention sink, float32 `[heads]` (`attention`), where the layer has them.
     sinks: torch.Tensor | None = None
+    #: Ones `[head_dim]`: the values are RMS-normed per head, without a scale (Gemma 4); None: left as they are.
+    v_norm: torch.Tensor | None = None
+    #: Whether it projects and writes K/V of its own; False: its projection is the queries alone, and it
+    #: attends over the K/V of the layer it shares (`PagedKvStore.layer_pool`).
+    writes_kv: bool = True
 
     @property
     def plain(self) -> bool:
         """Whether it is the Llama layer's attention exactly (no norms of its own, global RoPE, the scale of
         its head size): what the C layer stack runs."""
         return (self.q_norm is None and self.k_norm is None and self.out_norm is None and self.rope == "global"
-                and self.sinks is None and self.shape.attention_scale == self.shape.head_dim ** -0.5)
+                and self.sinks is None and self.shape.attention_scale == self.shape.head_dim ** -0.5
+                and self.v_norm is None and self.writes_kv)
 
     @property
     def cache_kind(self) -> CacheKind:
@@ -73,14 +81,26 @@ class AttentionMixer:
         heads, kv_heads, d = s.num_heads, s.num_kv_heads, s.head_dim
         q_width, kv_width = heads * d, kv_heads * d
         qkv = self.qkv(x)
-        if self.q_norm is not None and self.k_norm is not None:
-            for start, width, weight in ((0, q_width, self.q_norm), (q_width, kv_width, self.k_norm)):
-                span = d if self.qk_norm_span == "head" else width
+        # (start, width, weight, span): the queries and keys over a head or their whole projection, the
+        # values over each head.
+        norms = [(0, q_width, self.q_norm, d if self.qk_norm_span == "head" else q_width)]
+        if self.writes_kv:
+            norms += [(q_width, kv_width, self.k_norm, d if self.qk_norm_span == "head" else kv_width),
+                      (q_width + kv_width, kv_width, self.v_norm, d)]
+        for start, width, weight, span in norms:
+            if weight is not None:
                 norm_rows_in_place(qkv[:, start:start + width], weight, span, ctx.eps)
-        group, slot = ctx.store.groups.slots[self.layer]
+        group, _ = ctx.store.layer_slot(self.layer)
         seen, plan = ctx.groups[group], ctx.plans[group]
-        pool = ctx.store.kv[slot]  # the layer's K/V in every block, written and read through its group's tables
-        if kernel is not None:  # RoPE in place and the K/V write, in one call
+        # The layer's K/V in every block, written and read through its group's tables (its source's, where
+        # it shares another layer's).
+        pool = ctx.store.layer_pool(self.layer)
+        if not self.writes_kv:  # queries alone: rotated here, nothing written
+            cos, sin = ctx.rope[self.rope]
+            q = qkv.view(n, heads, d)
+            if self.rope != "none":
+                q = apply_rope(q, cos[seen.positions][:, None, :], sin[seen.positions][:, None, :])
+        elif kernel is not None:  # RoPE in place and the K/V write, in one call
             cos, sin = ctx.rope[self.rope]
             kernel.rope_store(qkv, cos, sin, seen.positions, seen.slots, pool, heads, checked=True)
             q = qkv[:, :q_width].view(n, heads, d)

@@ -48,6 +48,7 @@ from ferrox_batch.runtime.architectures.layer_stack import LayerStack
 from ferrox_batch.runtime.architectures.linear import Linear
 from ferrox_batch.runtime.architectures.linear_factory import LinearFactory
 from ferrox_batch.runtime.architectures.norms import add_norm
+from ferrox_batch.runtime.architectures.per_layer_input import PerLayerEmbedding
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear, is_quantized_kind
 from ferrox_batch.runtime.architectures.rope import RopeTables
 from ferrox_batch.runtime.config import ModelConfig
@@ -121,6 +122,8 @@ class Decoder:
             self.lm_head = self._linear(self.embed.weight, keep_weight=True, narrow=False)
         else:
             self.lm_head = self._linear(take("lm_head.weight", (config.vocab_size, config.hidden_size)), narrow=False)
+        #: Every layer's own input, made once per forward, where the model has them (`per_layer_input`).
+        self.per_layer = PerLayerEmbedding.build(config, take, self.linear_factory)
         family = config.family_spec
         self.final_norm = take("model.norm.weight", (config.hidden_size,)) + family.norm_offset
         self.layers: list[Layer] = [build_layer(spec, i, take, self.linear_factory, family.norm_offset)
@@ -164,7 +167,8 @@ class Decoder:
         return self.linear_factory.linear(weight, bias, keep_weight=keep_weight, narrow=narrow)
 
     def _linears(self) -> list[Linear | QuantizedLinear | GateUp]:
-        return [self.lm_head, *(linear for layer in self.layers for linear in layer.linears())]
+        own = [] if self.per_layer is None else [self.per_layer.projection]
+        return [self.lm_head, *own, *(linear for layer in self.layers for linear in layer.linears())]
 
     @property
     def weight_formats(self) -> dict[str, int]:
@@ -180,7 +184,7 @@ class Decoder:
     def weight_bytes(self) -> int:
         """Bytes the model's weights take in memory: the embedding, every linear layer as it stores its
         weight (quantized blocks, packed or dense; a head tied to the embedding counted once), the norms."""
-        total = self.embed.nbytes
+        total = self.embed.nbytes + (0 if self.per_layer is None else self.per_layer.nbytes)
         for linear in self._linears():
             if linear is self.lm_head and self.lm_head_tied and (linear.kind == "plain" or is_quantized_kind(linear.kind)):
                 continue  # it multiplies by the embedding's own memory
@@ -204,7 +208,7 @@ class Decoder:
         kernels are row-wise already (norms, RoPE, attention over each sequence's own keys), so each request's
         logits are then the same alone or batched."""
         return (self.linear_factory.batch_invariant_over(linear.kind for linear in self._linears())
-                and all(layer.mixer.batch_invariant and layer.ffn.batch_invariant for layer in self.layers))
+                and all(block.batch_invariant for layer in self.layers for block in layer.blocks()))
 
     @property
     def vocab_size(self) -> int:
@@ -265,13 +269,14 @@ class Decoder:
         plans: list[PrefillPlan | None] = [None] * len(groups)
         if kernel is not None:  # once per forward and group; the kernels read and write unchecked
             for group, seen in enumerate(groups):
-                kernel.check_rope_store(seen.positions, seen.slots, self.cos.shape[0], store.kv.shape[1])
+                slots = store.pools[group].shape[1]
+                kernel.check_rope_store(seen.positions, seen.slots, self.cos.shape[0], slots)
                 if seen.decode is not None:
                     d = seen.decode
-                    kernel.check_decode_ranges(d.tables, d.lo, d.hi, store.block_size, store.num_blocks)
+                    kernel.check_decode_ranges(d.tables, d.lo, d.hi, store.block_size, slots // store.block_size)
                 if seen.prefill:
                     plans[group] = PrefillPlan.of(seen.prefill)
-                    plans[group].check(store.kv.shape[1])
+                    plans[group].check(slots)
         ctx = ForwardContext(kernel, store, groups, plans, self.rope, None, n_tok, c.rms_norm_eps)
         if kernel is None:
             ctx.rope_rows = {kind: (cos[inputs.positions][:, None, :], sin[inputs.positions][:, None, :])
@@ -280,6 +285,8 @@ class Decoder:
         h = self.embed(inputs.tokens)
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if self.per_layer is not None:
+            ctx.layer_inputs = self.per_layer(inputs.tokens, h, c.rms_norm_eps)
         pending: torch.Tensor | None = None  # the feed-forward output still to be added to h
         if kernel is not None and self.layer_stack is not None and self.layer_stack.takes(n_tok):
             # the loop below in one C call (bit for bit where the stack runs the layers' own weights)
@@ -296,6 +303,13 @@ class Decoder:
             pending = layer.ffn.forward(x, ctx)
             if layer.residual_scale is not None:
                 pending = pending * layer.residual_scale
+            if layer.after is not None or layer.output_scale is not None:
+                h = h + pending
+                pending = None
+                if layer.after is not None:
+                    h = h + layer.after.forward(h, ctx)
+                if layer.output_scale is not None:
+                    h = h * layer.output_scale
 
         rows = inputs.last_rows
         if every:  # the last rows, then every row of the chunks asked for, through one norm and lm_head
@@ -314,6 +328,8 @@ class Decoder:
         logits = self.lm_head(h)
         if c.logits_scaling != 1.0:
             logits = logits / c.logits_scaling
+        if c.logit_softcap is not None:
+            logits = torch.tanh(logits / c.logit_softcap) * c.logit_softcap
         logits = logits.float()
         for seq_id, length in inputs.new_lengths:
             store.seq(seq_id).length = length

@@ -31,3 +31,5 @@ class ForwardContext:
     #: Rows in the forward (every token of every chunk).
     rows: int
     eps: float
+    #: Each row's per-layer inputs `[rows, layers, size]` (`per_layer_input`), where the model has them.
+    layer_inputs: torch.Tensor | None = None

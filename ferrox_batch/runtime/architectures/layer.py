@@ -58,18 +58,27 @@ class Layer:
     post_norm: torch.Tensor | None
     #: What each block's output is multiplied by before it joins the residual stream; None: 1.
     residual_scale: float | None = None
+    #: A block that reads the residual stream once the feed-forward block's output joined it, and whose
+    #: output joins it too (Gemma 4's per-layer input); None: none.
+    after: Block | None = None
+    #: What the residual stream is multiplied by at the layer's end (Gemma 4's `layer_scalar`); None: 1.
+    output_scale: torch.Tensor | None = None
+
+    def blocks(self) -> list[Block]:
+        return [self.mixer, self.ffn] + ([] if self.after is None else [self.after])
 
     def linears(self) -> list[LinearLayer]:
-        return [*self.mixer.linears(), *self.ffn.linears()]
+        return [linear for block in self.blocks() for linear in block.linears()]
 
     def norms(self) -> list[torch.Tensor]:
         """Every norm weight of the layer: its own and its blocks'."""
-        return [t for t in (self.input_norm, self.post_norm) if t is not None] + self.mixer.norms() + self.ffn.norms()
+        return [t for t in (self.input_norm, self.post_norm) if t is not None] + \
+            [t for block in self.blocks() for t in block.norms()]
 
     @property
     def nbytes(self) -> int:
-        norms = [t for t in (self.input_norm, self.post_norm) if t is not None]
-        return self.mixer.nbytes + self.ffn.nbytes + sum(t.numel() * t.element_size() for t in norms)
+        norms = [t for t in (self.input_norm, self.post_norm, self.output_scale) if t is not None]
+        return sum(block.nbytes for block in self.blocks()) + sum(t.numel() * t.element_size() for t in norms)
 
     # The attention layer's and the gated MLP's linears by the names the fused layer has always had.
     @property

@@ -23,9 +23,12 @@ from ferrox_batch.runtime.architectures.gated_mlp import GatedMlp
 from ferrox_batch.runtime.architectures.layer import Block, Layer
 from ferrox_batch.runtime.architectures.linear import Linear
 from ferrox_batch.runtime.architectures.moe import MoeBlock, packed_experts
+from ferrox_batch.runtime.architectures.parallel_ffn import ParallelFfn
+from ferrox_batch.runtime.architectures.per_layer_input import PerLayerInput
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.architectures.rope import reorder_heads, rotary_permutation
-from ferrox_batch.runtime.families.layer_spec import AttentionSpec, GatedMlpSpec, LayerSpec
+from ferrox_batch.runtime.families.layer_spec import (AttentionSpec, GatedMlpSpec, LayerSpec, ParallelFfnSpec,
+                                                      PerLayerInputSpec)
 from ferrox_batch.runtime.families.moe_spec import EXPERT, ExpertLayout, MoeSpec, bias_name, expert_bias_name
 from ferrox_batch.runtime.errors import ModelLoadError
 from ferrox_batch.runtime.quant.weight import Weight, cat_rows, reorder_rows, split_rows
@@ -96,13 +99,22 @@ class _Parts:
 def _attention(spec: AttentionSpec, parts: _Parts) -> AttentionMixer:
     s = spec
     q, kv, h, d = s.q_width, s.kv_width, s.hidden, s.head_dim
-    widths = (q, kv, kv) if len(s.projections) == 3 else (q + 2 * kv,)
-    qkv = cat_rows([parts.tensor(f"{name}.weight", (width, h)) for name, width in zip(s.projections, widths)]) \
-        if len(widths) == 3 else parts.tensor(f"{s.projections[0]}.weight", (widths[0], h))
+    for name, shape in s.unread:
+        if parts.holds(name):
+            parts.tensor(name, shape)
+    widths = s.projection_widths()
+    taken = [parts.tensor(f"{name}.weight", (width, h)) for name, width in zip(s.projections, widths)]
+    if s.v_from_k:  # the values are the keys' projection, taken once and held twice: one fused product
+        taken.append(taken[1])
+    qkv = cat_rows(taken) if len(taken) > 1 else taken[0]
     bias = None
     if s.bias:
+        if s.v_from_k or not s.writes_kv:
+            raise ModelLoadError("biases are read only on separate or stacked Q/K/V projections")
         bias = torch.cat([parts.tensor(f"{name}.bias", (width,)) for name, width in zip(s.projections, widths)])
     rotary = s.rotary_dim or d
+    if rotary < d and not s.writes_kv:
+        raise ModelLoadError("partial rotation is read only on layers that write their own K/V")
     if rotary < d:
         # Each query and key head's rotated pairs moved where a full rotation puts them; the RoPE tables
         # pass the rest through (`rope`).
@@ -123,10 +135,12 @@ def _attention(spec: AttentionSpec, parts: _Parts) -> AttentionMixer:
         rope=s.rope,
         window=s.window,
         q_norm=parts.norm(s.q_norm, span or q),
-        k_norm=parts.norm(s.k_norm, span or kv),
+        k_norm=parts.norm(s.k_norm, span or kv) if s.writes_kv else None,
         qk_norm_span=s.qk_norm_span,
         out_norm=parts.norm(s.out_norm, h),
         sinks=None if s.sinks is None else parts.float32(s.sinks, (s.heads,)),
+        v_norm=torch.ones(d) if s.v_norm else None,  # a scale of one: exact in any dtype
+        writes_kv=s.writes_kv,
     )
 
 
@@ -241,7 +255,24 @@ def _moe(spec: MoeSpec, parts: _Parts) -> MoeBlock:
         shared=None if s.shared is None else _gated_mlp(s.shared, parts),
         shared_gate=None if s.shared_gate is None else parts.float32(s.shared_gate, (1, h)),
         out_norm=parts.norm(s.out_norm, h),
+        router_input_scale=None if r.input_scale is None else parts.float32(r.input_scale, (h,)),
+        expert_scale=None if r.expert_scale is None else parts.float32(r.expert_scale, (count,)),
+        expert_norm=parts.norm(s.expert_norm, h),
     )
+
+
+def _parallel_ffn(spec: ParallelFfnSpec, parts: _Parts) -> ParallelFfn:
+    return ParallelFfn(tuple(BUILDERS[type(branch)](branch, parts) for branch in spec.branches),
+                       tuple(parts.norm(name, spec.hidden) for name in spec.in_norms),
+                       parts.norm(spec.out_norm, spec.hidden))
+
+
+def _per_layer_input(spec: PerLayerInputSpec, parts: _Parts) -> PerLayerInput:
+    s = spec
+    norm = parts.norm(s.out_norm, s.hidden)
+    assert norm is not None
+    return PerLayerInput(parts.index, parts.make.linear(parts.tensor(f"{s.gate}.weight", (s.size, s.hidden))),
+                         parts.make.linear(parts.tensor(f"{s.projection}.weight", (s.hidden, s.size))), norm)
 
 
 #: Each spec kind's builder.
@@ -249,6 +280,8 @@ BUILDERS: Mapping[type, Callable[[Any, _Parts], Block]] = MappingProxyType({
     AttentionSpec: _attention,
     GatedMlpSpec: _gated_mlp,
     MoeSpec: _moe,
+    PerLayerInputSpec: _per_layer_input,
+    ParallelFfnSpec: _parallel_ffn,
 })
 
 
@@ -261,4 +294,12 @@ def build_layer(spec: LayerSpec, index: int, take: Take, make: LinearMaker, norm
         input_norm=parts.norm(spec.input_norm, spec.hidden),
         post_norm=parts.norm(spec.post_norm, spec.hidden),
         residual_scale=spec.residual_scale,
+        after=None if spec.after is None else BUILDERS[type(spec.after)](spec.after, parts),
+        output_scale=None if spec.output_scale is None else _vector(parts, spec.output_scale, (1,)),
     )
+
+
+def _vector(parts: _Parts, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    value = parts.tensor(name, shape)
+    assert isinstance(value, torch.Tensor)
+    return value

@@ -88,6 +88,8 @@ class LayerStack:
             return "no layers"
         if config.embed_scale != 1.0:
             return "scaled embeddings"
+        if config.global_head_dim is not None or config.global_kv_heads is not None or config.kv_source is not None:
+            return "its layers differ in head shape or share K/V"
         windows = set()
         for index, layer in enumerate(layers):
             mixer, ffn = layer.mixer, layer.ffn
@@ -101,6 +103,8 @@ class LayerStack:
                 return f"layer {index}'s MLP normalises its output"
             if layer.input_norm is None or layer.post_norm is None or layer.residual_scale is not None:
                 return f"layer {index} has no norm before a block, or scales what joins the residual stream"
+            if layer.after is not None or layer.output_scale is not None:
+                return f"layer {index} has a block after its feed-forward block, or scales the residual stream"
             windows.add(mixer.window)
         if len(windows) > 1:  # one window for every layer, or none
             return "its layers attend over different windows"

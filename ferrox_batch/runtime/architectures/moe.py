@@ -52,6 +52,13 @@ class MoeBlock:
     #: Every expert's gate/up and down weights run together, where all are the int8 kernel's packed weights
     #: with the SiLU in C and no biases (`packed_experts`): one call each per layer instead of one per expert.
     packed: tuple[PackedExperts, PackedExperts] | None = None
+    #: The router's input RMS-normed without a scale, then times this float32 `[hidden]` and `hidden ** -0.5`
+    #: (`RouterSpec.input_norm`, `input_scale`); None where the router reads its input as it is.
+    router_input_scale: torch.Tensor | None = None
+    #: Each chosen weight times its expert's float32 factor (`RouterSpec.expert_scale`).
+    expert_scale: torch.Tensor | None = None
+    #: An RMSNorm on the experts' input (not the router's: `MoeSpec.expert_norm`).
+    expert_norm: torch.Tensor | None = None
 
     #: Whether each row's output depends on that row alone given batch-invariant linears: not yet, as the
     #: router's float32 product runs torch's matmul, whose rounding may follow the batch's size.
@@ -63,13 +70,13 @@ class MoeBlock:
         return experts + ([] if self.shared is None else self.shared.linears())
 
     def norms(self) -> list[torch.Tensor]:
-        own = [] if self.out_norm is None else [self.out_norm]
+        own = [t for t in (self.out_norm, self.expert_norm) if t is not None]
         return own + ([] if self.shared is None else self.shared.norms())
 
     @property
     def nbytes(self) -> int:
-        tensors = [t for t in (self.router_weight, self.router_bias, self.correction, self.shared_gate, self.out_norm)
-                   if t is not None]
+        tensors = [t for t in (self.router_weight, self.router_bias, self.correction, self.shared_gate, self.out_norm,
+                               self.router_input_scale, self.expert_scale, self.expert_norm) if t is not None]
         return (sum(linear.nbytes for linear in zip(self.gate_up, self.down) for linear in linear)
                 + sum(t.numel() * t.element_size() for t in tensors)
                 + (0 if self.shared is None else self.shared.nbytes))
@@ -77,7 +84,15 @@ class MoeBlock:
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         rows, k = x.shape[0], self.router.top_k
         x32 = x.float()
-        weights, ids = route(F.linear(x32, self.router_weight, self.router_bias), self.router, self.correction)
+        scores_in = x32
+        if self.router.input_norm:
+            scores_in = scores_in * torch.rsqrt(scores_in.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        if self.router_input_scale is not None:
+            scores_in = scores_in * self.router_input_scale * (x.shape[1] ** -0.5)
+        weights, ids = route(F.linear(scores_in, self.router_weight, self.router_bias), self.router, self.correction,
+                             self.expert_scale)
+        if self.expert_norm is not None:
+            x = norm(x, self.expert_norm, ctx.eps, ctx.kernels)
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         source = order // k  # each sorted pair's row

@@ -145,7 +145,7 @@ def rope_tables(config: ModelConfig, kind: str, device: torch.device, dtype: tor
     """`(cos, sin)` of one RoPE kind (`ModelConfig.rope_kind`), each `[positions, head_dim]` in `dtype` (by
     default every position the model can be served at), in the half-split layout (`apply_rope`); "none"
     rotates by nothing (cos 1, sin 0). Row `p` depends on `p` alone, whatever `positions` is."""
-    d, r = config.head_dim, config.rotary_dim
+    d, r = config.rope_shape(kind)
     positions = config.max_position_embeddings if positions is None else positions
     if kind == "none":
         return (torch.ones(positions, d, device=device, dtype=dtype),
@@ -157,7 +157,12 @@ def rope_tables(config: ModelConfig, kind: str, device: torch.device, dtype: tor
         theta, scaling = config.rope_theta, config.rope_scaling
     if scaling is not None and scaling.kind == "dynamic" and scaling.original_max_position_embeddings is None:
         raise ValueError("dynamic rope scaling needs the context it stretches")
-    freqs = angles(r, theta, scaling, positions)
+    if config.proportional_rope and kind != "local":
+        # The first r/2 of a whole head's frequencies (the rest pass through), as the reference spaces them.
+        freqs = torch.outer(torch.arange(positions, dtype=torch.float32),
+                            inverse_frequencies(d, theta, scaling)[: r // 2])
+    else:
+        freqs = angles(r, theta, scaling, positions)
     # Pairs (i, i + d/2) for i < r/2 rotate; the pairs past them pass through at angle 0 (cos 1, sin 0).
     half = torch.zeros(positions, d // 2)
     half[:, : r // 2] = freqs

@@ -4,7 +4,8 @@ One vectorised pass over the rows' float32 logits (no loop over rows or experts)
 scores; a correction bias added to the scores for the choice alone; where the experts are grouped, every
 expert outside the best `topk_groups` groups masked out (a group ranked by the sum of its two best biased
 scores where there is a correction bias, else by its best score); the top k; their scores (never the
-biased ones) renormalised over the k where the family does it, then scaled.
+biased ones) renormalised over the k where the family does it, then scaled (by one factor, and by each
+chosen expert's own where the family has them).
 
 Promises: the weights are float32, the ids int64, both `[rows, k]`; a row's result depends on that row's
 logits alone.
@@ -17,10 +18,11 @@ import torch
 from ferrox_batch.runtime.families.moe_spec import RouterSpec
 
 
-def route(logits: torch.Tensor, spec: RouterSpec,
-          correction: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, spec: RouterSpec, correction: torch.Tensor | None = None,
+          expert_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`(weights, ids)` for `[rows, experts]` float32 `logits` (module docstring); `correction` is the
-    `[experts]` bias the spec's `correction_bias` names."""
+    `[experts]` bias the spec's `correction_bias` names, `expert_scale` the `[experts]` float32 factors its
+    `expert_scale` names (each chosen weight times its expert's)."""
     if spec.scoring == "softmax":
         scores = logits.softmax(dim=-1)
     else:
@@ -45,4 +47,6 @@ def route(logits: torch.Tensor, spec: RouterSpec,
         weights = weights / weights.sum(dim=-1, keepdim=True)
     if spec.scale != 1.0:
         weights = weights * spec.scale
+    if expert_scale is not None:
+        weights = weights * expert_scale[ids]
     return weights, ids

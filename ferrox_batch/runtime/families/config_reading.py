@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ferrox_batch.runtime.families.errors import ModelLoadError
-from ferrox_batch.runtime.families.registry import family_of_config
+from ferrox_batch.runtime.families.registry import family_of_config, wrapped_of
 from ferrox_batch.runtime.families.rope_scaling import RopeScaling
 
 
@@ -20,6 +20,9 @@ def model_config_fields(raw: Mapping[str, Any], *, checkpoint_layers: int | None
     """`ModelConfig`'s fields as `raw` gives them. `checkpoint_layers`, where known, is how many layers the
     checkpoint's tensors hold: `num_hidden_layers` must name as many, checked before anything is built per
     layer (a config's word alone never sizes an allocation)."""
+    wrapped = wrapped_of(raw)
+    if wrapped is not None:
+        raw = wrapped.config(raw)
     family = family_of_config(raw)
     try:
         hidden = int(raw["hidden_size"])

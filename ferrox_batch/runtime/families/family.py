@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from ferrox_batch.runtime.families.errors import ModelLoadError
 from ferrox_batch.runtime.families.gguf_metadata import GgufFamily
 from ferrox_batch.runtime.families.layer_spec import LayerSpec
 from ferrox_batch.runtime.families.moe_config import MoeShape
@@ -54,8 +55,13 @@ class ModelShape(Protocol):
     def options(self) -> object | None: ...
     @property
     def moe(self) -> MoeShape | None: ...
+    @property
+    def per_layer_input_size(self) -> int: ...
     def window(self, layer: int) -> int | None: ...
     def rope_kind(self, layer: int) -> str: ...
+    def layer_head_dim(self, layer: int) -> int: ...
+    def layer_kv_heads(self, layer: int) -> int: ...
+    def kv_of(self, layer: int) -> int: ...
 
 
 #: A family's own config fields: `ModelConfig` field values read from the raw `config.json`, given the shared
@@ -67,6 +73,45 @@ LayerOf = Callable[[ModelShape, int], LayerSpec]
 
 #: The tensors outside the layers, by their Hugging Face names.
 EMBEDDING, FINAL_NORM, LM_HEAD = "model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"
+
+
+def per_layer_tensors(c: ModelShape) -> dict[str, tuple[int, ...]]:
+    """The per-layer input embedding's tensors outside the layers (`ModelConfig.per_layer_input_size`)."""
+    size = getattr(c, "per_layer_input_size", 0)
+    if not size:
+        return {}
+    width = c.num_layers * size
+    vocab = getattr(c, "per_layer_vocab_size", 0) or c.vocab_size
+    return {"model.embed_tokens_per_layer.weight": (vocab, width),
+            "model.per_layer_model_projection.weight": (width, c.hidden_size),
+            "model.per_layer_projection_norm.weight": (size,)}
+
+
+@dataclass(frozen=True, slots=True)
+class Wrapped:
+    """A checkpoint that holds a family's model inside a larger one (a multimodal checkpoint's text model):
+    its config under `config_key`, its tensors under `prefix` where the family's own start `model.`. The
+    rest of the checkpoint (the other modalities) is not read."""
+
+    #: The larger checkpoint's architecture, and the family's own it holds.
+    architecture: str
+    inner: str
+    config_key: str
+    prefix: str
+
+    def config(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """The inner model's `config.json`, as a checkpoint of it alone would have it."""
+        inner = raw.get(self.config_key)
+        if not isinstance(inner, Mapping):
+            raise ModelLoadError(f"{self.architecture}'s config.json has no {self.config_key} object")
+        return {**inner, "architectures": [self.inner]}
+
+    def name(self, name: str) -> str | None:
+        """A tensor's name in the inner model (`model.` for `prefix`; the head as it is), None where the
+        inner model does not read it."""
+        if name.startswith(self.prefix):
+            return "model." + name[len(self.prefix):]
+        return name if name == LM_HEAD else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +142,8 @@ class Family:
         out: dict[str, tuple[int, ...]] = {EMBEDDING: (c.vocab_size, c.hidden_size)}
         for spec in self.layers(c):
             out.update(spec.tensors())
+        for name, shape in per_layer_tensors(c).items():
+            out[name] = shape
         out[FINAL_NORM] = (c.hidden_size,)
         if not c.tie_word_embeddings:
             out[LM_HEAD] = (c.vocab_size, c.hidden_size)

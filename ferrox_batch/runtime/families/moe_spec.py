@@ -59,6 +59,12 @@ class RouterSpec:
     scale: float = 1.0
     #: The router has a `[experts]` bias (the layout's router name with `.bias` for `.weight`).
     bias: bool = False
+    #: The router reads its input RMS-normed without a scale (Gemma 4).
+    input_norm: bool = False
+    #: A `[hidden]` tensor the router's input is multiplied by, with `hidden ** -0.5` (Gemma 4).
+    input_scale: str | None = None
+    #: A `[experts]` tensor each chosen weight is multiplied by, after any renormalisation (Gemma 4).
+    expert_scale: str | None = None
 
     def __post_init__(self) -> None:
         if self.experts <= 0:
@@ -83,6 +89,10 @@ class RouterSpec:
             out[bias_name(weight)] = (self.experts,)
         if self.correction_bias is not None:
             out[self.correction_bias] = (self.experts,)
+        if self.input_scale is not None:
+            out[self.input_scale] = (hidden,)
+        if self.expert_scale is not None:
+            out[self.expert_scale] = (self.experts,)
         return out
 
 
@@ -174,6 +184,8 @@ class MoeSpec:
     shared_gate: str | None = None
     #: An RMSNorm on the block's output (as `GatedMlpSpec.out_norm`).
     out_norm: str | None = None
+    #: An RMSNorm on the experts' input, after the router has read the block's input as it came (Gemma 4).
+    expert_norm: str | None = None
     #: The experts' projections carry biases (gpt-oss).
     bias: bool = False
     #: gpt-oss's clamped SwiGLU (the activation "swiglu_clamped"): `(clamp(up, -limit, limit) + 1) * g *
@@ -199,6 +211,7 @@ class MoeSpec:
             out.update(self.shared.tensors())
         if self.shared_gate is not None:
             out[self.shared_gate] = (1, self.hidden)
-        if self.out_norm is not None:
-            out[f"{self.out_norm}.weight"] = (self.hidden,)
+        for norm in (self.out_norm, self.expert_norm):
+            if norm is not None:
+                out[f"{norm}.weight"] = (self.hidden,)
         return out

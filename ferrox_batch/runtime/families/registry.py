@@ -14,6 +14,7 @@ from typing import Any
 
 from ferrox_batch.runtime.families import (
     gemma3,
+    gemma4,
     gpt_oss,
     granite,
     granitemoe,
@@ -30,13 +31,13 @@ from ferrox_batch.runtime.families import (
     smollm3,
 )
 from ferrox_batch.runtime.families.errors import UnsupportedArchitecture
-from ferrox_batch.runtime.families.family import Family
+from ferrox_batch.runtime.families.family import Family, Wrapped
 from ferrox_batch.runtime.families.gguf_metadata import GgufFamily, Meta
 
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY, smollm3.FAMILY, phi3.FAMILY, gemma3.FAMILY,
-    granite.FAMILY, olmo2.FAMILY, qwen3_moe.FAMILY, qwen2_moe.FAMILY, olmoe.FAMILY, granitemoe.FAMILY, mixtral.FAMILY,
-    gpt_oss.FAMILY,
+    gemma4.FAMILY, granite.FAMILY, olmo2.FAMILY, qwen3_moe.FAMILY, qwen2_moe.FAMILY, olmoe.FAMILY,
+    granitemoe.FAMILY, mixtral.FAMILY, gpt_oss.FAMILY,
 )
 
 #: Hugging Face architecture -> its family.
@@ -65,6 +66,16 @@ def gguf_family(metadata: Mapping[str, Any]) -> GgufFamily:
     if variant is not None and Meta(metadata, family.arch).integer("expert_count", 0) > 0:
         return variant
     return family
+
+
+#: Checkpoints holding a family's model inside a larger one, by their architecture (`Wrapped`).
+WRAPPED: Mapping[str, Wrapped] = MappingProxyType({gemma4.WRAPPED.architecture: gemma4.WRAPPED})
+
+
+def wrapped_of(raw: Mapping[str, Any]) -> Wrapped | None:
+    """How the checkpoint `raw` (a `config.json`) wraps a family's model; None where it is the model itself."""
+    archs = raw.get("architectures") or []
+    return WRAPPED.get(str(archs[0])) if archs else None
 
 
 def supported_architectures() -> list[str]:

@@ -61,6 +61,9 @@ class RopeReading:
     #: The local layers' own base where they keep one RoPE dict per layer kind (`LAYER_KINDS`, and
     #: transformers 4's `rope_local_base_freq`); None: one dict for every layer.
     local_theta: float | None = None
+    #: Whether the global layers' dict may name proportional RoPE (Gemma 4: the first `partial_rotary_factor`
+    #: of a head's pairs rotate at frequencies spaced over the whole head; `ModelConfig.proportional_rope`).
+    proportional: bool = False
 
     def read(self, raw: Mapping[str, Any], max_positions: int) -> RopeSettings:
         """The RoPE settings of `raw`, whose `max_position_embeddings` is `max_positions`; `ModelLoadError`
@@ -101,6 +104,9 @@ class RopeReading:
                                      f"is meant is ambiguous")
             full[key] = value
         local_where = "rope_parameters.sliding_attention"
+        partial = 1.0
+        if self.proportional and full.get("rope_type") == "proportional":
+            partial, full = _proportional(full, where)
         if rope_variant(local, local_where) != "default":
             raise ModelLoadError(f"{local_where}.rope_type {local['rope_type']!r}: scaled RoPE on the local layers "
                                  f"is not supported")
@@ -113,8 +119,22 @@ class RopeReading:
         return RopeSettings(
             theta=_theta(theta, self.default_theta, f"{where}.rope_theta"),
             scaling=scaling_of(full, where, max_positions, _original(raw, full, where, self.default_original)),
+            partial_rotary_factor=partial,
             local_theta=_theta(local_theta, default_local, f"{local_where}.rope_theta"),
         )
+
+
+def _proportional(params: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
+    """A proportional RoPE dict's share of each head's pairs it rotates, and the dict as plain RoPE reads it
+    (its base alone); a factor other than 1 (which would slow every frequency) or another key is refused."""
+    unknown = sorted(set(params) - {"rope_type", "rope_theta", "partial_rotary_factor", "factor"})
+    if unknown or float(params.get("factor", 1.0)) != 1.0:
+        raise ModelLoadError(f"{where}: proportional RoPE is read with its base and partial_rotary_factor alone, "
+                             f"not {', '.join(map(repr, unknown)) or 'a factor'}")
+    partial = float(params.get("partial_rotary_factor", 1.0))
+    if not 0 < partial <= 1:
+        raise ModelLoadError(f"{where}.partial_rotary_factor {partial!r} must be in (0, 1]")
+    return partial, {key: value for key, value in params.items() if key == "rope_theta"}
 
 
 def _one_dict(raw: Mapping[str, Any]) -> tuple[dict[str, Any], str]:

@@ -185,7 +185,10 @@ class _Batch:
             if table.sliding is not None and first < table.sliding.released:
                 raise ValueError(f"sequence {seq_id!r} would read position {first}, but its sliding KV lease "
                                  f"gave back the positions before {table.sliding.released}")
-            tables.append(table.table)
+            # A group whose blocks span several of its own (its heads narrower than another group's) reads
+            # block `b` as its own block `b * scale` (`PagedKvStore.block_scale`).
+            scale = store.block_scale[group]
+            tables.append(table.table if scale == 1 else table.table * scale)
 
         decode = None
         pos_parts: list[torch.Tensor] = []

@@ -9,9 +9,11 @@ arithmetic (`blocks_for`) is the store's arithmetic.
 Layout: the layers are split into KV groups of one cache kind each (`admission.kv_groups`, the kinds from
 each layer's window, `admission.cache_kinds`: a model whose layers are all of one kind, full attention or
 one sliding window, is one group of all its layers), and one pool
-`[group_size, num_blocks * block_size, 2, num_kv_heads, head_dim]` of uniform blocks serves every group:
-a block holds `group_size` layers' K (`[..., 0, ...]`) and V for `block_size` positions, and layer `i`
-reads and writes `kv[index]` (its index within its group) through its group's tables. K and V side by
+`[group_size, num_blocks * block_size, 2, num_kv_heads, head_dim]` of uniform blocks serves every group
+(each group viewing it with its own head shape where the groups' differ: `pool_layout`): a block holds
+`group_size` layers' K (`[..., 0, ...]`) and V for `block_size` positions, and layer `i` reads and writes
+`layer_pool(i)` (its group's pool at its index within the group) through its group's tables. Only the
+layers that write K/V have a place; a layer that attends over another's reads that one's. K and V side by
 side, so that one `index_copy_` writes a layer's new keys and values and one `index_select` gathers a
 batch's whole context (measured: a flat `index_select` is about 1.5x faster than advanced indexing here,
 and one gather beats two). Position `p` of a sequence lives in slot `table[p // block_size] * block_size
@@ -52,14 +54,17 @@ from ferrox_batch.admission.window import WindowPolicy
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.kv.block_pool import BlockAllocator, BlockPool, BlockPoolExhausted, block_keys
 from ferrox_batch.runtime.kv.group_lease import GroupTable, SeqKv
+from ferrox_batch.runtime.kv.pool_layout import block_width, group_head_shapes, pool_views, position_width
 from ferrox_batch.runtime.kv.sliding import SlidingPages
 
 __all__ = ["BlockAllocator", "BlockPoolExhausted", "PagedKvConfig", "PagedKvStore", "SeqKv", "model_groups"]
 
 
 def model_groups(config: ModelConfig) -> KvGroups:
-    """The KV groups of `config`'s layers, each of the kind its window makes it (`cache_kinds.layer_kind`)."""
-    return KvGroups.of([layer_kind(config.window(layer)) for layer in range(config.num_layers)])
+    """The KV groups of `config`'s layers that write K/V (`ModelConfig.kv_layers`: a layer that reads another's
+    holds none), each of the kind its window makes it (`cache_kinds.layer_kind`); the groups number those
+    layers in order (`ModelConfig.kv_index`)."""
+    return KvGroups.of([layer_kind(config.window(layer)) for layer in config.kv_layers])
 
 
 class PagedKvStore:
@@ -81,13 +86,17 @@ class PagedKvStore:
         self.pool = BlockPool(num_blocks, caching=prefix_cache)
         self.device = torch.device(device)
         self.dtype = dtype
-        shape = (self.groups.size, num_blocks * block_size, 2, config.num_kv_heads, config.head_dim)
         # Uninitialised, so a large pool costs no resident memory until blocks are used, and
         # never cleared: every reader reads only positions its own sequence has written
         # (`batch_inputs` clamps the decode gather to them), so stale or never-written memory,
         # NaN included, never reaches attention. Zeroing each lease instead cost the worker
         # 6.5 ms per admitted 1,088-position request (SmolLM2 bf16), 42 ms at 8,192.
-        self.kv = torch.empty(shape, device=self.device, dtype=dtype)
+        #: Per group, how many of its own blocks one block spans (1 but where the groups' head shapes differ),
+        #: and its pool `[group_size, slots, 2, kv_heads, head_dim]` (`pool_layout`).
+        self.block_scale, self.pools = pool_views(config, self.groups, num_blocks, block_size, self.device, dtype)
+        #: The first group's pool: every group's where the layers are of one head shape.
+        self.kv = self.pools[0]
+        self._layer_slots = tuple(self.groups.slots[config.kv_index(layer)] for layer in range(config.num_layers))
         self._seqs: dict[Hashable, SeqKv] = {}
         # Blocks the live sequences' groups reference, each counted once, per kind label (`_label[k]` is
         # group k's index in `_labels`): plain ints in a list that never changes size, so another thread
@@ -97,16 +106,31 @@ class PagedKvStore:
         self._label = tuple(self._labels.index(kind.label) for kind in self.groups.kinds)
         self._held = [0] * len(self._labels)
 
+    def layer_slot(self, layer: int) -> tuple[int, int]:
+        """`(group, index within it)` of the K/V model layer `layer` attends over (a sharing layer's source's)."""
+        return self._layer_slots[layer]
+
+    def layer_pool(self, layer: int) -> torch.Tensor:
+        """The pool `[slots, 2, kv_heads, head_dim]` of the K/V `layer` attends over."""
+        group, slot = self._layer_slots[layer]
+        return self.pools[group][slot]
+
     @staticmethod
     def kv_shape(config: ModelConfig, dtype: torch.dtype) -> KvShape:
-        """What one position costs in a store holding `dtype` (fp32, or a 16-bit type)."""
-        return KvShape.from_config(config, KvElem.F32 if dtype == torch.float32 else KvElem.F16)
+        """What one position costs in a store holding `dtype` (fp32, or a 16-bit type): over the layers that
+        write K/V, each as wide as a block's layer slot holds a position (`pool_layout.position_width`)."""
+        elem = KvElem.F32 if dtype == torch.float32 else KvElem.F16
+        if config.kv_layers == tuple(range(config.num_layers)) and config.global_head_dim is None:
+            return KvShape.from_config(config, elem)
+        return KvShape(len(config.kv_layers), position_width(config), elem)
 
     @classmethod
     def bytes_per_block(cls, config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        """A block holds one KV group's layers (`model_groups(config).size`) for `block_size` positions."""
+        """A block holds one KV group's layers (`model_groups(config).size`) for `block_size` positions, each
+        layer slot as wide as the widest group's (`block_width`)."""
         elem = torch.empty((), dtype=dtype).element_size()
-        return 2 * model_groups(config).size * block_size * config.num_kv_heads * config.head_dim * elem
+        groups = model_groups(config)
+        return groups.size * block_width(group_head_shapes(config, groups), block_size) * elem
 
     @classmethod
     def blocks_in_memory(cls, config: ModelConfig, memory_bytes: int, block_size: int, dtype: torch.dtype) -> int:

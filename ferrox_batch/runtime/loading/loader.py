@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,6 +35,7 @@ from ferrox_batch.runtime.device import (
     choose_kv_dtype,
 )
 from ferrox_batch.runtime.errors import ModelLoadError
+from ferrox_batch.runtime.families.registry import wrapped_of
 from ferrox_batch.runtime.invariance import batch_invariant_choice, choose_batch_invariance
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
@@ -120,9 +122,10 @@ def _load(path: str | Path, device: str | torch.device | None, dtype: str | torc
         return _load_gguf(path, device, dtype, kv_cache_dtype, held, batch_invariant)
     if not path.is_dir():
         raise ModelLoadError(f"{path} is neither a model folder nor a .gguf file")
-    config = ModelConfig.from_file(path / "config.json", checkpoint_layers=_layers_held(path))
+    rename = _renaming(path / "config.json")
+    config = ModelConfig.from_file(path / "config.json", checkpoint_layers=_layers_held(path, rename))
     tokenizer = Tokenizer.from_dir(path)
-    tensors = _read_safetensors(path)
+    tensors = _read_safetensors(path, rename)
     return _build(config, tensors, tokenizer, path, device, dtype, kv_cache_dtype, held, batch_invariant)
 
 
@@ -187,7 +190,22 @@ def _build(
     return loaded
 
 
-def _layers_held(folder: Path) -> int | None:
+#: A checkpoint's tensor name as its model reads it (None: not read), for a checkpoint wrapping that model.
+Rename = Callable[[str], str | None]
+
+
+def _renaming(config: Path) -> Rename | None:
+    """How the checkpoint's tensor names map to its model's, where it wraps the model in a larger one (a
+    multimodal checkpoint's text model: `families.family.Wrapped`); None where the names are the model's."""
+    try:
+        raw = json.loads(config.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # the config's own reading says why
+    wrapped = wrapped_of(raw) if isinstance(raw, dict) else None
+    return None if wrapped is None else wrapped.name
+
+
+def _layers_held(folder: Path, rename: Rename | None = None) -> int | None:
     """How many layers the folder's tensors hold (one past the highest `model.layers.N`), read from the
     safetensors headers or the shard index alone; None where they cannot be read (loading says why)."""
     index = folder / "model.safetensors.index.json"
@@ -199,12 +217,14 @@ def _layers_held(folder: Path) -> int | None:
                 names = list(file.keys())
     except (OSError, SafetensorError, ValueError, KeyError, TypeError, AttributeError):
         return None
+    if rename is not None:
+        names = [name for name in map(rename, map(str, names)) if name is not None]
     layers = [int(parts[2]) for parts in (str(name).split(".") for name in names)
               if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit()]
     return max(layers, default=-1) + 1
 
 
-def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(folder: Path, rename: Rename | None = None) -> dict[str, torch.Tensor]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -219,7 +239,14 @@ def _read_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         if not file.is_file():
             raise ModelLoadError(f"missing weights file {file}")
         try:
-            weights.update(load_file(str(file)))
+            if rename is None:
+                weights.update(load_file(str(file)))
+                continue
+            with safe_open(str(file), framework="pt") as opened:  # only the tensors the model reads
+                for name in opened.keys():
+                    own = rename(name)
+                    if own is not None:
+                        weights[own] = opened.get_tensor(name)
         except (SafetensorError, OSError, ValueError) as bad:
             raise ModelLoadError(f"{file} is not a readable safetensors file: {bad}") from None
     return weights
