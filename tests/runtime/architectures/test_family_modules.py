@@ -16,7 +16,12 @@ from tiny_families import CONFIGS
 
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.errors import ModelLoadError, UnsupportedArchitecture
-from ferrox_batch.runtime.families.registry import BY_GGUF_ARCHITECTURE, FAMILIES, family_of_config
+from ferrox_batch.runtime.families.registry import (
+    BY_GGUF_ARCHITECTURE,
+    BY_GGUF_EXPERTS_VARIANT,
+    FAMILIES,
+    family_of_config,
+)
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
 from ferrox_batch.runtime.loading.loader import load_model
 
@@ -43,7 +48,8 @@ def test_every_name_is_claimed_by_one_family_and_every_family_has_test_entries()
     architectures = [name for family in FAMILIES for name in family.architectures]
     assert len(architectures) == len(set(architectures))
     assert len({family.model_type for family in FAMILIES}) == len(FAMILIES)
-    assert len(BY_GGUF_ARCHITECTURE) == sum(family.gguf is not None for family in FAMILIES)
+    gguf_families = len(BY_GGUF_ARCHITECTURE) + len(BY_GGUF_EXPERTS_VARIANT)
+    assert gguf_families == sum(family.gguf is not None for family in FAMILIES)
     assert {family.model_type for family in FAMILIES} == set(CONFIGS)
 
 
