@@ -2,101 +2,37 @@
 
 Each spec kind has its builder (`BUILDERS`); a new kind of mixer or feed-forward block adds its spec (in
 `runtime.families.layer_spec`) and its builder here. Builders take the tensors the spec names from the
-checkpoint (`Take`, which checks shapes and consumes them), ask the linear factory for their linears,
+checkpoint (`block_parts.Take`, which checks shapes and consumes them), ask the linear factory for their linears,
 and make the weights the shape the kernels want: Q/K/V and gate/up fused, each head's dimensions
-reordered where RoPE rotates only part of it, the family's norm offset added to its norms.
+reordered where RoPE rotates only part of it, the family's norm offset added to its norms. A mixture of
+experts' reading of its many tensors is its own module's (`moe_builder`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from ferrox_batch.runtime.architectures.attention import HeadShape
 from ferrox_batch.runtime.architectures.attention_mixer import AttentionMixer
-from ferrox_batch.runtime.architectures.clamped_swiglu import ClampedSwiGlu
-from ferrox_batch.runtime.architectures.gate_up import GateUp
+from ferrox_batch.runtime.architectures.block_parts import BlockParts, LinearMaker, Take
 from ferrox_batch.runtime.architectures.gated_mlp import GatedMlp
 from ferrox_batch.runtime.architectures.layer import Block, Layer
-from ferrox_batch.runtime.architectures.linear import Linear
-from ferrox_batch.runtime.architectures.moe import MoeBlock, packed_experts
+from ferrox_batch.runtime.architectures.moe_builder import build_moe
 from ferrox_batch.runtime.architectures.parallel_ffn import ParallelFfn
 from ferrox_batch.runtime.architectures.per_layer_input import PerLayerInput
-from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.architectures.rope import reorder_heads, rotary_permutation
 from ferrox_batch.runtime.families.layer_spec import (AttentionSpec, GatedMlpSpec, LayerSpec, ParallelFfnSpec,
                                                       PerLayerInputSpec)
-from ferrox_batch.runtime.families.moe_spec import EXPERT, ExpertLayout, MoeSpec, bias_name, expert_bias_name
+from ferrox_batch.runtime.families.moe_spec import MoeSpec
 from ferrox_batch.runtime.errors import ModelLoadError
-from ferrox_batch.runtime.quant.weight import Weight, cat_rows, reorder_rows, split_rows
-
-class Take(Protocol):
-    """The checkpoint, as blocks take their tensors out of it (`CheckpointTaker`)."""
-
-    def __call__(self, name: str, shape: tuple[int, ...]) -> Weight:
-        """The tensor `name`, its shape checked, in the decoder's format: a 2-D weight may come quantized."""
-        ...
-
-    def __contains__(self, name: str) -> bool:
-        """Whether the checkpoint (still) holds `name`."""
-        ...
-
-    def float32(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """The tensor `name`, its shape checked, in float32 as stored."""
-        ...
+from ferrox_batch.runtime.quant.weight import cat_rows, reorder_rows, split_rows
 
 
-class LinearMaker(Protocol):
-    """What builds a block's linears in the decoder's weight format (the linear factory)."""
-
-    def linear(self, weight: Weight, bias: torch.Tensor | None = None, *, keep_weight: bool = False,
-               narrow: bool = True) -> Linear | QuantizedLinear:
-        """A linear layer of `weight` (and `bias`); `narrow=False`: no narrow steps' copy."""
-        ...
-
-    def gate_up(self, weight: Weight, activation: str, *, narrow: bool = True) -> GateUp:
-        """The fused gate/up projection of `weight` (gate rows, then up rows), gated by `activation`."""
-        ...
-
-    def experts(self, weight: Weight, bias: torch.Tensor | None = None) -> tuple[Linear | QuantizedLinear, ...]:
-        """One linear per expert of a stacked `[experts, out, in]` weight."""
-        ...
-
-    def gate_up_experts(self, weight: Weight, activation: str) -> tuple[GateUp, ...]:
-        """One gated projection per expert of a stacked `[experts, 2n, k]` gate/up weight."""
-        ...
-
-
-class _Parts:
-    """What a block builder reads with: the checkpoint, the linear maker, the layer's prefix and index, and
-    its norms (the family's offset added)."""
-
-    __slots__ = ("index", "make", "offset", "prefix", "take")
-
-    def __init__(self, take: Take, make: LinearMaker, prefix: str, index: int, offset: float) -> None:
-        self.take, self.make, self.prefix, self.index, self.offset = take, make, prefix, index, offset
-
-    def tensor(self, name: str, shape: tuple[int, ...]) -> Weight:
-        return self.take(self.prefix + name, shape)
-
-    def float32(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return self.take.float32(self.prefix + name, shape)
-
-    def holds(self, name: str) -> bool:
-        return self.prefix + name in self.take
-
-    def norm(self, name: str | None, size: int) -> torch.Tensor | None:
-        if name is None:
-            return None
-        weight = self.take(f"{self.prefix}{name}.weight", (size,))
-        assert isinstance(weight, torch.Tensor)
-        return weight + self.offset if self.offset else weight
-
-
-def _attention(spec: AttentionSpec, parts: _Parts) -> AttentionMixer:
+def _attention(spec: AttentionSpec, parts: BlockParts) -> AttentionMixer:
     s = spec
     q, kv, h, d = s.q_width, s.kv_width, s.hidden, s.head_dim
     for name, shape in s.unread:
@@ -144,7 +80,7 @@ def _attention(spec: AttentionSpec, parts: _Parts) -> AttentionMixer:
     )
 
 
-def _gated_mlp(spec: GatedMlpSpec, parts: _Parts) -> GatedMlp:
+def _gated_mlp(spec: GatedMlpSpec, parts: BlockParts) -> GatedMlp:
     s = spec
     h, ff = s.hidden, s.intermediate
     if len(s.projections) == 2:
@@ -156,118 +92,13 @@ def _gated_mlp(spec: GatedMlpSpec, parts: _Parts) -> GatedMlp:
                     out_norm=parts.norm(s.out_norm, h))
 
 
-def _layout(spec: MoeSpec, parts: _Parts) -> ExpertLayout:
-    """The first of the spec's layouts the checkpoint holds (the family's own where it holds none: its
-    missing tensor is then the error)."""
-    return next((layout for layout in spec.layouts if parts.holds(layout.marker())), spec.layouts[0])
-
-
-def _stacked(parts: _Parts, name: str, experts: int, rows: int, cols: int, transposed: bool) -> Weight:
-    """A stacked `[experts, rows, cols]` expert weight, read as stored (`[experts, cols, rows]` where the
-    layout is transposed, which only dense tensors may be)."""
-    if not transposed:
-        return parts.tensor(name, (experts, rows, cols))
-    weight = parts.tensor(name, (experts, cols, rows))
-    if not isinstance(weight, torch.Tensor):
-        raise ModelLoadError(f"tensor {name!r} is stored transposed, which quantized blocks cannot be")
-    return weight.transpose(1, 2).contiguous()
-
-
-def _deinterleave(weight: Weight, name: str) -> Weight:
-    """Alternating gate, up rows (of each expert) made every gate row, then every up row."""
-    if not isinstance(weight, torch.Tensor):
-        raise ModelLoadError(f"tensor {name!r} interleaves its gate and up rows, which quantized blocks cannot")
-    return torch.cat([weight[..., 0::2, :], weight[..., 1::2, :]], dim=-2).contiguous() if weight.dim() == 3 else \
-        torch.cat([weight[:, 0::2], weight[:, 1::2]], dim=-1).contiguous()
-
-
-#: A layer's experts' weights: stacked `[experts, rows, cols]`, or one 2-D weight per expert.
-ExpertWeights = Weight | list[Weight]
-
-
-def _experts(spec: MoeSpec, layout: ExpertLayout, parts: _Parts) -> tuple[ExpertWeights, ExpertWeights,
-                                                                       torch.Tensor | None, torch.Tensor | None]:
-    """Every expert's gate/up (`2 * ff` rows, gate rows first) and down weights, as the layout stores them
-    (stacked, or one per expert), and their stacked `[experts, 2 * ff]` and `[experts, hidden]` biases where
-    the spec has them."""
-    h, ff, count = spec.hidden, spec.intermediate, spec.router.experts
-
-    def vector(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        value = parts.tensor(name, shape)
-        assert isinstance(value, torch.Tensor)
-        return value
-
-    if layout.per_expert:
-        def each(name: str, e: int) -> str:
-            return name.replace(EXPERT, str(e))
-
-        gate_up = [cat_rows([parts.tensor(each(name, e), (ff, h)) for name in layout.gate_up]) for e in range(count)]
-        down = [parts.tensor(each(layout.down, e), (h, ff)) for e in range(count)]
-        if not spec.bias:
-            return gate_up, down, None, None
-        return (gate_up, down,
-                torch.stack([torch.cat([vector(expert_bias_name(each(name, e)), (ff,)) for name in layout.gate_up])
-                             for e in range(count)]),
-                torch.stack([vector(expert_bias_name(each(layout.down, e)), (h,)) for e in range(count)]))
-    rows = 2 * ff if len(layout.gate_up) == 1 else ff
-    stacked = cat_rows([_stacked(parts, name, count, rows, h, layout.transposed) for name in layout.gate_up])
-    down_stacked = _stacked(parts, layout.down, count, h, ff, layout.transposed)
-    gate_up_bias = torch.cat([vector(expert_bias_name(name), (count, rows)) for name in layout.gate_up], dim=-1) \
-        if spec.bias else None
-    if layout.interleaved:
-        stacked = _deinterleave(stacked, layout.gate_up[0])
-        gate_up_bias = None if gate_up_bias is None else _deinterleave(gate_up_bias, layout.gate_up[0])
-    return stacked, down_stacked, gate_up_bias, vector(expert_bias_name(layout.down), (count, h)) if spec.bias else None
-
-
-def _expert_linears(make: LinearMaker, weights: ExpertWeights,
-                    bias: torch.Tensor | None) -> tuple[Linear | QuantizedLinear, ...]:
-    if isinstance(weights, list):
-        return tuple(make.linear(w, None if bias is None else bias[e], narrow=False) for e, w in enumerate(weights))
-    return make.experts(weights, bias)
-
-
-def _moe(spec: MoeSpec, parts: _Parts) -> MoeBlock:
-    s, r = spec, spec.router
-    h, count = s.hidden, r.experts
-    layout = _layout(s, parts)
-    make = parts.make
-    gate_up_weights, down_weights, gate_up_bias, down_bias = _experts(s, layout, parts)
-    gate_up: tuple[GateUp | ClampedSwiGlu, ...]
-    if s.clamp is not None:
-        gate_up = tuple(ClampedSwiGlu(linear, s.clamp, s.intermediate)
-                        for linear in _expert_linears(make, gate_up_weights, gate_up_bias))
-    elif gate_up_bias is not None:
-        raise ModelLoadError("biases on the experts' gate/up projections are read only with the clamped SwiGLU")
-    elif isinstance(gate_up_weights, list):
-        gate_up = tuple(make.gate_up(w, s.activation, narrow=False) for w in gate_up_weights)
-    else:
-        gate_up = make.gate_up_experts(gate_up_weights, s.activation)
-    down = _expert_linears(make, down_weights, down_bias)
-    return MoeBlock(
-        packed=packed_experts(gate_up, down),
-        router=r,
-        router_weight=parts.float32(layout.router, (count, h)),
-        router_bias=parts.float32(bias_name(layout.router), (count,)) if r.bias else None,
-        correction=None if r.correction_bias is None else parts.float32(r.correction_bias, (count,)),
-        gate_up=gate_up,
-        down=down,
-        shared=None if s.shared is None else _gated_mlp(s.shared, parts),
-        shared_gate=None if s.shared_gate is None else parts.float32(s.shared_gate, (1, h)),
-        out_norm=parts.norm(s.out_norm, h),
-        router_input_scale=None if r.input_scale is None else parts.float32(r.input_scale, (h,)),
-        expert_scale=None if r.expert_scale is None else parts.float32(r.expert_scale, (count,)),
-        expert_norm=parts.norm(s.expert_norm, h),
-    )
-
-
-def _parallel_ffn(spec: ParallelFfnSpec, parts: _Parts) -> ParallelFfn:
+def _parallel_ffn(spec: ParallelFfnSpec, parts: BlockParts) -> ParallelFfn:
     return ParallelFfn(tuple(BUILDERS[type(branch)](branch, parts) for branch in spec.branches),
                        tuple(parts.norm(name, spec.hidden) for name in spec.in_norms),
                        parts.norm(spec.out_norm, spec.hidden))
 
 
-def _per_layer_input(spec: PerLayerInputSpec, parts: _Parts) -> PerLayerInput:
+def _per_layer_input(spec: PerLayerInputSpec, parts: BlockParts) -> PerLayerInput:
     s = spec
     norm = parts.norm(s.out_norm, s.hidden)
     assert norm is not None
@@ -276,10 +107,10 @@ def _per_layer_input(spec: PerLayerInputSpec, parts: _Parts) -> PerLayerInput:
 
 
 #: Each spec kind's builder.
-BUILDERS: Mapping[type, Callable[[Any, _Parts], Block]] = MappingProxyType({
+BUILDERS: Mapping[type, Callable[[Any, BlockParts], Block]] = MappingProxyType({
     AttentionSpec: _attention,
     GatedMlpSpec: _gated_mlp,
-    MoeSpec: _moe,
+    MoeSpec: lambda spec, parts: build_moe(spec, parts, _gated_mlp),
     PerLayerInputSpec: _per_layer_input,
     ParallelFfnSpec: _parallel_ffn,
 })
@@ -287,7 +118,7 @@ BUILDERS: Mapping[type, Callable[[Any, _Parts], Block]] = MappingProxyType({
 
 def build_layer(spec: LayerSpec, index: int, take: Take, make: LinearMaker, norm_offset: float = 0.0) -> Layer:
     """Layer `index` from its spec (`norm_offset`: the family's, added to every norm it reads)."""
-    parts = _Parts(take, make, spec.prefix, index, norm_offset)
+    parts = BlockParts(take, make, spec.prefix, index, norm_offset)
     return Layer(
         mixer=BUILDERS[type(spec.mixer)](spec.mixer, parts),
         ffn=BUILDERS[type(spec.ffn)](spec.ffn, parts),
@@ -295,11 +126,7 @@ def build_layer(spec: LayerSpec, index: int, take: Take, make: LinearMaker, norm
         post_norm=parts.norm(spec.post_norm, spec.hidden),
         residual_scale=spec.residual_scale,
         after=None if spec.after is None else BUILDERS[type(spec.after)](spec.after, parts),
-        output_scale=None if spec.output_scale is None else _vector(parts, spec.output_scale, (1,)),
+        output_scale=None if spec.output_scale is None else parts.vector(spec.output_scale, (1,)),
     )
 
 
-def _vector(parts: _Parts, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    value = parts.tensor(name, shape)
-    assert isinstance(value, torch.Tensor)
-    return value
