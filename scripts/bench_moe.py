@@ -141,8 +141,16 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=64, help="prompt length in tokens")
     p.add_argument("--buffer-gib", type=float, default=2.0)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--per-expert", action="store_true",
+                   help="run each expert's products in calls of their own (not every expert's in one call)")
     args = p.parse_args()
     model = load_model(args.model, dtype=args.dtype)
+    if args.per_expert:
+        for layer in model.decoder.layers:
+            if isinstance(layer.ffn, MoeBlock):
+                layer.ffn.packed = None
+    together = any(isinstance(layer.ffn, MoeBlock) and layer.ffn.packed is not None for layer in model.decoder.layers)
+    print(f"# experts run {'together, one call per projection' if together else 'one call each'}", flush=True)
     print(f"# {args.model.name}: {model.decoder.linear_kinds}; {torch.get_num_threads()} threads", flush=True)
     prompt = [(i * 7919) % 40000 + 100 for i in range(args.prompt)]
     decode_times(model, prompt, 4)  # warm
