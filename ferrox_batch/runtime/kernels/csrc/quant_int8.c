@@ -415,6 +415,30 @@ static void group_rows(const pseg_t *s, int64_t g, const acts_t *a, int64_t r0, 
 }
 #endif
 
+/* A weight's (type, rows, address) triples read into `segs`, stacked along the outputs: each segment's first
+ * output column and first group. `*width` and `*groups` get the weight's outputs and groups. 0, or -2 for a
+ * type not packed here, -1 for a k that is not whole units of a segment's format. */
+static int read_segments(const int64_t *triples, int64_t count, int64_t k, pseg_t *segs, int64_t *width,
+                         int64_t *groups) {
+    int64_t n = 0, g = 0;
+    for (int64_t i = 0; i < count; ++i) {
+        pseg_t *s = &segs[i];
+        s->type = (int)triples[3 * i];
+        s->rows = triples[3 * i + 1];
+        s->w = (const uint8_t *)(intptr_t)triples[3 * i + 2];
+        if ((int64_t)s->type != triples[3 * i] || !packed_fmt(s->type, &s->f)) return -2;
+        if (s->rows < 0 || k % s->f.unit_k != 0) return -1;
+        s->group_bytes = packed_group_bytes(&s->f, k);
+        s->col = n;
+        s->first_group = g;
+        n += s->rows;
+        g += (s->rows + PG - 1) / PG;
+    }
+    *width = n;
+    *groups = g;
+    return 0;
+}
+
 /* x [m][k] (float32, or bf16 when `x_bf16`) times the packed weights `segments` ((type, rows, address)
  * triples, stacked along the outputs) -> y [m][n] in x's dtype. -1: k is not a whole number of a
  * format's units; -2: a type not packed here; -3: no memory. */
@@ -425,22 +449,7 @@ int ferrox_packed_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const in
     pseg_t *segs = n_segments <= 8 ? few : (pseg_t *)malloc(sizeof(pseg_t) * (size_t)n_segments);
     if (segs == NULL) return -3;
     int64_t n = 0, groups = 0;
-    int status = 0;
-    for (int64_t i = 0; i < n_segments && status == 0; ++i) {
-        pseg_t *s = &segs[i];
-        s->type = (int)segments[3 * i];
-        s->rows = segments[3 * i + 1];
-        s->w = (const uint8_t *)(intptr_t)segments[3 * i + 2];
-        if ((int64_t)s->type != segments[3 * i] || !packed_fmt(s->type, &s->f)) status = -2;
-        else if (s->rows < 0 || k % s->f.unit_k != 0) status = -1;
-        else {
-            s->group_bytes = packed_group_bytes(&s->f, k);
-            s->col = n;
-            s->first_group = groups;
-            n += s->rows;
-            groups += (s->rows + PG - 1) / PG;
-        }
-    }
+    int status = read_segments(segments, n_segments, k, segs, &n, &groups);
     acts_t a = {k, k / 32, NULL, NULL, NULL, NULL};
     if (status == 0 && m > 0 && groups > 0) {
         a.q = (int8_t *)malloc((size_t)(m * k));
@@ -511,25 +520,11 @@ int ferrox_packed_gemm_experts(const void *x, int x_bf16, int64_t m, int64_t k, 
     int status = segs == NULL || first_seg == NULL || first_task == NULL ? -3 : 0;
     int64_t at = 0, tasks = 0;
     for (int64_t e = 0; e < experts && status == 0; ++e) {
-        const int64_t *triples = (const int64_t *)(intptr_t)segments[e];
         int64_t width = 0, groups = 0;
         first_seg[e] = at;
         first_task[e] = tasks;
-        for (int64_t i = 0; i < counts[e] && status == 0; ++i, ++at) {
-            pseg_t *s = &segs[at];
-            s->type = (int)triples[3 * i];
-            s->rows = triples[3 * i + 1];
-            s->w = (const uint8_t *)(intptr_t)triples[3 * i + 2];
-            if ((int64_t)s->type != triples[3 * i] || !packed_fmt(s->type, &s->f)) status = -2;
-            else if (s->rows < 0 || k % s->f.unit_k != 0) status = -1;
-            else {
-                s->group_bytes = packed_group_bytes(&s->f, k);
-                s->col = width;
-                s->first_group = groups;
-                width += s->rows;
-                groups += (s->rows + PG - 1) / PG;
-            }
-        }
+        status = read_segments((const int64_t *)(intptr_t)segments[e], counts[e], k, segs + at, &width, &groups);
+        at += counts[e];
         if (status == 0 && width != n) status = -1;
         if (hi[e] > lo[e]) tasks += groups;
     }
