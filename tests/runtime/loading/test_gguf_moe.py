@@ -27,7 +27,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 gguf = pytest.importorskip("gguf")
 import torch  # noqa: E402
 from numerics import assert_decisive, assert_logits_close, logits_tolerance  # noqa: E402
-from test_gguf_families import rewrite, run  # noqa: E402
+from test_gguf_families import assert_as_transformers, rewrite, run  # noqa: E402
 from tiny_checkpoint import build_tokenizer, write_tiny_checkpoint  # noqa: E402
 from tiny_gguf import SPECIALS, bpe_vocabulary  # noqa: E402
 from tiny_gguf_families import FamilyGguf, write_family_gguf  # noqa: E402
@@ -128,17 +128,7 @@ def test_the_model_is_the_one_transformers_loads_from_the_source_folder(files: d
     family = files[name]
     ours = load_model(family.path, device="cpu", dtype="float32", int8_activations=False)
     theirs = reference(source_folder(family))
-    for prompt in PROMPTS:
-        ids = ours.tokenizer.encode(prompt)
-        got, greedy, _ = run(ours, ids, 32 if prompt == PROMPTS[0] else 0)
-        with torch.no_grad():
-            want = theirs(torch.tensor([ids])).logits[0, -1]
-            assert_logits_close(got, want, ours.config, len(ids), note=(name, prompt))
-            if greedy:
-                out = theirs.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                      pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-                assert_decisive([step[0] for step in out.logits], ours.config, len(ids), note=name)
-                assert greedy == out.sequences[0, len(ids):].tolist(), name
+    assert_as_transformers(ours, theirs, PROMPTS, [PROMPTS[0]], note=name)
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

@@ -23,8 +23,7 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 gguf = pytest.importorskip("gguf")
 import torch  # noqa: E402
-from numerics import assert_decisive, assert_logits_close  # noqa: E402
-from test_gguf_families import PROMPTS, VOCAB, rewrite, run, vocabulary  # noqa: E402
+from test_gguf_families import PROMPTS, VOCAB, assert_as_transformers, rewrite, vocabulary  # noqa: E402
 from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 from tiny_gguf_families import FamilyGguf, write_family_gguf  # noqa: E402
 
@@ -91,16 +90,7 @@ def test_the_model_is_the_source_checkpoint_transformers_loads(files: tuple[Path
     ours = load_model(family.path, device="cpu", dtype="float32", int8_activations=False)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,
                                                                attn_implementation="eager").eval()
-    for prompt in PROMPTS:
-        ids = ours.tokenizer.encode(prompt)
-        got, greedy, _ = run(ours, ids, 32)
-        with torch.no_grad():
-            want = theirs(torch.tensor([ids])).logits[0, -1]
-            assert_logits_close(got, want, ours.config, len(ids), note=prompt)
-            out = theirs.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-        assert_decisive([step[0] for step in out.logits], ours.config, len(ids), note=prompt)
-        assert greedy == out.sequences[0, len(ids):].tolist(), prompt
+    assert_as_transformers(ours, theirs, PROMPTS, PROMPTS)
 
 
 @pytest.mark.parametrize("change,message", [
