@@ -291,4 +291,7 @@ def _load_gguf(
     )
     weights: dict[str, Weight] = {name: value if isinstance(value, QuantizedWeight) else torch.from_numpy(value)
                                   for name, value in ckpt.tensors.items()}
+    # The decoder pops each tensor as it converts it: no second reference may keep the file's copy alive
+    # (the load's peak is then one copy of the weights, not two).
+    ckpt.tensors.clear()
     return _build(config, weights, tokenizer, path, device, dtype, kv_cache_dtype, held, batch_invariant)
