@@ -28,7 +28,7 @@ from ferrox_batch.runtime.architectures.rope import reorder_heads, rotary_permut
 from ferrox_batch.runtime.families.layer_spec import AttentionSpec, GatedMlpSpec, LayerSpec
 from ferrox_batch.runtime.families.moe_spec import EXPERT, ExpertLayout, MoeSpec, bias_name, expert_bias_name
 from ferrox_batch.runtime.errors import ModelLoadError
-from ferrox_batch.runtime.quant.weight import Weight, cat_rows, reorder_rows, split_rows
+from ferrox_batch.runtime.quant.weight import QuantizedWeight, Segment, Weight, cat_rows, reorder_rows, split_rows
 
 class Take(Protocol):
     """The checkpoint, as blocks take their tensors out of it (`CheckpointTaker`)."""
@@ -43,6 +43,11 @@ class Take(Protocol):
 
     def float32(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """The tensor `name`, its shape checked, in float32 as stored."""
+        ...
+
+    def mxfp4(self, name: str, shape: tuple[int, int, int]) -> Weight:
+        """The stacked weight `name` of `shape` stored as its published MXFP4 blocks and scales, in the
+        decoder's format."""
         ...
 
 
@@ -148,9 +153,12 @@ def _layout(spec: MoeSpec, parts: _Parts) -> ExpertLayout:
     return next((layout for layout in spec.layouts if parts.holds(layout.marker())), spec.layouts[0])
 
 
-def _stacked(parts: _Parts, name: str, experts: int, rows: int, cols: int, transposed: bool) -> Weight:
+def _stacked(parts: _Parts, name: str, experts: int, rows: int, cols: int, transposed: bool,
+             mxfp4: bool = False) -> Weight:
     """A stacked `[experts, rows, cols]` expert weight, read as stored (`[experts, cols, rows]` where the
-    layout is transposed, which only dense tensors may be)."""
+    layout is transposed, which only dense tensors may be; as its MXFP4 blocks and scales where `mxfp4`)."""
+    if mxfp4:
+        return parts.take.mxfp4(parts.prefix + name, (experts, rows, cols))
     if not transposed:
         return parts.tensor(name, (experts, rows, cols))
     weight = parts.tensor(name, (experts, cols, rows))
@@ -160,7 +168,12 @@ def _stacked(parts: _Parts, name: str, experts: int, rows: int, cols: int, trans
 
 
 def _deinterleave(weight: Weight, name: str) -> Weight:
-    """Alternating gate, up rows (of each expert) made every gate row, then every up row."""
+    """Alternating gate, up rows (of each expert) made every gate row, then every up row: a quantized stack
+    of one format moves its blocks' rows, each row stored on its own (never requantized)."""
+    if isinstance(weight, QuantizedWeight) and weight.experts is not None and len(weight.segments) == 1:
+        (segment,) = weight.segments
+        rows = torch.cat([segment.data[:, 0::2], segment.data[:, 1::2]], dim=1).contiguous()
+        return QuantizedWeight((Segment(segment.format, rows),), weight.cols)
     if not isinstance(weight, torch.Tensor):
         raise ModelLoadError(f"tensor {name!r} interleaves its gate and up rows, which quantized blocks cannot")
     return torch.cat([weight[..., 0::2, :], weight[..., 1::2, :]], dim=-2).contiguous() if weight.dim() == 3 else \
@@ -196,8 +209,9 @@ def _experts(spec: MoeSpec, layout: ExpertLayout, parts: _Parts) -> tuple[Expert
                              for e in range(count)]),
                 torch.stack([vector(expert_bias_name(each(layout.down, e)), (h,)) for e in range(count)]))
     rows = 2 * ff if len(layout.gate_up) == 1 else ff
-    stacked = cat_rows([_stacked(parts, name, count, rows, h, layout.transposed) for name in layout.gate_up])
-    down_stacked = _stacked(parts, layout.down, count, h, ff, layout.transposed)
+    stacked = cat_rows([_stacked(parts, name, count, rows, h, layout.transposed, layout.mxfp4)
+                        for name in layout.gate_up])
+    down_stacked = _stacked(parts, layout.down, count, h, ff, layout.transposed, layout.mxfp4)
     gate_up_bias = torch.cat([vector(expert_bias_name(name), (count, rows)) for name in layout.gate_up], dim=-1) \
         if spec.bias else None
     if layout.interleaved:
