@@ -9,7 +9,11 @@ transformers on the source folder: the same token ids into both, 32 greedy ids p
 step's logits. Some families get a variant checkpoint too (`VARIANTS`: a llama3-scaled Llama, which the
 converter writes as the `rope_freqs` tensor), untied at both outtypes. The mixture-of-experts families
 (qwen3_moe, qwen2_moe, olmoe, granitemoe, and mixtral, which the converter writes as `llama` with experts)
-are checked the same way, every layer sparse (llama.cpp's qwen2moe and qwen3moe have no dense layer). At f32
+are checked the same way, every layer sparse (llama.cpp's qwen2moe and qwen3moe have no dense layer), and so
+is gpt-oss, once from a bf16-style checkpoint and once from the published layout (its experts MXFP4 blocks,
+`tests/mxfp4_checkpoint.py`), which the converter repacks into MXFP4 experts; that one is compared with
+transformers on its float twin (the same values dequantized by transformers; at f32 the MXFP4 experts are
+multiplied by the weight-only kernel, the file's values exactly). At f32
 the greedy ids must be
 identical; at q8_0 it reports how many agree. It prints a
 markdown table (family, outtype, ids identical, max |logit diff|, result) and exits non-zero when an f32
@@ -61,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the fixture lives with the tests
 
 import torch  # noqa: E402
+from mxfp4_checkpoint import write_published  # noqa: E402
 from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
@@ -96,6 +101,9 @@ OUTTYPES = ("f32", "q8_0")
 GEMMA = dict(layers=6, heads=2, kv_heads=1, head_dim=256, intermediate=256, sliding_window=8)
 #: model_type -> the tiny checkpoint's arguments beyond the shared ones. Each RoPE base is away from 10,000
 #: (granite, olmo2 and gemma3_text set theirs in the fixture's own config entry).
+GPT_OSS = dict(layers=3, head_dim=16, intermediate=64, max_positions=256, extra_config={"swiglu_limit": 7.0},
+               rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "original_max_position_embeddings": 64})
 CHECKPOINTS: dict[str, dict[str, Any]] = {
     "llama": dict(extra_config={"rope_theta": 500000.0}),
     "qwen2": dict(extra_config={"rope_theta": 1000000.0}),
@@ -110,6 +118,8 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "olmoe": dict(intermediate=64),
     "granitemoe": dict(intermediate=64),
     "mixtral": dict(intermediate=64),
+    # What llama.cpp can describe: it hardcodes the SwiGLU limit 7 and YaRN's truncated correction range.
+    "gpt_oss": GPT_OSS,
 }
 #: model_type -> (row label, the tiny checkpoint's arguments) of a variant checked beside the plain checkpoint.
 #: Llama 3.1's scaling over a pretrained context of 64: with a head of 16 at base 500,000 its 8 frequencies
@@ -118,6 +128,7 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
     "llama": [("llama3 rope", dict(extra_config={"rope_theta": 500000.0}, rope_scaling={
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}))],
+    "gpt_oss": [("published mxfp4", {**GPT_OSS, "published_mxfp4": True})],
 }
 
 
@@ -184,9 +195,14 @@ def check(case: str, model_type: str, tie: bool, outtypes: tuple[str, ...], work
     import transformers
 
     folder = work / case.replace(" ", "-").replace("(", "").replace(")", "")
-    entry = CHECKPOINTS.get(model_type, {}) if checkpoint is None else checkpoint
+    entry = dict(CHECKPOINTS.get(model_type, {}) if checkpoint is None else checkpoint)
+    published = entry.pop("published_mxfp4", False)
     source = write_tiny_checkpoint(folder / "hf", arch=model_type, std=0.15, tie=tie, **{"seed": 7, **entry})
     prepare(source, model_type)
+    converted = source
+    if published:  # the converter reads the published layout; transformers runs the same values dequantized
+        pair = write_published(source, folder / "mxfp4")
+        converted, source = pair.folder, pair.twin
     tok = Tokenizer.from_file(str(source / "tokenizer.json"))
     prompts = [tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]  # the same ids into both
     hf = transformers.AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
@@ -197,8 +213,10 @@ def check(case: str, model_type: str, tie: bool, outtypes: tuple[str, ...], work
         rows.append(row)
         try:
             path = folder / f"{outtype}.gguf"
-            convert(args.python, args.llama_cpp, shim, source, path, outtype, args.fallback_pre)
-            model = load_model(path, device="cpu", dtype="fp32")
+            convert(args.python, args.llama_cpp, shim, converted, path, outtype, args.fallback_pre)
+            # At f32 the only quantized tensors are those the converter keeps whatever the outtype (the published
+            # MXFP4 experts): the weight-only kernel multiplies by their values exactly, as transformers does.
+            model = load_model(path, device="cpu", dtype="fp32", int8_activations=outtype != "f32")
             for ids, (want_first, want_ids) in zip(prompts, want):
                 got_first, got_ids = ours(model, ids)
                 row.same += sum(a == b for a, b in zip(got_ids, want_ids))

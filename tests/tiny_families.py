@@ -190,6 +190,20 @@ def _olmoe_gguf(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
 
 
+def _gpt_oss_gguf(writer: gguf.GGUFWriter, config: dict[str, Any]) -> None:
+    """GptOssModel: the window and the experts' width; TextModel's YaRN betas (the shared writer's YaRN has
+    its factor and original context only)."""
+    _heads(writer, config)
+    scaling = config.get("rope_scaling") or {}
+    if scaling.get("rope_type") == "yarn":
+        if scaling.get("beta_fast") is not None:
+            writer.add_rope_scaling_yarn_beta_fast(scaling["beta_fast"])
+        if scaling.get("beta_slow") is not None:
+            writer.add_rope_scaling_yarn_beta_slow(scaling["beta_slow"])
+    writer.add_sliding_window(config["sliding_window"])
+    writer.add_expert_feed_forward_length(config["intermediate_size"])
+
+
 #: llama.cpp's architecture name -> what its converter writes beyond the keys every family gets.
 GGUF_METADATA: dict[str, Callable[[gguf.GGUFWriter, dict[str, Any]], None]] = {
     "llama": _rope_dims_and_vocab,
@@ -204,4 +218,5 @@ GGUF_METADATA: dict[str, Callable[[gguf.GGUFWriter, dict[str, Any]], None]] = {
     "qwen2moe": _qwen_moe_gguf,
     "olmoe": _olmoe_gguf,
     "granitemoe": _granite_gguf,  # GraniteMoeModel adds only a shared expert's width, which this one lacks
+    "gpt-oss": _gpt_oss_gguf,
 }

@@ -13,7 +13,10 @@ converter writes it (`converter_experts`): each layer's experts stacked into one
 `expert_used_count` from the config, and what each architecture adds (`tiny_families.GGUF_METADATA`); the
 weights it returns are then under the reader's STACKED names. Matrices are quantized the way a
 Q4_K_M file mixes types (Q8_0, Q5_0, Q4_1, F16, BF16, and Q4_K / Q6_K where a row holds whole 256-value
-blocks; stacked experts in Q8_0, or F16 where a row is not whole 32-value blocks). It returns the HF
+blocks; stacked experts in Q8_0, or F16 where a row is not whole 32-value blocks; with `mxfp4_experts`,
+the stacked experts in MXFP4 and every other tensor in f32). gpt-oss is written as GptOssModel writes a
+bf16 source: its interleaved, transposed gate/up split into gate and up, its biases with them, its
+router as `ffn_gate_inp` with a bias, and its sinks as `attn_sinks.weight`. It returns the HF
 weights the conversion must give back (the dequantized values) and an HF folder holding exactly those, so a test can compare the GGUF with transformers reading it, or with our own load of
 the same weights.
 """
@@ -82,7 +85,7 @@ def llama3_rope_factors(config: dict[str, Any]) -> np.ndarray:
 
 
 def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, quantized: bool = True,
-                      seed: int = 0, split_qkv: bool = False) -> FamilyGguf:
+                      seed: int = 0, split_qkv: bool = False, mxfp4_experts: bool = False) -> FamilyGguf:
     """The checkpoint in `source` as `out/<arch>.gguf`, and its dequantized twin as `out/hf`."""
     rng = np.random.default_rng(seed)
     config = json.loads((source / "config.json").read_text())
@@ -123,7 +126,8 @@ def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, 
     names = gguf.get_tensor_name_map(ARCHS[arch], layers)
     weights: dict[str, np.ndarray] = {}
     for hf_name in sorted(hf):
-        module, suffix = hf_name.rsplit(".", 1)
+        # GptOssModel.filter_tensors gives the sinks a `.weight`
+        module, suffix = (hf_name, "weight") if hf_name.endswith(".sinks") else hf_name.rsplit(".", 1)
         gguf_name = names.get_name(module)
         assert gguf_name is not None, hf_name
         value = hf[hf_name].astype(np.float32)
@@ -135,7 +139,8 @@ def write_family_gguf(source: Path, out: Path, arch: str, vocab: Vocabulary, *, 
             parts = [(gguf_name, value)]
         truths = []
         for name, part in parts:
-            truths.append(_write(writer, f"{name}.{suffix}", part, family, (heads, kv_heads), quantized, rng))
+            truths.append(_write(writer, f"{name}.{suffix}", part, family, (heads, kv_heads), quantized, rng,
+                                 mxfp4_experts))
         weights[hf_name] = np.concatenate(truths) if len(truths) > 1 else truths[0]
     if scaling.get("rope_type") == "llama3":
         writer.add_tensor("rope_freqs.weight", llama3_rope_factors(config))
@@ -159,6 +164,8 @@ def converter_experts(hf: dict[str, np.ndarray], config: dict[str, Any]) -> dict
     STACKED layout's names (`mlp.experts.gate_proj.weight`, ..., the router `mlp.gate.weight`), which gguf-py's
     map turns into `ffn_{gate,up,down}_exps` and `ffn_gate_inp` for every one of these architectures."""
     out, stacks = {}, {}
+    if config["model_type"] == "gpt_oss":
+        return _gpt_oss_experts(hf)
     mixtral = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
     for name, value in hf.items():
         pieces = name.split(".")
@@ -181,12 +188,38 @@ def converter_experts(hf: dict[str, np.ndarray], config: dict[str, Any]) -> dict
     return out
 
 
+def _gpt_oss_experts(hf: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """GptOssModel.modify_tensors on a bf16 source: `[experts, in, out]` gate/up transposed and split into its
+    alternating gate and up rows (its bias's columns likewise), down transposed, under the STACKED names."""
+    out = {}
+    for name, value in hf.items():
+        layer = ".".join(name.split(".")[:3])
+        if name.endswith("mlp.experts.gate_up_proj"):
+            rows = value.swapaxes(-1, -2)
+            out[f"{layer}.mlp.experts.gate_proj.weight"] = np.ascontiguousarray(rows[:, 0::2])
+            out[f"{layer}.mlp.experts.up_proj.weight"] = np.ascontiguousarray(rows[:, 1::2])
+        elif name.endswith("mlp.experts.gate_up_proj_bias"):
+            out[f"{layer}.mlp.experts.gate_proj.bias"] = np.ascontiguousarray(value[..., 0::2])
+            out[f"{layer}.mlp.experts.up_proj.bias"] = np.ascontiguousarray(value[..., 1::2])
+        elif name.endswith("mlp.experts.down_proj"):
+            out[f"{layer}.mlp.experts.down_proj.weight"] = np.ascontiguousarray(value.swapaxes(-1, -2))
+        elif name.endswith("mlp.experts.down_proj_bias"):
+            out[f"{layer}.mlp.experts.down_proj.bias"] = value
+        elif ".mlp.router." in name:
+            out[name.replace(".mlp.router.", ".mlp.gate.")] = value
+        else:
+            out[name] = value
+    return out
+
+
 def _write(writer: gguf.GGUFWriter, name: str, value: np.ndarray, family: Any, heads: tuple[int, int],
-           quantized: bool, rng: np.random.Generator) -> np.ndarray:
+           quantized: bool, rng: np.random.Generator, mxfp4_experts: bool = False) -> np.ndarray:
     """One tensor written as llama.cpp stores it; what it dequantizes to, as the HF checkpoint holds it."""
     kind = name.split(".")[-2]
     qtype = Q.F32
-    if quantized and value.ndim == 3:
+    if mxfp4_experts and value.ndim == 3 and name.endswith(".weight"):
+        qtype = Q.MXFP4
+    elif quantized and value.ndim == 3:
         qtype = Q.Q8_0 if value.shape[-1] % 32 == 0 else Q.F16
     elif quantized and value.ndim == 2 and kind not in F32_ALWAYS:
         k_quant, other = QUANT[kind]

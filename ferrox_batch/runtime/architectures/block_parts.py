@@ -32,6 +32,11 @@ class Take(Protocol):
         """The tensor `name`, its shape checked, in float32 as stored."""
         ...
 
+    def mxfp4(self, name: str, shape: tuple[int, int, int]) -> Weight:
+        """The stacked weight `name` of `shape` stored as its published MXFP4 blocks and scales, in the
+        decoder's format."""
+        ...
+
 
 class LinearMaker(Protocol):
     """What builds a block's linears in the decoder's weight format (the linear factory)."""

@@ -23,7 +23,7 @@ from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.errors import ModelLoadError
 from ferrox_batch.runtime.families.layer_spec import GatedMlpSpec
 from ferrox_batch.runtime.families.moe_spec import EXPERT, ExpertLayout, MoeSpec, bias_name, expert_bias_name
-from ferrox_batch.runtime.quant.weight import Weight, cat_rows
+from ferrox_batch.runtime.quant.weight import QuantizedWeight, Segment, Weight, cat_rows
 
 
 def _layout(spec: MoeSpec, parts: BlockParts) -> ExpertLayout:
@@ -32,9 +32,12 @@ def _layout(spec: MoeSpec, parts: BlockParts) -> ExpertLayout:
     return next((layout for layout in spec.layouts if parts.holds(layout.marker())), spec.layouts[0])
 
 
-def _stacked(parts: BlockParts, name: str, experts: int, rows: int, cols: int, transposed: bool) -> Weight:
+def _stacked(parts: BlockParts, name: str, experts: int, rows: int, cols: int, transposed: bool,
+             mxfp4: bool = False) -> Weight:
     """A stacked `[experts, rows, cols]` expert weight, read as stored (`[experts, cols, rows]` where the
-    layout is transposed, which only dense tensors may be)."""
+    layout is transposed, which only dense tensors may be; as its MXFP4 blocks and scales where `mxfp4`)."""
+    if mxfp4:
+        return parts.take.mxfp4(parts.prefix + name, (experts, rows, cols))
     if not transposed:
         return parts.tensor(name, (experts, rows, cols))
     weight = parts.tensor(name, (experts, cols, rows))
@@ -44,7 +47,12 @@ def _stacked(parts: BlockParts, name: str, experts: int, rows: int, cols: int, t
 
 
 def _deinterleave(weight: Weight, name: str) -> Weight:
-    """Alternating gate, up rows (of each expert) made every gate row, then every up row."""
+    """Alternating gate, up rows (of each expert) made every gate row, then every up row: a quantized stack
+    of one format moves its blocks' rows, each row stored on its own (never requantized)."""
+    if isinstance(weight, QuantizedWeight) and weight.experts is not None and len(weight.segments) == 1:
+        (segment,) = weight.segments
+        rows = torch.cat([segment.data[:, 0::2], segment.data[:, 1::2]], dim=1).contiguous()
+        return QuantizedWeight((Segment(segment.format, rows),), weight.cols)
     if not isinstance(weight, torch.Tensor):
         raise ModelLoadError(f"tensor {name!r} interleaves its gate and up rows, which quantized blocks cannot")
     return torch.cat([weight[..., 0::2, :], weight[..., 1::2, :]], dim=-2).contiguous() if weight.dim() == 3 else \
@@ -80,8 +88,9 @@ def _experts(spec: MoeSpec, layout: ExpertLayout, parts: BlockParts) -> tuple[Ex
                              for e in range(count)]),
                 torch.stack([vector(expert_bias_name(each(layout.down, e)), (h,)) for e in range(count)]))
     rows = 2 * ff if len(layout.gate_up) == 1 else ff
-    stacked = cat_rows([_stacked(parts, name, count, rows, h, layout.transposed) for name in layout.gate_up])
-    down_stacked = _stacked(parts, layout.down, count, h, ff, layout.transposed)
+    stacked = cat_rows([_stacked(parts, name, count, rows, h, layout.transposed, layout.mxfp4)
+                        for name in layout.gate_up])
+    down_stacked = _stacked(parts, layout.down, count, h, ff, layout.transposed, layout.mxfp4)
     gate_up_bias = torch.cat([vector(expert_bias_name(name), (count, rows)) for name in layout.gate_up], dim=-1) \
         if spec.bias else None
     if layout.interleaved:

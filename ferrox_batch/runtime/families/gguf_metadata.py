@@ -99,6 +99,9 @@ class GgufFamily:
     #: Claims the files of `arch` whose `{arch}.expert_count` is positive (Mixtral, written as `llama`); the
     #: family of that architecture without it claims the rest.
     experts_variant: bool = False
+    #: Layer tensors whose HF name has no `.weight` (gpt-oss's `self_attn.sinks`), which llama.cpp's files
+    #: name with one (`attn_sinks.weight`).
+    bare: frozenset[str] = frozenset()
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The HF name of a weight tensor (None for a config tensor); ModelLoadError for an unknown one."""
@@ -109,12 +112,19 @@ class GgufFamily:
             return f"{GLOBAL_TENSORS[parts[0]]}.weight"
         if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
             short = self._fused.get(parts[2], (parts[2], 0))[0]
+            if short in self.bare and parts[3] == "weight":
+                return f"model.layers.{int(parts[1])}.{self.layer_tensors[short]}"
             if short in self.layer_tensors and (parts[3] == "weight" or (parts[3] == "bias" and short in self.biased)):
                 return f"model.layers.{int(parts[1])}.{self.layer_tensors[short]}.{parts[3]}"
         raise ModelLoadError(f"unexpected tensor {gguf_name!r} for a {self.arch} model")
 
     def gguf_name(self, hf_name: str) -> str | None:
         """The name this family's files give a weight (`hf_name`'s inverse); None for one they do not hold."""
+        pieces = hf_name.split(".", 3)
+        if len(pieces) == 4 and pieces[:2] == ["model", "layers"] and pieces[2].isdigit():
+            short = next((name for name in self.bare if self.layer_tensors[name] == pieces[3]), None)
+            if short is not None:
+                return f"blk.{pieces[2]}.{short}.weight"
         module, _, suffix = hf_name.rpartition(".")
         by_hf = {hf: name for name, hf in GLOBAL_TENSORS.items()}
         if module in by_hf:

@@ -9,8 +9,8 @@ MLP of its own; a shared expert, gated by a sigmoid where the family has one, ru
 Checkpoints store the experts in one of a few layouts (`ExpertLayout`): one 2-D tensor per expert and
 projection (`experts.{e}.gate_proj.weight`: the layout most checkpoints are published in), one 3-D tensor
 for the gate and up projections of every expert (`experts.gate_up_proj`: what transformers holds in
-memory and some checkpoints are published in), or one 3-D tensor per projection (what llama.cpp's files
-hold). A spec lists the layouts its family's checkpoints come in, its own first: `tensors` names that
+memory and some checkpoints are published in; gpt-oss's published ones hold it as MXFP4 blocks and
+scales), or one 3-D tensor per projection (what llama.cpp's files hold). A spec lists the layouts its family's checkpoints come in, its own first: `tensors` names that
 one, and the builder takes whichever the checkpoint holds. Torch-free.
 """
 
@@ -118,6 +118,9 @@ class ExpertLayout:
     transposed: bool = False
     #: One gate/up tensor's rows alternate gate, up, gate, up (gpt-oss), rather than every gate row first.
     interleaved: bool = False
+    #: Each stacked tensor is the published MXFP4 pair `<name>_blocks`, uint8 `[experts, out, in / 32, 16]`,
+    #: and `<name>_scales`, uint8 `[experts, out, in / 32]` (gpt-oss's published checkpoints; not transposed).
+    mxfp4: bool = False
 
     def __post_init__(self) -> None:
         per_expert = {EXPERT in name for name in (*self.gate_up, self.down)}
@@ -126,6 +129,8 @@ class ExpertLayout:
                              f"stacked; got {self.gate_up}, {self.down}")
         if (self.transposed or self.interleaved) and self.per_expert or self.interleaved and len(self.gate_up) != 1:
             raise ValueError("only stacked experts are stored transposed, and only one gate/up tensor interleaved")
+        if self.mxfp4 and (self.per_expert or self.transposed):
+            raise ValueError("MXFP4 blocks hold stacked experts as `[experts, out, in]` rows, never transposed")
 
     @property
     def per_expert(self) -> bool:
@@ -133,7 +138,7 @@ class ExpertLayout:
 
     def marker(self) -> str:
         """The name whose presence says a checkpoint holds this layout (the first expert's gate)."""
-        return self.gate_up[0].replace(EXPERT, "0")
+        return BLOCKS.format(self.gate_up[0]) if self.mxfp4 else self.gate_up[0].replace(EXPERT, "0")
 
     def tensors(self, experts: int, hidden: int, intermediate: int, bias: bool = False) -> dict[str, tuple[int, ...]]:
         """The experts' tensors (the router's are `RouterSpec.tensors`), with their biases where `bias`."""
@@ -151,13 +156,28 @@ class ExpertLayout:
             return out
         rows = 2 * ff if len(self.gate_up) == 1 else ff
         for name in self.gate_up:
-            out[name] = (experts, h, rows) if self.transposed else (experts, rows, h)
+            out.update(self._stacked(name, (experts, h, rows) if self.transposed else (experts, rows, h)))
             if bias:
                 out[expert_bias_name(name)] = (experts, rows)
-        out[self.down] = (experts, ff, h) if self.transposed else (experts, h, ff)
+        out.update(self._stacked(self.down, (experts, ff, h) if self.transposed else (experts, h, ff)))
         if bias:
             out[expert_bias_name(self.down)] = (experts, h)
         return out
+
+
+    def _stacked(self, name: str, shape: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
+        """A stacked weight's tensors: itself, or its MXFP4 blocks and scales (`mxfp4_tensors`)."""
+        return mxfp4_tensors(name, shape) if self.mxfp4 else {name: shape}
+
+
+#: The published MXFP4 pair's names, from the weight's.
+BLOCKS, SCALES = "{}_blocks", "{}_scales"
+
+
+def mxfp4_tensors(name: str, shape: tuple[int, int, int]) -> dict[str, tuple[int, ...]]:
+    """The published MXFP4 pair of a stacked `[experts, out, in]` weight `name`: 32 values a block."""
+    experts, out, cols = shape
+    return {BLOCKS.format(name): (experts, out, cols // 32, 16), SCALES.format(name): (experts, out, cols // 32)}
 
 
 def expert_bias_name(weight: str) -> str:

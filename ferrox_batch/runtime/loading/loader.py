@@ -39,7 +39,7 @@ from ferrox_batch.runtime.families.registry import wrapped_of
 from ferrox_batch.runtime.invariance import batch_invariant_choice, choose_batch_invariance
 from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
-from ferrox_batch.runtime.quant.choice import WeightsChoice, choose_weights
+from ferrox_batch.runtime.quant.choice import STORED_QUANT_METHODS, WeightsChoice, choose_weights
 from ferrox_batch.runtime.quant.weight import QuantizedWeight, Weight
 
 log = logging.getLogger("ferrox_batch.runtime.loading")
@@ -116,7 +116,8 @@ def _load(path: str | Path, device: str | torch.device | None, dtype: str | torc
     if not path.exists():
         raise ModelLoadError(f"no model at {path}")
     gguf = path.is_file() and path.suffix == ".gguf"
-    held = choose_weights(weights, gguf=gguf, device=choose_device(device), int8_activations=int8_activations)
+    held = choose_weights(weights, gguf=gguf, device=choose_device(device), int8_activations=int8_activations,
+                          stores_quantized=not gguf and _stores_quantized(path))
     batch_invariant = batch_invariant_choice(batch_invariant)  # a bad value fails before the file is read
     if gguf:
         return _load_gguf(path, device, dtype, kv_cache_dtype, held, batch_invariant)
@@ -203,6 +204,16 @@ def _renaming(config: Path) -> Rename | None:
         return None  # the config's own reading says why
     wrapped = wrapped_of(raw) if isinstance(raw, dict) else None
     return None if wrapped is None else wrapped.name
+
+
+def _stores_quantized(folder: Path) -> bool:
+    """Whether the folder's config says its checkpoint stores weights in a quantized format the runtime serves
+    as stored (gpt-oss's published MXFP4 experts); False where it cannot be read (loading says why)."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        return config["quantization_config"]["quant_method"] in STORED_QUANT_METHODS
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _layers_held(folder: Path, rename: Rename | None = None) -> int | None:

@@ -2,7 +2,8 @@
 
 * `auto` (the default): a GGUF file is served in the quantized formats it stores (`formats.FORMATS`), on
   the CPU, where the quantized kernels run; its other tensors (norms, f16 or bf16 weights, types the
-  kernels do not run) are widened to the precision. A safetensors checkpoint keeps its dense weights. On
+  kernels do not run) are widened to the precision. A safetensors checkpoint keeps its dense weights, and
+  the quantized ones it stores in such a format (gpt-oss's published MXFP4 experts) as a GGUF's. On
   CUDA every weight is widened: the quantized kernels are the CPU's.
 * `widen`: every weight widened to the precision, as a dense checkpoint is held (the reference the
   quantized formats are measured against).
@@ -25,6 +26,9 @@ import torch
 from ferrox_batch.runtime.quant.formats import QuantFormat
 from ferrox_batch.runtime.quant.quantize import LOAD_FORMATS, load_format
 
+#: The `quantization_config.quant_method`s of safetensors checkpoints whose weights are in one of our
+#: formats, served as stored (gpt-oss's published MXFP4 experts, `families.gpt_oss`).
+STORED_QUANT_METHODS: frozenset[str] = frozenset({"mxfp4"})
 #: Every `--weights` value.
 WEIGHTS_CHOICES: tuple[str, ...] = ("auto", "widen", *LOAD_FORMATS)
 
@@ -40,16 +44,18 @@ class WeightsChoice:
     int8_activations: bool = True
 
 
-def choose_weights(asked: str | None, *, gguf: bool, device: torch.device, int8_activations: bool = True) -> WeightsChoice:
-    """How to hold the weights of a checkpoint (a `gguf` file or not) on `device` (module docstring)."""
-    choice = _choose(asked, gguf=gguf, device=device)
+def choose_weights(asked: str | None, *, gguf: bool, device: torch.device, int8_activations: bool = True,
+                   stores_quantized: bool = False) -> WeightsChoice:
+    """How to hold the weights of a checkpoint (a `gguf` file or not; a safetensors one that
+    `stores_quantized` weights in a format of ours) on `device` (module docstring)."""
+    choice = _choose(asked, gguf=gguf, device=device, stores_quantized=stores_quantized)
     if int8_activations:
         return choice
     return WeightsChoice(choice.keep_quantized, choice.quantize_to,
                          choice.reason + "; quantized weights multiplied by the weight-only kernel", False)
 
 
-def _choose(asked: str | None, *, gguf: bool, device: torch.device) -> WeightsChoice:
+def _choose(asked: str | None, *, gguf: bool, device: torch.device, stores_quantized: bool) -> WeightsChoice:
     asked = asked or "auto"
     if asked not in WEIGHTS_CHOICES:
         raise ValueError(f"unknown weights choice {asked!r}; use one of {', '.join(WEIGHTS_CHOICES)}")
@@ -60,9 +66,10 @@ def _choose(asked: str | None, *, gguf: bool, device: torch.device) -> WeightsCh
             raise ValueError(f"--weights {asked} quantizes for the CPU's kernels; on {device.type} use auto or widen")
         return WeightsChoice(False, load_format(asked), f"asked for: every linear weight and the embedding "
                                                         f"quantized to {asked} at load")
-    if not gguf:
+    if not gguf and not stores_quantized:
         return WeightsChoice(False, None, "auto: a safetensors checkpoint keeps its dense weights")
+    what = "GGUF" if gguf else "checkpoint"
     if device.type != "cpu":
         return WeightsChoice(False, None, f"auto on {device.type}: the quantized kernels are the CPU's, so the "
-                                          "GGUF's weights are widened to the precision")
-    return WeightsChoice(True, None, "auto: a GGUF is served in the quantized formats it stores")
+                                          f"{what}'s quantized weights are widened to the precision")
+    return WeightsChoice(True, None, f"auto: a {what} is served in the quantized formats it stores")
