@@ -550,7 +550,7 @@ int ferrox_packed_gemm_experts(const void *x, int x_bf16, int64_t m, int64_t k, 
 #endif
 #pragma omp for schedule(static)
             for (int64_t r = 0; r < m; ++r) quantize_row(x, x_bf16, r, &a);
-#pragma omp for schedule(dynamic, 4)
+#pragma omp for schedule(static)
             for (int64_t t = 0; t < tasks; ++t) {
                 /* The expert whose tasks hold t: the last whose first task is at most t (an expert with no
                  * rows has no tasks, so the last such is never one). */
