@@ -169,3 +169,13 @@ def client(server):
 
     with openai_client(server[0], timeout=60) as c:
         yield c
+
+
+@pytest.fixture(scope="session")
+def forced_kernel_builds():
+    """`kernel_builds.forced_builds` once per session: this machine's build and, on x86, the AVX2-only and
+    plain-C ones (each a compile of its own, so the tests that compare the paths share them)."""
+    from kernel_builds import forced_builds
+
+    with pytest.MonkeyPatch.context() as patch:
+        return forced_builds(patch)

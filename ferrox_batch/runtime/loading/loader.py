@@ -161,12 +161,14 @@ def _build(
                       int8_activations=held.int8_activations, batch_invariant=invariance.prefer,
                       narrow_panels=invariance.narrow_panels)
     if invariance.required and not decoder.batch_invariant:
-        sparse = any(not layer.ffn.batch_invariant for layer in decoder.layers)
-        raise ModelLoadError(f"--batch-invariant on: not every layer runs batch-invariant kernels here "
-                             f"(linear kernels: {dict(decoder.linear_kinds)}); the invariant ones are ours for bf16 "
-                             "and fp16 weights and the int8 quantized kernel, on the CPU with the C kernels built"
-                             + ("; a mixture of experts' router runs torch's float32 matmul, which is not" if sparse
-                                else ""))
+        linears = decoder.linear_factory.batch_invariant_over(kind for kind in decoder.linear_kinds)
+        if not linears:
+            raise ModelLoadError(f"--batch-invariant on: not every linear layer runs a batch-invariant kernel here "
+                                 f"(linear kernels: {dict(decoder.linear_kinds)}); the invariant ones are ours for "
+                                 "bf16 and fp16 weights and the int8 quantized kernel, on the CPU with the C kernels "
+                                 "built")
+        raise ModelLoadError("--batch-invariant on: this model's mixture-of-experts router runs torch's float32 "
+                             "matmul, whose rounding may follow the batch's size; serve it with auto or off")
     weights_reason = held.reason
     if held.keep_quantized and "dense" in decoder.weight_formats:
         weights_reason += "; the weights in other formats (or where no quantized kernel runs here) widened"

@@ -14,7 +14,7 @@ import torch
 from attention_reference import KERNEL_EXP_ULPS, context, prefill_as_decode, prefill_case, random_case
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_builds import built_kernels, forced_builds, needs_compiler
+from kernel_builds import built_kernels, needs_compiler
 from numerics import gamma, steps, unit_roundoff
 
 from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
@@ -27,12 +27,11 @@ POOL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 @pytest.fixture(scope="module")
-def builds() -> dict[str, CpuKernels]:
+def builds(request: pytest.FixtureRequest) -> dict[str, CpuKernels]:
     """This machine's build, and on x86 the AVX2-only and scalar ones (`kernel_builds.X86_FLAGS`)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return {"native": built_kernels()}
-    with pytest.MonkeyPatch.context() as patch:
-        return forced_builds(patch)
+    return request.getfixturevalue("forced_kernel_builds")
 
 
 def sinks_for(gen: torch.Generator, heads: int, spread: float, offset: float) -> torch.Tensor:

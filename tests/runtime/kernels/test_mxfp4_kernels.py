@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_builds import built_kernels, forced_builds, needs_compiler
+from kernel_builds import built_kernels, needs_compiler
 from quant_weights import assert_exact_sums, assert_sums_of_quantized_x, random_blocks, reference
 
 from ferrox_batch.runtime.quant.formats import FORMATS
@@ -108,11 +108,11 @@ def test_mxfp4_segments_stack_with_other_formats(kernels) -> None:
     assert_exact_sums(kernels.pack_quant(segments, k)(x), x, weight)
 
 
-def test_every_path_decodes_exactly_and_agrees(monkeypatch) -> None:
+def test_every_path_decodes_exactly_and_agrees(forced_kernel_builds) -> None:
     """This machine's build and, on x86, the AVX2 and plain-C loops forced: the weight-only decoders and the
     packing exact at every exponent (the AVX2 loops form the subnormal scales by a blend of their own), and
     the int8 products identical to the last bit across the paths."""
-    builds = forced_builds(monkeypatch)
+    builds = forced_kernel_builds
     raw = every_exponent(2)
     wide = wide_blocks(21, 768, 5)
     x = torch.randn(10, 768, generator=torch.Generator().manual_seed(6))

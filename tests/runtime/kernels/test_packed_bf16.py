@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_builds import X86_FLAGS, built_kernels, forced_builds, needs_compiler
+from kernel_builds import X86_FLAGS, built_kernels, needs_compiler
 
 from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
 from ferrox_batch.runtime.kernels.packed_bf16 import BF16_PATHS, PackedBf16
@@ -77,8 +77,8 @@ def test_a_row_alone_equals_it_in_any_batch_and_thread_count(kernels):
         assert torch.equal(packed(batch[row:row + 1]), together[row:row + 1])
 
 
-def test_every_path_gives_the_same_bits(monkeypatch):
-    builds = forced_builds(monkeypatch)
+def test_every_path_gives_the_same_bits(forced_kernel_builds):
+    builds = forced_kernel_builds
     assert [builds[path].bf16_path for path in X86_FLAGS] == list(X86_FLAGS)
     assert builds["native"].bf16_path in BF16_PATHS
     w, x = random_bf16(70, 515, 7), random_bf16(11, 515, 8)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_builds import X86_FLAGS, built_kernels, forced_builds, needs_compiler
+from kernel_builds import X86_FLAGS, built_kernels, needs_compiler
 from quant_weights import blocks
 
 from ferrox_batch.runtime.kernels.cpu_kernels import CpuKernels
@@ -69,8 +69,8 @@ def test_rows_no_expert_names_are_left_and_empty_experts_skipped(kernels):
     assert torch.equal(got[:2], weights[0](x[:2])) and torch.equal(got[2:4], weights[2](x[2:4]))
 
 
-def test_every_path_gives_the_same_bits(monkeypatch):
-    builds = forced_builds(monkeypatch)
+def test_every_path_gives_the_same_bits(forced_kernel_builds):
+    builds = forced_kernel_builds
     assert [builds[path].packed_path for path in X86_FLAGS] == list(X86_FLAGS)
     x = torch.randn(13, 512, generator=torch.Generator().manual_seed(5))
     lo, hi = ranges([4, 0, 7, 2])

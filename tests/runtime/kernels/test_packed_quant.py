@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_builds import X86_FLAGS, built_kernels, forced_builds, needs_compiler
+from kernel_builds import X86_FLAGS, built_kernels, needs_compiler
 from quant_weights import (
     DTYPES,
     assert_exact_sums,
@@ -169,10 +169,10 @@ def test_bad_bindings_and_inputs_are_refused(kernels):
         packed(torch.randn(1, 64))
 
 
-def test_every_path_gives_the_same_bits(monkeypatch):
+def test_every_path_gives_the_same_bits(forced_kernel_builds):
     """This machine's build and, on x86, the AVX2 and plain-C loops forced: each format, both dtypes,
     rows decoded and products, identical to the last bit (the arithmetic is specified per operation)."""
-    builds = forced_builds(monkeypatch)
+    builds = forced_kernel_builds
     assert [builds[path].packed_path for path in X86_FLAGS] == list(X86_FLAGS)
     assert builds["native"].packed_path in PACKED_PATHS
     for seed, fmt in enumerate(FORMATS.values()):
