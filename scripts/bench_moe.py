@@ -95,8 +95,12 @@ class PhaseTimer:
             t0 = time.perf_counter()
             rows, k = x.shape[0], block.router.top_k
             x32 = x.float()
-            weights, ids = moe_module.route(torch.nn.functional.linear(x32, block.router_weight, block.router_bias),
-                                            block.router, block.correction)
+            if block.plain_router and ctx.kernels is not None:  # the C router, as the block runs it
+                weights, ids = ctx.kernels.moe_route(x, block.router_weight, block.router.top_k, block.router.renormalize)
+            else:
+                weights, ids = moe_module.route(torch.nn.functional.linear(x32, block.router_weight,
+                                                                           block.router_bias), block.router,
+                                                block.correction)
             t1 = time.perf_counter()
             flat = ids.flatten()
             order = flat.argsort(stable=True)
@@ -141,11 +145,15 @@ def main() -> int:
     p.add_argument("--prompt", type=int, default=64, help="prompt length in tokens")
     p.add_argument("--buffer-gib", type=float, default=2.0)
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--no-stack", action="store_true", help="time the Python layer loop, not the C layer stack")
     p.add_argument("--per-expert", action="store_true",
                    help="run each expert's products in calls of their own (not every expert's in one call)")
     args = p.parse_args()
     model = load_model(args.model, dtype=args.dtype)
+    if args.no_stack:
+        model.decoder.layer_stack = None
     if args.per_expert:
+        model.decoder.layer_stack = None
         for layer in model.decoder.layers:
             if isinstance(layer.ffn, MoeBlock):
                 layer.ffn.packed = None
@@ -157,17 +165,23 @@ def main() -> int:
     before = bandwidth(args.buffer_gib)
     times = decode_times(model, prompt, args.steps)
     step = statistics.median(times)
+    # The phases are timed in the Python layer loop (the C layer stack runs a step in one call).
+    stack, model.decoder.layer_stack = model.decoder.layer_stack, None
+    loop_times = decode_times(model, prompt, args.steps)
     with PhaseTimer() as phases:
         timed = decode_times(model, prompt, args.steps)
+    model.decoder.layer_stack = stack
     total = sum(timed)
     # The machine's bandwidth drifts (a shared host): measured either side of the steps, the higher taken.
     bw = max(before, bandwidth(args.buffer_gib))
     need = step_bytes(model.decoder)
     roof = bw / need
-    print(f"decode step: median {step * 1e3:.1f} ms = {1 / step:.2f} tok/s over {args.steps} steps")
+    print(f"decode step: median {step * 1e3:.1f} ms = {1 / step:.2f} tok/s over {args.steps} steps "
+          f"({'the C layer stack' if stack is not None else 'the Python layer loop: ' + str(model.decoder.layer_stack_declined)}); "
+          f"the Python layer loop's: {statistics.median(loop_times) * 1e3:.1f} ms")
     print(f"bytes per step {need / 2**20:.0f} MiB; bandwidth {bw / 1e9:.1f} GB/s (before the steps "
           f"{before / 1e9:.1f}); roofline {roof:.2f} tok/s; reached {1 / step / roof:.0%}")
-    print("where a step's time goes (the timed pass, its own total):")
+    print("where a step's time goes (the Python loop's timed pass, its own total):")
     for name in ("router", "gather", "experts", "scatter"):
         print(f"  {name:8s} {phases.seconds[name] / args.steps * 1e3:7.2f} ms  {phases.seconds[name] / total:6.1%}")
     other = total - sum(phases.seconds.values())

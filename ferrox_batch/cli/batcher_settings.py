@@ -110,7 +110,8 @@ BATCHER_FLAGS: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
 BATCHER_SWITCHES: Mapping[str, tuple[str, str, str, str]] = MappingProxyType({
     "prefix_cache": ("--prefix-cache", ENV_PREFIX_CACHE, "on",
                      "reuse the KV of cached prompt prefixes (full blocks) instead of computing them again"),
-    "speculative": ("--speculative", ENV_SPECULATIVE, "on" if BatcherConfig.serving().speculative else "off",
+    "speculative": ("--speculative", ENV_SPECULATIVE,
+                    ("on" if BatcherConfig.serving().speculative else "off") + ", off for a mixture-of-experts model",
                     "speculative decoding: small batches' rows draft their next tokens (--speculative-method) "
                     "and one forward verifies them; the output is what it would be without"),
 })
@@ -169,6 +170,19 @@ def batcher_config(args: argparse.Namespace, env: Mapping[str, str]) -> BatcherC
         return dataclasses.replace(config, **given)
     except ValueError as err:
         raise CliError(str(err), status=2) from None
+
+
+def speculative_given(args: argparse.Namespace, env: Mapping[str, str]) -> bool:
+    """Whether `--speculative`/`--no-speculative` or its variable was given: where neither was, a
+    mixture-of-experts model decodes without drafts (`engine.wiring.with_model_drafts`)."""
+    return getattr(args, "speculative", None) is not None or ENV_SPECULATIVE in env
+
+
+def with_model_drafts(config: BatcherConfig, model: LoadedModel, given: bool) -> BatcherConfig:
+    """`config` with the drafts default resolved for the loaded model (`engine.wiring.with_model_drafts`)."""
+    from ferrox_batch.engine.wiring import with_model_drafts as resolve
+
+    return resolve(config, model.decoder, speculative_given=given)
 
 
 def kv_memory(args: argparse.Namespace, env: Mapping[str, str]) -> int | None:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ferrox_batch.admission.config import BatcherConfig
+from ferrox_batch.cli.batcher_settings import speculative_given
 from ferrox_batch.cli.common import CliError, chat_template_text, model_path, positive_int
 from ferrox_batch.cli.grammar_flags import grammar_limits
 from ferrox_batch.cli.request_cap_flags import request_caps
@@ -76,7 +77,7 @@ def replica_spec(args: argparse.Namespace, env: Mapping[str, str], config: Batch
                        log_level=logging.getLogger("ferrox_batch").level, kv_cache_dtype=args.kv_cache_dtype,
                        weights=args.weights, batch_invariant=args.batch_invariant,
                        chat_template=chat_template_text(args), grammar=grammar_limits(args),
-                       caps=request_caps(args))
+                       caps=request_caps(args), speculative_given=speculative_given(args, env))
 
 
 def serve_replicas(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConfig, memory: int | None,

@@ -23,7 +23,9 @@ from ferrox_batch.cli.batcher_settings import (
     add_batcher_flags,
     batcher_config,
     kv_memory,
+    speculative_given,
     with_kv_budget,
+    with_model_drafts,
 )
 from ferrox_batch.cli.common import (
     _TRACE,
@@ -230,7 +232,7 @@ def _serve(args: argparse.Namespace, env: Mapping[str, str], config: BatcherConf
     model = load(args, env)
     from ferrox_batch.runtime.kv.paged_kv import PagedKvStore
 
-    config = with_kv_budget(config, memory, model)
+    config = with_kv_budget(with_model_drafts(config, model, speculative_given(args, env)), memory, model)
     from ferrox_batch.server.run import default_model_name, serve
 
     names = tuple(args.model_name) if args.model_name else (default_model_name(model.source),)

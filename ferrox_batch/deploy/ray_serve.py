@@ -113,6 +113,9 @@ class ReplicaSpec:
     grammar: GrammarLimits = field(default_factory=GrammarLimits)
     #: What one request may cost beyond it (`serve`'s request-cost flags).
     caps: RequestCaps = field(default_factory=RequestCaps)
+    #: Whether `batcher.speculative` was asked for; where not, a mixture-of-experts model decodes without
+    #: drafts (`engine.wiring.with_model_drafts`).
+    speculative_given: bool = True
 
     def __post_init__(self) -> None:
         unknown = set(self.app) - set(APP_KEYWORDS)
@@ -153,7 +156,7 @@ class FerroxReplica:
 
     def __init__(self, spec: ReplicaSpec) -> None:
         from ferrox_batch.engine.handle import ContinuousBatcher
-        from ferrox_batch.engine.wiring import with_kv_budget
+        from ferrox_batch.engine.wiring import with_kv_budget, with_model_drafts
         from ferrox_batch.runtime.loading.loader import load_model
         from ferrox_batch.server.app import create_app
         from ferrox_batch.server.run import default_model_name
@@ -164,7 +167,8 @@ class FerroxReplica:
         loaded = load_model(spec.model, device=spec.device, dtype=spec.dtype, kv_cache_dtype=spec.kv_cache_dtype,
                             weights=spec.weights, batch_invariant=spec.batch_invariant,
                             chat_template=spec.chat_template)
-        config = with_kv_budget(spec.batcher, spec.kv_memory, loaded.decoder, share=spec.kv_share)
+        config = with_model_drafts(spec.batcher, loaded.decoder, speculative_given=spec.speculative_given)
+        config = with_kv_budget(config, spec.kv_memory, loaded.decoder, share=spec.kv_share)
         self.batcher = ContinuousBatcher.from_model(loaded, config, spec.grammar)
         self.replica = serve.get_replica_context().replica_id.unique_id
         settings = dict(spec.app)

@@ -112,6 +112,22 @@ def kv_blocks_in_budget(decoder, block_size: int, memory_bytes: int) -> int:
     return int(memory_bytes // per_block)
 
 
+def with_model_drafts(config: BatcherConfig, decoder, *, speculative_given: bool) -> BatcherConfig:
+    """`config` with the serving default for drafts resolved for this model: a mixture-of-experts model
+    decodes without drafts unless speculation was asked for (`speculative_given`).
+
+    A drafted position costs a dense model a share of a step (its weights are read once for every row), but
+    a sparse layer reads each row's own k experts: verifying a draft of d tokens reads up to d + 1 rows'
+    experts, several times a plain step's bytes, so a draft pays only when most of it is kept. vLLM and
+    llama.cpp do not draft by default either; `--speculative` still turns it on.
+    """
+    if speculative_given or not config.speculative or decoder.config.moe is None:
+        return config
+    log.info("mixture of experts: decoding without drafts (each drafted position reads its own experts); "
+             "--speculative turns them on")
+    return dataclasses.replace(config, speculative=False)
+
+
 def with_kv_budget(config: BatcherConfig, memory_bytes: int | None, decoder, *, share: int = 1) -> BatcherConfig:
     """`config` with its block count resolved: the one memory-to-blocks sizing every entry point uses (the
     engine's own default, `ferrox-batch serve`, each Ray Serve replica).

@@ -56,6 +56,13 @@ class AttentionMixer:
                 and self.v_norm is None and self.writes_kv)
 
     @property
+    def plain_but_qk_norms(self) -> bool:
+        """Whether it is `plain` but for RMS norms on its queries and keys (Qwen3, OLMo 2): what the C layer
+        stack also runs."""
+        return (self.out_norm is None and self.rope == "global" and self.sinks is None and self.v_norm is None
+                and self.shape.attention_scale == self.shape.head_dim ** -0.5 and self.writes_kv)
+
+    @property
     def cache_kind(self) -> CacheKind:
         """What its KV cache keeps per sequence: every position, or its window's (`store.groups` are built
         from the same rule)."""
@@ -88,7 +95,11 @@ class AttentionMixer:
             norms += [(q_width, kv_width, self.k_norm, d if self.qk_norm_span == "head" else kv_width),
                       (q_width + kv_width, kv_width, self.v_norm, d)]
         for start, width, weight, span in norms:
-            if weight is not None:
+            if weight is None:
+                continue
+            if kernel is not None and weight.dtype == qkv.dtype and qkv.is_contiguous():
+                kernel.head_norms(qkv, start, width, span, weight, ctx.eps)  # what the C layer stack runs
+            else:
                 norm_rows_in_place(qkv[:, start:start + width], weight, span, ctx.eps)
         group, _ = ctx.store.layer_slot(self.layer)
         seen, plan = ctx.groups[group], ctx.plans[group]

@@ -13,10 +13,13 @@ for models without attention biases; and to a float32 or bf16 decoder whose ever
 quantized weight with no bias (`QuantizedLinear.packed_gemm`, `GateUp.packed_gemm`: a GGUF served as
 stored, every linear in a format the int8 kernel runs); and to a bf16 decoder whose every projection runs
 the batch-invariant bf16 kernel with no bias (`Linear.bf16_panels`, `GateUp.bf16_gemm`). Anything else keeps
-the Python loop. The layer kinds it has kernels for are an `AttentionMixer` without norms of its own, over
-global RoPE at its head size's scale, and a `GatedMlp` without an output norm, with norms before both and
-nothing scaling the residual stream; `declines` says why it does not take a model (the decoder keeps it,
-`Decoder.layer_stack_declined`).
+the Python loop. The layer kinds it has kernels for are an `AttentionMixer` over global RoPE at its head
+size's scale, without norms of its own but on its queries and keys (per head or over the projection, as the
+Python loop norms them through the same kernel), and a `GatedMlp` without an output norm or, over packed
+quantized weights, a `MoeBlock` of packed experts with a plain softmax top-k router and nothing beside
+(`csrc/packed_moe.c`: a mixture of experts' Python glue is a dozen small torch ops a layer); with norms before
+both blocks and nothing scaling the residual stream. `declines` says why it does not take a model (the
+decoder keeps it, `Decoder.layer_stack_declined`).
 
 Where oneDNN runs the bf16 layers and each also holds our kernel's panels (`Linear`'s `narrow_panels`, for
 AMX CPUs), the stack takes only the steps of at most `NARROW_STEP_ROWS` rows (`takes`) and the loop the
@@ -33,6 +36,7 @@ import torch
 from ferrox_batch.runtime.architectures.attention_mixer import AttentionMixer
 from ferrox_batch.runtime.architectures.gated_mlp import GatedMlp
 from ferrox_batch.runtime.architectures.layer import Layer
+from ferrox_batch.runtime.architectures.moe import MoeBlock
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.config import ModelConfig
 from ferrox_batch.runtime.kernels.cpu_kernels import POOL_KINDS, CpuKernels
@@ -49,6 +53,43 @@ STACK_KINDS = ("fp16_panels", "quantized", "bf16_panels")
 NARROW_STEP_ROWS = 16
 
 
+#: The columns of a layer's row after the projections' (csrc/layer_stack.c's W_ROUTER .. W_DOWN_COUNTS).
+MOE_COLUMNS = 9
+
+
+def _moe_declined(ffn: MoeBlock) -> str | None:
+    """Why the stack cannot run this mixture of experts (None where it can): it runs packed experts with a
+    plain softmax top-k router and nothing beside them."""
+    if ffn.fused is None or ffn.packed is None:
+        return "has experts that are not all the int8 kernel's packed weights"
+    if not ffn.plain_router:
+        return "has a router other than a plain softmax top-k"
+    if ffn.shared is not None or ffn.out_norm is not None or ffn.expert_norm is not None:
+        return "has a shared expert or norms of its own"
+    return None
+
+
+def _qk_norm_columns(mixer: AttentionMixer, dtype: torch.dtype) -> list[int] | None:
+    """The layer's q and k norm columns (addresses and spans; zeros where it has none), or None where a norm
+    is not a contiguous CPU tensor of the stack's dtype."""
+    s = mixer.shape
+    spans = (s.head_dim, s.head_dim) if mixer.qk_norm_span == "head" else (s.num_heads * s.head_dim,
+                                                                           s.num_kv_heads * s.head_dim)
+    out = []
+    for weight, span in zip((mixer.q_norm, mixer.k_norm), spans):
+        if weight is None:
+            out.append(0)
+        elif weight.dtype != dtype or not weight.is_cpu or not weight.is_contiguous() or weight.shape != (span,):
+            return None
+        else:
+            out.append(weight.data_ptr())
+    return [*out, *spans]
+
+
+def _qk_norm_owners(mixer: AttentionMixer) -> list[torch.Tensor]:
+    return [t for t in (mixer.q_norm, mixer.k_norm) if t is not None]
+
+
 class LayerStack:
     """The addresses of every layer's norms and packed weights, in `csrc/layer_stack.c`'s order."""
 
@@ -56,7 +97,7 @@ class LayerStack:
 
     def __init__(self, weights: torch.Tensor, owners: list[object], config: ModelConfig, kind: str,
                  dtype: torch.dtype, narrow_only: bool = False, window: int | None = None) -> None:
-        self._weights = weights  # int64 [layers, 10]
+        self._weights = weights  # int64 [layers, csrc/layer_stack.c's W_COLS]
         self._owners = owners  # what keeps those addresses valid
         self._config = config
         self._kind = kind
@@ -95,12 +136,17 @@ class LayerStack:
             mixer, ffn = layer.mixer, layer.ffn
             if not isinstance(mixer, AttentionMixer):
                 return f"layer {index}'s mixer is {type(mixer).__name__}; the stack runs attention"
-            if not isinstance(ffn, GatedMlp):
-                return f"layer {index}'s feed-forward block is {type(ffn).__name__}; the stack runs the gated MLP"
-            if not mixer.plain:
-                return f"layer {index}'s attention has norms of its own, another RoPE kind or another scale"
-            if not ffn.plain:
+            if isinstance(ffn, MoeBlock):
+                why = _moe_declined(ffn)
+                if why is not None:
+                    return f"layer {index}'s mixture of experts {why}"
+            elif not isinstance(ffn, GatedMlp):
+                return (f"layer {index}'s feed-forward block is {type(ffn).__name__}; the stack runs the gated MLP "
+                        "and packed experts")
+            elif not ffn.plain:
                 return f"layer {index}'s MLP normalises its output"
+            if not (mixer.plain or mixer.plain_but_qk_norms):
+                return f"layer {index}'s attention has other norms of its own, another RoPE kind or another scale"
             if layer.input_norm is None or layer.post_norm is None or layer.residual_scale is not None:
                 return f"layer {index} has no norm before a block, or scales what joins the residual stream"
             if layer.after is not None or layer.output_scale is not None:
@@ -129,7 +175,28 @@ class LayerStack:
         owners: list[object] = []
         narrow = False
         for layer, (mixer, ffn) in zip(layers, blocks):
-            assert isinstance(mixer, AttentionMixer) and isinstance(ffn, GatedMlp)
+            assert isinstance(mixer, AttentionMixer) and isinstance(ffn, GatedMlp | MoeBlock)
+            norms = (layer.input_norm, layer.post_norm)
+            if any(n is None or n.dtype != dtype or not n.is_cpu or not n.is_contiguous() or n.shape != (hidden,) for n in norms):
+                return None
+            extra = _qk_norm_columns(mixer, dtype)
+            if extra is None:
+                return None
+            if isinstance(ffn, MoeBlock):
+                qkv, o = (getattr(linear, "packed_gemm", None) for linear in (mixer.qkv, mixer.o))
+                moe = ffn.fused
+                if kind != "quantized" or qkv is None or o is None or moe is None:
+                    return None
+                if ((qkv.in_features, qkv.out_features), (o.in_features, o.out_features)) != \
+                        ((hidden, width), (q_width, hidden)) or moe.shapes[0] != hidden:
+                    return None
+                assert layer.input_norm is not None and layer.post_norm is not None
+                router, gu, gu_counts, down, down_counts = moe.addresses()
+                rows.append([layer.input_norm.data_ptr(), qkv.address, o.address, layer.post_norm.data_ptr(), 0, 0,
+                             qkv.segment_count, o.segment_count, 0, 0, *extra, router, moe.experts, moe.top_k,
+                             int(moe.renormalize), moe.shapes[1], gu, gu_counts, down, down_counts])
+                owners.extend([layer.input_norm, qkv, o, layer.post_norm, moe, *_qk_norm_owners(mixer)])
+                continue
             linears = (mixer.qkv, mixer.o, ffn.gate_up, ffn.down)
             if kind == "quantized":
                 gemms = [getattr(linear, "packed_gemm", None) for linear in linears]
@@ -149,14 +216,11 @@ class LayerStack:
                       (gate_up.in_features, gate_up.out_features), (down.in_features, down.out_features))
             if shapes != ((hidden, width), (q_width, hidden), (hidden, up_width), (c.intermediate_size, hidden)):
                 return None
-            norms = (layer.input_norm, layer.post_norm)
-            if any(n is None or n.dtype != dtype or not n.is_cpu or not n.is_contiguous() or n.shape != (hidden,) for n in norms):
-                return None
             counts = [g.segment_count for g in gemms] if kind == "quantized" else [0, 0, 0, 0]
             assert layer.input_norm is not None and layer.post_norm is not None
             rows.append([layer.input_norm.data_ptr(), qkv.address, o.address, layer.post_norm.data_ptr(),
-                         gate_up.address, down.address, *counts])
-            owners.extend([layer.input_norm, qkv, o, layer.post_norm, gate_up, down])
+                         gate_up.address, down.address, *counts, *extra, *[0] * MOE_COLUMNS])
+            owners.extend([layer.input_norm, qkv, o, layer.post_norm, gate_up, down, *_qk_norm_owners(mixer)])
         return cls(torch.tensor(rows, dtype=torch.int64), owners, c, kind, dtype, narrow, window)
 
     def run(self, kernels: CpuKernels, h: torch.Tensor, inputs: BatchInputs, plan: PrefillPlan | None,

@@ -31,6 +31,7 @@ from ferrox_batch.runtime.architectures.linear import Linear
 from ferrox_batch.runtime.architectures.norms import norm
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.architectures.router import route
+from ferrox_batch.runtime.kernels.packed_moe import PackedMoe
 from ferrox_batch.runtime.kernels.packed_quant import PackedExperts, PackedQuant
 from ferrox_batch.runtime.families.moe_spec import RouterSpec
 
@@ -59,6 +60,11 @@ class MoeBlock:
     expert_scale: torch.Tensor | None = None
     #: An RMSNorm on the experts' input (not the router's: `MoeSpec.expert_norm`).
     expert_norm: torch.Tensor | None = None
+    #: `packed`'s routed half in C (the pairs' sort, both projections, the weighted sum: `fused_experts`).
+    fused: PackedMoe | None = None
+    #: The router is a softmax top-k with nothing else (no bias, correction, groups, scale or input norm):
+    #: on the CPU it runs in C (`CpuKernels.moe_route`), each row's choice a function of that row alone.
+    plain_router: bool = False
 
     #: Whether each row's output depends on that row alone given batch-invariant linears: not yet, as the
     #: router's float32 product runs torch's matmul, whose rounding may follow the batch's size.
@@ -82,17 +88,40 @@ class MoeBlock:
                 + (0 if self.shared is None else self.shared.nbytes))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        rows, k = x.shape[0], self.router.top_k
-        x32 = x.float()
-        scores_in = x32
-        if self.router.input_norm:
-            scores_in = scores_in * torch.rsqrt(scores_in.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        if self.router_input_scale is not None:
-            scores_in = scores_in * self.router_input_scale * (x.shape[1] ** -0.5)
-        weights, ids = route(F.linear(scores_in, self.router_weight, self.router_bias), self.router, self.correction,
-                             self.expert_scale)
+        if self.plain_router and ctx.kernels is not None:
+            routed = ctx.kernels.moe_route(x, self.router_weight, self.router.top_k, self.router.renormalize)
+        else:
+            scores_in = x.float()
+            if self.router.input_norm:
+                scores_in = scores_in * torch.rsqrt(scores_in.pow(2).mean(-1, keepdim=True) + ctx.eps)
+            if self.router_input_scale is not None:
+                scores_in = scores_in * self.router_input_scale * (x.shape[1] ** -0.5)
+            routed = route(F.linear(scores_in, self.router_weight, self.router_bias), self.router, self.correction,
+                           self.expert_scale)
         if self.expert_norm is not None:
             x = norm(x, self.expert_norm, ctx.eps, ctx.kernels)
+        if self.packed is not None and self.fused is not None and ctx.kernels is not None:
+            weights, ids = routed
+            out = self.fused(x, ids, weights)
+        else:
+            weights, ids = routed
+            out = self._experts_in_python(x, ids, weights, ctx)
+        if self.shared is not None:
+            shared = self.shared.forward(x, ctx).float()
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(F.linear(x.float(), self.shared_gate))
+            out += shared
+        out = out.to(x.dtype)
+        if self.out_norm is not None:
+            out = norm(out, self.out_norm, ctx.eps, ctx.kernels)
+        return out
+
+
+    def _experts_in_python(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                           ctx: ForwardContext) -> torch.Tensor:
+        """The weighted sum of each row's experts' outputs, float32: the pairs sorted by expert, each expert
+        with rows one product over its slice (or every packed expert in one call per projection)."""
+        rows, k = x.shape[0], self.router.top_k
         flat = ids.flatten()
         order = flat.argsort(stable=True)
         source = order // k  # each sorted pair's row
@@ -112,16 +141,23 @@ class MoeBlock:
                     part = slice(end - count, end)
                     results[part] = self.down[expert](self.gate_up[expert](gathered[part]))
         results *= weights.flatten()[order, None]
-        out = torch.zeros(rows, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, source, results)
-        if self.shared is not None:
-            shared = self.shared.forward(x, ctx).float()
-            if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(F.linear(x32, self.shared_gate))
-            out += shared
-        out = out.to(x.dtype)
-        if self.out_norm is not None:
-            out = norm(out, self.out_norm, ctx.eps, ctx.kernels)
-        return out
+        return torch.zeros(rows, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, source, results)
+
+
+def plain_router(router: RouterSpec) -> bool:
+    """Whether the router is a softmax top-k and nothing else, which the C router runs."""
+    return (router.scoring == "softmax" and router.correction_bias is None and router.groups == 1
+            and router.scale == 1.0 and not router.bias and not router.input_norm and router.input_scale is None
+            and router.expert_scale is None)
+
+
+def fused_experts(packed: tuple[PackedExperts, PackedExperts] | None, router: RouterSpec,
+                  router_weight: torch.Tensor) -> PackedMoe | None:
+    """`packed`'s routed half in C (None without `packed`); it carries the router's weight where the router
+    is plain, for the layer stack."""
+    if packed is None:
+        return None
+    return PackedMoe(*packed, router.top_k, router.renormalize, router_weight if plain_router(router) else None)
 
 
 def packed_experts(gate_up: tuple[GateUp | ClampedSwiGlu, ...],

@@ -18,7 +18,7 @@ from ferrox_batch.runtime.architectures.clamped_swiglu import ClampedSwiGlu
 from ferrox_batch.runtime.architectures.gate_up import GateUp
 from ferrox_batch.runtime.architectures.gated_mlp import GatedMlp
 from ferrox_batch.runtime.architectures.linear import Linear
-from ferrox_batch.runtime.architectures.moe import MoeBlock, packed_experts
+from ferrox_batch.runtime.architectures.moe import MoeBlock, fused_experts, packed_experts, plain_router
 from ferrox_batch.runtime.architectures.quantized_linear import QuantizedLinear
 from ferrox_batch.runtime.errors import ModelLoadError
 from ferrox_batch.runtime.families.layer_spec import GatedMlpSpec
@@ -124,10 +124,14 @@ def build_moe(spec: MoeSpec, parts: BlockParts, gated_mlp: Callable[[GatedMlpSpe
     else:
         gate_up = make.gate_up_experts(gate_up_weights, s.activation)
     down = _expert_linears(make, down_weights, down_bias)
+    packed = packed_experts(gate_up, down)
+    router_weight = parts.float32(layout.router, (count, h))
     return MoeBlock(
-        packed=packed_experts(gate_up, down),
+        packed=packed,
+        fused=fused_experts(packed, r, router_weight),
+        plain_router=plain_router(r),
         router=r,
-        router_weight=parts.float32(layout.router, (count, h)),
+        router_weight=router_weight,
         router_bias=parts.float32(bias_name(layout.router), (count,)) if r.bias else None,
         correction=None if r.correction_bias is None else parts.float32(r.correction_bias, (count,)),
         gate_up=gate_up,

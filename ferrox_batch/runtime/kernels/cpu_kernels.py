@@ -97,6 +97,7 @@ from ferrox_batch.runtime.kernels.packed_gemm import (
     slice_panels,
 )
 from ferrox_batch.runtime.kernels.packed_bf16 import Bf16Library, PackedBf16
+from ferrox_batch.runtime.kernels.packed_moe import route_softmax
 from ferrox_batch.runtime.kernels.packed_quant import PackedLibrary, PackedQuant
 from ferrox_batch.runtime.kernels.quant_gemm import QuantGemm, check_status
 from ferrox_batch.runtime.kv.prefill_plan import PrefillPlan
@@ -141,7 +142,11 @@ class CpuKernels:
         self._f16_gemm_gated.restype = i32
         #: Whether the fp16-weight linear was built with AVX2, FMA and F16C (else scalar: correct, slow).
         self.f16_gemm_vectorised = bool(library.ferrox_f16_gemm_vectorised())
+        self._head_norms = library.ferrox_head_norms
+        self._head_norms.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, f32, i32, i32]
+        self._head_norms.restype = i32
         self._packed = PackedLibrary(library)
+
         #: The int8 kernel's loops (`packed_quant.PACKED_PATHS`).
         self.packed_path = self._packed.path
         self._bf16 = Bf16Library(library)
@@ -342,6 +347,26 @@ class CpuKernels:
         if status != 0:
             raise MemoryError("rms norm could not allocate its scratch memory")
         return out
+
+    def head_norms(self, qkv: torch.Tensor, start: int, count: int, span: int, weight: torch.Tensor,
+                   eps: float) -> None:
+        """RMSNorm in place, in each row of `qkv` `[rows, width]`, the `count` values from `start` as runs of
+        `span` (a head, or all of them), each by `weight` `[span]`: each run exactly as `rms_norm` norms a
+        row of its own."""
+        _check_dtypes("head norms", qkv, weight)
+        _check_cpu_contiguous(qkv, weight)
+        if qkv.dim() != 2 or weight.shape != (span,):
+            raise ValueError(f"head norms of {tuple(qkv.shape)} by a weight {tuple(weight.shape)} over runs of {span}")
+        status = self._head_norms(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], start, count, span, weight.data_ptr(),
+                                  eps, _DTYPES[qkv.dtype], torch.get_num_threads())
+        if status != 0:
+            raise ValueError(f"head norms: {count} values from {start} in rows of {qkv.shape[1]} are not runs of "
+                             f"{span} within the row (or no scratch memory)")
+
+    def moe_route(self, x: torch.Tensor, router_weight: torch.Tensor, top_k: int,
+                  renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A softmax top-k router's `(weights, ids)` for x's rows, in C (`packed_moe.route_softmax`)."""
+        return route_softmax(self._packed, x, router_weight, top_k, renormalize)
 
     #: The packings `f16_linear` and `f16_gated_linear` read (`packed_gemm`).
     pack_f16_panels = staticmethod(pack_f16_panels)

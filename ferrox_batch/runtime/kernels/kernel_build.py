@@ -62,10 +62,11 @@ log = logging.getLogger("ferrox_batch.runtime.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("paged_decode.c", "prefill_attention.c", "rms_norm.c", "rope_store.c", "f16_gemm.c", "layer_stack.c",
-           "quant_gemm.c", "quant_pack.c", "quant_int8.c", "silu_mul.c", "bf16_gemm.c")
+           "quant_gemm.c", "quant_pack.c", "quant_int8.c", "silu_mul.c", "bf16_gemm.c", "packed_moe.c")
 #: Flags added after the set's for one source: what its promises need undone of -ffast-math.
 SOURCE_FLAGS = {"quant_int8.c": ("-fno-associative-math", "-fno-reciprocal-math"),
-                "bf16_gemm.c": ("-fno-associative-math",)}
+                "bf16_gemm.c": ("-fno-associative-math",),
+                "packed_moe.c": ("-fno-associative-math", "-fno-reciprocal-math", "-ffp-contract=off")}
 #: GCC flag sets tried in order: the first that compiles wins (x86 first, then any target).
 COMPILE_FLAGS = (
     ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math"],

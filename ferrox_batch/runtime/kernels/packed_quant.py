@@ -36,7 +36,7 @@ PACKED_PATHS = ("scalar", "avx2", "avx512-vnni")
 class PackedLibrary:
     """The packed kernel's entry points in the compiled library, typed once."""
 
-    __slots__ = ("bytes", "gemm", "gemm_experts", "pack", "path", "rows")
+    __slots__ = ("bytes", "gemm", "gemm_experts", "moe", "pack", "path", "route", "rows")
 
     def __init__(self, library: ctypes.CDLL) -> None:
         ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -55,6 +55,13 @@ class PackedLibrary:
         self.gemm_experts = library.ferrox_packed_gemm_experts
         self.gemm_experts.argtypes = [ptr, i32, i64, i64, ptr, ptr, ptr, ptr, i64, i64, ptr, i32]
         self.gemm_experts.restype = i32
+        # The routed half of a mixture of experts (`packed_moe`).
+        self.route = library.ferrox_moe_route
+        self.route.argtypes = [ptr, i32, i64, i64, ptr, i64, i64, i32, ptr, ptr, i32]
+        self.route.restype = i32
+        self.moe = library.ferrox_packed_moe
+        self.moe.argtypes = [ptr, i32, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i32]
+        self.moe.restype = i32
         #: "scalar", "avx2" or "avx512-vnni": the same arithmetic, bit for bit, on each.
         self.path = PACKED_PATHS[library.ferrox_packed_path()]
 
@@ -158,6 +165,25 @@ class PackedExperts:
     @property
     def experts(self) -> int:
         return len(self._weights)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """Each expert's `(n, k)`."""
+        return (self._n, self._k)
+
+    @property
+    def library(self) -> PackedLibrary:
+        return self._lib
+
+    @property
+    def addresses(self) -> torch.Tensor:
+        """int64 `[experts]`: the address of each expert's (type, rows, address) triples."""
+        return self._addresses
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """int64 `[experts]`: each expert's segment count."""
+        return self._counts
 
     def __call__(self, x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
         """`[m, k]` float32 or bfloat16 rows -> `[m, n]` in x's dtype; `lo`, `hi`: `[experts]` int64, each

@@ -128,9 +128,9 @@ def test_olmo2_normalises_the_whole_projection_not_each_head(tiny_variant_dirs) 
 
 @pytest.mark.parametrize("variant, reason", [
     ("granite", "scaled embeddings"),
-    ("olmo2", "norms of its own"),
+    ("olmo2", "normalises its output"),
     ("gemma3", "scaled embeddings"),
-    ("qwen3", "norms of its own"),
+    ("qwen3", "not every projection"),
     ("smollm3-nope", "another RoPE kind"),
 ])
 def test_the_layer_stack_says_why_it_declines_a_model(tiny_variant_dirs, variant: str, reason: str) -> None:

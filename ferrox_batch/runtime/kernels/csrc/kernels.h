@@ -39,6 +39,14 @@ int ferrox_packed_gemm(const void *x, int x_bf16, int64_t m, int64_t k, const in
 int ferrox_packed_gemm_experts(const void *x, int x_bf16, int64_t m, int64_t k, const int64_t *segments,
                                const int64_t *counts, const int64_t *lo, const int64_t *hi, int64_t experts,
                                int64_t n, void *y, int threads);
+int ferrox_moe_route(const void *x, int x_bf16, int64_t m, int64_t k, const float *w, int64_t experts,
+                     int64_t top_k, int renormalize, int64_t *ids, float *weights, int threads);
+int ferrox_packed_moe(const void *x, int x_bf16, int64_t m, int64_t hidden, const int64_t *ids,
+                      const float *weights, int64_t top_k, int64_t experts, const int64_t *gate_up,
+                      const int64_t *gate_up_counts, int64_t inter, const int64_t *down, const int64_t *down_counts,
+                      void *out, int threads);
+int ferrox_head_norms(void *x, int64_t rows, int64_t width, int64_t start, int64_t count, int64_t span,
+                      const void *weight, float eps, int is_bf16, int threads);
 int ferrox_bf16_path(void);
 int64_t ferrox_bf16_packed_words(int64_t n, int64_t k);
 int ferrox_bf16_pack(const uint16_t *w, int64_t n, int64_t k, uint32_t *out, int threads);

@@ -18,6 +18,9 @@
  *          (without attention sinks: no model whose layers have them runs through the stack)
  *   pending = attn . Wo; h += pending; x = norm(h)
  *   mlp = silu(x . Wgate) * (x . Wup); pending = mlp . Wdown
+ *   (where the layer has them: q and k RMS-normed per head right after the projection (rms_norm.c's
+ *   ferrox_head_norms), and a mixture of experts in place of the MLP (packed_moe.c: its softmax top-k router
+ *   and packed experts, `kind` 1 only))
  * `kind` = 0: fp16 panels as f16_gemm.c lays them out, float32 activations, the gated kernel fused.
  * `kind` = 1: quant_int8.c's packed segments ((type, rows, address) triples at the weight's address),
  * activations float32 or bf16 (`is_bf16`), gate|up written to `gu` and multiplied by silu_mul.c.
@@ -28,11 +31,22 @@
  * Returns 0, or -1 when a kernel could not allocate its scratch memory.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
 #include "kernels.h"
 
-enum { W_INPUT_NORM, W_QKV, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, N_QKV, N_O, N_GATE_UP, N_DOWN, W_COLS };
+enum {
+    W_INPUT_NORM, W_QKV, W_O, W_POST_NORM, W_GATE_UP, W_DOWN, N_QKV, N_O, N_GATE_UP, N_DOWN,
+    /* per-head (or whole-projection) norms of the queries and keys: weight addresses (0: none), spans */
+    W_Q_NORM, W_K_NORM, Q_SPAN, K_SPAN,
+    /* a mixture of experts in place of the gated MLP: the router's float32 weight (0: a dense layer), the
+     * expert count, top k, whether the k weights are renormalised, each expert's intermediate width, and
+     * the gate|up and down experts' address and segment-count arrays (packed_moe.c) */
+    W_ROUTER, N_EXPERTS, TOP_K, RENORM, MOE_INTER, W_GU_EXPERTS, W_GU_COUNTS, W_DOWN_EXPERTS, W_DOWN_COUNTS,
+    W_COLS
+};
 
 enum { KIND_F16, KIND_QUANT, KIND_BF16 };
 
@@ -44,6 +58,31 @@ static int project(int kind, const int64_t *w, int at, int count, const void *x,
     if (kind == KIND_BF16)
         return ferrox_bf16_gemm((const uint16_t *)x, rows, k, (const uint32_t *)(intptr_t)w[at], n, y, 0, threads);
     return ferrox_f16_gemm((const float *)x, rows, k, (const uint16_t *)(intptr_t)w[at], n, (float *)y, threads);
+}
+
+/* The layer's mixture of experts over x (rows x hidden) into `pending`, in its dtype: the router, then
+ * ferrox_packed_moe's float32 sums rounded as `out.to(dtype)` rounds them. */
+static int moe_layer(const int64_t *w, const void *x, void *pending, int64_t rows, int64_t hidden, int is_bf16,
+                     int threads) {
+    const int64_t top_k = w[TOP_K], experts = w[N_EXPERTS];
+    int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(rows * top_k + 1));
+    float *weights = (float *)malloc(sizeof(float) * (size_t)(rows * top_k + 1));
+    float *sums = is_bf16 ? (float *)malloc(sizeof(float) * (size_t)(rows * hidden + 1)) : (float *)pending;
+    int status = ids == NULL || weights == NULL || sums == NULL ? -3 : 0;
+    if (status == 0)
+        status = ferrox_moe_route(x, is_bf16, rows, hidden, (const float *)(intptr_t)w[W_ROUTER], experts, top_k,
+                                  (int)w[RENORM], ids, weights, threads);
+    if (status == 0)
+        status = ferrox_packed_moe(x, is_bf16, rows, hidden, ids, weights, top_k, experts,
+                                   (const int64_t *)(intptr_t)w[W_GU_EXPERTS], (const int64_t *)(intptr_t)w[W_GU_COUNTS],
+                                   w[MOE_INTER], (const int64_t *)(intptr_t)w[W_DOWN_EXPERTS],
+                                   (const int64_t *)(intptr_t)w[W_DOWN_COUNTS], sums, threads);
+    if (status == 0 && is_bf16)
+        for (int64_t i = 0; i < rows * hidden; ++i) ((uint16_t *)pending)[i] = bf16_round(sums[i]);
+    free(ids);
+    free(weights);
+    if (is_bf16) free(sums);
+    return status;
 }
 
 int ferrox_layer_stack(void *h, void *pending, void *x, void *qkv, void *attn, void *qdec, void *mlp, void *gu,
@@ -63,6 +102,12 @@ int ferrox_layer_stack(void *h, void *pending, void *x, void *qkv, void *attn, v
         status |= ferrox_rms_norm(h, l > 0 ? pending : NULL, (const void *)(intptr_t)w[W_INPUT_NORM], x, rows, hidden,
                                   eps, is_bf16, threads);
         status |= project(kind, w, W_QKV, N_QKV, x, is_bf16, rows, hidden, width, qkv, threads);
+        if (w[W_Q_NORM])
+            status |= ferrox_head_norms(qkv, rows, width, 0, q_width, w[Q_SPAN], (const void *)(intptr_t)w[W_Q_NORM],
+                                        eps, is_bf16, threads);
+        if (w[W_K_NORM])
+            status |= ferrox_head_norms(qkv, rows, width, q_width, kv * d, w[K_SPAN],
+                                        (const void *)(intptr_t)w[W_K_NORM], eps, is_bf16, threads);
         status |= ferrox_rope_store(qkv, cos, sin, positions, slots, layer_pool, rows, heads, kv, d, is_bf16, pool_kind,
                                     threads);
         if (n_dec > 0) {
@@ -78,6 +123,10 @@ int ferrox_layer_stack(void *h, void *pending, void *x, void *qkv, void *attn, v
         status |= project(kind, w, W_O, N_O, attn, is_bf16, rows, q_width, hidden, pending, threads);
         status |= ferrox_rms_norm(h, pending, (const void *)(intptr_t)w[W_POST_NORM], x, rows, hidden, eps, is_bf16,
                                   threads);
+        if (w[W_ROUTER]) {
+            status |= moe_layer(w, x, pending, rows, hidden, is_bf16, threads);
+            continue;
+        }
         if (kind != KIND_F16) {
             status |= project(kind, w, W_GATE_UP, N_GATE_UP, x, is_bf16, rows, hidden, 2 * inter, gu, threads);
             status |= ferrox_silu_mul(gu, mlp, rows, inter, is_bf16, threads);
