@@ -141,8 +141,9 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}))],
     "gpt_oss": [("published mxfp4", {**GPT_OSS, "published_mxfp4": True})],
-    # The mixture of experts beside every layer's MLP (`enable_moe_block`), with the rest of the dense one.
-    "gemma4_text": [("moe", dict(gemma4="gemma4-moe"))],
+    # The mixture of experts beside every layer's MLP (`enable_moe_block`), with the rest of the dense one; and
+    # K and V apart with no sharing, per-layer inputs or softcapping (one KV head count and MLP width a file).
+    "gemma4_text": [("moe", dict(gemma4="gemma4-moe")), ("plain", dict(gemma4="gemma4-plain"))],
 }
 
 

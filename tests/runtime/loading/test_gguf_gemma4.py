@@ -103,7 +103,9 @@ def test_the_model_is_the_one_transformers_loads_from_the_source(cases: dict[str
     case = cases[name]
     ours = load_model(case.file.path, device="cpu", dtype="float32", int8_activations=False)
     if name.endswith("q8_0") and ours.decoder.kernels is not None:  # the file's Q8_0 blocks, as stored
-        assert ours.decoder.weight_formats.get("q8_0", 0) > 0
+        experts = [linear.kind for layer in ours.decoder.layers for linear in layer.ffn.branches[1].linears()]
+        assert experts == ["q8_0"] * (2 * ours.config.num_layers * ours.config.moe.experts)
+        assert ours.decoder.weight_formats["q8_0"] > len(experts)
     theirs = reference(case.source)
     config = widest(ours.config)
     for prompt in PROMPTS:
