@@ -5,7 +5,7 @@ own sizes and counts, K=V on the global layers, KV-sharing layers with double-wi
 soft-capped logits, RoPE bases away from 10,000 with proportional RoPE, and one with the mixture of experts
 beside every MLP. Written as f32, the conversion must give back the source's weights under its own names and
 its config, and the model must be transformers' on the source folder (last logits within `numerics`'
-tolerance, 32 greedy ids identical); written as Q8_0, its matrices are served as stored and the model is
+tolerance, 32 greedy ids identical; transformers' own GGUF loader reads these files only in part); written as Q8_0, its matrices are served as stored and the model is
 transformers' on the values the file holds. The tokenizer llama.cpp reads ("gemma4") encodes as the source's
 does. Metadata llama.cpp would refuse, or that this runtime cannot honour, is refused by name.
 """
