@@ -13,7 +13,10 @@ are checked the same way, every layer sparse (llama.cpp's qwen2moe and qwen3moe 
 is gpt-oss, once from a bf16-style checkpoint and once from the published layout (its experts MXFP4 blocks,
 `tests/mxfp4_checkpoint.py`), which the converter repacks into MXFP4 experts; that one is compared with
 transformers on its float twin (the same values dequantized by transformers; at f32 the MXFP4 experts are
-multiplied by the weight-only kernel, the file's values exactly). At f32
+multiplied by the weight-only kernel, the file's values exactly). Gemma 4 is checked on transformers' own
+tiny checkpoints (`tests/runtime/architectures/gemma4_checkpoints.py`, tied as Gemma 4 is), dense and with
+the mixture of experts, each with the Gemma-4-style tokenizer its converter reads
+(`tests/tiny_gguf_gemma4.py`). At f32
 the greedy ids must be
 identical; at q8_0 it reports how many agree. It prints a
 markdown table (family, outtype, ids identical, max |logit diff|, result) and exits non-zero when an f32
@@ -62,11 +65,14 @@ from typing import Any
 os.environ["HF_HUB_OFFLINE"] = "1"  # never let transformers reach for the hub
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the fixture lives with the tests
+# the fixtures live with the tests (Gemma 4's transformers-built checkpoints with the architecture tests)
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "runtime" / "architectures")]
 
 import torch  # noqa: E402
+from gemma4_checkpoints import tiny_gemma4  # noqa: E402
 from mxfp4_checkpoint import write_published  # noqa: E402
 from tiny_checkpoint import write_tiny_checkpoint  # noqa: E402
+from tiny_gguf_gemma4 import with_gemma4_tokenizer  # noqa: E402
 from tokenizers import Tokenizer  # noqa: E402
 
 from ferrox_batch.runtime.families.registry import FAMILIES  # noqa: E402
@@ -120,7 +126,13 @@ CHECKPOINTS: dict[str, dict[str, Any]] = {
     "mixtral": dict(intermediate=64),
     # What llama.cpp can describe: it hardcodes the SwiGLU limit 7 and YaRN's truncated correction range.
     "gpt_oss": GPT_OSS,
+    # transformers' own tiny Gemma 4 (`gemma4_checkpoints`: mixed layer kinds with heads of their own sizes,
+    # K=V, KV-sharing layers with double-wide MLPs, per-layer inputs, soft-capped logits, proportional RoPE,
+    # bases of 200,000 and 5,000, a window of 8), tied as Gemma 4 is, with the tokenizer its converter reads.
+    "gemma4_text": dict(gemma4="gemma4"),
 }
+#: Families whose tiny checkpoints are transformers' own, tied: checked once (dense), at both outtypes.
+OWN_CHECKPOINTS = ("gemma4_text",)
 #: model_type -> (row label, the tiny checkpoint's arguments) of a variant checked beside the plain checkpoint.
 #: Llama 3.1's scaling over a pretrained context of 64: with a head of 16 at base 500,000 its 8 frequencies
 #: reach every branch (the fastest kept, the next smoothed, the rest slowed by the whole factor).
@@ -129,6 +141,9 @@ VARIANTS: dict[str, list[tuple[str, dict[str, Any]]]] = {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}))],
     "gpt_oss": [("published mxfp4", {**GPT_OSS, "published_mxfp4": True})],
+    # The mixture of experts beside every layer's MLP (`enable_moe_block`), with the rest of the dense one; and
+    # K and V apart with no sharing, per-layer inputs or softcapping (one KV head count and MLP width a file).
+    "gemma4_text": [("moe", dict(gemma4="gemma4-moe")), ("plain", dict(gemma4="gemma4-plain"))],
 }
 
 
@@ -197,7 +212,11 @@ def check(case: str, model_type: str, tie: bool, outtypes: tuple[str, ...], work
     folder = work / case.replace(" ", "-").replace("(", "").replace(")", "")
     entry = dict(CHECKPOINTS.get(model_type, {}) if checkpoint is None else checkpoint)
     published = entry.pop("published_mxfp4", False)
-    source = write_tiny_checkpoint(folder / "hf", arch=model_type, std=0.15, tie=tie, **{"seed": 7, **entry})
+    variant = entry.pop("gemma4", None)
+    if variant is not None:
+        source = with_gemma4_tokenizer(tiny_gemma4(folder / "hf", variant, seed=7))
+    else:
+        source = write_tiny_checkpoint(folder / "hf", arch=model_type, std=0.15, tie=tie, **{"seed": 7, **entry})
     prepare(source, model_type)
     converted = source
     if published:  # the converter reads the published layout; transformers runs the same values dequantized
@@ -256,12 +275,15 @@ def main() -> int:
                 rows.append(Row(name, "-", result=f"SKIPPED: the registry gives {family.architectures[0]} no GGUF "
                                                          "architecture of its own"))
                 continue
-            rows += check(f"{name} (untied)", name, False, OUTTYPES, work, args, shim)
-            rows += check(f"{name} (tied)", name, True, ("f32",), work, args, shim)
+            start = len(rows)
+            if name in OWN_CHECKPOINTS:
+                rows += check(f"{name} (dense)", name, True, OUTTYPES, work, args, shim)
+            else:
+                rows += check(f"{name} (untied)", name, False, OUTTYPES, work, args, shim)
+                rows += check(f"{name} (tied)", name, True, ("f32",), work, args, shim)
             for label, checkpoint in VARIANTS.get(name, []):
                 rows += check(f"{name} ({label})", name, False, OUTTYPES, work, args, shim, checkpoint)
-            print(*(row.line() for row in rows[-3 - 2 * len(VARIANTS.get(name, [])):]), sep="\n", file=sys.stderr,
-                  flush=True)
+            print(*(row.line() for row in rows[start:]), sep="\n", file=sys.stderr, flush=True)
     print("| family | outtype | ids identical | max \\|logit diff\\| (first step) | result |")
     print("|---|---|---|---|---|")
     for row in rows:

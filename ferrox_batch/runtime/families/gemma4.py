@@ -16,7 +16,8 @@ What differs from Gemma 3, each carried by a shared spec field or config field (
 * with `enable_moe_block` every layer runs a mixture of experts beside its MLP (`ParallelFfnSpec`), routed by
   a softmax over an unscaled RMS norm of the stream times a learned scale, its top k renormalised and each
   times its expert's own scale (`RouterSpec.input_norm`, `input_scale`, `expert_scale`).
-The multimodal checkpoint (`Gemma4ForConditionalGeneration`) is served as its text model (`WRAPPED`).
+The multimodal checkpoint (`Gemma4ForConditionalGeneration`) is served as its text model (`WRAPPED`), and
+llama.cpp's `gemma4` GGUF files as `gemma4_gguf` reads them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any
 from ferrox_batch.runtime.families import llama
 from ferrox_batch.runtime.families.errors import ModelLoadError
 from ferrox_batch.runtime.families.family import Family, ModelShape, Wrapped
+from ferrox_batch.runtime.families.gemma4_gguf import GGUF
 from ferrox_batch.runtime.families.layer_spec import (AttentionSpec, GatedMlpSpec, LayerSpec, ParallelFfnSpec,
                                                       PerLayerInputSpec)
 from ferrox_batch.runtime.families.moe_config import MoeShape, positive_int
@@ -186,5 +188,5 @@ def _moe(raw: Mapping[str, Any], layers: int) -> MoeShape | None:
 
 FAMILY = Family(
     model_type="gemma4_text", architectures=(ARCHITECTURE,), layer=layer, config_fields=config_fields,
-    rope=RopeReading(default_theta=1_000_000.0, local_theta=10_000.0, proportional=True),
+    rope=RopeReading(default_theta=1_000_000.0, local_theta=10_000.0, proportional=True), gguf=GGUF,
 )

@@ -102,14 +102,31 @@ class GgufFamily:
     #: Layer tensors whose HF name has no `.weight` (gpt-oss's `self_attn.sinks`), which llama.cpp's files
     #: name with one (`attn_sinks.weight`).
     bare: frozenset[str] = frozenset()
+    #: Tensors outside the layers beyond `GLOBAL_TENSORS` (Gemma 4's per-layer embedding), llama.cpp's name ->
+    #: the HF module name.
+    global_tensors: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    #: Layer tensors llama.cpp names `.scale` beside a `.weight` of the same name (Gemma 4's router scale,
+    #: `ffn_gate_inp.scale`) -> the HF tensor's full name after `model.layers.{i}.`.
+    scales: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    #: Keys llama.cpp reads as a scalar or one value a layer (`feed_forward_length`): `common_config` takes a
+    #: list's first value for them, and the family's `extra` reads them whole.
+    layer_arrays: frozenset[str] = frozenset()
+    #: Config fields that are the embedding's rows too (the vocabulary), set by the reader beside `vocab_size`.
+    vocab_fields: tuple[str, ...] = ()
+    #: Config fields that follow from which tensors the file holds (Gemma 4's values from keys where a layer has
+    #: no `attn_v`, as llama.cpp reads that layer), after `extra`'s.
+    tensor_fields: Callable[[Meta, dict[str, Any], set[str]], dict[str, Any]] | None = None
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The HF name of a weight tensor (None for a config tensor); ModelLoadError for an unknown one."""
         parts = gguf_name.split(".")
         if len(parts) == 2 and parts[1] == "weight" and parts[0] in self.config_tensors:
             return None
-        if len(parts) == 2 and parts[1] == "weight" and parts[0] in GLOBAL_TENSORS:
-            return f"{GLOBAL_TENSORS[parts[0]]}.weight"
+        if len(parts) == 2 and parts[1] == "weight" and parts[0] in self._globals:
+            return f"{self._globals[parts[0]]}.weight"
+        if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[3] == "scale" \
+                and parts[2] in self.scales:
+            return f"model.layers.{int(parts[1])}.{self.scales[parts[2]]}"
         if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit():
             short = self._fused.get(parts[2], (parts[2], 0))[0]
             if short in self.bare and parts[3] == "weight":
@@ -125,8 +142,11 @@ class GgufFamily:
             short = next((name for name in self.bare if self.layer_tensors[name] == pieces[3]), None)
             if short is not None:
                 return f"blk.{pieces[2]}.{short}.weight"
+            short = next((name for name, hf in self.scales.items() if hf == pieces[3]), None)
+            if short is not None:
+                return f"blk.{pieces[2]}.{short}.scale"
         module, _, suffix = hf_name.rpartition(".")
-        by_hf = {hf: name for name, hf in GLOBAL_TENSORS.items()}
+        by_hf = {hf: name for name, hf in self._globals.items()}
         if module in by_hf:
             return f"{by_hf[module]}.{suffix}"
         pieces = module.split(".", 3)
@@ -134,6 +154,10 @@ class GgufFamily:
             short = next((name for name, hf in self.layer_tensors.items() if hf == pieces[3]), None)
             return None if short is None else f"blk.{pieces[2]}.{short}.{suffix}"
         return None
+
+    @property
+    def _globals(self) -> dict[str, str]:
+        return {**GLOBAL_TENSORS, **self.global_tensors}
 
     @property
     def _fused(self) -> dict[str, tuple[str, int]]:
@@ -179,12 +203,20 @@ class GgufFamily:
         if self.biased:  # Qwen2's biases: present on every layer or none (the shape check holds them to it)
             config["attention_bias"] = any(f"blk.0.{short}.bias" in tensor_names for short in self.biased)
         config.update(self.extra(meta, config, tensors))
+        if self.tensor_fields is not None:
+            config.update(self.tensor_fields(meta, config, tensor_names))
         return config
 
 
 def common_config(meta: Meta, family: GgufFamily, tensor_names: set[str]) -> dict[str, Any]:
     """The fields every family shares, under llama.cpp's keys."""
-    hidden, heads = meta.integer("embedding_length"), meta.integer("attention.head_count")
+    def integer(name: str, default: Any = _REQUIRED) -> int:
+        value = meta.key(name, default)
+        if isinstance(value, list) and name in family.layer_arrays and value:
+            return Meta({f"{meta.arch}.{name}": value[0]}, meta.arch).integer(name)  # `extra` reads it whole
+        return meta.integer(name, default)
+
+    hidden, heads = meta.integer("embedding_length"), integer("attention.head_count")
     if heads <= 0 or hidden <= 0:
         raise ModelLoadError(f"{meta.arch}.embedding_length and attention.head_count must be positive")
     head_dim = meta.integer("attention.key_length", hidden // heads)
@@ -196,10 +228,10 @@ def common_config(meta: Meta, family: GgufFamily, tensor_names: set[str]) -> dic
         "architectures": [family.hf_architecture],
         "model_type": family.model_type,
         "hidden_size": hidden,
-        "intermediate_size": meta.integer("feed_forward_length"),
+        "intermediate_size": integer("feed_forward_length"),
         "num_hidden_layers": meta.integer("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": meta.integer("attention.head_count_kv", heads),
+        "num_key_value_heads": integer("attention.head_count_kv", heads),
         "head_dim": head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": meta.integer("context_length"),

@@ -83,6 +83,7 @@ def read_gguf(path: str | Path, *, progress: Progress | None = None, keep_quanti
                           if family.hf_name(name) is None}
         config = family.config(meta, set(by_name), config_tensors)
         config["vocab_size"] = _embedding_rows(by_name)
+        config.update(dict.fromkeys(family.vocab_fields, config["vocab_size"]))
         _token_ids(meta, config)
         tokenizer_json, tokenizer_config = tokenizer_from_metadata(meta, config)
         tensors = _tensors(reader.tensors, family, config, progress, keep_quantized)
@@ -208,12 +209,17 @@ def _tensors(gguf_tensors: list[Any], family: GgufFamily, config: dict[str, Any]
         if progress:
             progress(done, len(weights), name)
     # The tensors the family's layers read at this config (the same specs the decoder builds from).
-    expected = _expected_tensors(family_of_model_type(family.model_type), ModelConfig.from_dict(config))
+    model, shape_of = family_of_model_type(family.model_type), ModelConfig.from_dict(config)
+    expected = _expected_tensors(model, shape_of)
     for name, shape in expected.items():
         held = out.get(name)
         if isinstance(held, np.ndarray) and len(shape) == 2 and shape[0] == 1 and held.shape == shape[1:]:
             out[name] = held.reshape(shape)  # a [1, n] gate llama.cpp reads as {n}, written 1-D
-    _check_shapes(out, expected, family)
+    # What a layer may hold and not read (a K/V-sharing layer's own K/V projections, which the converter writes
+    # where the source has them and llama.cpp leaves unread too): passed on, for the decoder to drop.
+    unread = {spec.prefix + name: shape for spec in model.layers(shape_of)
+              for name, shape in getattr(spec.mixer, "unread", ()) if spec.prefix + name in out}
+    _check_shapes(out, {**expected, **unread}, family)
     return out
 
 

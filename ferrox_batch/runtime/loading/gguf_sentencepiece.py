@@ -16,11 +16,15 @@ builds these tokenizers, and we build them as it does, so that both encode a tex
 
 Control and unknown pieces become special tokens and user-defined ones added tokens (matched whole,
 as llama.cpp matches them).
+
+Gemma 4's vocabulary (`tokenizer.ggml.model` "gemma4") is the same kind of text, BPE over `\u2581`-spelled
+spaces with `<0xNN>` byte fallback, but stored with its merges, which llama.cpp ranks in the file's order
+(`gemma4_tokenizer`); it splits only runs of newlines from the rest before merging, and adds no prefix space.
 """
 
 from __future__ import annotations
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 _UNKNOWN, _CONTROL, _USER_DEFINED = 2, 3, 4  # llama.cpp token types
 SPACE = "\u2581"
@@ -51,11 +55,28 @@ def sentencepiece_tokenizer(tokens: list[str], scores: list[float], types: list[
         if add_space_prefix:
             steps.append(decoders.Strip(" ", 1, 0))
     tok.decoder = decoders.Sequence(steps)
+    _add_specials(tok, tokens, types, vocab)
+    return tok
+
+
+def gemma4_tokenizer(tokens: list[str], types: list[int], merges: list[str], *, unknown: str | None) -> Tokenizer:
+    """Gemma 4's BPE as llama.cpp runs it (module docstring); each merge split at its first space after the
+    first character, as llama.cpp splits it."""
+    vocab = {token: index for index, token in enumerate(tokens)}
+    pairs = [(m[:m.find(" ", 1)], m[m.find(" ", 1) + 1:]) for m in merges if m.find(" ", 1) > 0]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=pairs, unk_token=unknown, fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[^\n]+|[\n]+"), behavior="isolated")
+    tok.decoder = decoders.Sequence([decoders.Replace(SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    _add_specials(tok, tokens, types, vocab)
+    return tok
+
+
+def _add_specials(tok: Tokenizer, tokens: list[str], types: list[int], vocab: dict[str, int]) -> None:
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, ty in zip(tokens, types) if ty in (_UNKNOWN, _CONTROL)])
     tok.add_tokens([AddedToken(t, special=False, normalized=False)
                     for t, ty in zip(tokens, types) if ty == _USER_DEFINED and t in vocab])
-    return tok
 
 
 def merges_from_ranks(vocab: dict[str, int], ranks: dict[str, float]) -> list[tuple[str, str]]:

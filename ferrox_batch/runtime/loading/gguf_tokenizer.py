@@ -7,8 +7,8 @@ carries), and the end-of-generation ids the generation config lists. Two kinds o
 * byte-level BPE (`tokenizer.ggml.model` "gpt2"), split before merging as llama.cpp's
   `tokenizer.ggml.pre` names: default/gpt2/gpt-2, smollm, llama-bpe (Llama 3, SmolLM3), qwen2 (Qwen2, Qwen3:
   Llama 3's split with single digits), gpt-4o (Phi-4-mini);
-* SentencePiece (`tokenizer.ggml.model` "llama": Gemma 3, Phi-3, Llama 2), built by
-  `gguf_sentencepiece`.
+* SentencePiece (`tokenizer.ggml.model` "llama": Gemma 3, Phi-3, Llama 2), and Gemma 4's BPE over
+  SentencePiece-style text ("gemma4"), built by `gguf_sentencepiece`.
 
 Each is built as transformers' GGUF loader builds it, so the two encode a text to the same ids; anything
 else is a `ModelLoadError` naming it.
@@ -23,7 +23,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
 from ferrox_batch.runtime.errors import ModelLoadError
-from ferrox_batch.runtime.loading.gguf_sentencepiece import sentencepiece_tokenizer
+from ferrox_batch.runtime.loading.gguf_sentencepiece import gemma4_tokenizer, sentencepiece_tokenizer
 from ferrox_batch.runtime.loading.tokenizer import byte_level_alphabet
 
 _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
@@ -31,7 +31,7 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 # Texts llama.cpp treats as end-of-generation when the vocabulary has them as
 # control tokens; SmolLM2 ends a turn with <|im_end|> but may emit <|endoftext|>.
 _END_OF_GENERATION_TEXTS = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "<|eom_id|>",
-                            "<|end|>", "<end_of_turn>", "<|end_of_text|>")
+                            "<|end|>", "<end_of_turn>", "<|end_of_text|>", "<eos>", "<turn|>", "<|tool_response>")
 
 _LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
                  r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
@@ -71,12 +71,18 @@ def tokenizer_from_metadata(meta: dict[str, Any], config: dict[str, Any]) -> tup
         tok = sentencepiece_tokenizer(tokens, scores, types, arch=str(meta.get("general.architecture")),
                                       add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
                                       unknown=_text_of(meta, tokens, "unknown"))
+    elif kind == "gemma4":
+        merges = meta.get("tokenizer.ggml.merges")
+        if not merges:
+            raise ModelLoadError("the file has no tokenizer.ggml.merges, which llama.cpp's gemma4 vocabulary needs")
+        tok = gemma4_tokenizer(tokens, types, list(merges), unknown=_text_of(meta, tokens, "unknown"))
     else:
         raise ModelLoadError(f"tokenizer model {kind!r} is not supported "
-                             f"(supported: gpt2, byte-level BPE; llama, SentencePiece)")
+                             f"(supported: gpt2, byte-level BPE; llama, SentencePiece; gemma4)")
 
     bos, eos = _text_of(meta, tokens, "bos"), _text_of(meta, tokens, "eos")
-    add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama")) and bos is not None
+    # llama.cpp adds Gemma 4's BOS whatever the file says.
+    add_bos = (kind == "gemma4" or bool(meta.get("tokenizer.ggml.add_bos_token", kind == "llama"))) and bos is not None
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and eos is not None
     if add_bos or add_eos:
         head, tail = [bos] * add_bos, [eos] * add_eos

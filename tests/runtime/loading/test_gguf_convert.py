@@ -115,8 +115,8 @@ def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedArchitecture, match="falcon") as info:
         read_gguf(path)
     assert info.value.architecture == "falcon"
-    assert info.value.supported == ["llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma3", "granite", "olmo2",
-                                    "qwen3moe", "qwen2moe", "olmoe", "granitemoe", "gpt-oss"]
+    assert info.value.supported == ["llama", "qwen2", "qwen3", "smollm3", "phi3", "gemma3", "gemma4", "granite",
+                                    "olmo2", "qwen3moe", "qwen2moe", "olmoe", "granitemoe", "gpt-oss"]
 
 
 def test_unknown_pre_tokenizer_is_refused(tmp_path: Path) -> None:
