@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from ferrox_batch.runtime.architectures import moe as moe_module  # noqa: E402
 from ferrox_batch.runtime.architectures.moe import MoeBlock  # noqa: E402
 from ferrox_batch.runtime.kv.batch_inputs import SeqChunk  # noqa: E402
+from ferrox_batch.runtime.kv.paged_kv import model_groups  # noqa: E402
 from ferrox_batch.runtime.loading.loader import load_model  # noqa: E402
 
 
@@ -67,11 +69,17 @@ def step_bytes(decoder: object) -> int:
     return total
 
 
-def decode_times(model: object, prompt: list[int], steps: int) -> list[float]:
-    store = model.decoder.new_store(16, num_blocks=(len(prompt) + steps) // 16 + 2)
+def decode_times(model: object, prompt: list[int], steps: int,
+                 prefilled: Callable[[], object] | None = None) -> list[float]:
+    """`steps` single-row decode steps' seconds after a prefill of `prompt` (`prefilled` is called between)."""
+    # every KV group (gpt-oss's sliding layers and its full ones) holds the sequence's positions in blocks of its own
+    groups = len(model_groups(model.config).layers)
+    store = model.decoder.new_store(16, num_blocks=groups * ((len(prompt) + steps) // 16 + 2))
     store.add_sequence(0, len(prompt) + steps)
     logits = model.decoder.forward([SeqChunk(0, prompt)], store)
     token = int(logits[0].argmax())
+    if prefilled is not None:
+        prefilled()
     times = []
     for _ in range(steps):
         began = time.perf_counter()
@@ -128,7 +136,8 @@ class PhaseTimer:
                                   ("scatter", t4 - t3)):
                 timer.seconds[name] += seconds
             assert block.shared is None and block.out_norm is None and block.expert_norm is None \
-                and block.router_input_scale is None, "the phase timer covers the routed experts only"
+                and block.router_input_scale is None and block.expert_scale is None, \
+                "the phase timer covers the routed experts only"
             return out.to(x.dtype)
 
         MoeBlock.forward = forward  # type: ignore[method-assign]
@@ -169,7 +178,7 @@ def main() -> int:
     stack, model.decoder.layer_stack = model.decoder.layer_stack, None
     loop_times = decode_times(model, prompt, args.steps)
     with PhaseTimer() as phases:
-        timed = decode_times(model, prompt, args.steps)
+        timed = decode_times(model, prompt, args.steps, prefilled=phases.seconds.clear)  # the steps' phases only
     model.decoder.layer_stack = stack
     total = sum(timed)
     # The machine's bandwidth drifts (a shared host): measured either side of the steps, the higher taken.

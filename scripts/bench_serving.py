@@ -152,6 +152,9 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="llama.cpp's -t")
     p.add_argument("--convert-python", default=sys.executable,
                    help="the Python that runs llama.cpp's GGUF converter (default: this one)")
+    p.add_argument("--quick", action="store_true",
+                   help="bench-http's --quick (4 requests x 8 tokens, one repeat): whether the commands run, not a "
+                        "measurement (shape a then skips the GEMM peak)")
     p.add_argument("--json", help="write the raw numbers here")
     p.add_argument("--plot", metavar="FILE.png", help="draw the table (tok/s, TTFT and ITL distributions)")
     args = p.parse_args()
@@ -172,13 +175,14 @@ def main() -> int:
             for spec in args.llama_spec or LLAMA_SPEC:
                 label, _, flags = spec.partition("=")
                 peers.append(f"llama.cpp-{name}-{label}={command} {flags}")
-    argv = ["--model", args.model, "--shape", args.shape, "--repeats", str(args.repeats)]
+    argv = ["--model", args.model, "--shape", args.shape, "--repeats", str(args.repeats),
+            *(["--quick"] if args.quick else [])]
     ours = ["ours-spec=--speculative", "ours-nospec=--no-speculative"] if copying else ["ours="]
     for spec in args.ours or ours:
         argv += ["--config", spec]
     for spec in peers:
         argv += ["--peer", spec]
-    peak = gemm_peak() if args.shape == "a" else None
+    peak = gemm_peak() if args.shape == "a" and not args.quick else None
     with tempfile.TemporaryDirectory() as scratch:
         out = args.json or str(Path(scratch) / "runs.json")
         code = bench_http([*argv, "--json", out, *(["--plot", args.plot] if args.plot else [])], prog="bench_serving")

@@ -26,6 +26,7 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -82,9 +83,22 @@ def layer_tensors(config: dict[str, object], layer: int, generator: object) -> d
     return out
 
 
-def write_shards(out: Path, config: dict[str, object], seed: int, force: bool) -> list[Written]:
-    """One shard per layer, then one for the embedding, final norm and head, and the index naming them (every
-    shard drawn again, in order, when any is missing: the draws follow one generator)."""
+def head_tensors(config: dict[str, object], generator: object) -> dict[str, object]:
+    """The embedding, the final norm and the untied head, by their Hugging Face names."""
+    import torch
+
+    v, h = int(config["vocab_size"]), int(config["hidden_size"])
+    return {"model.embed_tokens.weight": (torch.randn(v, h, generator=generator) * STD).bfloat16(),
+            "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
+            "lm_head.weight": (torch.randn(v, h, generator=generator) * STD).bfloat16()}
+
+
+def write_shards(out: Path, config: dict[str, object], seed: int, force: bool,
+                 draw_layer: Callable[[dict[str, object], int, object], dict[str, object]] = layer_tensors,
+                 draw_head: Callable[[dict[str, object], object], dict[str, object]] = head_tensors) -> list[Written]:
+    """One shard per layer (`draw_layer`'s tensors), then one for the embedding, final norm and head
+    (`draw_head`'s), and the index naming them (every shard drawn again, in order, when any is missing: the
+    draws follow one generator)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -104,13 +118,7 @@ def write_shards(out: Path, config: dict[str, object], seed: int, force: bool) -
                 index.update({tensor: name for tensor in shard.keys()})
             written.append(Written(path, False))
             continue
-        if i < layers:
-            tensors = layer_tensors(config, i, generator)
-        else:
-            v, h = int(config["vocab_size"]), int(config["hidden_size"])
-            tensors = {"model.embed_tokens.weight": (torch.randn(v, h, generator=generator) * STD).bfloat16(),
-                       "model.norm.weight": torch.ones(h, dtype=torch.bfloat16),
-                       "lm_head.weight": (torch.randn(v, h, generator=generator) * STD).bfloat16()}
+        tensors = draw_layer(config, i, generator) if i < layers else draw_head(config, generator)
         index.update({tensor: name for tensor in tensors})
         partial = path.with_name(path.name + ".partial")
         save_file(tensors, str(partial), metadata={"format": "pt"})

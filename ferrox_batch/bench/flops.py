@@ -19,12 +19,21 @@ from ferrox_batch.runtime.config import ModelConfig
 
 
 def linear_params(config: ModelConfig) -> int:
-    """Weights of the linear layers one token passes through (the lm head excluded)."""
+    """Weights of the linear layers one token passes through (the lm head excluded): on a sparse layer the
+    router, the k experts it chooses and the shared expert, where there is one (not `intermediate_size`, which
+    is the experts' width on some families and an unused dense width on others)."""
     q = config.num_heads * config.head_dim
     kv = config.num_kv_heads * config.head_dim
-    h, m = config.hidden_size, config.intermediate_size
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * m
-    return config.num_layers * per_layer
+    h, moe = config.hidden_size, config.moe
+    attention = h * (q + 2 * kv) + q * h
+    total = 0
+    for layer in range(config.num_layers):
+        if moe is not None and moe.sparse(layer):
+            experts = moe.top_k * moe.intermediate + (moe.shared_intermediate or 0)
+            total += attention + h * moe.experts + 3 * h * experts
+        else:
+            total += attention + 3 * h * config.intermediate_size
+    return total
 
 
 def workload_flops(config: ModelConfig, requests: Sequence[tuple[int, int]]) -> int:
