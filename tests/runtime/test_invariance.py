@@ -87,7 +87,8 @@ def test_a_biased_projection_adds_its_bias_before_the_one_rounding(tiny_variant_
 
 @needs_compiler
 @pytest.mark.parametrize(("variant", "dtype", "weights"), [("llama", "bf16", "auto"), ("mistral-window", "bf16", "auto"),
-                                                           ("llama", "fp32", "q8_0"), ("qwen3", "bf16", "auto")])
+                                                           ("llama", "fp32", "q8_0"), ("qwen3", "bf16", "auto"),
+                                                           ("olmoe", "bf16", "auto"), ("qwen3_moe", "bf16", "auto")])
 def test_a_sequences_logits_do_not_depend_on_its_chunks_or_its_neighbours(tiny_variant_dirs, variant, dtype,
                                                                           weights) -> None:
     """Batch-invariant kernels, attention included: one prompt prefilled whole and alone, then decoded alone,

@@ -9,10 +9,16 @@ their rows. The only Python loop is over the experts with rows, one product each
 row reads only its k experts' weights. A shared expert (times its sigmoid gate where there is one) is
 added for every row.
 
+On the CPU with the C kernels, a plain softmax top-k router runs in C (`CpuKernels.moe_route`), and where
+every expert is the int8 kernel's packed weight the whole routed half is one C call (`fused`,
+`kernels.packed_moe`): the same products, SiLU and weighted sum as the steps above, bit for bit, without a
+dozen small torch ops a layer (and the C layer stack runs the same two calls).
+
 The sums run in float32 whatever the compute dtype; each row's contributions are added in the order of
-its experts' ids (on the CPU). The router's product is torch's float32 matmul, whose rounding may follow
-the batch's size, so a row's output may differ by a rounding (and, at a near tie, its experts) alone and
-batched: the block does not claim batch invariance (`batch_invariant`).
+its experts' ids (on the CPU). The C router computes each row's choice from that row alone, so with
+batch-invariant linears a row's output is the same alone or batched (`batch_invariant`); any other router
+runs torch's float32 matmul, whose rounding may follow the batch's size (a row may then differ by a
+rounding, and at a near tie in its experts), as does a shared expert's gate: those blocks claim nothing.
 """
 
 from __future__ import annotations
@@ -66,9 +72,13 @@ class MoeBlock:
     #: on the CPU it runs in C (`CpuKernels.moe_route`), each row's choice a function of that row alone.
     plain_router: bool = False
 
-    #: Whether each row's output depends on that row alone given batch-invariant linears: not yet, as the
-    #: router's float32 product runs torch's matmul, whose rounding may follow the batch's size.
-    batch_invariant = False
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether each row's output depends on that row alone given batch-invariant linears (on the CPU with
+        the C kernels, as the decoder's claim is): a plain router, which runs in C, and no shared expert's
+        gate (a float32 torch matmul)."""
+        return self.plain_router and self.shared_gate is None
 
     def linears(self) -> list[Linear | QuantizedLinear | GateUp]:
         experts = [linear.linear if isinstance(linear, ClampedSwiGlu) else linear

@@ -167,8 +167,9 @@ def _build(
                                  f"(linear kernels: {dict(decoder.linear_kinds)}); the invariant ones are ours for "
                                  "bf16 and fp16 weights and the int8 quantized kernel, on the CPU with the C kernels "
                                  "built")
-        raise ModelLoadError("--batch-invariant on: this model's mixture-of-experts router runs torch's float32 "
-                             "matmul, whose rounding may follow the batch's size; serve it with auto or off")
+        raise ModelLoadError("--batch-invariant on: this model's mixture-of-experts router (or its shared expert's "
+                             "gate) runs torch's float32 matmul, whose rounding may follow the batch's size (only a "
+                             "plain softmax top-k router runs in C); serve it with auto or off")
     weights_reason = held.reason
     if held.keep_quantized and "dense" in decoder.weight_formats:
         weights_reason += "; the weights in other formats (or where no quantized kernel runs here) widened"

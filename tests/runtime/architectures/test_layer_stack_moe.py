@@ -61,3 +61,29 @@ def test_the_stack_says_why_it_declines_a_mixture_of_experts(tiny_variant_dirs, 
     model = load_model(folder, device="cpu", dtype="fp32", weights=weights)
     assert model.decoder.layer_stack is None
     assert reason in (model.decoder.layer_stack_declined or "")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_packed_experts_behind_the_c_router_are_batch_invariant(stackable, dtype) -> None:
+    """`--batch-invariant on` takes a packed mixture of experts with a plain router, and a sequence's logits
+    are then the same bits alone and beside other sequences (prompt and decode steps, through the stack)."""
+    from ferrox_batch.runtime.kv.batch_inputs import SeqChunk
+
+    model = load_model(stackable["qwen3_moe"], device="cpu", dtype=dtype, weights="q8_0", batch_invariant="on")
+    decoder = model.decoder
+    assert model.batch_invariant and decoder.layer_stack is not None
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, model.config.vocab_size, (21,), generator=gen).tolist()
+    other = torch.randint(3, model.config.vocab_size, (13,), generator=gen).tolist()
+    steps = [int(t) for t in torch.randint(3, model.config.vocab_size, (4,), generator=gen)]
+    store = decoder.new_store(4, num_blocks=64)
+    store.add_sequence("p", 32)
+    alone = [decoder.forward([SeqChunk("p", prompt)], store)[0]]
+    alone += [decoder.forward([SeqChunk("p", [t])], store)[0] for t in steps]
+    store = decoder.new_store(4, num_blocks=64)
+    for name in ("p", "o"):
+        store.add_sequence(name, 32)
+    together = [decoder.forward([SeqChunk("o", other), SeqChunk("p", prompt)], store)[1]]
+    together += [decoder.forward([SeqChunk("o", [5 + i]), SeqChunk("p", [t])], store)[1] for i, t in enumerate(steps)]
+    for one, many in zip(alone, together):
+        assert torch.equal(one, many)
