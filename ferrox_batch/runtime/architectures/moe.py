@@ -108,24 +108,23 @@ class MoeBlock:
                 scores_in = scores_in * self.router_input_scale * (x.shape[1] ** -0.5)
             routed = route(F.linear(scores_in, self.router_weight, self.router_bias), self.router, self.correction,
                            self.expert_scale)
+        gate_in = x  # the shared expert's gate reads the block's input, as the router does
         if self.expert_norm is not None:
             x = norm(x, self.expert_norm, ctx.eps, ctx.kernels)
+        weights, ids = routed
         if self.packed is not None and self.fused is not None and ctx.kernels is not None:
-            weights, ids = routed
             out = self.fused(x, ids, weights)
         else:
-            weights, ids = routed
             out = self._experts_in_python(x, ids, weights, ctx)
         if self.shared is not None:
             shared = self.shared.forward(x, ctx).float()
             if self.shared_gate is not None:
-                shared = shared * torch.sigmoid(F.linear(x.float(), self.shared_gate))
+                shared = shared * torch.sigmoid(F.linear(gate_in.float(), self.shared_gate))
             out += shared
         out = out.to(x.dtype)
         if self.out_norm is not None:
             out = norm(out, self.out_norm, ctx.eps, ctx.kernels)
         return out
-
 
     def _experts_in_python(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                            ctx: ForwardContext) -> torch.Tensor:
