@@ -27,7 +27,13 @@ def listening_addresses(pid: int) -> dict[tuple[str, int], str]:
     import psutil
 
     root = psutil.Process(pid)
-    names = {process.pid: process.name() for process in (root, *root.children(recursive=True))}
+    names: dict[int, str] = {}
+    # Ray starts and ends short-lived helpers at any time: one gone between the listing and the read is skipped.
+    for process in (root, *root.children(recursive=True)):
+        try:
+            names[process.pid] = process.name()
+        except psutil.NoSuchProcess:
+            continue
     return {(names[c.pid], c.laddr.port): c.laddr.ip for c in psutil.net_connections(kind="inet")
             if c.status == psutil.CONN_LISTEN and c.pid in names}
 
