@@ -172,10 +172,17 @@ def client(server):
 
 
 @pytest.fixture(scope="session")
-def forced_kernel_builds():
+def kernels_built_with():
+    """The kernels built with one flag set, each set compiled once per session (`kernel_builds.BuildsByFlags`)."""
+    from kernel_builds import BuildsByFlags
+
+    return BuildsByFlags()
+
+
+@pytest.fixture(scope="session")
+def forced_kernel_builds(kernels_built_with):
     """`kernel_builds.forced_builds` once per session: this machine's build and, on x86, the AVX2-only and
     plain-C ones (each a compile of its own, so the tests that compare the paths share them)."""
     from kernel_builds import forced_builds
 
-    with pytest.MonkeyPatch.context() as patch:
-        return forced_builds(patch)
+    return forced_builds(kernels_built_with)

@@ -31,15 +31,34 @@ X86_FLAGS = {
 }
 
 
-def forced_builds(monkeypatch: pytest.MonkeyPatch) -> dict[str, CpuKernels]:
+def build_with(flags: list[str]) -> CpuKernels | None:
+    """A fresh build of the kernels with `flags` alone (None where that set does not compile)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(build_module, "COMPILE_FLAGS", (flags,))
+        return cpu_kernels.__wrapped__()
+
+
+class BuildsByFlags:
+    """`build_with` once per flag set: a whole build is seconds, and four kernels' tests check each set."""
+
+    def __init__(self) -> None:
+        self.builds: dict[tuple[str, ...], CpuKernels | None] = {}
+
+    def __call__(self, flags: list[str]) -> CpuKernels | None:
+        key = tuple(flags)
+        if key not in self.builds:
+            self.builds[key] = build_with(flags)
+        return self.builds[key]
+
+
+def forced_builds(builds_by_flags: BuildsByFlags) -> dict[str, CpuKernels]:
     """This machine's build, then (on x86) one built with each of `X86_FLAGS` alone, by name; skips
     elsewhere (the narrower paths are forced with x86 flags)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("the narrower paths are forced with x86 flags")
     builds = {"native": built_kernels()}
     for path, flags in X86_FLAGS.items():
-        monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
-        built = cpu_kernels.__wrapped__()
+        built = builds_by_flags(flags)
         assert built is not None, f"the {path} flags must build"
         builds[path] = built
     return builds

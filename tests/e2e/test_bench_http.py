@@ -55,12 +55,12 @@ def test_a_quick_run_serves_every_request_from_each_config(tiny_batch_dir, tmp_p
     out = tmp_path / "http.json"
     # The peer is our own server started from its command line: the path a llama.cpp server takes.
     peer = f"{sys.executable} -m ferrox_batch.cli serve --model {tiny_batch_dir} --dtype fp32 --port {{port}}"
-    code = main(["--model", str(tiny_batch_dir), "--quick", "--dtype", "fp32", "--config", "defaults=",
-                 "--config", "nocap=--step-target-ms 0", "--peer", f"peer={peer}", "--json", str(out),
+    code = main(["--model", str(tiny_batch_dir), "--quick", "--dtype", "fp32", "--config", "nocap=--step-target-ms 0",
+                 "--peer", f"peer={peer}", "--json", str(out),
                  "--plot", str(tmp_path / "http.png")], {})
     assert code == 0, capsys.readouterr()
     runs = json.loads(out.read_text())["runs"]
-    assert [r["config"] for r in runs] == ["defaults", "nocap", "peer"]
+    assert [r["config"] for r in runs] == ["nocap", "peer"]
     assert (tmp_path / "http.png").read_bytes().startswith(b"\x89PNG")
     assert all(len(r["ttfts_ms"]) == 4 and len(r["itls_ms"]) == r["itl_count"] for r in runs)
     assert all(r["tokens"] == 4 * 8 and not r["errors"] and r["tok_s"] > 0 for r in runs)

@@ -368,14 +368,13 @@ def check_against_the_references(built: CpuKernels) -> None:
 
 
 @pytest.mark.parametrize("flags", build_module.COMPILE_FLAGS, ids=" ".join)
-def test_every_flag_set_builds_kernels_that_match_the_references(monkeypatch, flags) -> None:
+def test_every_flag_set_builds_kernels_that_match_the_references(kernels_built_with, flags) -> None:
     """The first flag set that compiles is the one used: on x86-64, `-march=native` code for the CPU
     that builds it (AVX-512 on an AVX-512 machine, AVX2 + FMA on an AVX2 one). The later sets are
     what a machine gets where the earlier do not compile; the last targets the compiler's baseline
     (SSE2 on x86-64). Each is built and checked here, so every machine also tests the code another
     CPU would run. On x86-64 GCC takes every set; elsewhere the last must build."""
-    monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
-    built = kernels_module.cpu_kernels.__wrapped__()
+    built = kernels_built_with(flags)
     if built is None:
         assert platform.machine() not in ("x86_64", "AMD64") and flags != BASELINE_FLAGS, flags
         return

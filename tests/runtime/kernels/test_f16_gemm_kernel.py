@@ -10,7 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
+from kernel_builds import BASELINE_FLAGS, X86_FLAGS, built_kernels, needs_compiler
 from numerics import assert_same_linear, gamma
 
 from ferrox_batch.runtime.architectures.gate_up import GateUp, gated_agrees
@@ -146,7 +146,7 @@ def test_bad_inputs_are_refused(kernels):
 
 X86 = platform.machine() in ("x86_64", "AMD64")
 #: A build without AVX2, FMA and F16C on x86, whatever the compiler's default target: the scalar loops.
-SCALAR_FLAGS = ["-O3", "-ffast-math", "-mno-avx2", "-mno-fma", "-mno-f16c"]
+SCALAR_FLAGS = X86_FLAGS["scalar"]
 
 
 def compiler_vectorises(flags: list[str]) -> bool:
@@ -158,12 +158,11 @@ def compiler_vectorises(flags: list[str]) -> bool:
 
 
 @pytest.mark.parametrize("flags", [*build_module.COMPILE_FLAGS, *([SCALAR_FLAGS] if X86 else [])], ids=" ".join)
-def test_every_flag_set_builds_a_kernel_that_sums_like_exact_arithmetic(monkeypatch, flags):
+def test_every_flag_set_builds_a_kernel_that_sums_like_exact_arithmetic(kernels_built_with, flags):
     """As for the other kernels: each flag set another CPU would get is built and checked here, and on
     x86 one more without AVX2, FMA and F16C, so the scalar loops are checked even where the compiler's
     baseline has them. Each build says which loops it has (a layer prefers fbgemm over scalar ones)."""
-    monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
-    built = kernels_module.cpu_kernels.__wrapped__()
+    built = kernels_built_with(flags)
     if built is None:
         assert not X86 and flags != BASELINE_FLAGS, flags
         return

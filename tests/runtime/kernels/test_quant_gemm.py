@@ -12,7 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kernel_builds import BASELINE_FLAGS, built_kernels, needs_compiler
+from kernel_builds import BASELINE_FLAGS, X86_FLAGS, built_kernels, needs_compiler
 from quant_weights import (
     DTYPES,
     assert_exact_sums,
@@ -205,8 +205,8 @@ def test_bad_row_lookups_are_refused(kernels):
 X86 = platform.machine() in ("x86_64", "AMD64")
 #: Builds that force the narrower paths on an x86 CPU with AVX-512 (a narrower CPU builds what it can: the
 #: test asserts the path the compiler's macros call for, whatever it is).
-AVX2_FLAGS = ["-O3", "-ffast-math", "-mavx2", "-mfma", "-mf16c", "-mno-avx512f"]
-SCALAR_FLAGS = ["-O3", "-ffast-math", "-mno-avx2", "-mno-fma", "-mno-f16c", "-mno-avx512f"]
+AVX2_FLAGS = X86_FLAGS["avx2"]
+SCALAR_FLAGS = X86_FLAGS["scalar"]
 EXTRA_FLAGS = [AVX2_FLAGS, SCALAR_FLAGS] if X86 else []
 
 
@@ -222,12 +222,11 @@ def expected_path(flags: list[str]) -> str:
 
 
 @pytest.mark.parametrize("flags", [*build_module.COMPILE_FLAGS, *EXTRA_FLAGS], ids=" ".join)
-def test_every_flag_set_builds_kernels_that_decode_and_sum_exactly(monkeypatch, flags):
+def test_every_flag_set_builds_kernels_that_decode_and_sum_exactly(kernels_built_with, flags):
     """Each flag set another CPU would get is built and checked here, and on x86 two more that force the
     AVX2 and the scalar loops, so every path runs on this machine (the int8 kernel's paths are checked
     against each other bit for bit in test_packed_quant.py)."""
-    monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
-    built = kernels_module.cpu_kernels.__wrapped__()
+    built = kernels_built_with(flags)
     if built is None:
         assert not X86 and flags != BASELINE_FLAGS, flags
         return

@@ -167,11 +167,10 @@ def test_a_team_of_threads_gives_the_same_bits(kernels) -> None:
 
 
 @pytest.mark.parametrize("flags", build_module.COMPILE_FLAGS, ids=" ".join)
-def test_every_flag_set_builds_a_kernel_that_rounds_and_rotates_like_torch(monkeypatch, flags) -> None:
+def test_every_flag_set_builds_a_kernel_that_rounds_and_rotates_like_torch(kernels_built_with, flags) -> None:
     """As for the other kernels (test_cpu_kernels): each flag set another CPU would get is built and
     checked here; the last has no F16C, so fp16 goes through the scalar rounding alone."""
-    monkeypatch.setattr(build_module, "COMPILE_FLAGS", (flags,))
-    built = kernels_module.cpu_kernels.__wrapped__()
+    built = kernels_built_with(flags)
     if built is None:
         assert flags != BASELINE_FLAGS, flags
         return
