@@ -9,7 +9,7 @@ is asked for, and a refusal still carries the CORS headers a browser needs to re
   (`chatcmpl-<id>`), and the server's log lines name it. An unusable header is replaced, never refused:
   a tracing header is not worth failing a request over.
 * **The access checks** of `access_policy.AccessPolicy` (an allowed Host, the API key, a JSON body on a
-  POST), each refusal in OpenAI's error shape before the body is read, logged as one line whose client
+  POST), each refusal in the error shape of the API its path belongs to, before the body is read, logged as one line whose client
   text (method, path, header values) is escaped (`log_text.loggable`).
 * **The tenant.** A request carrying one of several keys belongs to that key's tenant: `cache_namespace`
   gives the prefix-cache namespace its generation requests use (None without keys or with a shared cache),
@@ -28,6 +28,7 @@ from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ferrox_batch.server.access_policy import OPEN_PATHS, AccessPolicy
+from ferrox_batch.server.error_shapes import ErrorShapes
 from ferrox_batch.server.log_text import loggable
 
 log = logging.getLogger("ferrox_batch.server")
@@ -90,9 +91,10 @@ def _address_client(host: str) -> str:
 class AccessMiddleware:
     """A pure ASGI middleware (streams pass through untouched): request ids, then the access checks."""
 
-    def __init__(self, app: ASGIApp, *, policy: AccessPolicy) -> None:
+    def __init__(self, app: ASGIApp, *, policy: AccessPolicy, error_shapes: ErrorShapes = ErrorShapes()) -> None:
         self.app = app
         self.policy = policy
+        self.error_shapes = error_shapes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -113,7 +115,7 @@ class AccessMiddleware:
         if refusal is not None:
             log.info("request %s: %d on %s %s (%s)", rid, refusal.status, loggable(scope["method"]),
                      loggable(scope["path"]), refusal.logged)
-            await refusal.response()(scope, receive, send_with_id)
+            await refusal.response(self.error_shapes.for_path(scope["path"]))(scope, receive, send_with_id)
             return
         if tenant is not None:
             state[NAMESPACE_STATE], state[TENANT_STATE] = tenant.namespace, tenant.name

@@ -1,12 +1,13 @@
 """`AccessPolicy`: what a request must show before anything of it is read, and the tenant it then belongs to.
 
 Three checks, in this order, each from the request line and headers alone (the body is never read for a
-refusal), each refusal in OpenAI's error shape:
+refusal), each refusal in the error shape of the API its path belongs to (`error_shapes`):
 
 1. **Host** (`host_check`): with an allowed list, a request naming another host is a 400
    `host_not_allowed`, on every route but the liveness probe. It comes first: a DNS-rebinding page learns
    nothing else about the server.
-2. **The API key** (`api_keys`): with keys set, a missing, malformed or unknown bearer key is a 401
+2. **The API key** (`api_keys`): with keys set, a missing, malformed or unknown key (a bearer token, or
+   `x-api-key` as Anthropic's SDKs send it) is a 401
    `invalid_api_key` with `WWW-Authenticate: Bearer`. A known key names the request's tenant, which the
    policy hands back (`Tenant`: its name and its prefix-cache namespace).
 3. **A JSON body.** A POST must say `Content-Type: application/json` (parameters such as charset allowed),
@@ -34,6 +35,7 @@ from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
 from ferrox_batch.server.api_keys import ApiKeys
+from ferrox_batch.server.error_shapes import OPENAI_ERRORS, ErrorShape, shaped_response
 from ferrox_batch.server.host_check import check_allowed_hosts, host_allowed
 from ferrox_batch.server.log_text import loggable
 
@@ -59,10 +61,11 @@ class Refusal:
     logged: str
     headers: Mapping[str, str] | None = None
 
-    def response(self) -> JSONResponse:
+    def response(self, shape: ErrorShape = OPENAI_ERRORS) -> JSONResponse:
+        """The refusal in the API's `shape` (OpenAI's by default)."""
         body = {"error": {"message": self.message, "type": "invalid_request_error", "param": None,
                           "code": self.code}}
-        return JSONResponse(body, status_code=self.status, headers=dict(self.headers) if self.headers else None)
+        return shaped_response(shape, self.status, body, self.headers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,7 +109,11 @@ class AccessPolicy:
         if self.keys is not None and path not in OPEN_PATHS and path not in PAGE_PATHS:
             scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not token.strip():
-                return _unauthorised("this server needs an API key: send it as 'Authorization: Bearer <key>'"), None
+                # Anthropic's SDKs send the key as `x-api-key`: either header carries it.
+                token = headers.get("x-api-key", "")
+            if not token.strip():
+                return _unauthorised("this server needs an API key: send it as 'Authorization: Bearer <key>' "
+                                     "or 'x-api-key: <key>'"), None
             index = self.keys.match(token.strip())
             if index is None:
                 return _unauthorised("the API key is not valid"), None

@@ -49,6 +49,7 @@ from ferrox_batch.server.access_policy import AccessPolicy
 from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
 from ferrox_batch.server.chat_page import PAGE_PATH, ChatPage
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES, ClientPolicy
+from ferrox_batch.server.error_shapes import OPENAI_ERRORS, ErrorShape, ErrorShapes, shaped_response
 from ferrox_batch.server.errors import error_body, error_response
 from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST, Generations
 from ferrox_batch.server.harmony_choice import HARMONY_REASONING, TOOL_CALL_PARSERS, uses_harmony
@@ -172,9 +173,12 @@ def create_app(
         raise ValueError(f"escape_control_tokens must be true or false, got {escape_control_tokens!r}")
     if not isinstance(request_caps, RequestCaps):
         raise ValueError(f"request_caps must be RequestCaps, got {request_caps!r}")
+    # Each API beside OpenAI's answers errors in its own shape, by the path prefix its routes share.
+    error_shapes = ErrorShapes(())
     state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling,
                                              request_caps,
-                                             escape_control_tokens=escape_control_tokens, harmony=harmony), names)
+                                             escape_control_tokens=escape_control_tokens, harmony=harmony), names,
+                        error_shapes)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -199,13 +203,14 @@ def create_app(
         app.add_api_route(PAGE_PATH, ChatPage().get, methods=["GET"])
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
-    app.add_middleware(AccessMiddleware, policy=access)  # type: ignore[arg-type]
+    app.add_middleware(AccessMiddleware, policy=access, error_shapes=error_shapes)  # type: ignore[arg-type]
     origins = list(allowed_origins)
     if any(not isinstance(o, str) or not o for o in origins):
         raise ValueError(f"allowed_origins must be non-empty strings, got {origins!r}")
     if origins:  # added last: the outermost layer, so a preflight is answered before any key is asked for
         app.add_middleware(CORSMiddleware, allow_origins=origins, allow_methods=["GET", "POST", "OPTIONS"],  # type: ignore[arg-type]
-                           allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER],
+                           allow_headers=["Authorization", "Content-Type", REQUEST_ID_HEADER, "x-api-key",
+                                          "anthropic-version", "anthropic-beta"],
                            expose_headers=[REQUEST_ID_HEADER])
     return app
 
@@ -213,8 +218,11 @@ def create_app(
 class ServerState:
     """What one app holds (`app.state.ferrox`), and its endpoints."""
 
-    def __init__(self, batcher: ContinuousBatcher, generations: Generations, model_names: tuple[str, ...]) -> None:
+    def __init__(self, batcher: ContinuousBatcher, generations: Generations, model_names: tuple[str, ...],
+                 error_shapes: ErrorShapes = ErrorShapes()) -> None:
         self.batcher = batcher
+        #: Each API's error shape by its routes' path prefix (OpenAI's elsewhere).
+        self.error_shapes = error_shapes
         self.generations = generations
         self.model_names = model_names
         self.model_name = model_names[0]
@@ -267,7 +275,8 @@ class ServerState:
                                     lambda size: check_detokenize_body(size, tokenizer, caps))
 
     async def _off_loop(self, request: Request, answer: Callable[[dict[str, Any]], dict[str, Any]],
-                        check_size: Callable[[int], None] = lambda _size: None) -> Response:
+                        check_size: Callable[[int], None] = lambda _size: None,
+                        errors: ErrorShape = OPENAI_ERRORS) -> Response:
         """Read the body under the generation endpoints' limits, check its size (`check_size`, before it is
         parsed), parse and answer it on the prepare pool, and encode the answer on the answer pool
         (`json_body`). At most `max_concurrent_tokenizations` are open, counted before the body is read, and
@@ -295,19 +304,24 @@ class ServerState:
             finally:
                 self.tokenizations_open -= 1
         except DecodeError as refusal:
-            return error_response(refusal)
+            return error_response(refusal, errors)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONBodyResponse(json_pieces(result), generations.answer_pool, write_timeout=limits.write_timeout)
 
 
-async def _http_error(_request: Request, exc: Exception) -> Response:
-    """Routing errors (404, 405) in the OpenAI error shape too."""
+def _error_shape(request: Request) -> ErrorShape:
+    state = getattr(request.app.state, "ferrox", None)
+    return state.error_shapes.for_path(request.url.path) if state is not None else OPENAI_ERRORS
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Routing errors (404, 405) in the error shape of the API the path belongs to too."""
     assert isinstance(exc, StarletteHTTPException)
     body = {"error": {"type": "invalid_request_error", "code": None, "message": str(exc.detail)}}
-    return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
+    return shaped_response(_error_shape(request), exc.status_code, body, exc.headers)
 
 
-async def _internal_error(_request: Request, exc: Exception) -> Response:
+async def _internal_error(request: Request, exc: Exception) -> Response:
     log.error("unhandled error serving a request", exc_info=exc)
-    return JSONResponse(error_body(exc), status_code=500)
+    return shaped_response(_error_shape(request), 500, error_body(exc))

@@ -15,6 +15,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from ferrox_batch.errors import DecodeError
+from ferrox_batch.server.error_shapes import OPENAI_ERRORS, ErrorShape, shaped_response
 
 
 class ModelNotFound(DecodeError):
@@ -84,16 +85,16 @@ def error_body(error: BaseException) -> dict[str, Any]:
                       "message": f"internal server error ({type(error).__name__})"}}
 
 
-def error_response(error: DecodeError) -> JSONResponse:
-    """The status, body and `Retry-After` header the error itself declares."""
+def error_response(error: DecodeError, shape: ErrorShape = OPENAI_ERRORS) -> JSONResponse:
+    """The status, body and `Retry-After` header the error itself declares, in the API's `shape`."""
     headers = None
     if error.retry_after_secs is not None:
         headers = {"Retry-After": str(error.retry_after_secs)}
-    return JSONResponse(error.to_dict(), status_code=error.http_status, headers=headers)
+    return shaped_response(shape, error.http_status, error.to_dict(), headers)
 
 
-def failure_response(error: BaseException) -> JSONResponse:
+def failure_response(error: BaseException, shape: ErrorShape = OPENAI_ERRORS) -> JSONResponse:
     """A request's failure as its response: a `DecodeError`'s own, anything else (a bug) a 500."""
     if isinstance(error, DecodeError):
-        return error_response(error)
-    return JSONResponse(error_body(error), status_code=500)
+        return error_response(error, shape)
+    return shaped_response(shape, 500, error_body(error))

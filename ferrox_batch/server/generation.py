@@ -61,6 +61,7 @@ from ferrox_batch.server.access import cache_namespace, client_identity, request
 from ferrox_batch.server.body import BodyReadTimedOut, read_body
 from ferrox_batch.server.choices import best, merged
 from ferrox_batch.server.client_policy import ClientPolicy
+from ferrox_batch.server.error_shapes import OPENAI_ERRORS, ErrorShape
 from ferrox_batch.server.errors import ServerBusy, error_response, failure_response
 from ferrox_batch.server.json_body import JSONBodyResponse
 from ferrox_batch.server.metrics import ServerMetrics
@@ -125,7 +126,8 @@ class Generations:
         #: Where whole answers are built and encoded (`json_body`).
         self.answer_pool = concurrent.futures.ThreadPoolExecutor(ANSWER_THREADS, f"{self.thread_prefix}-answer")
 
-    async def serve(self, request: Request, *, endpoint: str) -> Response:
+    async def serve(self, request: Request, *, endpoint: str, errors: ErrorShape = OPENAI_ERRORS) -> Response:
+        """Answer one generation request to `endpoint`, its refusals and failures in the API's `errors` shape."""
         arrival = time.monotonic()
         rid = request_id(request)
         disconnected: asyncio.Future | None = None
@@ -152,7 +154,7 @@ class Generations:
                 disconnected.cancel()
             self.metrics.refused(refusal.code)
             log.info("request %s: refused, %s (%s)", rid, refusal.http_status, refusal.code)
-            response = error_response(refusal)
+            response = error_response(refusal, errors)
             if isinstance(refusal, BodyReadTimedOut):
                 # The rest of the body may still be on its way: the connection cannot carry
                 # another request, so say it will close (the ASGI server closes it either way).
@@ -172,7 +174,7 @@ class Generations:
         events = merged(bridges)
         handed_off = False
         try:
-            first = await self._next(events, disconnected, bridges)
+            first = await self._next(events, disconnected, bridges, errors)
             if isinstance(first, Response):
                 return first
             fmt = self._preparer.wire_format(prepared, endpoint, rid)
@@ -188,7 +190,7 @@ class Generations:
             # A request that does not stream gets no `Text` events: the next event of each choice is final.
             finals = dict([first])
             while len(finals) < len(bridges):
-                got = await self._next(events, disconnected, bridges)
+                got = await self._next(events, disconnected, bridges, errors)
                 if isinstance(got, Response):
                     return got
                 finals[got[0]] = got[1]
@@ -206,7 +208,7 @@ class Generations:
                     bridge.abandon()  # a no-op once answered; cancels if this handler itself was cancelled
 
     async def _next(self, events: AsyncIterator[tuple[int, Event]], disconnected: asyncio.Future,
-                    bridges: list[ReplyBridge]) -> tuple[int, Event] | Response:
+                    bridges: list[ReplyBridge], errors: ErrorShape) -> tuple[int, Event] | Response:
         """The next (choice, event); or the response that ends the exchange: 499 if the client left (its
         requests are cancelled), the error if a choice failed."""
         got = await next_or_disconnect(lambda: anext(events), disconnected)
@@ -217,7 +219,7 @@ class Generations:
         if error is not None:
             # A bug is already logged with its traceback by `_answered`: a 500 here, not a re-raise that
             # the app's handler (and the ASGI server) would log again.
-            return failure_response(error)
+            return failure_response(error, errors)
         return got  # type: ignore[return-value]
 
     async def _prepare(self, raw: bytes, endpoint: str, arrival: float, rid: str, namespace: str | None,

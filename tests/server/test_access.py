@@ -137,3 +137,13 @@ def test_tokenize_gives_the_ids_generation_submits_and_detokenize_reads_them_bac
                               ("/detokenize", {"tokens": [10**9]}, "tokens"), ("/detokenize", [], "body")):
         response = httpx.post(open_server + path, json=body, timeout=30)
         assert response.status_code == 400 and response.json()["error"]["param"] == field, (path, body)
+
+
+def test_the_key_may_come_as_x_api_key(keyed):
+    """Anthropic's SDKs send the key as `x-api-key`: it is taken as a bearer token is, and checked alike."""
+    body = {"prompt": "hello", "max_tokens": 2, "temperature": 0}
+    assert httpx.post(keyed + "/v1/completions", json=body, headers={"x-api-key": KEY}, timeout=30).status_code == 200
+    for headers in ({"x-api-key": ""}, {"x-api-key": "sk-wrong"}, {"x-api-key": f"{KEY}x"}):
+        response = httpx.post(keyed + "/v1/completions", json=body, headers=headers, timeout=30)
+        assert response.status_code == 401, (headers, response.text)
+        assert response.json()["error"]["code"] == "invalid_api_key"
