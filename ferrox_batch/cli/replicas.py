@@ -56,7 +56,7 @@ def check_replica_flags(args: argparse.Namespace) -> None:
 def replica_app_settings(args: argparse.Namespace, keys: tuple[str, ...]) -> dict[str, Any]:
     """The `create_app` keywords every replica's app gets: `serve`'s HTTP flags, the Host default included
     (the loopback names when `--host` is a loopback address)."""
-    from ferrox_batch.server.host_check import default_allowed_hosts
+    from ferrox_batch.server.http.host_check import default_allowed_hosts
 
     return {"default_max_tokens": args.default_max_tokens, "default_chat_max_tokens": args.default_chat_max_tokens,
             "max_concurrent_requests": args.max_concurrent_requests, "api_key": keys,

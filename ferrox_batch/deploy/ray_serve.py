@@ -54,10 +54,10 @@ from ferrox_batch.request_caps import RequestCaps
 from ferrox_batch.runtime.device import KV_CACHE_DTYPES
 from ferrox_batch.runtime.invariance import BATCH_INVARIANT_CHOICES
 from ferrox_batch.runtime.quant.choice import WEIGHTS_CHOICES
-from ferrox_batch.server.access_policy import AccessPolicy
+from ferrox_batch.server.http.access_policy import AccessPolicy
 from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
 from ferrox_batch.server.client_policy import ClientPolicy
-from ferrox_batch.server.errors import error_response
+from ferrox_batch.server.http.errors import error_response
 from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST
 from ferrox_batch.server.harmony_choice import parsers_for_family
 

@@ -34,9 +34,9 @@ from starlette.types import ASGIApp, Message
 
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.server.app import DEFAULT_MAX_BODY_BYTES
-from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
-from ferrox_batch.server.errors import error_response
-from ferrox_batch.server.responses import DONE, sse
+from ferrox_batch.server.http.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
+from ferrox_batch.server.http.errors import error_response
+from ferrox_batch.server.openai.wire_format import DONE, sse
 
 log = logging.getLogger("ferrox_batch.deploy")
 

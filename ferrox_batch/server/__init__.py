@@ -4,11 +4,13 @@
 * `serve(model, batcher_config, host, port, ...)`: load, start, serve until
   stopped, then shut everything down (`server.run`; `ferrox-batch serve`).
 
-Module map: `requests` parses and checks bodies, `generation` serves the two
-generation endpoints, `preparation` turns a body into submitted requests and
-picks their answer shapes, `streaming` bridges a blocking `Ticket` to the
-event loop and to server-sent events, `responses` holds OpenAI's wire shapes,
-`metrics` the Prometheus registry, `errors` the HTTP-only refusals.
+Module map: `requests` parses and checks the engine's chat and completion
+requests, `generation` serves the generation endpoints, `preparation` turns a
+body into submitted requests and picks their answer shapes. Below them, `http`
+is the layer every API shares (access checks, bodies, `streaming`, which
+bridges a blocking `Ticket` to the event loop, `metrics`, `errors` and each
+API's `error_shapes`); `openai` is OpenAI's surface (its wire shapes, the
+Responses API, embeddings, tokenization).
 """
 
 from __future__ import annotations

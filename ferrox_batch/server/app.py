@@ -44,29 +44,29 @@ from starlette.responses import JSONResponse, Response
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import POOLING
-from ferrox_batch.server.access import REQUEST_ID_HEADER, AccessMiddleware
-from ferrox_batch.server.access_policy import AccessPolicy
-from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
+from ferrox_batch.server.http.access import REQUEST_ID_HEADER, AccessMiddleware
+from ferrox_batch.server.http.access_policy import AccessPolicy
+from ferrox_batch.server.http.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
 from ferrox_batch.server.chat_page import PAGE_PATH, ChatPage
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES, ClientPolicy
-from ferrox_batch.server.error_shapes import OPENAI_ERRORS, ErrorShape, ErrorShapes, shaped_response
-from ferrox_batch.server.errors import error_body, error_response
+from ferrox_batch.server.http.error_shapes import OPENAI_ERRORS, ErrorShape, ErrorShapes, shaped_response
+from ferrox_batch.server.http.errors import error_body, error_response
 from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST, Generations
 from ferrox_batch.server.harmony_choice import HARMONY_REASONING, TOOL_CALL_PARSERS, uses_harmony
-from ferrox_batch.server.generation_limits import (
+from ferrox_batch.server.http.generation_limits import (
     DEFAULT_MAX_BUFFERED_REPLY_BYTES,
     DEFAULT_MAX_CONCURRENT_TOKENIZATIONS,
     DEFAULT_WRITE_TIMEOUT_SECS,
     Limits,
 )
-from ferrox_batch.server.embeddings import DEFAULT_POOLING
-from ferrox_batch.server.json_body import JSONBodyResponse, json_pieces
-from ferrox_batch.server.metrics import CONTENT_TYPE
+from ferrox_batch.server.openai.embeddings import DEFAULT_POOLING
+from ferrox_batch.server.http.json_body import JSONBodyResponse, json_pieces
+from ferrox_batch.server.http.metrics import CONTENT_TYPE
 from ferrox_batch.server.preparation import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
-from ferrox_batch.server.tokenization import (
+from ferrox_batch.server.openai.tokenization import (
     LARGE_TOKENIZATION_BYTES,
     MAX_LARGE_TOKENIZATIONS,
     TokenizationsBusy,

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Sequence
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.generation_types import GenerationParams, GenerationResult
 from ferrox_batch.replies import Finished
-from ferrox_batch.server.streaming import Event, ReplyBridge
+from ferrox_batch.server.http.streaming import Event, ReplyBridge
 
 #: The most choices (`n`) or candidates (`best_of`) one request may ask for per prompt: each is a row of the batch.
 MAX_CHOICES = 16

@@ -57,23 +57,23 @@ from ferrox_batch.errors import BatcherClosed, DecodeError
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.replies import Finished
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
-from ferrox_batch.server.access import cache_namespace, client_identity, request_id
-from ferrox_batch.server.body import BodyReadTimedOut, read_body
+from ferrox_batch.server.http.access import cache_namespace, client_identity, request_id
+from ferrox_batch.server.http.body import BodyReadTimedOut, read_body
 from ferrox_batch.server.choices import best, merged
 from ferrox_batch.server.client_policy import ClientPolicy
-from ferrox_batch.server.error_shapes import OPENAI_ERRORS, ErrorShape
-from ferrox_batch.server.errors import ServerBusy, error_response, failure_response
-from ferrox_batch.server.json_body import JSONBodyResponse
-from ferrox_batch.server.metrics import ServerMetrics
-from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat
-from ferrox_batch.server.generation_limits import Limits
+from ferrox_batch.server.http.error_shapes import OPENAI_ERRORS, ErrorShape
+from ferrox_batch.server.http.errors import ServerBusy, error_response, failure_response
+from ferrox_batch.server.http.json_body import JSONBodyResponse
+from ferrox_batch.server.http.metrics import ServerMetrics
+from ferrox_batch.server.openai.embeddings import DEFAULT_POOLING, EmbeddingFormat
+from ferrox_batch.server.http.generation_limits import Limits
 from ferrox_batch.server.preparation import Prepared, Preparer
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
-from ferrox_batch.server.responses_format import ResponsesFormat
-from ferrox_batch.server.responses import WireFormat, finish_reason
-from ferrox_batch.server.sse_events import ended_in_band, failure_events, sse_events
-from ferrox_batch.server.streaming import (
+from ferrox_batch.server.openai.responses_format import ResponsesFormat
+from ferrox_batch.server.openai.wire_format import WireFormat, finish_reason
+from ferrox_batch.server.openai.sse_events import ended_in_band, failure_events, sse_events
+from ferrox_batch.server.http.streaming import (
     Event,
     EventStreamResponse,
     Final,

@@ -32,10 +32,10 @@ from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.choices import candidate_params
 from ferrox_batch.server.client_policy import ClientPolicy
-from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat, EmbeddingRequest, parse_embedding_request
-from ferrox_batch.server.errors import ModelNotFound
-from ferrox_batch.server.responses_api import chat_body
-from ferrox_batch.server.responses_format import ResponsesFormat
+from ferrox_batch.server.openai.embeddings import DEFAULT_POOLING, EmbeddingFormat, EmbeddingRequest, parse_embedding_request
+from ferrox_batch.server.http.errors import ModelNotFound
+from ferrox_batch.server.openai.responses_api import chat_body
+from ferrox_batch.server.openai.responses_format import ResponsesFormat
 from ferrox_batch.server.extra_fields import CONTEXT_LENGTH
 from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
 from ferrox_batch.server.requests import (
@@ -46,12 +46,12 @@ from ferrox_batch.server.requests import (
     parse_completion_request,
     parse_json_object,
 )
-from ferrox_batch.server.chat_format import ChatFormat
+from ferrox_batch.server.openai.chat_format import ChatFormat
 from ferrox_batch.server.harmony_choice import STOP_TEXTS
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps, check_body, check_prompt_logprobs
-from ferrox_batch.server.responses import CompletionFormat, WireFormat
-from ferrox_batch.server.streaming import Final, ReplyBridge
+from ferrox_batch.server.openai.wire_format import CompletionFormat, WireFormat
+from ferrox_batch.server.http.streaming import Final, ReplyBridge
 from ferrox_batch.server.tools.generic import describe_tools
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS
 

@@ -41,7 +41,7 @@ from typing import Any
 from ferrox_batch.checks import UNLIMITED
 from ferrox_batch.errors import SHOWN_CHARS, InvalidRequest
 from ferrox_batch.runtime.loading.chat_template import ChatMessage
-from ferrox_batch.server.body_text import refuse_lone_surrogates
+from ferrox_batch.server.http.body_text import refuse_lone_surrogates
 from ferrox_batch.server.chat_messages import read_messages
 from ferrox_batch.server.chat_rendering import ChatRendering, read_rendering
 from ferrox_batch.server.choices import MAX_CHOICES, MAX_PROMPT_ROWS

@@ -31,8 +31,8 @@ from ferrox_batch.server.app import (
 )
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES
 from ferrox_batch.server.harmony_choice import parsers_for_family
-from ferrox_batch.server.host_check import default_allowed_hosts
-from ferrox_batch.server.listener import DEFAULT_DRAIN_TIMEOUT_SECS, DrainingServer, server_config
+from ferrox_batch.server.http.host_check import default_allowed_hosts
+from ferrox_batch.server.http.listener import DEFAULT_DRAIN_TIMEOUT_SECS, DrainingServer, server_config
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS
 
 log = logging.getLogger("ferrox_batch.server")

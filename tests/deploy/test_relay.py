@@ -191,7 +191,7 @@ async def drive_relayed(messages):
 def test_the_ingress_reads_no_more_of_a_body_than_a_replica_would_accept():
     from starlette.requests import Request
 
-    from ferrox_batch.server.errors import RequestTooLarge
+    from ferrox_batch.server.http.errors import RequestTooLarge
 
     parts = [{"type": "http.request", "body": b"x" * 600, "more_body": True},
              {"type": "http.request", "body": b"y" * 600, "more_body": False}]

@@ -25,7 +25,7 @@ from server_helpers import DEADLINE, poll
 from ferrox_batch import cli
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.cli import serve as serve_cli
-from ferrox_batch.server.listener import DEFAULT_DRAIN_TIMEOUT_SECS
+from ferrox_batch.server.http.listener import DEFAULT_DRAIN_TIMEOUT_SECS
 from ferrox_batch.server.run import serve
 
 

@@ -22,7 +22,7 @@ import openai
 import pytest
 from server_helpers import GREEDY, MODEL_NAME, served, tiny_batcher
 
-from ferrox_batch.server.access import MAX_REQUEST_ID_CHARS, usable_request_id
+from ferrox_batch.server.http.access import MAX_REQUEST_ID_CHARS, usable_request_id
 
 KEY = "sk-test-5f2c"
 

@@ -11,7 +11,7 @@ import logging
 import httpx
 from server_helpers import DEADLINE, served, tiny_batcher
 
-from ferrox_batch.server.log_text import loggable
+from ferrox_batch.server.http.log_text import loggable
 
 KEY = "sk-log-1"
 

@@ -21,7 +21,7 @@ import pytest
 from server_helpers import DEADLINE, GREEDY, MODEL_NAME, served, tiny_batcher
 
 from ferrox_batch.cli import build_parser
-from ferrox_batch.server.host_check import LOOPBACK_HOSTS, default_allowed_hosts
+from ferrox_batch.server.http.host_check import LOOPBACK_HOSTS, default_allowed_hosts
 
 BODY = b'{"prompt": "hi", "max_tokens": 1, "temperature": 0}'
 

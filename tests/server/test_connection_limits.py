@@ -24,7 +24,7 @@ import pytest
 import uvicorn
 from server_helpers import DEADLINE, poll
 
-from ferrox_batch.server.listener import KEEP_ALIVE_SECS, MAX_HEAD_BYTES, PROTOCOLS, server_config
+from ferrox_batch.server.http.listener import KEEP_ALIVE_SECS, MAX_HEAD_BYTES, PROTOCOLS, server_config
 
 HEAD_TIMEOUT = 0.5
 

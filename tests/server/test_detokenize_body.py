@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from server_helpers import DEADLINE, served, tiny_batcher
 
 from ferrox_batch.server.request_caps import RequestCaps
-from ferrox_batch.server.tokenization import DETOKENIZE_BODY_SLACK, check_detokenize_body, detokenize_body_limit
+from ferrox_batch.server.openai.tokenization import DETOKENIZE_BODY_SLACK, check_detokenize_body, detokenize_body_limit
 
 CAP = 30
 

@@ -24,7 +24,7 @@ import uvicorn
 from server_helpers import DEADLINE, MODEL_NAME, gated_batcher, letter_gate, poll
 
 from ferrox_batch.server import create_app
-from ferrox_batch.server.listener import DEFAULT_DRAIN_TIMEOUT_SECS, DrainingServer, server_config
+from ferrox_batch.server.http.listener import DEFAULT_DRAIN_TIMEOUT_SECS, DrainingServer, server_config
 
 BODY = {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3, "temperature": 0, "ignore_eos": True}
 

@@ -8,7 +8,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ferrox_batch.server.error_shapes import OPENAI_ERRORS, ErrorShapes, error_message, shaped_response
+from ferrox_batch.server.http.error_shapes import OPENAI_ERRORS, ErrorShapes, error_message, shaped_response
 
 
 class Flat:

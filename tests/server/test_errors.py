@@ -366,7 +366,7 @@ def test_a_dead_worker_is_500_and_health_says_503(tiny_batch_model):
 
 def test_a_failure_outside_the_decode_errors_is_a_500_logged_once(tiny_batch_model, monkeypatch, caplog):
     from ferrox_batch.replies import Finished
-    from ferrox_batch.server.streaming import ReplyBridge
+    from ferrox_batch.server.http.streaming import ReplyBridge
 
     def broken_finished(self, outcome):
         # A bug at the seam: no text gets through, and the request's final event reaches the loop as

@@ -19,7 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ferrox_batch.server.request_caps import RequestCaps
-from ferrox_batch.server.tokenization import tokenize
+from ferrox_batch.server.openai.tokenization import tokenize
 
 
 @pytest.fixture(scope="module")

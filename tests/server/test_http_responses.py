@@ -22,7 +22,7 @@ from tiny_checkpoint import write_tiny_checkpoint
 
 from ferrox_batch.runtime.loading.loader import load_model
 from ferrox_batch.server.reasoning import ReasoningParser
-from ferrox_batch.server.responses_format import ResponseBuilder
+from ferrox_batch.server.openai.responses_format import ResponseBuilder
 from ferrox_batch.server.tools.hermes import HermesToolCalls
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",

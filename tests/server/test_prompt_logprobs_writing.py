@@ -12,8 +12,8 @@ import json
 
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.prompt_logprobs import PromptLogprobs
-from ferrox_batch.server.json_body import SLICE_CONTAINERS, json_pieces
-from ferrox_batch.server.logprob_shapes import LogprobShapes, echo_entries, prompt_logprob_entries
+from ferrox_batch.server.http.json_body import SLICE_CONTAINERS, json_pieces
+from ferrox_batch.server.openai.logprob_shapes import LogprobShapes, echo_entries, prompt_logprob_entries
 
 TOP = 3
 

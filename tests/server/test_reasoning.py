@@ -18,7 +18,7 @@ from server_helpers import GREEDY, MODEL_NAME, openai_client, served, tiny_batch
 
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.server.app import create_app
-from ferrox_batch.server.chat_format import ChatFormat
+from ferrox_batch.server.openai.chat_format import ChatFormat
 from ferrox_batch.server.reasoning import ReasoningParser, ReasoningSplit
 from ferrox_batch.server.tools.hermes import HermesToolCalls
 from ferrox_batch.structured import StructuredOutput

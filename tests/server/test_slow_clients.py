@@ -30,9 +30,9 @@ from hypothesis import strategies as st
 from server_helpers import DEADLINE, MODEL_NAME, gated_batcher, letter_gate, poll, served, stats, tiny_batcher
 from starlette.responses import JSONResponse
 
-from ferrox_batch.server.json_body import SLICE_CONTAINERS, SLICE_SCALARS, json_pieces
-from ferrox_batch.server.logprob_shapes import LogprobShapes
-from ferrox_batch.server.chat_format import ChatFormat
+from ferrox_batch.server.http.json_body import SLICE_CONTAINERS, SLICE_SCALARS, json_pieces
+from ferrox_batch.server.openai.logprob_shapes import LogprobShapes
+from ferrox_batch.server.openai.chat_format import ChatFormat
 
 DISCONNECTS = "ferrox_batch_client_disconnects_total"
 #: Tokens the gate lets through, each streamed with `PAD` (about 50 MB in all, far past any socket buffer).

@@ -21,9 +21,9 @@ from server_helpers import DEADLINE, MODEL_NAME, poll, served, stats
 
 from ferrox_batch.admission.config import BatcherConfig
 from ferrox_batch.engine.handle import ContinuousBatcher
-from ferrox_batch.server.chat_format import ChatFormat
-from ferrox_batch.server.responses import CompletionFormat
-from ferrox_batch.server.responses_format import ResponseBuilder
+from ferrox_batch.server.openai.chat_format import ChatFormat
+from ferrox_batch.server.openai.wire_format import CompletionFormat
+from ferrox_batch.server.openai.responses_format import ResponseBuilder
 
 #: The token at which the faulty detokenizer raises, counted over the server's life.
 FAULTY_TOKEN = 3

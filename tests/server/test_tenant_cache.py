@@ -17,7 +17,7 @@ from server_helpers import DEADLINE, served, tiny_batcher
 from ferrox_batch.cli import build_parser
 from ferrox_batch.cli.common import CliError
 from ferrox_batch.cli.serve import api_keys
-from ferrox_batch.server.api_keys import ApiKeys
+from ferrox_batch.server.http.api_keys import ApiKeys
 
 ALICE, BOB = "sk-alice-1", "sk-bob-2"
 PROMPT = list(range(5, 45))  # 40 token ids: two full 16-position blocks can be adopted

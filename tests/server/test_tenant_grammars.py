@@ -20,7 +20,7 @@ from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.engine.wiring import config_ceiling
 from ferrox_batch.grammar_limits import GrammarLimits
 from ferrox_batch.runtime.sampling.grammar import Grammars
-from ferrox_batch.server.access import client_identity
+from ferrox_batch.server.http.access import client_identity
 from ferrox_batch.structured import StructuredOutput
 
 ALICE, BOB = "sk-alice-1", "sk-bob-2"

@@ -31,7 +31,7 @@ from ferrox_batch.generation_types import POOLING, GenerationResult, SamplingPar
 from ferrox_batch.server.choices import MAX_PROMPT_ROWS
 from ferrox_batch.server.extra_fields import read_truncation
 from ferrox_batch.server.fields import Fields
-from ferrox_batch.server.json_body import json_pieces
+from ferrox_batch.server.http.json_body import json_pieces
 from ferrox_batch.server.sampling_fields import SamplingOptions
 from ferrox_batch.usage import Usage
 

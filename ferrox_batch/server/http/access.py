@@ -27,9 +27,9 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.requests import HTTPConnection
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from ferrox_batch.server.access_policy import OPEN_PATHS, AccessPolicy
-from ferrox_batch.server.error_shapes import ErrorShapes
-from ferrox_batch.server.log_text import loggable
+from ferrox_batch.server.http.access_policy import OPEN_PATHS, AccessPolicy
+from ferrox_batch.server.http.error_shapes import ErrorShapes
+from ferrox_batch.server.http.log_text import loggable
 
 log = logging.getLogger("ferrox_batch.server")
 

@@ -40,7 +40,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from ferrox_batch.errors import DecodeError
-from ferrox_batch.server.errors import ServerShuttingDown
+from ferrox_batch.server.http.errors import ServerShuttingDown
 
 log = logging.getLogger("ferrox_batch.server")
 

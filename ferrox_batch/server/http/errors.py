@@ -15,7 +15,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from ferrox_batch.errors import DecodeError
-from ferrox_batch.server.error_shapes import OPENAI_ERRORS, ErrorShape, shaped_response
+from ferrox_batch.server.http.error_shapes import OPENAI_ERRORS, ErrorShape, shaped_response
 
 
 class ModelNotFound(DecodeError):

@@ -12,7 +12,7 @@ import asyncio
 from starlette.requests import Request
 
 from ferrox_batch.errors import DecodeError
-from ferrox_batch.server.errors import RequestTooLarge
+from ferrox_batch.server.http.errors import RequestTooLarge
 
 #: Seconds a generation request may take to send its whole body before it gets 408. Generous for any
 #: honest client (the 4 MiB body cap in 30 s is about 140 KB/s), short enough that uploads which stall

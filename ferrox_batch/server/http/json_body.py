@@ -36,7 +36,7 @@ from typing import Any
 
 from starlette.types import Receive, Scope, Send
 
-from ferrox_batch.server.streaming import PushedResponse
+from ferrox_batch.server.http.streaming import PushedResponse
 
 #: About how many characters of body each pool task encodes, and the most bytes one send carries.
 PIECE_BYTES = 64 * 1024

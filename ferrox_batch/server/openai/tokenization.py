@@ -24,7 +24,7 @@ from typing import Any
 from ferrox_batch.admission.budget import ContextCeiling
 from ferrox_batch.errors import DecodeError, InvalidRequest
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
-from ferrox_batch.server.errors import ServerBusy
+from ferrox_batch.server.http.errors import ServerBusy
 from ferrox_batch.server.fields import Fields
 from ferrox_batch.server.prompt_ids import encode_chat_prompt
 from ferrox_batch.server.request_caps import RequestCaps, check_text_bytes, check_token_count

@@ -28,7 +28,7 @@ from typing import Any
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.prompt_logprobs import entry_at
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
-from ferrox_batch.server.json_body import SLICE_CONTAINERS, Slices
+from ferrox_batch.server.http.json_body import SLICE_CONTAINERS, Slices
 
 #: What -inf (and anything below it) is written as.
 FLOOR = -9999.0

@@ -34,10 +34,10 @@ from typing import Any
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse
 
-from ferrox_batch.server.api_keys import ApiKeys
-from ferrox_batch.server.error_shapes import OPENAI_ERRORS, ErrorShape, shaped_response
-from ferrox_batch.server.host_check import check_allowed_hosts, host_allowed
-from ferrox_batch.server.log_text import loggable
+from ferrox_batch.server.http.api_keys import ApiKeys
+from ferrox_batch.server.http.error_shapes import OPENAI_ERRORS, ErrorShape, shaped_response
+from ferrox_batch.server.http.host_check import check_allowed_hosts, host_allowed
+from ferrox_batch.server.http.log_text import loggable
 
 #: Routes neither a Host list nor a key guards: health checks and Prometheus scrapes come from
 #: infrastructure, not clients (vLLM leaves them open to keys too).

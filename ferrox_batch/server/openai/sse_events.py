@@ -17,9 +17,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.replies import Chunk
-from ferrox_batch.server.errors import error_body
-from ferrox_batch.server.responses import DONE, WireFormat, finish_reason, output_ids, sse
-from ferrox_batch.server.streaming import Event
+from ferrox_batch.server.http.errors import error_body
+from ferrox_batch.server.openai.wire_format import DONE, WireFormat, finish_reason, output_ids, sse
+from ferrox_batch.server.http.streaming import Event
 from ferrox_batch.usage import Usage
 
 log = logging.getLogger("ferrox_batch.server")

@@ -62,7 +62,7 @@ from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.replies import Chunk, Finished
-from ferrox_batch.server.access import request_id
+from ferrox_batch.server.http.access import request_id
 
 log = logging.getLogger("ferrox_batch.server")
 

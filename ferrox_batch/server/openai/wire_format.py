@@ -25,8 +25,8 @@ from typing import Any
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
-from ferrox_batch.server.json_body import Slices, json_pieces
-from ferrox_batch.server.logprob_shapes import LogprobShapes, echo_entries, prompt_logprob_entries
+from ferrox_batch.server.http.json_body import Slices, json_pieces
+from ferrox_batch.server.openai.logprob_shapes import LogprobShapes, echo_entries, prompt_logprob_entries
 from ferrox_batch.usage import Usage
 
 DONE = b"data: [DONE]\n\n"
