@@ -62,7 +62,7 @@ from ferrox_batch.server.http.generation_limits import (
 from ferrox_batch.server.openai.embeddings import DEFAULT_POOLING
 from ferrox_batch.server.http.json_body import JSONBodyResponse, json_pieces
 from ferrox_batch.server.http.metrics import CONTENT_TYPE
-from ferrox_batch.server.preparation import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
+from ferrox_batch.server.openai.surfaces import ChatSurface, CompletionsSurface, EmbeddingsSurface, ResponsesSurface
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
@@ -76,6 +76,12 @@ from ferrox_batch.server.openai.tokenization import (
 )
 
 log = logging.getLogger("ferrox_batch.server")
+
+#: OpenAI's surfaces (stateless: each request's own state is its answer format's).
+COMPLETIONS_SURFACE = CompletionsSurface()
+CHAT_SURFACE = ChatSurface()
+RESPONSES_SURFACE = ResponsesSurface()
+EMBEDDINGS_SURFACE = EmbeddingsSurface()
 
 #: Request bodies larger than this are refused with 413. A 1 MB prompt still fits, and is then
 #: refused by the context ceiling with a 400 that names the numbers.
@@ -233,16 +239,16 @@ class ServerState:
         self.large_tokenizations_open = 0
 
     async def completions(self, request: Request) -> Response:
-        return await self.generations.serve(request, endpoint=COMPLETIONS)
+        return await self.generations.serve(request, surface=COMPLETIONS_SURFACE)
 
     async def chat(self, request: Request) -> Response:
-        return await self.generations.serve(request, endpoint=CHAT)
+        return await self.generations.serve(request, surface=CHAT_SURFACE)
 
     async def embeddings(self, request: Request) -> Response:
-        return await self.generations.serve(request, endpoint=EMBEDDINGS)
+        return await self.generations.serve(request, surface=EMBEDDINGS_SURFACE)
 
     async def responses(self, request: Request) -> Response:
-        return await self.generations.serve(request, endpoint=RESPONSES)
+        return await self.generations.serve(request, surface=RESPONSES_SURFACE)
 
     async def models(self) -> dict[str, Any]:
         """Each served name, with the longest prompt + output a request may have (`max_model_len`, vLLM's)."""

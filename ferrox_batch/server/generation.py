@@ -61,22 +61,22 @@ from ferrox_batch.server.http.access import cache_namespace, client_identity, re
 from ferrox_batch.server.http.body import BodyReadTimedOut, read_body
 from ferrox_batch.server.choices import best, merged
 from ferrox_batch.server.client_policy import ClientPolicy
-from ferrox_batch.server.http.error_shapes import OPENAI_ERRORS, ErrorShape
+from ferrox_batch.server.http.error_shapes import ErrorShape
 from ferrox_batch.server.http.errors import ServerBusy, error_response, failure_response
 from ferrox_batch.server.http.json_body import JSONBodyResponse
 from ferrox_batch.server.http.metrics import ServerMetrics
-from ferrox_batch.server.openai.embeddings import DEFAULT_POOLING, EmbeddingFormat
+from ferrox_batch.server.openai.embeddings import DEFAULT_POOLING
 from ferrox_batch.server.http.generation_limits import Limits
 from ferrox_batch.server.preparation import Prepared, Preparer
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
-from ferrox_batch.server.openai.responses_format import ResponsesFormat
-from ferrox_batch.server.openai.wire_format import WireFormat, finish_reason
-from ferrox_batch.server.openai.sse_events import ended_in_band, failure_events, sse_events
+from ferrox_batch.server.openai.wire_format import finish_reason
+from ferrox_batch.server.surface import AnswerFormat, Surface
 from ferrox_batch.server.http.streaming import (
     Event,
     EventStreamResponse,
     Final,
+    ended_in_band,
     ReplyBridge,
     next_or_disconnect,
     wait_for_disconnect,
@@ -126,8 +126,10 @@ class Generations:
         #: Where whole answers are built and encoded (`json_body`).
         self.answer_pool = concurrent.futures.ThreadPoolExecutor(ANSWER_THREADS, f"{self.thread_prefix}-answer")
 
-    async def serve(self, request: Request, *, endpoint: str, errors: ErrorShape = OPENAI_ERRORS) -> Response:
-        """Answer one generation request to `endpoint`, its refusals and failures in the API's `errors` shape."""
+    async def serve(self, request: Request, *, surface: Surface) -> Response:
+        """Answer one generation request as `surface` reads and writes its API, its refusals and failures in
+        that API's error shape."""
+        errors = surface.errors
         arrival = time.monotonic()
         rid = request_id(request)
         disconnected: asyncio.Future | None = None
@@ -145,7 +147,7 @@ class Generations:
                 disconnected = asyncio.ensure_future(wait_for_disconnect(request.receive))
                 gone = CancelToken()
                 disconnected.add_done_callback(lambda watch: None if watch.cancelled() else gone.cancel())
-                prepared = await self._prepare(raw, endpoint, arrival, rid, cache_namespace(request),
+                prepared = await self._prepare(raw, surface, arrival, rid, cache_namespace(request),
                                                client_identity(request), gone)
             finally:
                 self._preparing -= 1
@@ -177,16 +179,13 @@ class Generations:
             first = await self._next(events, disconnected, bridges, errors)
             if isinstance(first, Response):
                 return first
-            fmt = self._preparer.wire_format(prepared, endpoint, rid)
+            fmt = surface.answer_format(prepared, self._preparer, rid)
             if prepared.request.stream:
                 handed_off = True
-                body = (fmt.stream(first, events) if isinstance(fmt, ResponsesFormat)
-                        else sse_events(first, events, fmt, prepared.request.include_usage, len(bridges)))  # type: ignore[arg-type]
-                failure = fmt.failure_events if isinstance(fmt, ResponsesFormat) else failure_events
                 return EventStreamResponse(
-                    ended_in_band(body, failure, rid),
+                    ended_in_band(fmt.stream(first, events), fmt.failure_events, rid),
                     write_timeout=self.limits.write_timeout, on_close=lambda: self._abandon(*bridges),
-                    cut=[bridge.overflowed for bridge in bridges])
+                    cut=[bridge.overflowed for bridge in bridges], media_type=fmt.media_type)
             # A request that does not stream gets no `Text` events: the next event of each choice is final.
             finals = dict([first])
             while len(finals) < len(bridges):
@@ -222,12 +221,12 @@ class Generations:
             return failure_response(error, errors)
         return got  # type: ignore[return-value]
 
-    async def _prepare(self, raw: bytes, endpoint: str, arrival: float, rid: str, namespace: str | None,
+    async def _prepare(self, raw: bytes, surface: Surface, arrival: float, rid: str, namespace: str | None,
                        client: str, gone: CancelToken) -> Prepared:
         """Parse, tokenize and submit on the prepare pool; a request whose handler was cancelled is cancelled."""
         loop = asyncio.get_running_loop()
         try:
-            future = loop.run_in_executor(self.prepare_pool, self._preparer.prepare, raw, endpoint, loop,
+            future = loop.run_in_executor(self.prepare_pool, self._preparer.prepare, raw, surface, loop,
                                           lambda bridge, final: self._answered(bridge, final, arrival, rid),
                                           namespace, client, gone)
         except RuntimeError:  # the pool is shut down: the server is stopping
@@ -286,7 +285,7 @@ class Generations:
             log.warning("shutdown: the pools were still busy after %.0f s", SHUTDOWN_JOIN_SECS)
 
 
-def _answer(fmt: WireFormat | EmbeddingFormat | ResponsesFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:
+def _answer(fmt: AnswerFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:
     """The whole answer's JSON text, in pieces (blocking: for the answer pool); `best_of` ranks each prompt's
     candidates there too."""
     chosen = [r for at in range(0, len(results), best_of) for r in best(results[at:at + best_of], n, asked)]

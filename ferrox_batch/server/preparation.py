@@ -14,7 +14,7 @@ blocking work meant for the app's prepare pool, never the event loop. It promise
 * **Several prompts** (a completion's list of prompts) are `best_of` rows each, prompt by prompt: choice
   `i * n + j` is prompt i's choice j, as OpenAI and vLLM number them.
 
-`Preparer.wire_format` picks the answer shapes of a prepared request from what it asked for.
+Which API's body it reads, and how that API's answer is written, is the request's `Surface`'s business.
 """
 
 from __future__ import annotations
@@ -32,33 +32,19 @@ from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.choices import candidate_params
 from ferrox_batch.server.client_policy import ClientPolicy
-from ferrox_batch.server.openai.embeddings import DEFAULT_POOLING, EmbeddingFormat, EmbeddingRequest, parse_embedding_request
-from ferrox_batch.server.http.errors import ModelNotFound
-from ferrox_batch.server.openai.responses_api import chat_body
-from ferrox_batch.server.openai.responses_format import ResponsesFormat
 from ferrox_batch.server.extra_fields import CONTEXT_LENGTH
-from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
-from ferrox_batch.server.requests import (
-    TOOL_FORMATS,
-    ChatRequest,
-    CompletionRequest,
-    parse_chat_request,
-    parse_completion_request,
-    parse_json_object,
-)
-from ferrox_batch.server.openai.chat_format import ChatFormat
 from ferrox_batch.server.harmony_choice import STOP_TEXTS
+from ferrox_batch.server.http.errors import ModelNotFound
+from ferrox_batch.server.http.streaming import Final, ReplyBridge
+from ferrox_batch.server.openai.embeddings import DEFAULT_POOLING, EmbeddingRequest
+from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps, check_body, check_prompt_logprobs
-from ferrox_batch.server.openai.wire_format import CompletionFormat, WireFormat
-from ferrox_batch.server.http.streaming import Final, ReplyBridge
+from ferrox_batch.server.requests import ChatRequest, CompletionRequest, parse_chat_request, parse_json_object
+from ferrox_batch.server.surface import Surface
 from ferrox_batch.server.tools.generic import describe_tools
-from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS
 
-#: The embeddings and Responses endpoints' names, beside `CHAT` and `COMPLETIONS`.
-EMBEDDINGS = "embeddings"
-RESPONSES = "responses"
-__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "RESPONSES", "Prepared", "Preparer", "chat_ids"]
+__all__ = ["Prepared", "Preparer", "chat_ids"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,31 +83,19 @@ class Preparer:
     #: Whether chat answers are read in the harmony format (gpt-oss: `harmony_choice`).
     harmony: bool = False
 
-    def prepare(self, raw: bytes, endpoint: str, loop: asyncio.AbstractEventLoop,
+    def prepare(self, raw: bytes, surface: Surface, loop: asyncio.AbstractEventLoop,
                 on_final: Callable[[ReplyBridge, Final], None], namespace: str | None = None,
                 client: str | None = None, cancel: CancelToken | None = None) -> Prepared:
-        """Parse, check, tokenize and submit one request to `endpoint` (`CHAT`, `COMPLETIONS` or
-        `EMBEDDINGS`; blocking); `on_final` runs on `loop` per choice; `namespace`: the prefix-cache
+        """Parse (as `surface` reads its API's body), check, tokenize and submit one request (blocking);
+        `on_final` runs on `loop` per choice; `namespace`: the prefix-cache
         namespace of the request's tenant (`access.cache_namespace`); `client`: who sent it (its grammar
         is priced against that client's share of the live-grammar budget); `cancel`: cancelled when the
         client leaves (work on its behalf stops, from its grammar's conversion on)."""
-        body = parse_json_object(raw)
-        original = body
-        if endpoint == RESPONSES:  # said as the chat request it amounts to, checked by the chat parser
-            body = chat_body(body)
-        chat = endpoint in (CHAT, RESPONSES)
+        original = parse_json_object(raw)
+        body = surface.engine_body(original)
         check_body(self.caps, body)  # before a list is read: its length and total size are known unread
-        request: CompletionRequest | ChatRequest | EmbeddingRequest
-        if chat:
-            request = parse_chat_request(body, default_max_tokens=self.default_chat_max_tokens,
-                                         renders_tools=self.tokenizer.supports_tools,
-                                         escape_control_text=self.escape_control_tokens,
-                                         tool_format="harmony" if self.harmony else None)
-        elif endpoint == EMBEDDINGS:
-            request = parse_embedding_request(body, default_pooling=self.pooling,
-                                              hidden_size=self.batcher.hidden_size)
-        else:
-            request = parse_completion_request(body, default_max_tokens=self.default_max_tokens)
+        request = surface.parse(body, self)
+        chat = isinstance(request, ChatRequest)
         if request.model is not None and request.model != self.model_name and request.model not in self.aliases:
             raise ModelNotFound(request.model, ", ".join((self.model_name, *self.aliases)))
         options = self.policy.apply(request.options, namespace)
@@ -187,38 +161,16 @@ class Preparer:
             ids = ids[len(ids) - keep:]
         return ids
 
-    def wire_format(self, prepared: Prepared, endpoint: str, rid: str) -> WireFormat | EmbeddingFormat | ResponsesFormat:
-        """The request's answer shapes: its endpoint's, with what it asked for (log-probabilities, tool calls,
-        the echoed prompts, the prompts' log-probabilities, token ids)."""
-        request = prepared.request
-        name = request.model if request.model is not None else self.model_name  # the one asked for
-        if isinstance(request, EmbeddingRequest):
-            return EmbeddingFormat(name, request)
-        if endpoint == RESPONSES:
-            assert isinstance(request, ChatRequest) and prepared.body is not None
-            parser = TOOL_FORMATS[request.tool_format] if request.parses_tool_calls else None
-            return ResponsesFormat(name, rid, prepared.body, self.tokenizer, self.reasoning, parser,
-                                   request.parallel_tool_calls, request.forced_functions, harmony=self.harmony)
-        asked = request.options.logprobs is not None or request.prompt_logprobs is not None
-        fmt: WireFormat = (ChatFormat if endpoint == CHAT else CompletionFormat)(name, rid,
-                                                                                  self.tokenizer if asked else None)
-        fmt.choices_per_prompt = request.n
-        fmt.sends_logprobs = request.options.logprobs is not None
-        fmt.prompt_logprobs = request.prompt_logprobs
-        if request.return_token_ids:
-            fmt.prompt_ids = prepared.prompts
-        if isinstance(fmt, ChatFormat):
-            fmt.reasoning = self.reasoning
-            fmt.harmony = self.harmony
-        if isinstance(request, ChatRequest) and request.parses_tool_calls:
-            fmt.tool_parser = TOOL_FORMATS[request.tool_format]  # type: ignore[attr-defined]
-            fmt.parallel_tool_calls = request.parallel_tool_calls  # type: ignore[attr-defined]
-            fmt.forced_functions = request.forced_functions  # type: ignore[attr-defined]
-        if isinstance(request, CompletionRequest) and request.echo:
-            fmt.echo_top = request.options.logprobs or 0  # type: ignore[attr-defined]
-            fmt.echo = [(ids, prompt if isinstance(prompt, str) and request.truncate_prompt_tokens is None  # type: ignore[attr-defined]
-                         else self.tokenizer.decode_text(ids)) for ids, prompt in zip(prepared.prompts, request.prompts)]
-        return fmt
+    def parse_chat(self, body: Mapping[str, Any]) -> ChatRequest:
+        """An engine chat request parsed from OpenAI's chat `body`, with this server's defaults and chat format."""
+        return parse_chat_request(body, default_max_tokens=self.default_chat_max_tokens,
+                                  renders_tools=self.tokenizer.supports_tools,
+                                  escape_control_text=self.escape_control_tokens,
+                                  tool_format="harmony" if self.harmony else None)
+
+    def answer_name(self, request: CompletionRequest | ChatRequest | EmbeddingRequest) -> str:
+        """The model name an answer carries: the one the request asked for, else the served name."""
+        return request.model if request.model is not None else self.model_name
 
 
 def chat_ids(tokenizer: Tokenizer, request: ChatRequest, ceiling: ContextCeiling | None) -> list[int]:

@@ -47,6 +47,7 @@ water mark (64 KiB in uvicorn) and the last piece.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -278,12 +279,30 @@ class PushedResponse(Response):
 
 
 class EventStreamResponse(PushedResponse):
-    """`text/event-stream` from an async iterator of encoded events."""
+    """A stream of encoded events from an async iterator: `text/event-stream` unless `media_type` says
+    otherwise (an API that streams NDJSON)."""
 
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncIterator[bytes], *, write_timeout: float, on_close: Callable[[], None],
-                 cut: Sequence[Callable[[], Awaitable[None]]] = ()) -> None:
+                 cut: Sequence[Callable[[], Awaitable[None]]] = (), media_type: str | None = None) -> None:
+        if media_type is not None:
+            self.media_type = media_type
         # No proxy buffering, no caching: each event must reach the client when it is sent.
         super().__init__(events, write_timeout=write_timeout, on_close=on_close, cut=cut,
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def ended_in_band(body: AsyncIterator[bytes], failure: Callable[[BaseException], Sequence[bytes]],
+                        rid: str) -> AsyncIterator[bytes]:
+    """`body`, whose failure (any exception it raises) ends it with `failure(error)`'s events instead of a
+    cut connection: it is sent after the headers, so its status can no longer say so."""
+    async with contextlib.aclosing(body):  # closed with the response, however it ends
+        try:
+            async for piece in body:
+                yield piece
+        except Exception as error:
+            log.error("request %s: its stream failed after it began; it ends with an error event", rid,
+                      exc_info=error)
+            for piece in failure(error):
+                yield piece

@@ -188,6 +188,8 @@ class ResponseBuilder:
 class ResponsesFormat:
     """The answer of one `/v1/responses` request: `full` for a whole one, `stream` for its events."""
 
+    media_type = "text/event-stream"
+
     def __init__(self, model: str, rid: str, body: Mapping[str, Any], tokenizer: Tokenizer,
                  reasoning: ReasoningParser | None, tool_parser: ToolCallParser | None, parallel: bool,
                  forced: Sequence[str] | None = None, *, harmony: bool = False) -> None:

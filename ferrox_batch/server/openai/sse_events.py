@@ -30,21 +30,6 @@ def failure_events(error: BaseException) -> list[bytes]:
     return [sse(error_body(error)), DONE]
 
 
-async def ended_in_band(body: AsyncIterator[bytes], failure: Callable[[BaseException], Sequence[bytes]],
-                        rid: str) -> AsyncIterator[bytes]:
-    """`body`, whose failure (any exception it raises) ends it with `failure(error)`'s events instead of a
-    cut connection: it is sent after the headers, so its status can no longer say so."""
-    async with contextlib.aclosing(body):  # closed with the response, however it ends
-        try:
-            async for piece in body:
-                yield piece
-        except Exception as error:
-            log.error("request %s: its stream failed after it began; it ends with an error event", rid,
-                      exc_info=error)
-            for piece in failure(error):
-                yield piece
-
-
 async def sse_events(first: tuple[int, Event], events: AsyncIterator[tuple[int, Event]], fmt: WireFormat,
                      include_usage: bool, choices: int) -> AsyncIterator[bytes]:
     """The SSE body from the first event on: `events` are the choices' (index, event) pairs as they come."""

@@ -1,0 +1,65 @@
+"""`Surface`: one API the server speaks, as a translator over the one engine pipeline.
+
+Every API (OpenAI's Chat Completions, Completions, Responses and embeddings, and the others beside them)
+says the same few things in its own words. A surface turns its request body into the engine's request
+(a chat, completion or embedding request: `engine_body`, then `parse`) and the engine's answer into its
+own shapes (`answer_format`: whole, or streamed), and names its error shape. The routes pick a surface;
+`generation` and `preparation` run any surface the same way and never ask which one it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+from ferrox_batch.generation_types import GenerationResult
+from ferrox_batch.server.http.error_shapes import ErrorShape
+from ferrox_batch.server.http.streaming import Event
+from ferrox_batch.usage import Usage
+
+if TYPE_CHECKING:
+    from ferrox_batch.server.openai.embeddings import EmbeddingRequest
+    from ferrox_batch.server.preparation import Prepared, Preparer
+    from ferrox_batch.server.requests import ChatRequest, CompletionRequest
+
+    EngineRequest = ChatRequest | CompletionRequest | EmbeddingRequest
+
+
+class AnswerFormat(Protocol):
+    """How one request's answer is written in its API's shapes."""
+
+    #: The media type of a streamed answer (server-sent events, NDJSON, ...).
+    media_type: str
+
+    def full(self, results: Sequence[GenerationResult], usages: Sequence[Usage] | None = None) -> Iterator[str]:
+        """The whole answer's JSON text in pieces (blocking: built on the answer pool), one result per choice;
+        `usages`: what every candidate generated (default: the results')."""
+        ...
+
+    def stream(self, first: tuple[int, Event], events: AsyncIterator[tuple[int, Event]]) -> AsyncIterator[bytes]:
+        """The streamed body from the first (choice, event) on; `events` yields the rest as they come."""
+        ...
+
+    def failure_events(self, error: BaseException) -> Sequence[bytes]:
+        """How a stream that has begun tells `error`, its last bytes."""
+        ...
+
+
+class Surface(Protocol):
+    """One API's translator: its request into the engine's, the engine's answer into its shapes."""
+
+    #: How this API writes errors (its refusals are made in OpenAI's shape and translated).
+    errors: ErrorShape
+
+    def engine_body(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The engine's request body (OpenAI's chat, completion or embedding body) `body` amounts to; a
+        `DecodeError` naming the field for what the engine cannot do."""
+        ...
+
+    def parse(self, body: Mapping[str, Any], preparer: Preparer) -> EngineRequest:
+        """The engine's request parsed and checked from `engine_body`'s result, with `preparer`'s defaults."""
+        ...
+
+    def answer_format(self, prepared: Prepared, preparer: Preparer, rid: str) -> AnswerFormat:
+        """The answer shapes of a prepared request (`rid`: the exchange's request id)."""
+        ...
