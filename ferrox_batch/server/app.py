@@ -10,6 +10,8 @@ Endpoints:
 * `GET /metrics`: Prometheus text (see `metrics`);
 * `GET /stats`: `BatcherStats` as JSON;
 * `POST /tokenize`, `POST /detokenize`: vLLM's shapes (see `tokenization`);
+* `POST /v1/messages` (also as `?beta=true`), `POST /v1/messages/count_tokens`: Anthropic's Messages API
+  on the same engine and admission, its errors in Anthropic's shape (see `anthropic`);
 * `GET /`: the chat page (`chat_page`), unless `ui` is off.
 
 Every error, routing ones included, is a JSON body in the OpenAI error shape.
@@ -46,6 +48,9 @@ from ferrox_batch.errors import DecodeError
 from ferrox_batch.generation_types import POOLING
 from ferrox_batch.server.access import REQUEST_ID_HEADER, AccessMiddleware
 from ferrox_batch.server.access_policy import AccessPolicy
+from ferrox_batch.server.anthropic.count_tokens import count_tokens
+from ferrox_batch.server.anthropic.errors import ANTHROPIC_ERRORS
+from ferrox_batch.server.anthropic.errors import PREFIX as MESSAGES_PREFIX
 from ferrox_batch.server.body import DEFAULT_BODY_READ_TIMEOUT_SECS, read_body
 from ferrox_batch.server.chat_page import PAGE_PATH, ChatPage
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES, ClientPolicy
@@ -62,7 +67,7 @@ from ferrox_batch.server.generation_limits import (
 from ferrox_batch.server.embeddings import DEFAULT_POOLING
 from ferrox_batch.server.json_body import JSONBodyResponse, json_pieces
 from ferrox_batch.server.metrics import CONTENT_TYPE
-from ferrox_batch.server.preparation import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
+from ferrox_batch.server.preparation import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RESPONSES
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS, parse_json_object
@@ -174,7 +179,7 @@ def create_app(
     if not isinstance(request_caps, RequestCaps):
         raise ValueError(f"request_caps must be RequestCaps, got {request_caps!r}")
     # Each API beside OpenAI's answers errors in its own shape, by the path prefix its routes share.
-    error_shapes = ErrorShapes(())
+    error_shapes = ErrorShapes(((MESSAGES_PREFIX, ANTHROPIC_ERRORS),))
     state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling,
                                              request_caps,
                                              escape_control_tokens=escape_control_tokens, harmony=harmony), names,
@@ -199,6 +204,9 @@ def create_app(
     app.add_api_route("/stats", state.stats, methods=["GET"])
     app.add_api_route("/tokenize", state.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", state.detokenize, methods=["POST"])
+    # Anthropic's Messages API.
+    app.add_api_route("/v1/messages", state.messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", state.count_tokens, methods=["POST"])
     if ui:
         app.add_api_route(PAGE_PATH, ChatPage().get, methods=["GET"])
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -243,6 +251,13 @@ class ServerState:
 
     async def responses(self, request: Request) -> Response:
         return await self.generations.serve(request, endpoint=RESPONSES)
+
+    async def messages(self, request: Request) -> Response:
+        return await self.generations.serve(request, endpoint=MESSAGES, errors=ANTHROPIC_ERRORS)
+
+    async def count_tokens(self, request: Request) -> Response:
+        preparer = self.generations.preparer
+        return await self._off_loop(request, lambda body: count_tokens(preparer, body), errors=ANTHROPIC_ERRORS)
 
     async def models(self) -> dict[str, Any]:
         """Each served name, with the longest prompt + output a request may have (`max_model_len`, vLLM's)."""

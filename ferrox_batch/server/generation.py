@@ -58,6 +58,7 @@ from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.replies import Finished
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.access import cache_namespace, client_identity, request_id
+from ferrox_batch.server.anthropic.answer import MessagesFormat
 from ferrox_batch.server.body import BodyReadTimedOut, read_body
 from ferrox_batch.server.choices import best, merged
 from ferrox_batch.server.client_policy import ClientPolicy
@@ -67,7 +68,7 @@ from ferrox_batch.server.json_body import JSONBodyResponse
 from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat
 from ferrox_batch.server.generation_limits import Limits
-from ferrox_batch.server.preparation import Prepared, Preparer
+from ferrox_batch.server.preparation import MESSAGES, Prepared, Preparer
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.responses_format import ResponsesFormat
@@ -126,6 +127,11 @@ class Generations:
         #: Where whole answers are built and encoded (`json_body`).
         self.answer_pool = concurrent.futures.ThreadPoolExecutor(ANSWER_THREADS, f"{self.thread_prefix}-answer")
 
+    @property
+    def preparer(self) -> Preparer:
+        """What turns this app's bodies into submitted requests (read by the endpoints that only count)."""
+        return self._preparer
+
     async def serve(self, request: Request, *, endpoint: str, errors: ErrorShape = OPENAI_ERRORS) -> Response:
         """Answer one generation request to `endpoint`, its refusals and failures in the API's `errors` shape."""
         arrival = time.monotonic()
@@ -174,6 +180,10 @@ class Generations:
         events = merged(bridges)
         handed_off = False
         try:
+            if endpoint == MESSAGES and prepared.request.stream:
+                response = await self._messages_stream(prepared, events, disconnected, errors, rid)
+                handed_off = isinstance(response, EventStreamResponse)
+                return response
             first = await self._next(events, disconnected, bridges, errors)
             if isinstance(first, Response):
                 return first
@@ -206,6 +216,33 @@ class Generations:
                 await events.aclose()
                 for bridge in bridges:
                     bridge.abandon()  # a no-op once answered; cancels if this handler itself was cancelled
+
+    async def _messages_stream(self, prepared: Prepared, events: AsyncIterator[tuple[int, Event]],
+                               disconnected: asyncio.Future, errors: ErrorShape, rid: str) -> Response:
+        """An Anthropic stream, which begins before its first token when that is slow to come (its pings keep
+        the connection alive while a long prompt is read): a refusal or failure that comes within the first
+        ping's interval is still a status, a later one an `error` event."""
+        bridges = prepared.bridges
+        fmt = self._preparer.wire_format(prepared, MESSAGES, rid)
+        assert isinstance(fmt, MessagesFormat)
+        first: asyncio.Future = asyncio.ensure_future(anext(events))
+        try:
+            await asyncio.wait({first, disconnected}, timeout=fmt.ping_interval,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not first.done() and disconnected.done() or asyncio.current_task().cancelling():  # type: ignore[union-attr]
+                first.cancel()
+                await asyncio.wait({first})  # the events' generator is idle again before it is closed
+        if first.cancelled():
+            self._abandon(*bridges)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if first.done() and not first.cancelled() and first.exception() is None:
+            _, event = first.result()
+            if isinstance(event, Finished) and event.error is not None:
+                return failure_response(event.error, errors)
+        return EventStreamResponse(ended_in_band(fmt.stream(first, events), fmt.failure_events, rid),
+                                   write_timeout=self.limits.write_timeout, on_close=lambda: self._abandon(*bridges),
+                                   cut=[bridge.overflowed for bridge in bridges])
 
     async def _next(self, events: AsyncIterator[tuple[int, Event]], disconnected: asyncio.Future,
                     bridges: list[ReplyBridge], errors: ErrorShape) -> tuple[int, Event] | Response:
@@ -286,7 +323,7 @@ class Generations:
             log.warning("shutdown: the pools were still busy after %.0f s", SHUTDOWN_JOIN_SECS)
 
 
-def _answer(fmt: WireFormat | EmbeddingFormat | ResponsesFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:
+def _answer(fmt: WireFormat | EmbeddingFormat | ResponsesFormat | MessagesFormat, results: list[GenerationResult], best_of: int, n: int, asked: bool) -> Iterator[str]:
     """The whole answer's JSON text, in pieces (blocking: for the answer pool); `best_of` ranks each prompt's
     candidates there too."""
     chosen = [r for at in range(0, len(results), best_of) for r in best(results[at:at + best_of], n, asked)]

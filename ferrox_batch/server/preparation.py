@@ -30,6 +30,8 @@ from ferrox_batch.cancel import CancelToken
 from ferrox_batch.generation_types import GenerationParams
 from ferrox_batch.engine.handle import ContinuousBatcher
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
+from ferrox_batch.server.anthropic.answer import MessagesFormat
+from ferrox_batch.server.anthropic.request import chat_body as messages_chat_body
 from ferrox_batch.server.choices import candidate_params
 from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat, EmbeddingRequest, parse_embedding_request
@@ -58,7 +60,9 @@ from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS
 #: The embeddings and Responses endpoints' names, beside `CHAT` and `COMPLETIONS`.
 EMBEDDINGS = "embeddings"
 RESPONSES = "responses"
-__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "RESPONSES", "Prepared", "Preparer", "chat_ids"]
+#: Anthropic's Messages API (`anthropic`): a chat request in other words, as `RESPONSES` is.
+MESSAGES = "messages"
+__all__ = ["CHAT", "COMPLETIONS", "EMBEDDINGS", "MESSAGES", "RESPONSES", "Prepared", "Preparer", "chat_ids"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,7 +113,9 @@ class Preparer:
         original = body
         if endpoint == RESPONSES:  # said as the chat request it amounts to, checked by the chat parser
             body = chat_body(body)
-        chat = endpoint in (CHAT, RESPONSES)
+        elif endpoint == MESSAGES:
+            body = messages_chat_body(body, thinks=self.reasoning is not None or self.harmony)
+        chat = endpoint in (CHAT, RESPONSES, MESSAGES)
         check_body(self.caps, body)  # before a list is read: its length and total size are known unread
         request: CompletionRequest | ChatRequest | EmbeddingRequest
         if chat:
@@ -187,7 +193,8 @@ class Preparer:
             ids = ids[len(ids) - keep:]
         return ids
 
-    def wire_format(self, prepared: Prepared, endpoint: str, rid: str) -> WireFormat | EmbeddingFormat | ResponsesFormat:
+    def wire_format(self, prepared: Prepared, endpoint: str,
+                    rid: str) -> WireFormat | EmbeddingFormat | ResponsesFormat | MessagesFormat:
         """The request's answer shapes: its endpoint's, with what it asked for (log-probabilities, tool calls,
         the echoed prompts, the prompts' log-probabilities, token ids)."""
         request = prepared.request
@@ -199,6 +206,11 @@ class Preparer:
             parser = TOOL_FORMATS[request.tool_format] if request.parses_tool_calls else None
             return ResponsesFormat(name, rid, prepared.body, self.tokenizer, self.reasoning, parser,
                                    request.parallel_tool_calls, request.forced_functions, harmony=self.harmony)
+        if endpoint == MESSAGES:
+            assert isinstance(request, ChatRequest)
+            parser = TOOL_FORMATS[request.tool_format] if request.parses_tool_calls else None
+            return MessagesFormat(name, rid, len(prepared.prompts[0]), self.reasoning, parser,
+                                  request.parallel_tool_calls, request.forced_functions, harmony=self.harmony)
         asked = request.options.logprobs is not None or request.prompt_logprobs is not None
         fmt: WireFormat = (ChatFormat if endpoint == CHAT else CompletionFormat)(name, rid,
                                                                                   self.tokenizer if asked else None)
