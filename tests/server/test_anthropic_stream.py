@@ -6,13 +6,15 @@ interval shrunk for the test) after `message_start` and before any block; a busy
 `overloaded_error` and `Retry-After` before any stream begins, whether the request streams or not; a
 failure after the stream began is an `error` event in Anthropic's shape, last, whether text went out
 before it or only pings; thinking is a `thinking` block (`thinking_delta`s, then a `signature_delta`), the
-same whole and streamed; `thinking` with a budget is accepted where a parser reads thinking, and
+same whole and streamed; a client that leaves while the first token is awaited (before the stream began,
+or during its pings) cancels its request; `thinking` with a budget is accepted where a parser reads thinking, and
 checked as Anthropic checks it.
 """
 
 from __future__ import annotations
 
 import json
+import socket
 import threading
 import time
 
@@ -20,7 +22,7 @@ import anthropic
 import httpx
 import pytest
 from batch_helpers import identity_decode
-from server_helpers import DEADLINE, MODEL_NAME, gated_batcher, served
+from server_helpers import DEADLINE, MODEL_NAME, gated_batcher, poll, served, stats
 from worker_helpers import Gate
 
 from ferrox_batch.server.anthropic.answer import MessagesFormat
@@ -56,7 +58,7 @@ def setup(tiny_batch_model):
         patch.setattr(MessagesFormat, "ping_interval", PING)
         with served(gated_batcher(tiny_batch_model, gate), reasoning_parser="deepseek_r1",
                     max_concurrent_requests=1) as (base_url, _app):
-            yield base_url, gate, faulty
+            yield base_url, gate, faulty, _app
 
 
 def events_of(base_url: str, body: dict) -> list[tuple[str, dict]]:
@@ -88,7 +90,7 @@ def held_stream(base_url: str, gate: Gate, request: dict) -> tuple[threading.Thr
 
 
 def test_pings_go_out_while_the_first_token_is_held(setup):
-    base_url, gate, _ = setup
+    base_url, gate, *_ = setup
     thread, pairs = held_stream(base_url, gate, body())
     time.sleep(HELD)
     gate.open()
@@ -102,7 +104,7 @@ def test_pings_go_out_while_the_first_token_is_held(setup):
 
 
 def test_busy_is_a_529_before_any_stream(setup):
-    base_url, gate, _ = setup
+    base_url, gate, *_ = setup
     thread, _pairs = held_stream(base_url, gate, body())
     try:
         with anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0) as client:
@@ -120,7 +122,7 @@ def test_busy_is_a_529_before_any_stream(setup):
 
 @pytest.mark.parametrize("held", [False, True])
 def test_a_failure_once_streaming_is_an_error_event(setup, held):
-    base_url, gate, faulty = setup
+    base_url, gate, faulty, _app = setup
     if held:  # only pings went out before the failure
         faulty.arm(1)
         thread, pairs = held_stream(base_url, gate, body())
@@ -142,7 +144,7 @@ def test_a_failure_once_streaming_is_an_error_event(setup, held):
 
 
 def test_thinking_is_a_thinking_block_whole_and_streamed(setup):
-    base_url, _gate, _ = setup
+    base_url, *_ = setup
     with anthropic.Anthropic(base_url=base_url, api_key="unused", max_retries=0) as client:
         whole = client.messages.create(model=MODEL_NAME, max_tokens=6, messages=[{"role": "user", "content": "Hi"}],
                                        thinking={"type": "adaptive"}, extra_body={"ignore_eos": True, "temperature": 0})
@@ -162,3 +164,35 @@ def test_thinking_is_a_thinking_block_whole_and_streamed(setup):
     assert set(kinds[:-1]) == {"thinking_delta"} and kinds[-1] == "signature_delta"
     assert counted.input_tokens > 0
     assert refused.value.body["error"]["message"].startswith("thinking.budget_tokens ")
+
+
+def disconnects(app) -> float:
+    return app.state.ferrox.generations.metrics.registry.get_sample_value("ferrox_batch_client_disconnects_total")
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_client_leaving_before_the_first_token_cancels_its_request(setup, monkeypatch, streaming):
+    """`streaming`: it leaves during the pings; else within the first interval, before the stream began."""
+    base_url, gate, _faulty, app = setup
+    if not streaming:
+        monkeypatch.setattr(MessagesFormat, "ping_interval", DEADLINE)
+    before, gone = stats(base_url), disconnects(app)
+    raw = json.dumps(body(max_tokens=50, stream=True)).encode()
+    host, port = base_url.removeprefix("http://").split(":")
+    calls = gate.calls
+    gate.hold()
+    try:
+        with socket.create_connection((host, int(port)), timeout=DEADLINE) as sock:
+            sock.sendall(b"POST /v1/messages HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                         + f"Content-Length: {len(raw)}\r\n\r\n".encode() + raw)
+            gate.wait_calls(calls + 1)  # admitted, its first token held
+            if streaming:
+                seen = b""
+                while seen.count(b"event: ping") < 2:
+                    seen += sock.recv(4096)
+                assert b"event: message_start" in seen
+        poll(lambda: disconnects(app) == gone + 1, "the server to cancel the abandoned request")
+    finally:
+        gate.open()
+    poll(lambda: stats(base_url)["kv_blocks_free"] == before["kv_blocks_total"], "the blocks to come back")
+    assert stats(base_url)["aborted"] == before["aborted"] + 1
