@@ -230,7 +230,8 @@ class Generations:
             await asyncio.wait({first, disconnected}, timeout=fmt.ping_interval,
                                return_when=asyncio.FIRST_COMPLETED)
         finally:
-            if not first.done() and disconnected.done() or asyncio.current_task().cancelling():  # type: ignore[union-attr]
+            handler = asyncio.current_task()
+            if not first.done() and (disconnected.done() or (handler is not None and handler.cancelling())):
                 first.cancel()
                 await asyncio.wait({first})  # the events' generator is idle again before it is closed
         if first.cancelled():
