@@ -14,7 +14,8 @@ Endpoints:
   on the same engine and admission, its errors in Anthropic's shape (see `anthropic`);
 * `GET /`: the chat page (`chat_page`), unless `ui` is off.
 
-Every error, routing ones included, is a JSON body in the OpenAI error shape.
+Every error, routing ones included, is a JSON body in the OpenAI error shape (on the Messages API's
+routes, Anthropic's: `error_shapes`).
 Every response carries `X-Request-Id`; with `api_key` set, every route but
 `/health` and `/metrics` needs it as a bearer token, with `allowed_hosts` every
 route but `/health` a listed `Host`, and every POST a JSON body (see `access`). With

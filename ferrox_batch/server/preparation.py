@@ -209,7 +209,7 @@ class Preparer:
         if endpoint == MESSAGES:
             assert isinstance(request, ChatRequest)
             parser = TOOL_FORMATS[request.tool_format] if request.parses_tool_calls else None
-            return MessagesFormat(name, rid, len(prepared.prompts[0]), self.reasoning, parser,
+            return MessagesFormat(name, len(prepared.prompts[0]), self.reasoning, parser,
                                   request.parallel_tool_calls, request.forced_functions, harmony=self.harmony)
         asked = request.options.logprobs is not None or request.prompt_logprobs is not None
         fmt: WireFormat = (ChatFormat if endpoint == CHAT else CompletionFormat)(name, rid,

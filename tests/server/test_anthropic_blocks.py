@@ -38,7 +38,7 @@ def result(text: str, reason: FinishReason = FinishReason.STOP) -> GenerationRes
 
 
 def writer() -> MessagesFormat:
-    return MessagesFormat("m", "rid", 7, ReasoningParser("qwen3"), HermesToolCalls(), True)
+    return MessagesFormat("m", 7, ReasoningParser("qwen3"), HermesToolCalls(), True)
 
 
 def streamed(fmt: MessagesFormat, pieces: list[str], final: GenerationResult) -> list[dict]:

@@ -102,7 +102,7 @@ class MessagesFormat:
     #: Seconds between pings while the first token is awaited (a class attribute: tests shrink it).
     ping_interval = PING_INTERVAL_SECS
 
-    def __init__(self, model: str, rid: str, prompt_tokens: int, reasoning: ReasoningParser | None,
+    def __init__(self, model: str, prompt_tokens: int, reasoning: ReasoningParser | None,
                  tool_parser: ToolCallParser | None, parallel: bool, forced: Sequence[str] | None = None, *,
                  harmony: bool = False) -> None:
         self.id = f"msg_{uuid.uuid4().hex[:24]}"
