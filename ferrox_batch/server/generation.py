@@ -1,5 +1,5 @@
-"""`Generations`: how one app serves `/v1/completions`, `/v1/chat/completions`, `/v1/responses` and
-`/v1/embeddings`.
+"""`Generations`: how one app serves `/v1/completions`, `/v1/chat/completions`, `/v1/responses`,
+`/v1/embeddings` and Anthropic's `/v1/messages`.
 
 The pipeline of one request, and why each step is where it is:
 
@@ -27,6 +27,10 @@ The pipeline of one request, and why each step is where it is:
    the usage chunk when `stream_options.include_usage` is set, and `[DONE]`;
    one that fails after its headers went out (on the worker, or while its
    events are written) ends with an error event (`sse_events.ended_in_band`).
+   Anthropic's streams alone do not wait past one ping interval for it: a
+   refusal that comes sooner is still a status, and after it the stream
+   begins and pings until the first token (`anthropic.answer`), so a long
+   prefill does not look like a dead connection.
    A whole answer is built and encoded on the *answer* pool and sent a piece
    at a time (`json_body`): a big one never stops the loop, nor sits whole in
    a buffer.
