@@ -10,9 +10,13 @@ Endpoints:
 * `GET /metrics`: Prometheus text (see `metrics`);
 * `GET /stats`: `BatcherStats` as JSON;
 * `POST /tokenize`, `POST /detokenize`: vLLM's shapes (see `tokenization`);
+* `POST /v1/messages` (also as `?beta=true`), `POST /v1/messages/count_tokens`: Anthropic's Messages API
+  on the same engine and admission, its errors in Anthropic's shape (see `anthropic`);
 * `GET /`: the chat page (`chat_page`), unless `ui` is off.
 
-Every error, routing ones included, is a JSON body in the OpenAI error shape.
+Each API is a surface (`surface`) the routes pick: its request translated into the engine's, its answer
+written in its own shapes. Every error, routing ones included, is a JSON body in the error shape of the
+API the path belongs to (`http.error_shapes`): OpenAI's, or on the Messages API's routes, Anthropic's.
 Every response carries `X-Request-Id`; with `api_key` set, every route but
 `/health` and `/metrics` needs it as a bearer token, with `allowed_hosts` every
 route but `/health` a listed `Host`, and every POST a JSON body (see `access`). With
@@ -62,6 +66,10 @@ from ferrox_batch.server.http.generation_limits import (
 from ferrox_batch.server.openai.embeddings import DEFAULT_POOLING
 from ferrox_batch.server.http.json_body import JSONBodyResponse, json_pieces
 from ferrox_batch.server.http.metrics import CONTENT_TYPE
+from ferrox_batch.server.anthropic.count_tokens import count_tokens
+from ferrox_batch.server.anthropic.errors import ANTHROPIC_ERRORS
+from ferrox_batch.server.anthropic.errors import PREFIX as MESSAGES_PREFIX
+from ferrox_batch.server.anthropic.surface import MessagesSurface
 from ferrox_batch.server.openai.surfaces import ChatSurface, CompletionsSurface, EmbeddingsSurface, ResponsesSurface
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
@@ -82,6 +90,8 @@ COMPLETIONS_SURFACE = CompletionsSurface()
 CHAT_SURFACE = ChatSurface()
 RESPONSES_SURFACE = ResponsesSurface()
 EMBEDDINGS_SURFACE = EmbeddingsSurface()
+#: Anthropic's Messages API.
+MESSAGES_SURFACE = MessagesSurface()
 
 #: Request bodies larger than this are refused with 413. A 1 MB prompt still fits, and is then
 #: refused by the context ceiling with a 400 that names the numbers.
@@ -180,7 +190,7 @@ def create_app(
     if not isinstance(request_caps, RequestCaps):
         raise ValueError(f"request_caps must be RequestCaps, got {request_caps!r}")
     # Each API beside OpenAI's answers errors in its own shape, by the path prefix its routes share.
-    error_shapes = ErrorShapes(())
+    error_shapes = ErrorShapes(((MESSAGES_PREFIX, ANTHROPIC_ERRORS),))
     state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling,
                                              request_caps,
                                              escape_control_tokens=escape_control_tokens, harmony=harmony), names,
@@ -205,6 +215,9 @@ def create_app(
     app.add_api_route("/stats", state.stats, methods=["GET"])
     app.add_api_route("/tokenize", state.tokenize, methods=["POST"])
     app.add_api_route("/detokenize", state.detokenize, methods=["POST"])
+    # Anthropic's Messages API.
+    app.add_api_route("/v1/messages", state.messages, methods=["POST"])
+    app.add_api_route("/v1/messages/count_tokens", state.count_tokens, methods=["POST"])
     if ui:
         app.add_api_route(PAGE_PATH, ChatPage().get, methods=["GET"])
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -249,6 +262,13 @@ class ServerState:
 
     async def responses(self, request: Request) -> Response:
         return await self.generations.serve(request, surface=RESPONSES_SURFACE)
+
+    async def messages(self, request: Request) -> Response:
+        return await self.generations.serve(request, surface=MESSAGES_SURFACE)
+
+    async def count_tokens(self, request: Request) -> Response:
+        preparer = self.generations.preparer
+        return await self._off_loop(request, lambda body: count_tokens(preparer, body), errors=ANTHROPIC_ERRORS)
 
     async def models(self) -> dict[str, Any]:
         """Each served name, with the longest prompt + output a request may have (`max_model_len`, vLLM's)."""

@@ -1,5 +1,5 @@
-"""`Generations`: how one app serves `/v1/completions`, `/v1/chat/completions`, `/v1/responses` and
-`/v1/embeddings`.
+"""`Generations`: how one app serves a generation request of any API it speaks (a `Surface`: OpenAI's
+completions, chat, Responses and embeddings, Anthropic's messages, ...).
 
 The pipeline of one request, and why each step is where it is:
 
@@ -20,13 +20,16 @@ The pipeline of one request, and why each step is where it is:
    `max_concurrent_requests` open (in flight, being prepared, or sending its
    body) is refused with 503 `server_busy` before its body is read, so a
    busy server never waits on an upload to say so.
-4. Headers go out only once the first event arrives, so a failure the worker
-   reports before any text (a prompt token outside the vocabulary, a KV page
-   store that said no) is still a plain JSON error with its status, never a
-   stream that breaks. A stream then carries text chunks, the final chunk,
-   the usage chunk when `stream_options.include_usage` is set, and `[DONE]`;
-   one that fails after its headers went out (on the worker, or while its
-   events are written) ends with an error event (`sse_events.ended_in_band`).
+4. Headers go out once the first event arrives, or once the answer format's
+   `keepalive_interval` has passed without it, whichever is first: a failure
+   the worker reports sooner (a prompt token outside the vocabulary, a KV
+   page store that said no) is still a plain JSON error with its status, and a
+   stream that waits longer (a long prompt read, a queue) begins with the
+   format's opening and sends its keep-alives (SSE comments, Anthropic's
+   pings) until the first event, so proxies do not cut a silent connection.
+   The stream then carries the answer in the surface's shapes; one that fails
+   after its headers went out (on the worker, or while its events are
+   written) ends with the format's error events (`streaming.ended_in_band`).
    A whole answer is built and encoded on the *answer* pool and sent a piece
    at a time (`json_body`): a big one never stops the loop, nor sits whole in
    a buffer.
@@ -44,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -126,6 +130,11 @@ class Generations:
         #: Where whole answers are built and encoded (`json_body`).
         self.answer_pool = concurrent.futures.ThreadPoolExecutor(ANSWER_THREADS, f"{self.thread_prefix}-answer")
 
+    @property
+    def preparer(self) -> Preparer:
+        """What turns this app's bodies into submitted requests (read by the endpoints that only count)."""
+        return self._preparer
+
     async def serve(self, request: Request, *, surface: Surface) -> Response:
         """Answer one generation request as `surface` reads and writes its API, its refusals and failures in
         that API's error shape."""
@@ -176,16 +185,19 @@ class Generations:
         events = merged(bridges)
         handed_off = False
         try:
+            fmt = surface.answer_format(prepared, self._preparer, rid)
+            if prepared.request.stream:
+                pending = await self._first_within(events, disconnected, bridges, errors, fmt.keepalive_interval)
+                if isinstance(pending, Response):
+                    return pending
+                handed_off = True
+                return EventStreamResponse(
+                    ended_in_band(_kept_alive(fmt, pending, events), fmt.failure_events, rid),
+                    write_timeout=self.limits.write_timeout, on_close=lambda: self._abandon(*bridges),
+                    cut=[bridge.overflowed for bridge in bridges], media_type=fmt.media_type)
             first = await self._next(events, disconnected, bridges, errors)
             if isinstance(first, Response):
                 return first
-            fmt = surface.answer_format(prepared, self._preparer, rid)
-            if prepared.request.stream:
-                handed_off = True
-                return EventStreamResponse(
-                    ended_in_band(fmt.stream(first, events), fmt.failure_events, rid),
-                    write_timeout=self.limits.write_timeout, on_close=lambda: self._abandon(*bridges),
-                    cut=[bridge.overflowed for bridge in bridges], media_type=fmt.media_type)
             # A request that does not stream gets no `Text` events: the next event of each choice is final.
             finals = dict([first])
             while len(finals) < len(bridges):
@@ -205,6 +217,30 @@ class Generations:
                 await events.aclose()
                 for bridge in bridges:
                     bridge.abandon()  # a no-op once answered; cancels if this handler itself was cancelled
+
+    async def _first_within(self, events: AsyncIterator[tuple[int, Event]], disconnected: asyncio.Future,
+                            bridges: list[ReplyBridge], errors: ErrorShape,
+                            interval: float | None) -> asyncio.Future | Response:
+        """A stream's first (choice, event), as a future awaited for up to `interval` seconds (None: until it
+        comes); or the response that ends the exchange before any stream: 499 if the client left (its
+        requests are cancelled), the error's status if a choice failed within the wait. The stream begins
+        with the future, done or not (`_kept_alive`)."""
+        first: asyncio.Future = asyncio.ensure_future(anext(events))
+        try:
+            await asyncio.wait({first, disconnected}, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            handler = asyncio.current_task()
+            if not first.done() and (disconnected.done() or (handler is not None and handler.cancelling())):
+                first.cancel()
+                await asyncio.wait({first})  # the events' generator is idle again before it is closed
+        if first.cancelled():
+            self._abandon(*bridges)
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        if first.done() and first.exception() is None:
+            _, event = first.result()
+            if isinstance(event, Finished) and event.error is not None:
+                return failure_response(event.error, errors)
+        return first
 
     async def _next(self, events: AsyncIterator[tuple[int, Event]], disconnected: asyncio.Future,
                     bridges: list[ReplyBridge], errors: ErrorShape) -> tuple[int, Event] | Response:
@@ -290,6 +326,26 @@ def _answer(fmt: AnswerFormat, results: list[GenerationResult], best_of: int, n:
     candidates there too."""
     chosen = [r for at in range(0, len(results), best_of) for r in best(results[at:at + best_of], n, asked)]
     yield from fmt.full(chosen, [r.usage for r in results])
+
+
+async def _kept_alive(fmt: AnswerFormat, first: asyncio.Future,
+                      events: AsyncIterator[tuple[int, Event]]) -> AsyncIterator[bytes]:
+    """A stream's body: `fmt`'s opening, a keep-alive every `keepalive_interval` until `first` (the stream's
+    first event) is in, then the answer from it on."""
+    try:
+        for piece in fmt.opening():
+            yield piece
+        while not first.done():
+            await asyncio.wait({first}, timeout=fmt.keepalive_interval)
+            if not first.done():
+                yield fmt.keepalive()
+        got = first.result()
+    finally:
+        if not first.done():
+            first.cancel()
+    async with contextlib.aclosing(fmt.stream(got, events)) as answer:
+        async for piece in answer:
+            yield piece
 
 
 def _cancel_orphan(future: asyncio.Future) -> None:

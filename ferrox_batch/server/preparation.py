@@ -92,7 +92,7 @@ class Preparer:
         is priced against that client's share of the live-grammar budget); `cancel`: cancelled when the
         client leaves (work on its behalf stops, from its grammar's conversion on)."""
         original = parse_json_object(raw)
-        body = surface.engine_body(original)
+        body = surface.engine_body(original, self)
         check_body(self.caps, body)  # before a list is read: its length and total size are known unread
         request = surface.parse(body, self)
         chat = isinstance(request, ChatRequest)

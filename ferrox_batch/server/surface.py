@@ -30,6 +30,19 @@ class AnswerFormat(Protocol):
 
     #: The media type of a streamed answer (server-sent events, NDJSON, ...).
     media_type: str
+    #: Seconds a stream waits for its first event before it begins anyway, then between its keep-alives
+    #: until that event comes (a long prompt read, a queue): proxies cut connections that stay silent.
+    #: A refusal that comes sooner is still a status; a later one is told in the stream. None: a stream
+    #: begins with its first event, however long that takes.
+    keepalive_interval: float | None
+
+    def opening(self) -> Sequence[bytes]:
+        """What a stream sends first, before anything of the answer is known."""
+        ...
+
+    def keepalive(self) -> bytes:
+        """What a stream sends every `keepalive_interval` while its first event is awaited."""
+        ...
 
     def full(self, results: Sequence[GenerationResult], usages: Sequence[Usage] | None = None) -> Iterator[str]:
         """The whole answer's JSON text in pieces (blocking: built on the answer pool), one result per choice;
@@ -37,7 +50,8 @@ class AnswerFormat(Protocol):
         ...
 
     def stream(self, first: tuple[int, Event], events: AsyncIterator[tuple[int, Event]]) -> AsyncIterator[bytes]:
-        """The streamed body from the first (choice, event) on; `events` yields the rest as they come."""
+        """The streamed body from the first (choice, event) on, after `opening`; `events` yields the rest as
+        they come."""
         ...
 
     def failure_events(self, error: BaseException) -> Sequence[bytes]:
@@ -51,9 +65,9 @@ class Surface(Protocol):
     #: How this API writes errors (its refusals are made in OpenAI's shape and translated).
     errors: ErrorShape
 
-    def engine_body(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
-        """The engine's request body (OpenAI's chat, completion or embedding body) `body` amounts to; a
-        `DecodeError` naming the field for what the engine cannot do."""
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
+        """The engine's request body (OpenAI's chat, completion or embedding body) `body` amounts to on
+        `preparer`'s server; a `DecodeError` naming the field for what the engine cannot do."""
         ...
 
     def parse(self, body: Mapping[str, Any], preparer: Preparer) -> EngineRequest:

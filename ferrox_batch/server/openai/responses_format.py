@@ -27,6 +27,7 @@ from ferrox_batch.server.harmony_choice import HarmonyChoice
 from ferrox_batch.server.http.json_body import json_pieces
 from ferrox_batch.server.reasoning import ReasoningParser, ReasoningSplit
 from ferrox_batch.server.http.streaming import Event
+from ferrox_batch.server.openai.wire_format import KEEPALIVE_COMMENT, KEEPALIVE_SECS
 from ferrox_batch.server.tools.definitions import ToolCallParser
 from ferrox_batch.server.tools.stream import ToolStream
 from ferrox_batch.usage import Usage
@@ -189,6 +190,14 @@ class ResponsesFormat:
     """The answer of one `/v1/responses` request: `full` for a whole one, `stream` for its events."""
 
     media_type = "text/event-stream"
+    #: As a Chat Completions stream: SSE comments while the first token is awaited.
+    keepalive_interval: float | None = KEEPALIVE_SECS
+
+    def opening(self) -> Sequence[bytes]:
+        return ()
+
+    def keepalive(self) -> bytes:
+        return KEEPALIVE_COMMENT
 
     def __init__(self, model: str, rid: str, body: Mapping[str, Any], tokenizer: Tokenizer,
                  reasoning: ReasoningParser | None, tool_parser: ToolCallParser | None, parallel: bool,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.generation_types import GenerationResult
@@ -20,7 +20,7 @@ from ferrox_batch.server.openai.embeddings import EmbeddingFormat, EmbeddingRequ
 from ferrox_batch.server.openai.responses_api import chat_body
 from ferrox_batch.server.openai.responses_format import ResponsesFormat
 from ferrox_batch.server.openai.sse_events import failure_events, sse_events
-from ferrox_batch.server.openai.wire_format import CompletionFormat, WireFormat
+from ferrox_batch.server.openai.wire_format import KEEPALIVE_COMMENT, KEEPALIVE_SECS, CompletionFormat, WireFormat
 from ferrox_batch.server.requests import (
     TOOL_FORMATS,
     ChatRequest,
@@ -43,7 +43,14 @@ class SseAnswer:
     fmt: WireFormat
     include_usage: bool
     choices: int
-    media_type: str = EVENT_STREAM
+    media_type: ClassVar[str] = EVENT_STREAM
+    keepalive_interval: ClassVar[float | None] = KEEPALIVE_SECS
+
+    def opening(self) -> Sequence[bytes]:
+        return ()
+
+    def keepalive(self) -> bytes:
+        return KEEPALIVE_COMMENT
 
     def full(self, results: Sequence[GenerationResult], usages: Sequence[Usage] | None = None) -> Iterator[str]:
         return self.fmt.full(results, usages)
@@ -60,7 +67,14 @@ class WholeEmbeddings:
     """An embeddings answer: only ever whole (a streamed one is refused when parsed)."""
 
     fmt: EmbeddingFormat
-    media_type: str = "application/json"
+    media_type: ClassVar[str] = "application/json"
+    keepalive_interval: ClassVar[float | None] = None
+
+    def opening(self) -> Sequence[bytes]:
+        return ()
+
+    def keepalive(self) -> bytes:
+        return b""
 
     def full(self, results: Sequence[GenerationResult], usages: Sequence[Usage] | None = None) -> Iterator[str]:
         return self.fmt.full(results, usages)
@@ -114,7 +128,7 @@ class CompletionsSurface:
 
     errors: ErrorShape = OPENAI_ERRORS
 
-    def engine_body(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
         return body
 
     def parse(self, body: Mapping[str, Any], preparer: Preparer) -> CompletionRequest:
@@ -131,7 +145,7 @@ class ChatSurface:
 
     errors: ErrorShape = OPENAI_ERRORS
 
-    def engine_body(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
         return body
 
     def parse(self, body: Mapping[str, Any], preparer: Preparer) -> ChatRequest:
@@ -148,7 +162,7 @@ class ResponsesSurface:
 
     errors: ErrorShape = OPENAI_ERRORS
 
-    def engine_body(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
         return chat_body(body)
 
     def parse(self, body: Mapping[str, Any], preparer: Preparer) -> ChatRequest:
@@ -169,7 +183,7 @@ class EmbeddingsSurface:
 
     errors: ErrorShape = OPENAI_ERRORS
 
-    def engine_body(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
         return body
 
     def parse(self, body: Mapping[str, Any], preparer: Preparer) -> EmbeddingRequest:

@@ -30,6 +30,11 @@ from ferrox_batch.server.openai.logprob_shapes import LogprobShapes, echo_entrie
 from ferrox_batch.usage import Usage
 
 DONE = b"data: [DONE]\n\n"
+#: Seconds an OpenAI stream waits for its first token before it begins with a comment, then between comments:
+#: well inside the 60 s idle timeouts of common proxies, and past most refusals (which stay statuses).
+KEEPALIVE_SECS = 15.0
+#: An SSE comment: every client's event parser skips it.
+KEEPALIVE_COMMENT = b": keep-alive\n\n"
 
 
 def sse(payload: dict[str, Any]) -> bytes:
