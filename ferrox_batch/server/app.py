@@ -10,7 +10,10 @@ Endpoints:
 * `GET /metrics`: Prometheus text (see `metrics`);
 * `GET /stats`: `BatcherStats` as JSON;
 * `POST /tokenize`, `POST /detokenize`: vLLM's shapes (see `tokenization`);
-* `GET /`: the chat page (`chat_page`), unless `ui` is off.
+* `GET /`: the chat page (`chat_page`), unless `ui` is off;
+* Ollama's API (`ollama`): `POST /api/chat`, `/api/generate` (NDJSON streams), `/api/embed`,
+  `/api/embeddings`, `/api/show`; `GET /api/tags`, `/api/ps`, `/api/version`; `HEAD /` ("Ollama is
+  running"); model management (`/api/pull`, ...) refused. Errors there are Ollama's.
 
 Every error, routing ones included, is a JSON body in the OpenAI error shape.
 Every response carries `X-Request-Id`; with `api_key` set, every route but
@@ -62,6 +65,9 @@ from ferrox_batch.server.generation_limits import (
 from ferrox_batch.server.embeddings import DEFAULT_POOLING
 from ferrox_batch.server.json_body import JSONBodyResponse, json_pieces
 from ferrox_batch.server.metrics import CONTENT_TYPE
+from ferrox_batch.server.ollama.errors import OLLAMA_ERRORS
+from ferrox_batch.server.ollama.models import OllamaModels
+from ferrox_batch.server.ollama.routes import PREFIX as OLLAMA_PREFIX, add_ollama_routes
 from ferrox_batch.server.preparation import CHAT, COMPLETIONS, EMBEDDINGS, RESPONSES
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
@@ -174,7 +180,7 @@ def create_app(
     if not isinstance(request_caps, RequestCaps):
         raise ValueError(f"request_caps must be RequestCaps, got {request_caps!r}")
     # Each API beside OpenAI's answers errors in its own shape, by the path prefix its routes share.
-    error_shapes = ErrorShapes(())
+    error_shapes = ErrorShapes(((OLLAMA_PREFIX, OLLAMA_ERRORS),))
     state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling,
                                              request_caps,
                                              escape_control_tokens=escape_control_tokens, harmony=harmony), names,
@@ -201,6 +207,8 @@ def create_app(
     app.add_api_route("/detokenize", state.detokenize, methods=["POST"])
     if ui:
         app.add_api_route(PAGE_PATH, ChatPage().get, methods=["GET"])
+    add_ollama_routes(app, state.generations, OllamaModels(batcher, names, limits, started=state.created,
+                                                           thinks=reasoning is not None or harmony), ui=ui)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(AccessMiddleware, policy=access, error_shapes=error_shapes)  # type: ignore[arg-type]

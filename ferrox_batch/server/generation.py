@@ -49,7 +49,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.engine.handle import ContinuousBatcher
@@ -65,6 +65,9 @@ from ferrox_batch.server.error_shapes import OPENAI_ERRORS, ErrorShape
 from ferrox_batch.server.errors import ServerBusy, error_response, failure_response
 from ferrox_batch.server.json_body import JSONBodyResponse
 from ferrox_batch.server.metrics import ServerMetrics
+from ferrox_batch.server.ollama.answers import OllamaFormat
+from ferrox_batch.server.ollama.translation import AnsweredAtOnce
+from ferrox_batch.server.ollama.wire import NDJSONResponse
 from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat
 from ferrox_batch.server.generation_limits import Limits
 from ferrox_batch.server.preparation import Prepared, Preparer
@@ -162,6 +165,10 @@ class Generations:
             return response
         except ClientDisconnect:  # gone while sending the body: nothing was submitted
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except AnsweredAtOnce as answered:  # needs no generation (Ollama's load and unload requests)
+            if disconnected is not None:
+                disconnected.cancel()
+            return JSONResponse(answered.body)
         except BaseException:
             if disconnected is not None:
                 disconnected.cancel()
@@ -177,13 +184,15 @@ class Generations:
             first = await self._next(events, disconnected, bridges, errors)
             if isinstance(first, Response):
                 return first
-            fmt = self._preparer.wire_format(prepared, endpoint, rid)
+            fmt = self._preparer.wire_format(prepared, endpoint, rid, arrival)
             if prepared.request.stream:
                 handed_off = True
-                body = (fmt.stream(first, events) if isinstance(fmt, ResponsesFormat)
+                own = isinstance(fmt, (ResponsesFormat, OllamaFormat))  # formats that write their own stream
+                body = (fmt.stream(first, events) if own  # type: ignore[union-attr]
                         else sse_events(first, events, fmt, prepared.request.include_usage, len(bridges)))  # type: ignore[arg-type]
-                failure = fmt.failure_events if isinstance(fmt, ResponsesFormat) else failure_events
-                return EventStreamResponse(
+                failure = fmt.failure_events if own else failure_events  # type: ignore[union-attr]
+                streamed = NDJSONResponse if isinstance(fmt, OllamaFormat) else EventStreamResponse
+                return streamed(
                     ended_in_band(body, failure, rid),
                     write_timeout=self.limits.write_timeout, on_close=lambda: self._abandon(*bridges),
                     cut=[bridge.overflowed for bridge in bridges])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 from dataclasses import dataclass
@@ -34,6 +35,8 @@ from ferrox_batch.server.choices import candidate_params
 from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat, EmbeddingRequest, parse_embedding_request
 from ferrox_batch.server.errors import ModelNotFound
+from ferrox_batch.server.ollama.answers import OllamaEmbedFormat, OllamaFormat
+from ferrox_batch.server.ollama.translation import OLLAMA_ENDPOINTS, Served, translate
 from ferrox_batch.server.responses_api import chat_body
 from ferrox_batch.server.responses_format import ResponsesFormat
 from ferrox_batch.server.extra_fields import CONTEXT_LENGTH
@@ -107,9 +110,13 @@ class Preparer:
         client leaves (work on its behalf stops, from its grammar's conversion on)."""
         body = parse_json_object(raw)
         original = body
+        kind = endpoint  # the endpoint whose parser reads the body
         if endpoint == RESPONSES:  # said as the chat request it amounts to, checked by the chat parser
             body = chat_body(body)
-        chat = endpoint in (CHAT, RESPONSES)
+        elif endpoint in OLLAMA_ENDPOINTS:  # likewise: a chat, completion or embedding body (`ollama`)
+            translated = translate(endpoint, body, self._served())
+            kind, body = translated.kind, translated.body
+        chat = kind in (CHAT, RESPONSES)
         check_body(self.caps, body)  # before a list is read: its length and total size are known unread
         request: CompletionRequest | ChatRequest | EmbeddingRequest
         if chat:
@@ -117,7 +124,7 @@ class Preparer:
                                          renders_tools=self.tokenizer.supports_tools,
                                          escape_control_text=self.escape_control_tokens,
                                          tool_format="harmony" if self.harmony else None)
-        elif endpoint == EMBEDDINGS:
+        elif kind == EMBEDDINGS:
             request = parse_embedding_request(body, default_pooling=self.pooling,
                                               hidden_size=self.batcher.hidden_size)
         else:
@@ -160,6 +167,11 @@ class Preparer:
             raise
         return Prepared(request, bridges, prompts, original)
 
+    def _served(self) -> Served:
+        """What an Ollama request's translation needs to know of this server."""
+        return Served((self.model_name, *self.aliases), self.batcher.ceiling.limit(), self.default_chat_max_tokens,
+                      thinks=self.reasoning is not None or self.harmony, harmony=self.harmony)
+
     def _harmony_params(self, params: GenerationParams) -> GenerationParams:
         """A harmony answer's settings: its markers (special tokens) kept in the text for its reader, which
         never passes them on, and its stop tokens (`<|return|>`, `<|call|>`) stopping it even where the
@@ -187,10 +199,19 @@ class Preparer:
             ids = ids[len(ids) - keep:]
         return ids
 
-    def wire_format(self, prepared: Prepared, endpoint: str, rid: str) -> WireFormat | EmbeddingFormat | ResponsesFormat:
+    def wire_format(self, prepared: Prepared, endpoint: str, rid: str, arrival: float | None = None
+                    ) -> WireFormat | EmbeddingFormat | ResponsesFormat | OllamaFormat | OllamaEmbedFormat:
         """The request's answer shapes: its endpoint's, with what it asked for (log-probabilities, tool calls,
-        the echoed prompts, the prompts' log-probabilities, token ids)."""
+        the echoed prompts, the prompts' log-probabilities, token ids); `arrival`: when the request came
+        (monotonic seconds; the Ollama answers' total duration counts from it)."""
         request = prepared.request
+        if endpoint in OLLAMA_ENDPOINTS:  # the inner answer's shapes, written back as Ollama's
+            assert prepared.body is not None
+            inner = self.wire_format(prepared, CHAT if isinstance(request, ChatRequest) else COMPLETIONS, rid)
+            asked, started = prepared.body["model"], time.monotonic() if arrival is None else arrival
+            if isinstance(inner, EmbeddingFormat):
+                return OllamaEmbedFormat(endpoint, asked, inner, started)
+            return OllamaFormat(endpoint, asked, inner, started)  # type: ignore[arg-type]
         name = request.model if request.model is not None else self.model_name  # the one asked for
         if isinstance(request, EmbeddingRequest):
             return EmbeddingFormat(name, request)
