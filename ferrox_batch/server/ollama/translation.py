@@ -277,8 +277,10 @@ def _embedding(endpoint: str, body: dict[str, Any], name: str, served: Served) -
     truncate = body.get("truncate")
     if truncate is not None and not isinstance(truncate, bool):
         raise InvalidRequest("truncate", truncate, "must be true or false")
-    if truncate is None or truncate:  # Ollama's default: an input past the context is cut to it
-        request["truncate_prompt_tokens"] = CONTEXT_LENGTH
+    if truncate is None or truncate:  # Ollama's default: an input past the context is cut to fit it
+        # A prompt must leave the context one position (the batcher's rule, for generation and embedding alike).
+        request["truncate_prompt_tokens"] = CONTEXT_LENGTH if served.context_length is None \
+            else max(1, served.context_length - 1)
     if body.get("dimensions") is not None:
         request["dimensions"] = body["dimensions"]
     return request
