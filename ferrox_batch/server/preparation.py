@@ -211,7 +211,8 @@ class Preparer:
             asked, started = prepared.body["model"], time.monotonic() if arrival is None else arrival
             if isinstance(inner, EmbeddingFormat):
                 return OllamaEmbedFormat(endpoint, asked, inner, started)
-            return OllamaFormat(endpoint, asked, inner, started)  # type: ignore[arg-type]
+            tokenizer = self.tokenizer if request.options.logprobs is not None else None
+            return OllamaFormat(endpoint, asked, inner, started, tokenizer)  # type: ignore[arg-type]
         name = request.model if request.model is not None else self.model_name  # the one asked for
         if isinstance(request, EmbeddingRequest):
             return EmbeddingFormat(name, request)

@@ -149,6 +149,23 @@ def test_tools_and_a_call_round_trip_are_rendered_as_chat_renders_them(client, o
     assert got.prompt_eval_count == want.usage.prompt_tokens
 
 
+def test_logprobs_are_the_chat_endpoints_entries_whole_and_streamed(client, openai):
+    whole = client.chat(model=MODEL_NAME, messages=MESSAGES, options=GREEDY, logprobs=True, top_logprobs=2)
+    want = openai_chat(openai, MESSAGES, logprobs=True, top_logprobs=2).choices[0].logprobs.content
+    assert [(e.token, e.logprob) for e in whole.logprobs] == [(e.token, e.logprob) for e in want]
+    assert [[t.token for t in e.top_logprobs] for e in whole.logprobs] == [[t.token for t in e.top_logprobs]
+                                                                          for e in want]
+    assert len(whole.logprobs) == whole.eval_count
+    parts = list(client.chat(model=MODEL_NAME, messages=MESSAGES, options=GREEDY, logprobs=True, top_logprobs=2,
+                             stream=True))
+    assert [e for p in parts for e in p.logprobs or ()] == list(whole.logprobs)
+    raw = client.generate(model=MODEL_NAME, prompt="The quick", raw=True, options=GREEDY, logprobs=True)
+    completion = openai.completions.create(model=MODEL_NAME, prompt="The quick", max_tokens=10, temperature=0,
+                                           logprobs=0)
+    assert [e.logprob for e in raw.logprobs] == completion.choices[0].logprobs.token_logprobs
+    assert client.chat(model=MODEL_NAME, messages=MESSAGES, options=GREEDY).logprobs is None
+
+
 def test_load_and_unload_requests_are_answered_at_once(client):
     loaded = client.generate(model=MODEL_NAME)
     assert loaded.done and loaded.done_reason == "load" and loaded.response == ""
@@ -172,7 +189,8 @@ def test_a_name_that_is_not_served_is_ollamas_404(client, name):
 
 @pytest.mark.parametrize("fields, named", [
     ({"suffix": "end"}, "suffix"), ({"template": "{{ .Prompt }}"}, "template"), ({"context": [1, 2]}, "context"),
-    ({"images": ["aGk="]}, "images"), ({"think": True}, "think"), ({"logprobs": True}, "logprobs"),
+    ({"images": ["aGk="]}, "images"), ({"think": True}, "think"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"raw": True, "system": "x"}, "system"), ({"think": "high"}, "think"),
 ])
 def test_what_generate_cannot_honour_is_a_400_naming_it(client, fields, named):

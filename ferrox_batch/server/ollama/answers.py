@@ -11,7 +11,8 @@ are not a JSON object, one cut short, is dropped). The last line is `done: true`
 `total_duration` from the request's arrival to this line, `load_duration` the time it waited for
 admission (the model is never loaded per request; waiting for a slot is what Ollama's load time also
 covers), `prompt_eval_duration` its prefill, `eval_duration` its decoding, with `prompt_eval_count` and
-`eval_count` the tokens of each. A whole answer (`stream: false`) is the same text fed at once: one object
+`eval_count` the tokens of each. With `logprobs`, each line carries its tokens' entries (chat's shape:
+`token`, `logprob`, `bytes`, `top_logprobs`), raw prompts' too. A whole answer (`stream: false`) is the same text fed at once: one object
 holding what the lines would have held. A failure after the first line is a last line `{"error": ...}`,
 as Ollama's streams end.
 """
@@ -24,10 +25,13 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from ferrox_batch.generation_types import FinishReason, GenerationResult
+from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.replies import Chunk
+from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.embeddings import EmbeddingFormat
 from ferrox_batch.server.errors import error_body
 from ferrox_batch.server.json_body import json_pieces
+from ferrox_batch.server.logprob_shapes import LogprobShapes
 from ferrox_batch.server.ollama.errors import OLLAMA_ERRORS
 from ferrox_batch.server.ollama.translation import OLLAMA_CHAT, OLLAMA_EMBEDDINGS
 from ferrox_batch.server.ollama.wire import created_at, line
@@ -58,13 +62,17 @@ def durations(usage: Usage, arrival: float) -> dict[str, int]:
 class OllamaFormat:
     """The answer of one `/api/chat` or `/api/generate` request: `stream` for its lines, `full` whole."""
 
-    def __init__(self, endpoint: str, model: str, inner: WireFormat, arrival: float) -> None:
+    def __init__(self, endpoint: str, model: str, inner: WireFormat, arrival: float,
+                 logprobs: Tokenizer | None = None) -> None:
         """`model`: the name as the client sent it; `inner`: the chat (or completion) shapes the text is read
-        with; `arrival`: when the request came (monotonic seconds)."""
+        with; `arrival`: when the request came (monotonic seconds); `logprobs`: the tokenizer that names the
+        tokens of the answer's log-probabilities (None: the request asked for none)."""
         self._chat = endpoint == OLLAMA_CHAT
         self.model = model
         self._inner = inner
         self._arrival = arrival
+        self._shapes = None if logprobs is None else LogprobShapes(logprobs)
+        self._logprobs_sent = 0
         self._calls: dict[int, dict[str, Any]] = {}  # tool-call index -> {"name", "arguments" text}
 
     # ------------------------------------------------------------------ pieces
@@ -87,6 +95,14 @@ class OllamaFormat:
                     gathered["arguments"] += function.get("arguments") or ""
         return "".join(content), "".join(thinking)
 
+    def _logprobs(self, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+        """Ollama's entries (`token`, `logprob`, `bytes`, `top_logprobs`: chat's shape) of `entries`, counted
+        as sent; none where the request asked for none."""
+        if self._shapes is None or not entries:
+            return []
+        self._logprobs_sent += len(entries)
+        return self._shapes.chat(entries)["content"]
+
     def _tool_calls(self) -> list[dict[str, Any]]:
         calls = []
         for index in sorted(self._calls):
@@ -99,7 +115,8 @@ class OllamaFormat:
                 calls.append({"function": {"name": call["name"], "arguments": arguments}})
         return calls
 
-    def _object(self, content: str, thinking: str, calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def _object(self, content: str, thinking: str, calls: list[dict[str, Any]] | None = None,
+                logprobs: list[dict[str, Any]] | None = None) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model, "created_at": created_at()}
         if self._chat:
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -112,6 +129,8 @@ class OllamaFormat:
             body["response"] = content
             if thinking:
                 body["thinking"] = thinking
+        if logprobs:
+            body["logprobs"] = logprobs
         return body
 
     def _finished(self, result: GenerationResult) -> tuple[str, str]:
@@ -132,7 +151,8 @@ class OllamaFormat:
         (result,) = results
         content, thinking = self._said(self._inner.stream_chunks(0, result.text))
         more, more_thinking = self._finished(result)
-        body = self._object(content + more, thinking + more_thinking, self._tool_calls())
+        body = self._object(content + more, thinking + more_thinking, self._tool_calls(),
+                            self._logprobs(result.logprobs or ()))
         return json_pieces(self._final(body, result))
 
     async def stream(self, first: tuple[int, Event], events: AsyncIterator[tuple[int, Event]]) -> AsyncIterator[bytes]:
@@ -141,13 +161,16 @@ class OllamaFormat:
         while True:
             if isinstance(event, Chunk):
                 content, thinking = self._said(self._inner.stream_chunks(0, event.text))
-                if content or thinking:
-                    yield line({**self._object(content, thinking), "done": False})
+                logprobs = self._logprobs(event.logprobs)
+                if content or thinking or logprobs:
+                    yield line({**self._object(content, thinking, logprobs=logprobs), "done": False})
             elif isinstance(event.result, GenerationResult):
                 content, thinking = self._finished(event.result)
                 calls = self._tool_calls()
-                if content or thinking or calls:
-                    yield line({**self._object(content, thinking, calls), "done": False})
+                # The tokens no chunk carried (text held back for a stop string that then matched).
+                logprobs = self._logprobs((event.result.logprobs or ())[self._logprobs_sent:])
+                if content or thinking or calls or logprobs:
+                    yield line({**self._object(content, thinking, calls, logprobs), "done": False})
                 yield line(self._final(self._object("", ""), event.result))
                 return
             else:

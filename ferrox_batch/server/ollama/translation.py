@@ -17,7 +17,7 @@ A request with nothing to generate is Ollama's "load the model" request: a gener
 with no messages, an embedding of nothing. It is answered at once (`AnsweredAtOnce`) without the engine,
 `done_reason: "load"`, or `"unload"` with `keep_alive: 0`: this server keeps its one model loaded whatever
 a request says. `keep_alive` is otherwise accepted and means nothing here. Model names carry Ollama's tags
-(`names`). `logprobs` is refused. `think`: `true` needs a reasoning parser (or the harmony format), `false`
+(`names`). `logprobs` and `top_logprobs` are chat's fields of those names (a raw prompt's `logprobs` count). `think`: `true` needs a reasoning parser (or the harmony format), `false`
 asks the template not to think (`enable_thinking: false`), and a level (`low`, `medium`, `high`) is the
 harmony format's reasoning effort.
 """
@@ -30,7 +30,8 @@ from typing import Any
 
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.server.extra_fields import CONTEXT_LENGTH
-from ferrox_batch.server.fields import is_number
+from ferrox_batch.logprobs import MAX_TOP_LOGPROBS
+from ferrox_batch.server.fields import is_int, is_number
 from ferrox_batch.server.ollama.names import served_name
 from ferrox_batch.server.ollama.options import options_fields
 from ferrox_batch.server.ollama.wire import created_at
@@ -150,6 +151,13 @@ def _generate(body: dict[str, Any], name: str, served: Served) -> Translated:
                 raise InvalidRequest(field, body[field], "cannot be combined with raw: true (the prompt is sent "
                                                          "as it is, untemplated)")
         request["prompt"] = prompt
+        top = request.pop("top_logprobs", None)
+        if request.pop("logprobs", False):  # a completion's `logprobs` is how many alternatives
+            if top is not None and not (is_int(top) and 0 <= top <= MAX_TOP_LOGPROBS):
+                raise InvalidRequest("top_logprobs", top, f"must be an integer in [0, {MAX_TOP_LOGPROBS}]")
+            request["logprobs"] = top or 0
+        elif top:
+            raise InvalidRequest("top_logprobs", top, "needs logprobs: true")
         return Translated(COMPLETIONS, request)
     request["messages"] = ([{"role": "system", "content": system}] if system else []) + \
         [{"role": "user", "content": prompt}]
@@ -163,13 +171,13 @@ def _generating(body: dict[str, Any], name: str, served: Served) -> dict[str, An
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequest("stream", stream, "must be true or false")
     _keep_alive(body.get("keep_alive"))
-    if body.get("logprobs") not in (None, False):
-        raise InvalidRequest("logprobs", body["logprobs"], "is not supported on this server's Ollama API (use "
-                                                           "/v1/chat/completions for log-probabilities)")
-    if body.get("top_logprobs") not in (None, 0):
-        raise InvalidRequest("top_logprobs", body["top_logprobs"], "is not supported on this server's Ollama API")
     request: dict[str, Any] = {"model": name, "stream": True if stream is None else stream,
                                **options_fields(body.get("options"), context_length=served.context_length)}
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise InvalidRequest("logprobs", logprobs, "must be true or false")
+    if logprobs or top is not None:  # chat's fields; a raw prompt's are set from them (`_generate`)
+        request["logprobs"], request["top_logprobs"] = bool(logprobs), top
     request.setdefault("max_tokens", served.default_max_tokens)  # a raw prompt's too: the completions' 16 is short
     fmt = body.get("format")
     if fmt is None or fmt == "":
