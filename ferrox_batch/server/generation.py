@@ -1,5 +1,6 @@
 """`Generations`: how one app serves `/v1/completions`, `/v1/chat/completions`, `/v1/responses` and
-`/v1/embeddings`.
+`/v1/embeddings`, and Ollama's `/api/chat`, `/api/generate`, `/api/embed` and `/api/embeddings` (`ollama`:
+NDJSON streams; a load request is answered at once, without the engine).
 
 The pipeline of one request, and why each step is where it is:
 

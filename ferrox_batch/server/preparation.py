@@ -14,7 +14,9 @@ blocking work meant for the app's prepare pool, never the event loop. It promise
 * **Several prompts** (a completion's list of prompts) are `best_of` rows each, prompt by prompt: choice
   `i * n + j` is prompt i's choice j, as OpenAI and vLLM number them.
 
-`Preparer.wire_format` picks the answer shapes of a prepared request from what it asked for.
+`Preparer.wire_format` picks the answer shapes of a prepared request from what it asked for. A Responses
+or Ollama request is first said as the chat, completion or embedding body it amounts to (`responses_api`,
+`ollama.translation`), so the same parsers check every API's requests.
 """
 
 from __future__ import annotations
