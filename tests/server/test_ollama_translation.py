@@ -103,7 +103,7 @@ def test_a_chat_is_its_messages_with_the_calls_arguments_as_objects():
         {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "call_1_0", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]},
-        {"role": "tool", "content": "2"}]
+        {"role": "tool", "content": "2", "tool_call_id": "call_1_0"}]
     assert chat["response_format"] == {"type": "json_object"} and chat["tools"] == body["tools"]
     assert chat["chat_template_kwargs"] == {"enable_thinking": False}
     assert {k: chat[k] for k in DEFAULTS} == DEFAULTS
@@ -168,3 +168,12 @@ def test_durations_are_integer_nanoseconds_whose_total_covers_the_parts(prompt, 
     assert got["total_duration"] >= got["load_duration"] + got["prompt_eval_duration"] + got["eval_duration"]
     assert (got["prompt_eval_count"], got["eval_count"]) == (prompt, output)
     assert abs(got["eval_duration"] - decode * 1e9) <= 1 + decode * 1e9 * 2**-52
+
+
+def test_each_tool_answer_is_paired_with_the_earliest_unanswered_call_of_its_function():
+    calls = [{"function": {"name": name, "arguments": {}}} for name in ("f", "g", "f")]
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls},
+                {"role": "tool", "content": "g's", "tool_name": "g"}, {"role": "tool", "content": "f's"},
+                {"role": "tool", "content": "f's again", "tool_name": "f"}, {"role": "tool", "content": "extra"}]
+    said = translate(OLLAMA_CHAT, {"model": "tiny", "messages": messages}, SERVED).body["messages"]
+    assert [m.get("tool_call_id") for m in said[2:]] == ["call_1_1", "call_1_0", "call_1_2", None]

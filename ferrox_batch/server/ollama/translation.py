@@ -113,7 +113,7 @@ def _chat(body: dict[str, Any], name: str, served: Served) -> dict[str, Any]:
     if not isinstance(messages, list):
         raise InvalidRequest("messages", messages, "must be a list of messages")
     chat = _generating(body, name, served)
-    chat["messages"] = [_message(i, m) for i, m in enumerate(messages)]
+    chat["messages"] = _answered_calls([_message(i, m) for i, m in enumerate(messages)], messages)
     tools = body.get("tools")
     if tools is not None and tools != []:
         chat["tools"] = tools  # OpenAI's shape: the chat parser checks them
@@ -226,6 +226,22 @@ def _message(index: int, message: Any) -> dict[str, Any]:
         out["tool_calls"] = [_call(f"{where}.tool_calls[{j}]", index, j, call) for j, call in enumerate(calls)]
     # An earlier answer's `thinking`: chat templates drop it from the history, as Ollama's do.
     return out
+
+
+def _answered_calls(said: list[dict[str, Any]], sent: list[Any]) -> list[dict[str, Any]]:
+    """`said` with each tool answer's `tool_call_id`: the earliest call still unanswered of the function its
+    `tool_name` names (any, without a name). Ollama's messages name the function, not the call; templates
+    that pair an answer with its call read the id."""
+    waiting: list[tuple[str, str]] = []  # (call id, function name), in the order the calls were made
+    for message, original in zip(said, sent):
+        if message.get("tool_calls"):
+            waiting = [(call["id"], call["function"]["name"]) for call in message["tool_calls"]]
+        elif message.get("role") == "tool" and waiting:
+            named = original.get("tool_name")
+            match = next((i for i, (_, fn) in enumerate(waiting) if named is None or fn == named), None)
+            if match is not None:
+                message["tool_call_id"] = waiting.pop(match)[0]
+    return said
 
 
 def _call(where: str, index: int, position: int, call: Any) -> dict[str, Any]:
