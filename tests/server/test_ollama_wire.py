@@ -199,19 +199,29 @@ FIELDS = {"model": st.sampled_from([MODEL_NAME, f"{MODEL_NAME}:latest", "other",
           "suffix": VALUES, "template": VALUES, "context": VALUES, "images": VALUES, "tools": VALUES,
           "messages": st.one_of(st.lists(MESSAGE, max_size=3), VALUES), "input": VALUES, "truncate": VALUES,
           "dimensions": VALUES, "logprobs": VALUES, "name": VALUES}
-BODIES = st.fixed_dictionaries({}, optional=FIELDS)
-PATHS = st.sampled_from(["/api/chat", "/api/generate", "/api/embed", "/api/embeddings", "/api/show"])
+#: A plausible request per route, which the fuzz then changes in a few fields.
+BASES = {"/api/chat": {"model": MODEL_NAME, "messages": [{"role": "user", "content": "Hi"}]},
+         "/api/generate": {"model": MODEL_NAME, "prompt": "Hi"},
+         "/api/embed": {"model": MODEL_NAME, "input": ["Hi", "there"]},
+         "/api/embeddings": {"model": MODEL_NAME, "prompt": "Hi"}, "/api/show": {"model": MODEL_NAME}}
+CHANGES = st.lists(st.sampled_from(sorted(FIELDS)), max_size=4, unique=True).flatmap(
+    lambda names: st.fixed_dictionaries({name: FIELDS[name] for name in names}))
+PATHS = st.sampled_from(sorted(BASES))
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
-@given(path=PATHS, body=BODIES)
-def test_random_requests_never_get_a_5xx_and_errors_are_ollamas_shape(server, path, body):
+@given(path=PATHS, changes=CHANGES, drop=st.booleans())
+def test_random_requests_never_get_a_5xx_and_errors_are_ollamas_shape(server, path, changes, drop):
+    body = {**BASES[path], **changes}
+    if drop:  # and without its main field
+        body.pop(next(iter(set(BASES[path]) - {"model"}), "model"), None)
     options = body.get("options")
-    if options is None:  # every generation stays short
-        body["options"] = {"num_predict": 3}
-    elif isinstance(options, dict):
-        options["num_predict"] = 3
+    if path in ("/api/chat", "/api/generate"):  # every generation stays short
+        if options is None:
+            body["options"] = {"num_predict": 3}
+        elif isinstance(options, dict):
+            options["num_predict"] = 3
     reply = httpx.post(server[0] + path, json=body, timeout=DEADLINE)
     assert reply.status_code < 500, reply.text
     if reply.status_code >= 400:
