@@ -51,8 +51,10 @@ def test_show_answers_details_limits_capabilities_and_the_template(client, serve
     batcher = server[1].state.ferrox.batcher
     shown = client.show(name)
     assert shown.details == client.list().models[0].details
-    assert shown.modelinfo["context_length"] == batcher.ceiling.limit()
-    assert shown.modelinfo["embedding_length"] == batcher.hidden_size
+    family = shown.modelinfo["general.architecture"]
+    assert family == "llama" == shown.details.family
+    assert shown.modelinfo[f"{family}.context_length"] == batcher.ceiling.limit()
+    assert shown.modelinfo[f"{family}.embedding_length"] == batcher.hidden_size
     assert shown.capabilities == ["completion", "tools", "thinking"]
     assert shown.template == (batcher.tokenizer.chat_template or "") and "temperature 0.8" in shown.parameters
     with pytest.raises(ollama.ResponseError) as missing:

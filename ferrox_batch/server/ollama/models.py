@@ -3,12 +3,12 @@ model-management ones a fixed-model server refuses.
 
 * `/api/tags` lists each served name, tagged (`name:latest`), with the weights' size in bytes, a digest,
   and `details` (`format: safetensors`, `quantization_level`: the precision the weights run in, e.g.
-  `FP32`, `BF16`; `parameter_size` where the precision says how many bytes a weight takes; `family` is not
-  known to the server and is empty). The digest is the SHA-256 of the served name and what the server
+  `FP32`, `BF16`; `parameter_size` where the precision says how many bytes a weight takes; `family` the
+  architecture's family, `llama`, `qwen3`, ...). The digest is the SHA-256 of the served name and what the server
   knows of the weights: it identifies this model on this server, not a blob Ollama could fetch.
   `modified_at` is when the server started.
-* `/api/show` (`model`, or the older `name`) answers those details, `model_info` (the context length, the
-  embedding length), `capabilities` (`completion`, `tools`, and `thinking` with a reasoning parser),
+* `/api/show` (`model`, or the older `name`) answers those details, `model_info` (`general.architecture`
+  and, under its name as Ollama's keys are, the context length and the embedding length), `capabilities` (`completion`, `tools`, and `thinking` with a reasoning parser),
   `template` (the checkpoint's Jinja chat template: not a Go template), a `parameters` text of Ollama's
   sampling defaults as this server applies them (`options`), and a `modelfile` that says it is none;
   an unknown model is Ollama's 404.
@@ -70,9 +70,19 @@ class OllamaModels:
         precision = str(self._batcher.model_stats.get("precision") or "")
         per_weight = BYTES_PER_WEIGHT.get(precision)
         size = self._size()
-        return {"parent_model": "", "format": "safetensors", "family": "", "families": None,
+        family = self._family()
+        return {"parent_model": "", "format": "safetensors", "family": family,
+                "families": [family] if family else None,
                 "parameter_size": _count(size // per_weight) if per_weight and size else "",
                 "quantization_level": precision.upper()}
+
+    def _family(self) -> str:
+        """The model's family (its `model_type`: `llama`, `qwen3`, ...), where the KV store's config says."""
+        config = getattr(self._batcher.store, "config", None)
+        try:
+            return str(config.family) if config is not None else ""
+        except (AttributeError, KeyError, ValueError):  # an architecture no family claims: unnamed
+            return ""
 
     def _digest(self, name: str) -> str:
         stats = self._batcher.model_stats
@@ -108,11 +118,12 @@ class OllamaModels:
             return error_response(refusal, OLLAMA_ERRORS)
         limit = self._batcher.ceiling.limit()
         tokenizer = self._batcher.tokenizer
-        info: dict[str, Any] = {"general.architecture": "", "general.basename": name}
-        if limit is not None:
-            info["context_length"] = limit
+        family = self._family()
+        info: dict[str, Any] = {"general.architecture": family, "general.basename": name}
+        if limit is not None:  # under the architecture's name, as Ollama's model info keys are
+            info[f"{family}.context_length"] = limit
         if self._batcher.hidden_size is not None:
-            info["embedding_length"] = self._batcher.hidden_size
+            info[f"{family}.embedding_length"] = self._batcher.hidden_size
         capabilities = ["completion", "tools"] + (["thinking"] if self._thinks else [])
         return JSONResponse({
             "modelfile": f"# ferrox-batch serves {name} as it was started: there is no Modelfile\nFROM {name}\n",
