@@ -179,8 +179,7 @@ def create_app(
         raise ValueError(f"escape_control_tokens must be true or false, got {escape_control_tokens!r}")
     if not isinstance(request_caps, RequestCaps):
         raise ValueError(f"request_caps must be RequestCaps, got {request_caps!r}")
-    # Each API beside OpenAI's answers errors in its own shape, by the path prefix its routes share.
-    error_shapes = ErrorShapes(((OLLAMA_PREFIX, OLLAMA_ERRORS),))
+    error_shapes = api_error_shapes()
     state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling,
                                              request_caps,
                                              escape_control_tokens=escape_control_tokens, harmony=harmony), names,
@@ -221,6 +220,12 @@ def create_app(
                                           "anthropic-version", "anthropic-beta"],
                            expose_headers=[REQUEST_ID_HEADER])
     return app
+
+
+def api_error_shapes() -> ErrorShapes:
+    """Each API beside OpenAI's, by the path prefix its routes share, with the shape it answers errors in: the
+    app's refusals and a Ray ingress's alike."""
+    return ErrorShapes(((OLLAMA_PREFIX, OLLAMA_ERRORS),))
 
 
 class ServerState:
