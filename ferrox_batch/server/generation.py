@@ -67,7 +67,7 @@ from ferrox_batch.server.errors import ServerBusy, error_response, failure_respo
 from ferrox_batch.server.json_body import JSONBodyResponse
 from ferrox_batch.server.metrics import ServerMetrics
 from ferrox_batch.server.ollama.answers import OllamaFormat
-from ferrox_batch.server.ollama.translation import AnsweredAtOnce
+from ferrox_batch.server.ollama.loading import AnsweredAtOnce
 from ferrox_batch.server.ollama.wire import NDJSONResponse
 from ferrox_batch.server.embeddings import DEFAULT_POOLING, EmbeddingFormat
 from ferrox_batch.server.generation_limits import Limits

@@ -21,14 +21,8 @@ from ferrox_batch.server.ollama.answers import durations
 from ferrox_batch.server.ollama.errors import OLLAMA_ERRORS, OLLAMA_FIELDS, OllamaModelNotFound
 from ferrox_batch.server.ollama.names import served_name, tagged
 from ferrox_batch.server.ollama.options import DEFAULTS, RUNNER_ONLY, options_fields
-from ferrox_batch.server.ollama.translation import (
-    OLLAMA_CHAT,
-    OLLAMA_EMBED,
-    OLLAMA_GENERATE,
-    AnsweredAtOnce,
-    Served,
-    translate,
-)
+from ferrox_batch.server.ollama.loading import AnsweredAtOnce
+from ferrox_batch.server.ollama.translation import OLLAMA_CHAT, OLLAMA_EMBED, OLLAMA_GENERATE, Served, translate
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS
 from ferrox_batch.usage import Usage
 

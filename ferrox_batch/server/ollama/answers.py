@@ -12,9 +12,9 @@ are not a JSON object, one cut short, is dropped). The last line is `done: true`
 admission (the model is never loaded per request; waiting for a slot is what Ollama's load time also
 covers), `prompt_eval_duration` its prefill, `eval_duration` its decoding, with `prompt_eval_count` and
 `eval_count` the tokens of each. With `logprobs`, each line carries its tokens' entries (chat's shape:
-`token`, `logprob`, `bytes`, `top_logprobs`), raw prompts' too. A whole answer (`stream: false`) is the same text fed at once: one object
-holding what the lines would have held. A failure after the first line is a last line `{"error": ...}`,
-as Ollama's streams end.
+`token`, `logprob`, `bytes`, `top_logprobs`), raw prompts' too. A whole answer (`stream: false`) is the
+same text fed at once: one object holding what the lines would have held. A failure after the first line
+is a last line `{"error": ...}`, as Ollama's streams end.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ def done_reason(reason: FinishReason) -> str:
 
 def durations(usage: Usage, arrival: float) -> dict[str, int]:
     """The final line's counts and measured durations (nanoseconds); `arrival`: when the request came
-    (monotonic seconds). The total is at least the parts, which were measured inside it."""
+    (monotonic seconds). The parts were measured inside the total, on the same monotonic clock: the `max`
+    only absorbs their rounding to whole nanoseconds."""
     load = round((usage.queue_duration_ms or 0.0) * NS_PER_MS)
     prompt = round((usage.prompt_eval_duration_ms or 0.0) * NS_PER_MS)
     generation = round((usage.generation_duration_ms or 0.0) * NS_PER_MS)

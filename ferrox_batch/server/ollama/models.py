@@ -8,7 +8,8 @@ model-management ones a fixed-model server refuses.
   knows of the weights: it identifies this model on this server, not a blob Ollama could fetch.
   `modified_at` is when the server started.
 * `/api/show` (`model`, or the older `name`) answers those details, `model_info` (`general.architecture`
-  and, under its name as Ollama's keys are, the context length and the embedding length), `capabilities` (`completion`, `tools`, and `thinking` with a reasoning parser),
+  and, under its name as Ollama's keys are, the context length and the embedding length), `capabilities`
+  (`completion`, `tools`, and `thinking` with a reasoning parser),
   `template` (the checkpoint's Jinja chat template: not a Go template), a `parameters` text of Ollama's
   sampling defaults as this server applies them (`options`), and a `modelfile` that says it is none;
   an unknown model is Ollama's 404.

@@ -11,30 +11,27 @@ accept and refuse alike:
   completion parser. Refused (400 naming the field): a `template` (this server renders the checkpoint's
   Jinja template, not Ollama's Go templates), a `suffix` (no insertion), `context` (the deprecated token
   history: send the conversation to `/api/chat`), `images` (text only), `system` or `think` with `raw`.
-* `/api/embed` (`input`, `truncate`, `dimensions`) and `/api/embeddings` (`prompt`) -> an embedding body.
+* `/api/embed` and `/api/embeddings` -> an embedding body (`embedding_requests`).
 
-A request with nothing to generate is Ollama's "load the model" request: a generation without a prompt or
-with no messages, an embedding of nothing. It is answered at once (`AnsweredAtOnce`) without the engine,
-`done_reason: "load"`, or `"unload"` with `keep_alive: 0`: this server keeps its one model loaded whatever
-a request says. `keep_alive` is otherwise accepted and means nothing here. Model names carry Ollama's tags
-(`names`). `logprobs` and `top_logprobs` are chat's fields of those names (a raw prompt's `logprobs` count). `think`: `true` needs a reasoning parser (or the harmony format), `false`
-asks the template not to think (`enable_thinking: false`), and a level (`low`, `medium`, `high`) is the
-harmony format's reasoning effort.
+A request with nothing to generate is a load request, answered at once (`loading`). Model names carry
+Ollama's tags (`names`); `options` are mapped by `options`. `logprobs` and `top_logprobs` are chat's fields
+of those names (a raw prompt's `logprobs` count). `think`: `true` needs a reasoning parser (or the harmony
+format), `false` asks the template not to think (`enable_thinking: false`), and a level (`low`, `medium`,
+`high`) is the harmony format's reasoning effort.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.server.extra_fields import CONTEXT_LENGTH
 from ferrox_batch.logprobs import MAX_TOP_LOGPROBS
-from ferrox_batch.server.fields import is_int, is_number
+from ferrox_batch.server.fields import is_int
+from ferrox_batch.server.ollama.embedding_requests import embedding_body
+from ferrox_batch.server.ollama.loading import check_keep_alive, loaded
 from ferrox_batch.server.ollama.names import served_name
 from ferrox_batch.server.ollama.options import options_fields
-from ferrox_batch.server.ollama.wire import created_at
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS
 
 #: This package's endpoints, as `Preparer.prepare` and `Preparer.wire_format` name them.
@@ -47,8 +44,6 @@ OLLAMA_ENDPOINTS = (OLLAMA_CHAT, OLLAMA_GENERATE, OLLAMA_EMBED, OLLAMA_EMBEDDING
 EMBEDDINGS = "embeddings"
 #: `think`'s levels: the harmony format's reasoning effort.
 THINK_LEVELS = ("low", "medium", "high")
-#: A `keep_alive` duration of zero (Go's duration syntax, or a bare number of seconds).
-ZERO_DURATION = re.compile(r"^\s*-?0*(\.0*)?\s*(ns|us|µs|ms|s|m|h)?\s*$")
 #: Image generation's fields (Ollama's experimental image models): refused.
 IMAGE_FIELDS = ("width", "height", "steps")
 
@@ -76,14 +71,6 @@ class Translated:
     body: dict[str, Any]
 
 
-class AnsweredAtOnce(Exception):
-    """A request answered without the engine (a load or unload request): `body` is the whole answer."""
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        super().__init__("answered at once")
-        self.body = body
-
-
 def translate(endpoint: str, body: dict[str, Any], served: Served) -> Translated:
     """The body `endpoint`'s request amounts to; `AnsweredAtOnce` for a load request, a 400 naming the field
     for what cannot be said, Ollama's 404 for a model this server does not serve."""
@@ -94,7 +81,8 @@ def translate(endpoint: str, body: dict[str, Any], served: Served) -> Translated
         raise InvalidRequest("model", asked, "must be a string")
     name = served_name(asked, served.names)
     if endpoint in (OLLAMA_EMBED, OLLAMA_EMBEDDINGS):
-        return Translated(EMBEDDINGS, _embedding(endpoint, body, name, served))
+        return Translated(EMBEDDINGS, embedding_body(body, name, served.context_length,
+                                                     older=endpoint == OLLAMA_EMBEDDINGS))
     for field in IMAGE_FIELDS:
         if body.get(field) is not None:
             raise InvalidRequest(field, body[field], "is not supported by this server: it generates text only")
@@ -109,7 +97,7 @@ def translate(endpoint: str, body: dict[str, Any], served: Served) -> Translated
 def _chat(body: dict[str, Any], name: str, served: Served) -> dict[str, Any]:
     messages = body.get("messages")
     if messages is None or messages == []:
-        raise AnsweredAtOnce(_loaded(body, {"message": {"role": "assistant", "content": ""}}))
+        raise loaded(body, {"message": {"role": "assistant", "content": ""}})
     if not isinstance(messages, list):
         raise InvalidRequest("messages", messages, "must be a list of messages")
     chat = _generating(body, name, served)
@@ -143,7 +131,7 @@ def _generate(body: dict[str, Any], name: str, served: Served) -> Translated:
     if system is not None and not isinstance(system, str):
         raise InvalidRequest("system", system, "must be a string")
     if not prompt:
-        raise AnsweredAtOnce(_loaded(body, {"response": ""}))
+        raise loaded(body, {"response": ""})
     request = _generating(body, name, served)
     if raw:
         for field in ("system", "think"):
@@ -170,7 +158,7 @@ def _generating(body: dict[str, Any], name: str, served: Served) -> dict[str, An
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
         raise InvalidRequest("stream", stream, "must be true or false")
-    _keep_alive(body.get("keep_alive"))
+    check_keep_alive(body.get("keep_alive"))
     request: dict[str, Any] = {"model": name, "stream": True if stream is None else stream,
                                **options_fields(body.get("options"), context_length=served.context_length)}
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
@@ -259,52 +247,3 @@ def _no_images(where: str, images: Any) -> None:
     if images is not None and images != []:
         raise InvalidRequest(where, "...", "is not supported by this server: it serves a text-only model")
 
-
-def _keep_alive(value: Any) -> None:
-    if value is not None and not isinstance(value, str) and not is_number(value):
-        raise InvalidRequest("keep_alive", value, 'must be a duration ("5m", "1h", "0") or a number of seconds')
-
-
-def _unloads(value: Any) -> bool:
-    """Whether `keep_alive` says "unload now" (a zero duration)."""
-    if is_number(value):
-        return value == 0
-    return isinstance(value, str) and ZERO_DURATION.match(value) is not None
-
-
-def _loaded(body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
-    """The answer to a load (or, with `keep_alive: 0`, unload) request: the model stays loaded either way."""
-    _keep_alive(body.get("keep_alive"))
-    reason = "unload" if _unloads(body.get("keep_alive")) else "load"
-    return {"model": body["model"], "created_at": created_at(), **answer, "done": True, "done_reason": reason}
-
-
-# ---------------------------------------------------------------------------- embeddings
-
-
-def _embedding(endpoint: str, body: dict[str, Any], name: str, served: Served) -> dict[str, Any]:
-    options_fields(body.get("options"), context_length=served.context_length, sampling=False)
-    _keep_alive(body.get("keep_alive"))
-    if endpoint == OLLAMA_EMBEDDINGS:  # the older endpoint: one prompt, its embedding as the model gives it
-        prompt = body.get("prompt")
-        if prompt is None or prompt == "":
-            raise AnsweredAtOnce({"embedding": []})
-        if not isinstance(prompt, str):
-            raise InvalidRequest("prompt", prompt, "must be a string")
-        return {"model": name, "input": prompt, "normalize": False}
-    value = body.get("input")
-    if value is None or value == "" or value == []:
-        raise AnsweredAtOnce({"model": body["model"], "embeddings": []})
-    if not isinstance(value, str) and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
-        raise InvalidRequest("input", value, "must be a string or a list of strings")
-    request: dict[str, Any] = {"model": name, "input": value, "normalize": True}
-    truncate = body.get("truncate")
-    if truncate is not None and not isinstance(truncate, bool):
-        raise InvalidRequest("truncate", truncate, "must be true or false")
-    if truncate is None or truncate:  # Ollama's default: an input past the context is cut to fit it
-        # A prompt must leave the context one position (the batcher's rule, for generation and embedding alike).
-        request["truncate_prompt_tokens"] = CONTEXT_LENGTH if served.context_length is None \
-            else max(1, served.context_length - 1)
-    if body.get("dimensions") is not None:
-        request["dimensions"] = body["dimensions"]
-    return request
