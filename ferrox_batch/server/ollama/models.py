@@ -3,16 +3,15 @@ model-management ones a fixed-model server refuses.
 
 * `/api/tags` lists each served name, tagged (`name:latest`), with the weights' size in bytes, a digest,
   and `details` (`format: safetensors`, `quantization_level`: the precision the weights run in, e.g.
-  `FP32`, `BF16`; `parameter_size` where the precision says how many bytes a weight takes; `family` the
-  architecture's family, `llama`, `qwen3`, ...). The digest is the SHA-256 of the served name and what the server
-  knows of the weights: it identifies this model on this server, not a blob Ollama could fetch.
-  `modified_at` is when the server started.
+  `FP32`, `BF16`; `family` the architecture's family, `llama`, `qwen3`, ...; `parameter_size` empty: the
+  server knows the weights' memory, packed copies included, not how many there are). The digest is the
+  SHA-256 of the served name and what the server knows of the weights: it identifies this model on this
+  server, not a blob Ollama could fetch. `modified_at` is when the server started.
 * `/api/show` (`model`, or the older `name`) answers those details, `model_info` (`general.architecture`
   and, under its name as Ollama's keys are, the context length and the embedding length), `capabilities`
-  (`completion`, `tools`, and `thinking` with a reasoning parser),
-  `template` (the checkpoint's Jinja chat template: not a Go template), a `parameters` text of Ollama's
-  sampling defaults as this server applies them (`options`), and a `modelfile` that says it is none;
-  an unknown model is Ollama's 404.
+  (`completion`, `tools`, and `thinking` with a reasoning parser), `template` (the checkpoint's Jinja chat
+  template: not a Go template), a `parameters` text of Ollama's sampling defaults as this server applies
+  them (`options`), and a `modelfile` that says it is none; an unknown model is Ollama's 404.
 * `/api/ps` lists the model as loaded, forever (`expires_at` far ahead: it is never unloaded), with its
   context length.
 * `/api/version`: the Ollama API version these endpoints follow.
@@ -43,8 +42,6 @@ from ferrox_batch.server.requests import parse_json_object
 
 #: The Ollama release whose API these endpoints follow (what `/api/version` answers).
 OLLAMA_API_VERSION = "0.12.0"
-#: Bytes a weight takes in each unquantized precision (`--dtype`), for `parameter_size`.
-BYTES_PER_WEIGHT = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: `/api/ps`'s `expires_at` for a model that never unloads (what Ollama writes for `keep_alive: -1`).
 NEVER = "2318-01-01T00:00:00Z"
 
@@ -69,12 +66,10 @@ class OllamaModels:
 
     def _details(self) -> dict[str, Any]:
         precision = str(self._batcher.model_stats.get("precision") or "")
-        per_weight = BYTES_PER_WEIGHT.get(precision)
-        size = self._size()
         family = self._family()
+        # No `parameter_size`: the server knows the weights' memory (packed copies included), not their count.
         return {"parent_model": "", "format": "safetensors", "family": family,
-                "families": [family] if family else None,
-                "parameter_size": _count(size // per_weight) if per_weight and size else "",
+                "families": [family] if family else None, "parameter_size": "",
                 "quantization_level": precision.upper()}
 
     def _family(self) -> str:
@@ -144,10 +139,3 @@ class OllamaModels:
             raise StarletteHTTPException(404)
         return Response("Ollama is running", media_type="text/plain")
 
-
-def _count(weights: int) -> str:
-    """A parameter count as Ollama writes it: `135M`, `7.2B`."""
-    for unit, size in (("B", 10**9), ("M", 10**6), ("K", 10**3)):
-        if weights >= size:
-            return f"{weights / size:.1f}".removesuffix(".0") + unit
-    return str(weights)
