@@ -6,7 +6,9 @@ nanoseconds, the total at least its measured parts; `stream: false` is one JSON 
 Content-Type is not JSON (curl's form type, none) is served under `/api/` when no browser sent it (no
 `Origin`), and refused with 415 in Ollama's shape when one did; a busy server refuses with 503,
 `Retry-After` and `{"error": ...}` before any stream; a failure after the stream began is a last line
-`{"error": ...}`; random bodies and options never get a 5xx, and every refusal is `{"error": <str>}`.
+`{"error": ...}`; tool calls (Hermes or harmony) go out whole with object arguments, and harmony's
+analysis channel as `thinking`; random bodies and options never get a 5xx, and every refusal is
+`{"error": <str>}`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from ferrox_batch.replies import Chunk, Finished
 from ferrox_batch.server.chat_format import ChatFormat
 from ferrox_batch.server.ollama.answers import OllamaFormat
 from ferrox_batch.server.ollama.translation import OLLAMA_CHAT, OLLAMA_GENERATE
+from ferrox_batch.server.harmony_choice import HarmonyToolCalls
 from ferrox_batch.server.tools.hermes import HermesToolCalls
 from ferrox_batch.usage import Usage
 
@@ -232,3 +235,21 @@ def test_random_requests_never_get_a_5xx_and_errors_are_ollamas_shape(server, pa
         assert sum(line.get("done") is True for line in lines) == 1 and lines[-1]["done"] is True
     else:
         assert isinstance(reply.json(), dict)
+
+
+def test_a_harmony_answer_is_read_into_thinking_content_and_calls():
+    text = ("<|channel|>analysis<|message|>Need it.<|end|><|start|>assistant<|channel|>commentary "
+            'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')
+
+    def ollama_format() -> OllamaFormat:
+        inner = ChatFormat(MODEL_NAME)
+        inner.harmony, inner.tool_parser = True, HarmonyToolCalls()
+        return OllamaFormat(OLLAMA_CHAT, MODEL_NAME, inner, 0.0)
+
+    whole = json.loads("".join(ollama_format().full([result(text)])))["message"]
+    assert whole["thinking"] == "Need it." and whole["content"] == ""
+    assert whole["tool_calls"] == [{"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]
+    lines = asyncio.run(drained(ollama_format(), [*(Chunk(text[i:i + 7]) for i in range(0, len(text), 7)),
+                                                  Finished(result(text))]))
+    assert "".join(line["message"].get("thinking", "") for line in lines) == "Need it."
+    assert [c for line in lines for c in line["message"].get("tool_calls", [])] == whole["tool_calls"]
