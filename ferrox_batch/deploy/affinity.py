@@ -9,7 +9,9 @@ within one chunk. Only whole chunks count: a replica caches whole KV blocks, nev
 
 Prompts are read from the request's JSON as the server would, under the same nesting bound
 (`bounded_json`): a completion's `prompt` (text or token ids; of a batch, the first) and a chat's `messages`
-(each role and text in order, so a conversation's next turn extends its previous one). A body it cannot
+(each role and text in order, so a conversation's next turn extends its previous one); Ollama's `/api/chat`
+messages and `/api/generate` prompt likewise (a templated prompt as the chat of its `system` and `prompt`, a
+raw one as a completion's), so a conversation finds its replica through either API. A body it cannot
 read is no prompt, never an error: the router must place every request, and the replica refuses it. Text is chunked in characters and ids in ids, each about one KV block.
 
 Each chain is in a namespace, the request's tenant (`relay.RelayedRequest.tenant`): a replica's cache keeps
@@ -48,7 +50,7 @@ Units = str | tuple[int, ...]
 
 def prompt_units(path: str, body: bytes) -> Units | None:
     """The prompt a request to `path` carries, as text or token ids; None for other routes or bodies."""
-    if not (path.endswith("/v1/completions") or path.endswith("/v1/chat/completions")):
+    if not path.endswith(("/v1/completions", "/v1/chat/completions", "/api/chat", "/api/generate")):
         return None
     try:
         request = bounded_json.loads(body)
@@ -56,8 +58,14 @@ def prompt_units(path: str, body: bytes) -> Units | None:
         return None
     if not isinstance(request, dict):
         return None
-    if path.endswith("/v1/chat/completions"):
+    if path.endswith(("/v1/chat/completions", "/api/chat")):
         return _chat_text(request.get("messages"))
+    if path.endswith("/api/generate") and request.get("raw") is not True:  # the chat it is rendered as
+        prompt, system = request.get("prompt"), request.get("system")
+        if not isinstance(prompt, str) or not prompt:
+            return None
+        said = [{"role": "system", "content": system}] if isinstance(system, str) and system else []
+        return _chat_text([*said, {"role": "user", "content": prompt}])
     return _completion_prompt(request.get("prompt"))
 
 

@@ -55,7 +55,7 @@ from ferrox_batch.runtime.device import KV_CACHE_DTYPES
 from ferrox_batch.runtime.invariance import BATCH_INVARIANT_CHOICES
 from ferrox_batch.runtime.quant.choice import WEIGHTS_CHOICES
 from ferrox_batch.server.http.access_policy import AccessPolicy
-from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS
+from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS, api_error_shapes
 from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.http.errors import error_response
 from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST
@@ -213,15 +213,17 @@ class FerroxIngress:
         replica_ports_on_node()
         self.replicas = replicas.options(stream=True)
         self.access = AccessPolicy.from_settings(app or {})
+        self.error_shapes = api_error_shapes()  # each API's refusals in its own shape, as the replicas write them
 
     async def __call__(self, request: Request) -> Response:
+        shape = self.error_shapes.for_path(request.scope["path"])
         refusal, tenant = self.access.check(request.method, request.scope["path"], request.headers)
         if refusal is not None:  # an unauthenticated client gets nothing read, parsed or relayed
-            return refusal.response()
+            return refusal.response(shape)
         try:
             relayed = await RelayedRequest.read(request, tenant=None if tenant is None else tenant.namespace)
         except DecodeError as refusal:  # too large, or too slow to arrive: answered here, as a replica would
-            return error_response(refusal)
+            return error_response(refusal, shape)
         except ClientDisconnect:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         stream = self.replicas.forward.remote(relayed)

@@ -12,11 +12,15 @@ Endpoints:
 * `POST /tokenize`, `POST /detokenize`: vLLM's shapes (see `tokenization`);
 * `POST /v1/messages` (also as `?beta=true`), `POST /v1/messages/count_tokens`: Anthropic's Messages API
   on the same engine and admission, its errors in Anthropic's shape (see `anthropic`);
-* `GET /`: the chat page (`chat_page`), unless `ui` is off.
+* `GET /`: the chat page (`chat_page`), unless `ui` is off;
+* Ollama's API (`ollama`): `POST /api/chat`, `/api/generate` (NDJSON streams), `/api/embed`,
+  `/api/embeddings`, `/api/show`; `GET /api/tags`, `/api/ps`, `/api/version`; `HEAD /` ("Ollama is
+  running"); model management (`/api/pull`, ...) refused. Errors there are Ollama's.
 
 Each API is a surface (`surface`) the routes pick: its request translated into the engine's, its answer
 written in its own shapes. Every error, routing ones included, is a JSON body in the error shape of the
-API the path belongs to (`http.error_shapes`): OpenAI's, or on the Messages API's routes, Anthropic's.
+API the path belongs to (`http.error_shapes`): OpenAI's, Anthropic's on the Messages API's routes, Ollama's
+under `/api`.
 Every response carries `X-Request-Id`; with `api_key` set, every route but
 `/health` and `/metrics` needs it as a bearer token, with `allowed_hosts` every
 route but `/health` a listed `Host`, and every POST a JSON body (see `access`). With
@@ -70,6 +74,10 @@ from ferrox_batch.server.anthropic.count_tokens import count_tokens
 from ferrox_batch.server.anthropic.errors import ANTHROPIC_ERRORS
 from ferrox_batch.server.anthropic.errors import PREFIX as MESSAGES_PREFIX
 from ferrox_batch.server.anthropic.surface import MessagesSurface
+from ferrox_batch.server.ollama.errors import OLLAMA_ERRORS
+from ferrox_batch.server.ollama.models import OllamaModels
+from ferrox_batch.server.ollama.routes import PREFIX as OLLAMA_PREFIX
+from ferrox_batch.server.ollama.routes import add_ollama_routes
 from ferrox_batch.server.openai.surfaces import ChatSurface, CompletionsSurface, EmbeddingsSurface, ResponsesSurface
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
@@ -189,8 +197,7 @@ def create_app(
         raise ValueError(f"escape_control_tokens must be true or false, got {escape_control_tokens!r}")
     if not isinstance(request_caps, RequestCaps):
         raise ValueError(f"request_caps must be RequestCaps, got {request_caps!r}")
-    # Each API beside OpenAI's answers errors in its own shape, by the path prefix its routes share.
-    error_shapes = ErrorShapes(((MESSAGES_PREFIX, ANTHROPIC_ERRORS),))
+    error_shapes = api_error_shapes()
     state = ServerState(batcher, Generations(batcher, tokenizer, names, limits, policy, reasoning, pooling,
                                              request_caps,
                                              escape_control_tokens=escape_control_tokens, harmony=harmony), names,
@@ -220,6 +227,8 @@ def create_app(
     app.add_api_route("/v1/messages/count_tokens", state.count_tokens, methods=["POST"])
     if ui:
         app.add_api_route(PAGE_PATH, ChatPage().get, methods=["GET"])
+    add_ollama_routes(app, state.generations, OllamaModels(batcher, names, limits, started=state.created,
+                                                           thinks=reasoning is not None or harmony), ui=ui)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal_error)
     app.add_middleware(AccessMiddleware, policy=access, error_shapes=error_shapes)  # type: ignore[arg-type]
@@ -232,6 +241,12 @@ def create_app(
                                           "anthropic-version", "anthropic-beta"],
                            expose_headers=[REQUEST_ID_HEADER])
     return app
+
+
+def api_error_shapes() -> ErrorShapes:
+    """Each API beside OpenAI's, by the path prefix its routes share, with the shape it answers errors in: the
+    app's refusals and a Ray ingress's alike."""
+    return ErrorShapes(((MESSAGES_PREFIX, ANTHROPIC_ERRORS), (OLLAMA_PREFIX, OLLAMA_ERRORS)))
 
 
 class ServerState:

@@ -53,7 +53,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from ferrox_batch.cancel import CancelToken
 from ferrox_batch.engine.handle import ContinuousBatcher
@@ -75,7 +75,7 @@ from ferrox_batch.server.preparation import Prepared, Preparer
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.openai.wire_format import finish_reason
-from ferrox_batch.server.surface import AnswerFormat, Surface
+from ferrox_batch.server.surface import AnsweredAtOnce, AnswerFormat, Surface
 from ferrox_batch.server.http.streaming import (
     Event,
     EventStreamResponse,
@@ -173,6 +173,10 @@ class Generations:
             return response
         except ClientDisconnect:  # gone while sending the body: nothing was submitted
             return Response(status_code=CLIENT_CLOSED_REQUEST)
+        except AnsweredAtOnce as answered:  # needs no generation (a load request)
+            if disconnected is not None:
+                disconnected.cancel()
+            return JSONResponse(answered.body)
         except BaseException:
             if disconnected is not None:
                 disconnected.cancel()
@@ -264,7 +268,7 @@ class Generations:
         try:
             future = loop.run_in_executor(self.prepare_pool, self._preparer.prepare, raw, surface, loop,
                                           lambda bridge, final: self._answered(bridge, final, arrival, rid),
-                                          namespace, client, gone)
+                                          namespace, client, gone, arrival)
         except RuntimeError:  # the pool is shut down: the server is stopping
             raise BatcherClosed() from None
         try:

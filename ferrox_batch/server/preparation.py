@@ -55,6 +55,7 @@ class Prepared:
     bridges: list[ReplyBridge]  # one per candidate: `best_of` per prompt, prompt by prompt
     prompts: list[list[int]]  # each prompt as submitted
     body: Mapping[str, Any] | None = None  # the request's body as sent (what a response echoes)
+    arrival: float | None = None  # when the request came (monotonic seconds), for answers that time it
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,12 +86,14 @@ class Preparer:
 
     def prepare(self, raw: bytes, surface: Surface, loop: asyncio.AbstractEventLoop,
                 on_final: Callable[[ReplyBridge, Final], None], namespace: str | None = None,
-                client: str | None = None, cancel: CancelToken | None = None) -> Prepared:
+                client: str | None = None, cancel: CancelToken | None = None,
+                arrival: float | None = None) -> Prepared:
         """Parse (as `surface` reads its API's body), check, tokenize and submit one request (blocking);
         `on_final` runs on `loop` per choice; `namespace`: the prefix-cache
         namespace of the request's tenant (`access.cache_namespace`); `client`: who sent it (its grammar
         is priced against that client's share of the live-grammar budget); `cancel`: cancelled when the
-        client leaves (work on its behalf stops, from its grammar's conversion on)."""
+        client leaves (work on its behalf stops, from its grammar's conversion on); `arrival`: when the request
+        came (monotonic seconds)."""
         original = parse_json_object(raw)
         body = surface.engine_body(original, self)
         check_body(self.caps, body)  # before a list is read: its length and total size are known unread
@@ -132,7 +135,7 @@ class Preparer:
             for bridge in bridges:  # a later candidate was refused: the request fails whole
                 bridge.abandon()
             raise
-        return Prepared(request, bridges, prompts, original)
+        return Prepared(request, bridges, prompts, original, arrival)
 
     def _harmony_params(self, params: GenerationParams) -> GenerationParams:
         """A harmony answer's settings: its markers (special tokens) kept in the text for its reader, which

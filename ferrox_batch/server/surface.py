@@ -25,6 +25,15 @@ if TYPE_CHECKING:
     EngineRequest = ChatRequest | CompletionRequest | EmbeddingRequest
 
 
+class AnsweredAtOnce(Exception):
+    """Raised by a surface's `engine_body` for a request its API answers without the engine (a load request):
+    `body` is the whole answer."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        super().__init__("answered at once")
+        self.body = body
+
+
 class AnswerFormat(Protocol):
     """How one request's answer is written in its API's shapes."""
 

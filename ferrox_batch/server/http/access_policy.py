@@ -13,7 +13,10 @@ refusal), each refusal in the error shape of the API its path belongs to (`error
 3. **A JSON body.** A POST must say `Content-Type: application/json` (parameters such as charset allowed),
    else 415 `unsupported_media_type`. Every POST this API has takes JSON, and a browser sends a cross-origin
    POST without asking first (no CORS preflight) only with a "simple" type (text/plain, a form, or none):
-   refusing those leaves a web page no way to make the user's browser drive the API.
+   refusing those leaves a web page no way to make the user's browser drive the API. Under
+   `ANY_TYPE_PREFIXES` (Ollama's API, whose clients and `curl -d` post JSON as a form or untyped) a POST
+   that carries no `Origin` may have any type: browsers send `Origin` with every POST and a page cannot
+   remove it, so such a request comes from no browser. One with `Origin` must still say JSON.
 
 `OPEN_PATHS` (liveness, readiness and scraping) skip the key check: probes and scrapers carry no key.
 Only `PROBE_PATHS` (the liveness probe, which tells a caller nothing but that the server is up) skip the
@@ -48,6 +51,9 @@ PROBE_PATHS = ("/health",)
 PAGE_PATHS = ("/",)
 #: The media type every POST body of this API is.
 JSON_MEDIA_TYPE = "application/json"
+#: Path prefixes whose POSTs need no JSON type when they come from no browser (no `Origin`): Ollama's API,
+#: whose server reads the body as JSON whatever its type, so its clients (and `curl -d`) often say another.
+ANY_TYPE_PREFIXES = ("/api/",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +124,7 @@ class AccessPolicy:
             if index is None:
                 return _unauthorised("the API key is not valid"), None
             tenant = Tenant(self.keys.tenant_of(index), self.keys.namespace_of(index))
-        if method == "POST":
+        if method == "POST" and not (path.startswith(ANY_TYPE_PREFIXES) and "origin" not in headers):
             given = headers.get("content-type")
             if given is None or given.partition(";")[0].strip().lower() != JSON_MEDIA_TYPE:
                 shown = "no Content-Type" if given is None else f"Content-Type '{loggable(given)}'"
