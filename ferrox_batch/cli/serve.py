@@ -92,7 +92,7 @@ def _add_serve(subparsers: argparse._SubParsersAction) -> None:
                       metavar="N", help="generation requests open at once before new ones get 503 server_busy "
                                         f"(default: {DEFAULT_MAX_CONCURRENT_REQUESTS})")
     http.add_argument("--api-key", metavar="KEY", action="append", default=None,
-                      help="require 'Authorization: Bearer KEY' on every route but /health and /metrics; repeat "
+                      help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but /health and /metrics; repeat "
                            "it or separate keys with commas for several tenants, each with a prefix-cache "
                            f"namespace of its own (${ENV_API_KEY}, comma-separated; default: none, the API is open)")
     http.add_argument("--shared-prefix-cache", action="store_true",
