@@ -71,11 +71,11 @@ from ferrox_batch.server.http.json_body import JSONBodyResponse
 from ferrox_batch.server.http.metrics import ServerMetrics
 from ferrox_batch.server.openai.embeddings import DEFAULT_POOLING
 from ferrox_batch.server.http.generation_limits import Limits
-from ferrox_batch.server.preparation import Prepared, Preparer
+from ferrox_batch.server.preparation import Preparer
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.openai.wire_format import finish_reason
-from ferrox_batch.server.surface import AnsweredAtOnce, AnswerFormat, Surface
+from ferrox_batch.server.surface import AnsweredAtOnce, AnswerFormat, Prepared, Surface
 from ferrox_batch.server.http.streaming import (
     Event,
     EventStreamResponse,

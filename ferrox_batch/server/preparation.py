@@ -41,21 +41,10 @@ from ferrox_batch.server.prompt_ids import encode_chat_prompt, encode_prompt
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps, check_body, check_prompt_logprobs
 from ferrox_batch.server.requests import ChatRequest, CompletionRequest, parse_chat_request, parse_json_object
-from ferrox_batch.server.surface import Surface
+from ferrox_batch.server.surface import Prepared, Surface
 from ferrox_batch.server.tools.generic import describe_tools
 
 __all__ = ["Prepared", "Preparer", "chat_ids"]
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A parsed request whose choices are all submitted."""
-
-    request: CompletionRequest | ChatRequest | EmbeddingRequest
-    bridges: list[ReplyBridge]  # one per candidate: `best_of` per prompt, prompt by prompt
-    prompts: list[list[int]]  # each prompt as submitted
-    body: Mapping[str, Any] | None = None  # the request's body as sent (what a response echoes)
-    arrival: float | None = None  # when the request came (monotonic seconds), for answers that time it
 
 
 @dataclass(frozen=True, slots=True)

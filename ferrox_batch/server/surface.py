@@ -10,19 +10,64 @@ own shapes (`answer_format`: whole, or streamed), and names its error shape. The
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.server.http.error_shapes import ErrorShape
-from ferrox_batch.server.http.streaming import Event
+from ferrox_batch.server.http.streaming import Event, ReplyBridge
 from ferrox_batch.usage import Usage
 
 if TYPE_CHECKING:
+    from ferrox_batch.engine.handle import ContinuousBatcher
+    from ferrox_batch.runtime.loading.tokenizer import Tokenizer
     from ferrox_batch.server.openai.embeddings import EmbeddingRequest
-    from ferrox_batch.server.preparation import Prepared, Preparer
+    from ferrox_batch.server.reasoning import ReasoningParser
     from ferrox_batch.server.requests import ChatRequest, CompletionRequest
 
     EngineRequest = ChatRequest | CompletionRequest | EmbeddingRequest
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A parsed request whose choices are all submitted."""
+
+    request: EngineRequest
+    bridges: list[ReplyBridge]  # one per candidate: `best_of` per prompt, prompt by prompt
+    prompts: list[list[int]]  # each prompt as submitted
+    body: Mapping[str, Any] | None = None  # the request's body as sent (what a response echoes)
+    arrival: float | None = None  # when the request came (monotonic seconds), for answers that time it
+
+
+class Preparing(Protocol):
+    """What a surface reads of the server that prepares its request (`preparation.Preparer`)."""
+
+    @property
+    def batcher(self) -> ContinuousBatcher: ...
+    @property
+    def tokenizer(self) -> Tokenizer: ...
+    @property
+    def model_name(self) -> str: ...
+    @property
+    def aliases(self) -> tuple[str, ...]: ...
+    @property
+    def default_max_tokens(self) -> int: ...
+    @property
+    def default_chat_max_tokens(self) -> int: ...
+    @property
+    def reasoning(self) -> ReasoningParser | None: ...
+    @property
+    def harmony(self) -> bool: ...
+    @property
+    def pooling(self) -> str: ...
+
+    def parse_chat(self, body: Mapping[str, Any]) -> ChatRequest:
+        """An engine chat request parsed from OpenAI's chat `body`, with this server's defaults."""
+        ...
+
+    def answer_name(self, request: EngineRequest) -> str:
+        """The model name an answer carries."""
+        ...
 
 
 class AnsweredAtOnce(Exception):
@@ -74,15 +119,15 @@ class Surface(Protocol):
     #: How this API writes errors (its refusals are made in OpenAI's shape and translated).
     errors: ErrorShape
 
-    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparing) -> Mapping[str, Any]:
         """The engine's request body (OpenAI's chat, completion or embedding body) `body` amounts to on
         `preparer`'s server; a `DecodeError` naming the field for what the engine cannot do."""
         ...
 
-    def parse(self, body: Mapping[str, Any], preparer: Preparer) -> EngineRequest:
+    def parse(self, body: Mapping[str, Any], preparer: Preparing) -> EngineRequest:
         """The engine's request parsed and checked from `engine_body`'s result, with `preparer`'s defaults."""
         ...
 
-    def answer_format(self, prepared: Prepared, preparer: Preparer, rid: str) -> AnswerFormat:
+    def answer_format(self, prepared: Prepared, preparer: Preparing, rid: str) -> AnswerFormat:
         """The answer shapes of a prepared request (`rid`: the exchange's request id)."""
         ...

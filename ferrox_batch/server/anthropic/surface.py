@@ -14,7 +14,7 @@ from ferrox_batch.server.http.error_shapes import ErrorShape
 from ferrox_batch.server.requests import TOOL_FORMATS, ChatRequest
 
 if TYPE_CHECKING:
-    from ferrox_batch.server.preparation import Prepared, Preparer
+    from ferrox_batch.server.surface import Prepared, Preparing
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,13 +23,13 @@ class MessagesSurface:
 
     errors: ErrorShape = ANTHROPIC_ERRORS
 
-    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparing) -> Mapping[str, Any]:
         return chat_body(body, thinks=preparer.reasoning is not None or preparer.harmony)
 
-    def parse(self, body: Mapping[str, Any], preparer: Preparer) -> ChatRequest:
+    def parse(self, body: Mapping[str, Any], preparer: Preparing) -> ChatRequest:
         return preparer.parse_chat(body)
 
-    def answer_format(self, prepared: Prepared, preparer: Preparer, rid: str) -> MessagesFormat:
+    def answer_format(self, prepared: Prepared, preparer: Preparing, rid: str) -> MessagesFormat:
         request = prepared.request
         assert isinstance(request, ChatRequest)
         parser = TOOL_FORMATS[request.tool_format] if request.parses_tool_calls else None

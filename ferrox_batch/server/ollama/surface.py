@@ -17,14 +17,14 @@ from ferrox_batch.server.openai.surfaces import ChatSurface, CompletionsSurface,
 from ferrox_batch.server.requests import ChatRequest
 
 if TYPE_CHECKING:
-    from ferrox_batch.server.preparation import Prepared, Preparer
+    from ferrox_batch.server.surface import Prepared, Preparing
     from ferrox_batch.server.surface import EngineRequest
 
 #: The OpenAI surfaces whose parsers and shapes read Ollama's translated bodies and answers.
 CHAT, COMPLETIONS, EMBEDDINGS = ChatSurface(), CompletionsSurface(), EmbeddingsSurface()
 
 
-def served(preparer: Preparer) -> Served:
+def served(preparer: Preparing) -> Served:
     """What an Ollama request's translation needs to know of `preparer`'s server."""
     return Served((preparer.model_name, *preparer.aliases), preparer.batcher.ceiling.limit(),
                   preparer.default_chat_max_tokens, thinks=preparer.reasoning is not None or preparer.harmony,
@@ -38,17 +38,17 @@ class OllamaSurface:
     endpoint: str
     errors: ErrorShape = OLLAMA_ERRORS
 
-    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparing) -> Mapping[str, Any]:
         return translate(self.endpoint, dict(body), served(preparer)).body
 
-    def parse(self, body: Mapping[str, Any], preparer: Preparer) -> EngineRequest:
+    def parse(self, body: Mapping[str, Any], preparer: Preparing) -> EngineRequest:
         if self.endpoint in (OLLAMA_EMBED, OLLAMA_EMBEDDINGS):
             return EMBEDDINGS.parse(body, preparer)
         # A chat, or a generation said as one; a raw generation is a completion (`translation` writes its
         # prompt as such, with no messages).
         return CHAT.parse(body, preparer) if "messages" in body else COMPLETIONS.parse(body, preparer)
 
-    def answer_format(self, prepared: Prepared, preparer: Preparer, rid: str) -> OllamaFormat | OllamaEmbedFormat:
+    def answer_format(self, prepared: Prepared, preparer: Preparing, rid: str) -> OllamaFormat | OllamaEmbedFormat:
         request = prepared.request
         assert prepared.body is not None
         asked = prepared.body["model"]

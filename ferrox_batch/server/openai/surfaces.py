@@ -30,7 +30,7 @@ from ferrox_batch.server.requests import (
 from ferrox_batch.usage import Usage
 
 if TYPE_CHECKING:
-    from ferrox_batch.server.preparation import Prepared, Preparer
+    from ferrox_batch.server.surface import Prepared, Preparing
 
 #: Server-sent events, the media type of every OpenAI stream.
 EVENT_STREAM = "text/event-stream"
@@ -86,7 +86,7 @@ class WholeEmbeddings:
         return failure_events(error)
 
 
-def _openai_format(fmt: WireFormat, prepared: Prepared, preparer: Preparer) -> WireFormat:
+def _openai_format(fmt: WireFormat, prepared: Prepared, preparer: Preparing) -> WireFormat:
     """`fmt` told what the request asked for: choices, log-probabilities, token ids, tool calls, echo."""
     request = prepared.request
     assert isinstance(request, (ChatRequest, CompletionRequest))
@@ -109,13 +109,13 @@ def _openai_format(fmt: WireFormat, prepared: Prepared, preparer: Preparer) -> W
     return fmt
 
 
-def _sse_answer(fmt: WireFormat, prepared: Prepared, preparer: Preparer) -> SseAnswer:
+def _sse_answer(fmt: WireFormat, prepared: Prepared, preparer: Preparing) -> SseAnswer:
     request = prepared.request
     assert isinstance(request, (ChatRequest, CompletionRequest))
     return SseAnswer(_openai_format(fmt, prepared, preparer), request.include_usage, len(prepared.bridges))
 
 
-def _logprob_names(prepared: Prepared, preparer: Preparer) -> Tokenizer | None:
+def _logprob_names(prepared: Prepared, preparer: Preparing) -> Tokenizer | None:
     """The tokenizer that names the request's log-probabilities' tokens, where it asked for any."""
     request = prepared.request
     asked = request.options.logprobs is not None or request.prompt_logprobs is not None  # type: ignore[union-attr]
@@ -128,13 +128,13 @@ class CompletionsSurface:
 
     errors: ErrorShape = OPENAI_ERRORS
 
-    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparing) -> Mapping[str, Any]:
         return body
 
-    def parse(self, body: Mapping[str, Any], preparer: Preparer) -> CompletionRequest:
+    def parse(self, body: Mapping[str, Any], preparer: Preparing) -> CompletionRequest:
         return parse_completion_request(body, default_max_tokens=preparer.default_max_tokens)
 
-    def answer_format(self, prepared: Prepared, preparer: Preparer, rid: str) -> SseAnswer:
+    def answer_format(self, prepared: Prepared, preparer: Preparing, rid: str) -> SseAnswer:
         fmt = CompletionFormat(preparer.answer_name(prepared.request), rid, _logprob_names(prepared, preparer))
         return _sse_answer(fmt, prepared, preparer)
 
@@ -145,13 +145,13 @@ class ChatSurface:
 
     errors: ErrorShape = OPENAI_ERRORS
 
-    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparing) -> Mapping[str, Any]:
         return body
 
-    def parse(self, body: Mapping[str, Any], preparer: Preparer) -> ChatRequest:
+    def parse(self, body: Mapping[str, Any], preparer: Preparing) -> ChatRequest:
         return preparer.parse_chat(body)
 
-    def answer_format(self, prepared: Prepared, preparer: Preparer, rid: str) -> SseAnswer:
+    def answer_format(self, prepared: Prepared, preparer: Preparing, rid: str) -> SseAnswer:
         fmt = ChatFormat(preparer.answer_name(prepared.request), rid, _logprob_names(prepared, preparer))
         return _sse_answer(fmt, prepared, preparer)
 
@@ -162,13 +162,13 @@ class ResponsesSurface:
 
     errors: ErrorShape = OPENAI_ERRORS
 
-    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparing) -> Mapping[str, Any]:
         return chat_body(body)
 
-    def parse(self, body: Mapping[str, Any], preparer: Preparer) -> ChatRequest:
+    def parse(self, body: Mapping[str, Any], preparer: Preparing) -> ChatRequest:
         return preparer.parse_chat(body)
 
-    def answer_format(self, prepared: Prepared, preparer: Preparer, rid: str) -> ResponsesFormat:
+    def answer_format(self, prepared: Prepared, preparer: Preparing, rid: str) -> ResponsesFormat:
         request = prepared.request
         assert isinstance(request, ChatRequest) and prepared.body is not None
         parser = TOOL_FORMATS[request.tool_format] if request.parses_tool_calls else None
@@ -183,14 +183,14 @@ class EmbeddingsSurface:
 
     errors: ErrorShape = OPENAI_ERRORS
 
-    def engine_body(self, body: Mapping[str, Any], preparer: Preparer) -> Mapping[str, Any]:
+    def engine_body(self, body: Mapping[str, Any], preparer: Preparing) -> Mapping[str, Any]:
         return body
 
-    def parse(self, body: Mapping[str, Any], preparer: Preparer) -> EmbeddingRequest:
+    def parse(self, body: Mapping[str, Any], preparer: Preparing) -> EmbeddingRequest:
         return parse_embedding_request(body, default_pooling=preparer.pooling,
                                        hidden_size=preparer.batcher.hidden_size)
 
-    def answer_format(self, prepared: Prepared, preparer: Preparer, rid: str) -> WholeEmbeddings:
+    def answer_format(self, prepared: Prepared, preparer: Preparing, rid: str) -> WholeEmbeddings:
         request = prepared.request
         assert isinstance(request, EmbeddingRequest)
         return WholeEmbeddings(EmbeddingFormat(preparer.answer_name(request), request))
