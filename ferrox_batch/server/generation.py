@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -75,6 +74,7 @@ from ferrox_batch.server.preparation import Preparer
 from ferrox_batch.server.reasoning import ReasoningParser
 from ferrox_batch.server.request_caps import RequestCaps
 from ferrox_batch.server.openai.wire_format import finish_reason
+from ferrox_batch.server.stream_start import first_within, kept_alive
 from ferrox_batch.server.surface import AnsweredAtOnce, AnswerFormat, Prepared, Surface
 from ferrox_batch.server.http.streaming import (
     Event,
@@ -196,7 +196,7 @@ class Generations:
                     return pending
                 handed_off = True
                 return EventStreamResponse(
-                    ended_in_band(_kept_alive(fmt, pending, events), fmt.failure_events, rid),
+                    ended_in_band(kept_alive(fmt, pending, events), fmt.failure_events, rid),
                     write_timeout=self.limits.write_timeout, on_close=lambda: self._abandon(*bridges),
                     cut=[bridge.overflowed for bridge in bridges], media_type=fmt.media_type)
             first = await self._next(events, disconnected, bridges, errors)
@@ -225,18 +225,10 @@ class Generations:
     async def _first_within(self, events: AsyncIterator[tuple[int, Event]], disconnected: asyncio.Future,
                             bridges: list[ReplyBridge], errors: ErrorShape,
                             interval: float | None) -> asyncio.Future | Response:
-        """A stream's first (choice, event), as a future awaited for up to `interval` seconds (None: until it
-        comes); or the response that ends the exchange before any stream: 499 if the client left (its
-        requests are cancelled), the error's status if a choice failed within the wait. The stream begins
-        with the future, done or not (`_kept_alive`)."""
-        first: asyncio.Future = asyncio.ensure_future(anext(events))
-        try:
-            await asyncio.wait({first, disconnected}, timeout=interval, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            handler = asyncio.current_task()
-            if not first.done() and (disconnected.done() or (handler is not None and handler.cancelling())):
-                first.cancel()
-                await asyncio.wait({first})  # the events' generator is idle again before it is closed
+        """A stream's first (choice, event) as a future (`stream_start.first_within`); or the response that
+        ends the exchange before any stream: 499 if the client left (its requests are cancelled), the error's
+        status if a choice failed within the wait."""
+        first = await first_within(events, disconnected, interval)
         if first.cancelled():
             self._abandon(*bridges)
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -330,26 +322,6 @@ def _answer(fmt: AnswerFormat, results: list[GenerationResult], best_of: int, n:
     candidates there too."""
     chosen = [r for at in range(0, len(results), best_of) for r in best(results[at:at + best_of], n, asked)]
     yield from fmt.full(chosen, [r.usage for r in results])
-
-
-async def _kept_alive(fmt: AnswerFormat, first: asyncio.Future,
-                      events: AsyncIterator[tuple[int, Event]]) -> AsyncIterator[bytes]:
-    """A stream's body: `fmt`'s opening, a keep-alive every `keepalive_interval` until `first` (the stream's
-    first event) is in, then the answer from it on."""
-    try:
-        for piece in fmt.opening():
-            yield piece
-        while not first.done():
-            await asyncio.wait({first}, timeout=fmt.keepalive_interval)
-            if not first.done():
-                yield fmt.keepalive()
-        got = first.result()
-    finally:
-        if not first.done():
-            first.cancel()
-    async with contextlib.aclosing(fmt.stream(got, events)) as answer:
-        async for piece in answer:
-            yield piece
 
 
 def _cancel_orphan(future: asyncio.Future) -> None:
