@@ -59,7 +59,7 @@ from ferrox_batch.server.app import DEFAULT_MAX_CONCURRENT_REQUESTS, api_error_s
 from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.http.errors import error_response
 from ferrox_batch.server.generation import CLIENT_CLOSED_REQUEST
-from ferrox_batch.server.harmony_choice import parsers_for_family
+from ferrox_batch.server.harmony.choice import parsers_for_family
 
 log = logging.getLogger("ferrox_batch.deploy")
 

@@ -53,7 +53,7 @@ from ferrox_batch.server.chat_page import PAGE_PATH, ChatPage
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES, ClientPolicy
 from ferrox_batch.server.endpoints import ServerState
 from ferrox_batch.server.generation import Generations
-from ferrox_batch.server.harmony_choice import HARMONY_REASONING, TOOL_CALL_PARSERS, uses_harmony
+from ferrox_batch.server.harmony.choice import HARMONY_REASONING, TOOL_CALL_PARSERS, uses_harmony
 from ferrox_batch.server.http.access import REQUEST_ID_HEADER, AccessMiddleware
 from ferrox_batch.server.http.access_policy import AccessPolicy
 from ferrox_batch.server.http.body import DEFAULT_BODY_READ_TIMEOUT_SECS

@@ -33,7 +33,7 @@ from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.choices import candidate_params
 from ferrox_batch.server.client_policy import ClientPolicy
 from ferrox_batch.server.extra_fields import CONTEXT_LENGTH
-from ferrox_batch.server.harmony_choice import STOP_TEXTS
+from ferrox_batch.server.harmony.choice import STOP_TEXTS
 from ferrox_batch.server.http.errors import ModelNotFound
 from ferrox_batch.server.http.streaming import Final, ReplyBridge
 from ferrox_batch.server.openai.embeddings import DEFAULT_POOLING, EmbeddingRequest

@@ -62,7 +62,7 @@ from ferrox_batch.server.tools.definitions import (
     read_tool_choice,
     read_tools,
 )
-from ferrox_batch.server.harmony_choice import HarmonyToolCalls
+from ferrox_batch.server.harmony.choice import HarmonyToolCalls
 from ferrox_batch.server.tools.generic import GenericToolCalls
 from ferrox_batch.server.tools.hermes import HermesToolCalls
 from ferrox_batch.server.unhonoured import CHAT, COMPLETIONS, refuse_not_honoured

@@ -30,7 +30,7 @@ from ferrox_batch.server.app import (
     create_app,
 )
 from ferrox_batch.server.client_policy import DEFAULT_CLIENT_PRIORITIES
-from ferrox_batch.server.harmony_choice import parsers_for_family
+from ferrox_batch.server.harmony.choice import parsers_for_family
 from ferrox_batch.server.http.host_check import default_allowed_hosts
 from ferrox_batch.server.http.listener import DEFAULT_DRAIN_TIMEOUT_SECS, DrainingServer, server_config
 from ferrox_batch.server.requests import DEFAULT_CHAT_MAX_TOKENS, DEFAULT_COMPLETION_MAX_TOKENS

@@ -33,8 +33,8 @@ from ferrox_batch.cli.replicas import replica_app_settings
 from ferrox_batch.generation_types import GenerationParams
 from ferrox_batch.runtime.loading.loader import load_model
 from ferrox_batch.server.app import create_app
-from ferrox_batch.server.harmony import MARKERS
-from ferrox_batch.server.harmony_choice import TOOL_CALL_PARSERS, parsers_for_family
+from ferrox_batch.server.harmony.reading import MARKERS
+from ferrox_batch.server.harmony.choice import TOOL_CALL_PARSERS, parsers_for_family
 from ferrox_batch.server.run import serve
 
 TEMPLATE = ("{% if tools %}<|start|>developer<|message|>{% for t in tools %}{{ t | tojson }}{% endfor %}<|end|>"

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from ferrox_batch.errors import InvalidRequest
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.server.openai.chat_format import ChatFormat
-from ferrox_batch.server.harmony import MARKERS, Call, Header, HarmonyStream, Text, marker_tail
-from ferrox_batch.server.harmony_choice import HarmonyChoice, HarmonyToolCalls, harmony_reply
+from ferrox_batch.server.harmony.reading import MARKERS, Call, Header, HarmonyStream, Text, marker_tail
+from ferrox_batch.server.harmony.choice import HarmonyChoice, HarmonyToolCalls, harmony_reply
 from ferrox_batch.server.openai.responses_format import ResponseBuilder
 from ferrox_batch.server.tools.definitions import ToolCall
 from ferrox_batch.usage import Usage

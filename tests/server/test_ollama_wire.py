@@ -31,7 +31,7 @@ from ferrox_batch.replies import Chunk, Finished
 from ferrox_batch.server.openai.chat_format import ChatFormat
 from ferrox_batch.server.ollama.answers import OllamaFormat
 from ferrox_batch.server.ollama.translation import OLLAMA_CHAT, OLLAMA_GENERATE
-from ferrox_batch.server.harmony_choice import HarmonyToolCalls
+from ferrox_batch.server.harmony.choice import HarmonyToolCalls
 from ferrox_batch.server.tools.hermes import HermesToolCalls
 from ferrox_batch.usage import Usage
 

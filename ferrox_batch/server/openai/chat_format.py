@@ -19,7 +19,7 @@ from typing import Any
 
 from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.logprobs import TokenLogprob
-from ferrox_batch.server.harmony_choice import HarmonyChoice, harmony_reply
+from ferrox_batch.server.harmony.choice import HarmonyChoice, harmony_reply
 from ferrox_batch.server.openai.logprob_shapes import LogprobShapes
 from ferrox_batch.server.reasoning import ReasoningParser, ReasoningSplit
 from ferrox_batch.server.openai.wire_format import WireFormat, finish_reason

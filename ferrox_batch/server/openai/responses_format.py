@@ -23,7 +23,7 @@ from ferrox_batch.generation_types import FinishReason, GenerationResult
 from ferrox_batch.replies import Chunk
 from ferrox_batch.runtime.loading.tokenizer import Tokenizer
 from ferrox_batch.server.http.errors import error_body
-from ferrox_batch.server.harmony_choice import HarmonyChoice
+from ferrox_batch.server.harmony.choice import HarmonyChoice
 from ferrox_batch.server.http.json_body import json_pieces
 from ferrox_batch.server.reasoning import ReasoningParser, ReasoningSplit
 from ferrox_batch.server.http.streaming import Event

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ferrox_batch.errors import InvalidRequest
-from ferrox_batch.server.harmony import Call, HarmonyStream, Piece, Text
+from ferrox_batch.server.harmony.reading import Call, HarmonyStream, Piece, Text
 from ferrox_batch.server.tools.call_scanner import Arguments, Closed, Event, Named
 from ferrox_batch.server.tools.definitions import ParsedReply, ToolCall
 from ferrox_batch.structured import StructuredOutput
