@@ -31,7 +31,7 @@ from ferrox_batch.server.http.access_policy import OPEN_PATHS, AccessPolicy
 from ferrox_batch.server.http.error_shapes import ErrorShapes
 from ferrox_batch.server.http.log_text import loggable
 
-log = logging.getLogger("ferrox_batch.server")
+log = logging.getLogger("ferrox_batch.server.http")
 
 REQUEST_ID_HEADER = "X-Request-Id"
 #: Longer ids are replaced: they end up in every log line and response id of the request.

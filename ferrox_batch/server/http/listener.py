@@ -42,7 +42,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from ferrox_batch.errors import DecodeError
 from ferrox_batch.server.http.errors import ServerShuttingDown
 
-log = logging.getLogger("ferrox_batch.server")
+log = logging.getLogger("ferrox_batch.server.http")
 
 #: Bytes of request line and headers one request may send.
 MAX_HEAD_BYTES = 64 * 1024

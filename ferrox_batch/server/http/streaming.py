@@ -65,7 +65,7 @@ from ferrox_batch.logprobs import TokenLogprob
 from ferrox_batch.replies import Chunk, Finished
 from ferrox_batch.server.http.access import request_id
 
-log = logging.getLogger("ferrox_batch.server")
+log = logging.getLogger("ferrox_batch.server.http")
 
 #: Wire bytes reckoned per log-probability (a token or one of its alternatives) when bounding a
 #: bridge's buffer: a chat entry (`{"token":...,"logprob":...,"bytes":[...]}`) is about this size.

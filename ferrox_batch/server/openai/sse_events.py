@@ -4,16 +4,14 @@ A request's choices (`n`) stream through one body: each choice's opening chunks,
 (with the log-probabilities of the tokens it carries), then its closing and final chunks once it is done;
 after the last choice, the usage chunk when asked for, and `[DONE]`. A failure after text went out is
 reported in-band, as OpenAI's streams do: the worker's (a choice that failed) and the server's own while
-it writes the events alike (`ended_in_band`: the headers are out, so the body is the only place left to
+it writes the events alike (`http.streaming.ended_in_band`: the headers are out, so the body is the only place left to
 say it), and the stream still ends with `[DONE]`. The response that carries this body cancels the request
 if it ends early (`streaming.EventStreamResponse`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 
 from ferrox_batch.generation_types import GenerationResult
 from ferrox_batch.replies import Chunk
@@ -21,8 +19,6 @@ from ferrox_batch.server.http.errors import error_body
 from ferrox_batch.server.openai.wire_format import DONE, WireFormat, finish_reason, output_ids, sse
 from ferrox_batch.server.http.streaming import Event
 from ferrox_batch.usage import Usage
-
-log = logging.getLogger("ferrox_batch.server")
 
 
 def failure_events(error: BaseException) -> list[bytes]:
