@@ -297,3 +297,14 @@ def test_random_bodies_are_never_a_5xx_and_always_anthropics_shape(server, body,
         error = reply.json()
         assert error["type"] == "error" and error["error"]["type"] in ERROR_TYPES
         assert isinstance(error["error"]["message"], str)
+
+
+def test_the_sdk_reads_the_exchange_s_request_id(client):
+    """Anthropic's SDK takes a response's id from `request-id`: the exchange's `X-Request-Id`, on answers
+    and errors alike."""
+    raw = client.messages.with_raw_response.create(model=MODEL_NAME, max_tokens=2,
+                                                   messages=[{"role": "user", "content": "Hi"}])
+    assert raw.headers["request-id"] == raw.headers["x-request-id"] and raw.parse()._request_id == raw.headers["request-id"]
+    with pytest.raises(anthropic.NotFoundError) as refused:
+        client.messages.create(model="nope", max_tokens=2, messages=[{"role": "user", "content": "Hi"}])
+    assert refused.value.request_id == refused.value.response.headers["x-request-id"]

@@ -3,7 +3,7 @@
 `AccessMiddleware` wraps the whole app (inside CORS, so a browser's preflight is answered before any key
 is asked for, and a refusal still carries the CORS headers a browser needs to read it). It promises:
 
-* **Request ids.** Every HTTP response carries `X-Request-Id`: the client's own when it sent a usable one
+* **Request ids.** Every HTTP response carries `X-Request-Id` (and, for Anthropic's SDKs, `request-id`): the client's own when it sent a usable one
   (1 to `MAX_REQUEST_ID_CHARS` visible ASCII characters), else a fresh random one. The endpoints read it
   from `request_id(request)`: generation responses use it as their `id` after the OpenAI prefix
   (`chatcmpl-<id>`), and the server's log lines name it. An unusable header is replaced, never refused:
@@ -34,6 +34,7 @@ from ferrox_batch.server.http.log_text import loggable
 log = logging.getLogger("ferrox_batch.server.http")
 
 REQUEST_ID_HEADER = "X-Request-Id"
+ANTHROPIC_REQUEST_ID_HEADER = "request-id"
 #: Longer ids are replaced: they end up in every log line and response id of the request.
 MAX_REQUEST_ID_CHARS = 128
 #: Where the middleware puts a request's tenant namespace, and its tenant's name, in its scope's state.
@@ -108,7 +109,11 @@ class AccessMiddleware:
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
-                MutableHeaders(scope=message)[REQUEST_ID_HEADER] = rid
+                headers = MutableHeaders(scope=message)
+                headers[REQUEST_ID_HEADER] = rid
+                # Anthropic's SDKs read a response's id from `request-id` (`message._request_id`, errors'
+                # `request_id`): the same id under that name too.
+                headers[ANTHROPIC_REQUEST_ID_HEADER] = rid
             await send(message)
 
         refusal, tenant = self.policy.check(scope["method"], scope["path"], headers)
