@@ -7,7 +7,7 @@ surrogates and NUL in strings, deep nesting, large arrays and unknown fields, in
 in the nested ones (messages and their parts, tools and their schemas, `response_format`, `logit_bias`,
 `stream_options`). After every example:
 
-* the status is 2xx or 4xx, never 5xx, and every 4xx carries OpenAI's error shape;
+* the status is 2xx or 4xx, never 5xx, and every 4xx carries the error shape of its route's API;
 * `/health` answers 200 (the worker lives);
 * once the server is idle, every KV block is free and nothing waits.
 
@@ -74,7 +74,9 @@ def test_tokenization_never_answers_5xx(fuzzed, route, tokenize, detokenize, con
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(method=st.sampled_from(["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS", "HEAD"]),
        path=st.one_of(st.sampled_from(["/v1/models", "/health", "/metrics", "/stats", "/v1/completions",
-                                       "/v1/embeddings", "/v1/responses", "/tokenize", "/nope", "/v1/x%0aFAKE", "/%00", "/v1/models/../stats"]),
+                                       "/v1/embeddings", "/v1/responses", "/tokenize", "/nope", "/v1/x%0aFAKE", "/%00", "/v1/models/../stats",
+                                       "/v1/messages", "/v1/messages/count_tokens", "/v1/messages/x", "/api/chat",
+                                       "/api/generate", "/api/tags", "/api/show", "/api/pull", "/api/nope", "/api"]),
                       st.text(alphabet="abc/%0123456789.", max_size=20).map(lambda p: "/" + p)),
        query=st.one_of(st.just(""), st.text(alphabet="ab=&%0", max_size=10)))
 def test_every_route_and_method_answers_without_a_5xx(fuzzed, method, path, query):
