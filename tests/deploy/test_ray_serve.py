@@ -90,8 +90,10 @@ def both_replicas_serve_a_concurrent_load(base_url: str) -> None:
 
 
 def a_replica_killed_mid_load_fails_only_its_requests_typed_and_is_replaced(base_url: str) -> None:
-    victim = replica_ids()[0]
-    on_victim = threading.Semaphore(0)
+    # The victim is the first replica with a few streams under way: which replica the router fills first
+    # depends on timing, and a loaded machine may start one replica's streams long before the other's.
+    under_way: dict[str, int] = {}
+    progress = threading.Condition()
     killed = threading.Event()
 
     def one(i: int) -> tuple[str, str | None]:
@@ -102,16 +104,21 @@ def a_replica_killed_mid_load_fails_only_its_requests_typed_and_is_replaced(base
                     temperature=0, extra_body={"ignore_eos": True})
                 replica = raw.headers[REPLICA_HEADER]
                 for n, _ in enumerate(raw.parse()):
-                    if n == 1 and replica == victim and not killed.is_set():
-                        on_victim.release()
+                    if n == 1 and not killed.is_set():
+                        with progress:
+                            under_way[replica] = under_way.get(replica, 0) + 1
+                            progress.notify_all()
                 return "ok", replica
             except openai.APIError as error:
                 return f"error:{error.code}", None
 
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         futures = [pool.submit(one, i) for i in range(32)]
-        for _ in range(4):  # a few of the victim's streams are under way
-            assert on_victim.acquire(timeout=PATIENCE), "no stream reached the victim"
+        with progress:  # a few of the victim's streams are under way
+            assert progress.wait_for(lambda: max(under_way.values(), default=0) >= 4, timeout=PATIENCE), \
+                f"no replica has streams under way: {under_way}"
+            victim = max(under_way, key=lambda replica: under_way[replica])
+        assert victim in replica_ids()
         ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#{REPLICA_DEPLOYMENT}#{victim}", namespace="serve"),
                  no_restart=True)
         killed.set()
