@@ -118,3 +118,13 @@ def test_think_puts_the_parsers_thinking_in_thinking(client, server):
     assert generated.thinking == thinking and generated.response == ""
     # A template that has no switch for it thinks anyway: its thinking is still told apart.
     assert client.chat(model=MODEL_NAME, messages=MESSAGES, think=False, options=options).message.thinking == thinking
+
+
+def test_a_show_body_past_its_small_cap_is_a_413_in_ollamas_shape(server):
+    """`/api/show` is answered on the event loop: its body names a model, and a big one is refused unparsed."""
+    from ferrox_batch.server.ollama.models import SHOW_MAX_BODY_BYTES
+
+    big = {"model": MODEL_NAME, "pad": "x" * SHOW_MAX_BODY_BYTES}
+    refused = httpx.post(f"{server[0]}/api/show", json=big, timeout=DEADLINE)
+    assert refused.status_code == 413 and set(refused.json()) == {"error"}
+    assert httpx.post(f"{server[0]}/api/show", json={"model": MODEL_NAME}, timeout=DEADLINE).status_code == 200

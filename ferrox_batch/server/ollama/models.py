@@ -45,6 +45,10 @@ OLLAMA_API_VERSION = "0.12.0"
 #: `/api/ps`'s `expires_at` for a model that never unloads (what Ollama writes for `keep_alive: -1`).
 NEVER = "2318-01-01T00:00:00Z"
 
+#: The largest `/api/show` body read: it names a model, and is parsed on the event loop, so a big one must not
+#: hold the loop (413 past it).
+SHOW_MAX_BODY_BYTES = 64 * 1024
+
 
 class OllamaModels:
     """The model endpoints of one app, over its batcher and served names."""
@@ -104,7 +108,8 @@ class OllamaModels:
 
     async def show(self, request: Request) -> Response:
         try:
-            body = parse_json_object(await read_body(request, self._limits.max_body_bytes,
+            # Parsed on the event loop: a model name needs no more than `SHOW_MAX_BODY_BYTES`.
+            body = parse_json_object(await read_body(request, min(SHOW_MAX_BODY_BYTES, self._limits.max_body_bytes),
                                                      self._limits.body_read_timeout))
             asked = body.get("model") or body.get("name")
             if not isinstance(asked, str) or not asked:
